@@ -1,0 +1,242 @@
+"""Load GGUF checkpoints (llama.cpp format) as Hugging Face-style config, weights and tokenizer.
+
+GGUF stores metadata as typed key/value fields and weights as (possibly quantized) tensors with
+llama.cpp names. This module translates both into what the rest of the engine expects from a
+Hugging Face checkpoint: a ``config.json``-style dict, a state dict keyed by HF parameter names
+with HF shapes and rotary layout, and a ``transformers`` fast tokenizer.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from typing import Any
+
+import numpy as np
+import torch
+
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+
+_DEFAULT_ROPE_THETA = 10000.0
+_DEFAULT_RMS_NORM_EPS = 1e-6
+
+_GLOBAL_TENSOR_NAMES: dict[str, str] = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+_BLOCK_TENSOR_NAMES: dict[str, str] = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+_IGNORED_TENSORS = re.compile(r"^(rope_freqs\.weight|blk\.\d+\.attn_rot_embd\.weight)$")
+_BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+_GLOBAL_TENSOR = re.compile(r"^([a-z_]+)\.(weight|bias)$")
+
+_FILE_TYPE_DTYPES: dict[int, str] = {0: "float32", 1: "float16", 32: "bfloat16"}
+
+
+@functools.lru_cache(maxsize=4)
+def _read_metadata_cached(path: str, mtime_ns: int) -> tuple[dict[str, Any], frozenset[str]]:
+    """Parse every metadata field and the tensor names of a GGUF file (cached per file version)."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    fields = {name: field.contents() for name, field in reader.fields.items()}
+    tensor_names = frozenset(tensor.name for tensor in reader.tensors)
+    return fields, tensor_names
+
+
+def _read_metadata(path: str) -> tuple[dict[str, Any], frozenset[str]]:
+    """Return (metadata fields, tensor names) of the GGUF file at ``path``."""
+    path = os.path.abspath(path)
+    return _read_metadata_cached(path, os.stat(path).st_mtime_ns)
+
+
+def _architecture(fields: dict[str, Any]) -> str:
+    """Return the file's ``general.architecture``, rejecting ones this engine cannot run."""
+    arch = fields.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+        raise ValueError(
+            f"Unsupported GGUF architecture {arch!r}; supported architectures: {supported}"
+        )
+    return arch
+
+
+def _torch_dtype_name(fields: dict[str, Any]) -> str:
+    """Map ``general.file_type`` to a dtype name; quantized files dequantize to float32."""
+    file_type = fields.get("general.file_type")
+    return _FILE_TYPE_DTYPES.get(int(file_type), "float32") if file_type is not None else "float32"
+
+
+def _float32_value(value: Any) -> float:
+    """Convert a float32 metadata value to the shortest decimal it stands for (1e-05, not
+    9.999999747378752e-06)."""
+    return float(str(np.float32(value)))
+
+
+def _vocab_size(fields: dict[str, Any], arch: str) -> int:
+    """Vocabulary size from metadata, falling back to the length of the token list."""
+    size = fields.get(f"{arch}.vocab_size")
+    if size is not None:
+        return int(size)
+    tokens = fields.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise ValueError("GGUF file has neither a vocab_size field nor a token list")
+    return len(tokens)
+
+
+def _optional_token_id(fields: dict[str, Any], key: str) -> int | None:
+    """Read a ``tokenizer.ggml.*_token_id`` field as int, or None when absent."""
+    value = fields.get(f"tokenizer.ggml.{key}_token_id")
+    return None if value is None else int(value)
+
+
+def load_gguf_config(path: str) -> dict:
+    """Build a Hugging Face ``config.json``-style dict from the GGUF file's metadata."""
+    fields, tensor_names = _read_metadata(path)
+    arch = _architecture(fields)
+
+    def get(key: str, default: Any = None) -> Any:
+        value = fields.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ValueError(f"GGUF file is missing required metadata field {arch}.{key}")
+        return value
+
+    hidden_size = int(get("embedding_length"))
+    num_heads = int(get("attention.head_count"))
+    head_dim = int(fields.get(f"{arch}.attention.key_length") or hidden_size // num_heads)
+    config: dict[str, Any] = {
+        "architectures": [SUPPORTED_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "hidden_size": hidden_size,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", num_heads)),
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": _float32_value(
+            get("attention.layer_norm_rms_epsilon", _DEFAULT_RMS_NORM_EPS)
+        ),
+        "rope_theta": _float32_value(get("rope.freq_base", _DEFAULT_ROPE_THETA)),
+        "max_position_embeddings": int(get("context_length")),
+        "vocab_size": _vocab_size(fields, arch),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": _optional_token_id(fields, "bos"),
+        "eos_token_id": _optional_token_id(fields, "eos"),
+        "torch_dtype": _torch_dtype_name(fields),
+    }
+    pad_token_id = _optional_token_id(fields, "padding")
+    if pad_token_id is not None:
+        config["pad_token_id"] = pad_token_id
+    return config
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """Translate a llama.cpp tensor name to its HF name; None for tensors HF models lack."""
+    if _IGNORED_TENSORS.match(gguf_name):
+        return None
+    block = _BLOCK_TENSOR.match(gguf_name)
+    if block is not None and block.group(2) in _BLOCK_TENSOR_NAMES:
+        layer, part, kind = block.groups()
+        return f"model.layers.{layer}.{_BLOCK_TENSOR_NAMES[part]}.{kind}"
+    top = _GLOBAL_TENSOR.match(gguf_name)
+    if top is not None and top.group(1) in _GLOBAL_TENSOR_NAMES:
+        return f"{_GLOBAL_TENSOR_NAMES[top.group(1)]}.{top.group(2)}"
+    raise ValueError(f"Unknown GGUF tensor name {gguf_name!r}")
+
+
+def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's rotary row interleaving of a llama q/k projection weight or bias.
+
+    HF's rotary embedding pairs dimension ``i`` with ``i + head_dim / 2`` of each head, while
+    llama.cpp pairs adjacent dimensions, so its converter reorders each head's rows so that
+    GGUF row ``2 * i`` is HF row ``i`` and GGUF row ``2 * i + 1`` is HF row ``i + head_dim / 2``.
+    This gathers the even rows then the odd rows of every head to restore the HF order.
+    """
+    rows = weight.shape[0]
+    if rows % num_heads or (rows // num_heads) % 2:
+        raise ValueError(f"Cannot split {rows} rows into {num_heads} heads of even size")
+    per_head = weight.reshape(num_heads, rows // num_heads, -1)
+    restored = torch.cat([per_head[:, 0::2], per_head[:, 1::2]], dim=1)
+    return restored.reshape(weight.shape)
+
+
+def _dequantize(tensor: Any) -> np.ndarray:
+    """Dequantize one ``ReaderTensor`` to float32 in HF (row-major ``[out, in]``) shape."""
+    import gguf
+
+    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    hf_shape = tuple(int(dim) for dim in reversed(tensor.shape.tolist()))
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    if not values.flags.writeable:
+        values = values.copy()
+    return values.reshape(hf_shape)
+
+
+def _rotary_heads(hf_name: str, config: dict) -> int | None:
+    """Number of heads whose rows llama.cpp permuted in this tensor, or None if not permuted."""
+    if config["model_type"] != "llama":
+        return None
+    if ".self_attn.q_proj." in hf_name:
+        return config["num_attention_heads"]
+    if ".self_attn.k_proj." in hf_name:
+        return config["num_key_value_heads"]
+    return None
+
+
+def load_gguf_state_dict(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Dequantize every GGUF tensor into an HF-named, HF-shaped state dict cast to ``dtype``."""
+    import gguf
+
+    config = load_gguf_config(path)
+    reader = gguf.GGUFReader(path)
+    state_dict: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        if name is None:
+            continue
+        weight = torch.from_numpy(_dequantize(tensor))
+        num_heads = _rotary_heads(name, config)
+        if num_heads is not None:
+            weight = unpermute_rotary_rows(weight, num_heads)
+        state_dict[name] = weight.to(dtype)
+    return state_dict
+
+
+def load_gguf_tokenizer(path: str) -> Any:
+    """Return a ``transformers`` fast tokenizer built from the GGUF file's embedded vocabulary.
+
+    The bos/eos/pad special tokens are checked against the file's ``tokenizer.ggml.*`` ids and
+    reset from them if ``transformers`` picked different ones.
+    """
+    from transformers import AutoTokenizer
+
+    path = os.path.abspath(path)
+    tokenizer = AutoTokenizer.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), local_files_only=True
+    )
+    fields, _ = _read_metadata(path)
+    tokens = fields.get("tokenizer.ggml.tokens") or []
+    for role, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding")):
+        token_id = _optional_token_id(fields, key)
+        if token_id is None or token_id >= len(tokens):
+            continue
+        if getattr(tokenizer, f"{role}_token_id") != token_id:
+            setattr(tokenizer, f"{role}_token", tokens[token_id])
+    return tokenizer
