@@ -1,0 +1,74 @@
+"""Wire types between the front end (processor, output processor) and the engine core."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm.sampling_params import SamplingParams
+from vllm.v1.outputs import LogprobsLists
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+
+    def __str__(self) -> str:
+        return ("stop", "length", "abort")[self.value]
+
+
+@dataclass(slots=True)
+class EngineCoreRequest:
+    """One prompt, tokenized and validated, ready for the scheduler.
+
+    Exactly one of `prompt_token_ids` and `prompt_embeds` is set.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int] | None
+    prompt_embeds: torch.Tensor | None  # [num_prompt_tokens, hidden_size], model dtype, CPU
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        if self.prompt_token_ids is not None:
+            return len(self.prompt_token_ids)
+        assert self.prompt_embeds is not None
+        return self.prompt_embeds.shape[0]
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: LogprobsLists | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0  # tokens looked up this step
+    prefix_cache_hits: int = 0  # tokens found this step
+    num_preemptions: int = 0
+
+
+@dataclass(slots=True)
+class EngineCoreOutputs:
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = field(default_factory=time.monotonic)

@@ -1,0 +1,126 @@
+"""Engine configuration: small dataclasses resolved once, then left alone.
+
+`EngineArgs` (vllm/engine_args.py) turns user keyword arguments into a `VllmConfig`;
+each component takes the sub-config it needs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+_STR_TO_DTYPE = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+}
+
+PromptEmbedsBatching = Literal["mixed", "separate"]
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
+    """`auto` is bfloat16 on CPU (vLLM's CPU default) and the checkpoint's dtype elsewhere."""
+    if isinstance(dtype, torch.dtype):
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating type, got {dtype}.")
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device == "cpu" else torch.float16
+    if dtype not in _STR_TO_DTYPE:
+        raise ValueError(f"Unknown dtype {dtype!r}; choose one of auto, "
+                         f"{', '.join(sorted(_STR_TO_DTYPE))}.")
+    return _STR_TO_DTYPE[dtype]
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    model: str  # local HF directory or .gguf file
+    tokenizer: str
+    hf_config: Any  # transformers.PretrainedConfig
+    dtype: torch.dtype
+    max_model_len: int
+    seed: int = 0
+    enable_prompt_embeds: bool = False
+    served_model_name: str | None = None
+    skip_tokenizer_init: bool = False
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.model.endswith(".gguf")
+
+    @property
+    def architecture(self) -> str:
+        archs = getattr(self.hf_config, "architectures", None) or []
+        return archs[0] if archs else ""
+
+    @property
+    def hidden_size(self) -> int:
+        return self.hf_config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        cfg = self.hf_config
+        return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        cfg = self.hf_config
+        return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.model
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    block_size: int = 16
+    # Bytes of KV cache to allocate (the CPU has no memory profiling pass).
+    kv_cache_memory_bytes: int = 2 * 1024**3
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None
+    num_blocks: int = 0  # resolved by the engine core once the cache is allocated
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    prompt_embeds_batching: PromptEmbedsBatching = "mixed"
+
+
+@dataclass(slots=True)
+class DeviceConfig:
+    device: str = "cpu"
+
+
+@dataclass(slots=True)
+class VllmConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device_config: DeviceConfig = field(default_factory=DeviceConfig)
+
+
+def default_device() -> str:
+    if os.environ.get("VLLM_DEVICE"):
+        return os.environ["VLLM_DEVICE"]
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,93 @@
+"""`EngineArgs`: user-facing engine knobs with vLLM's names, resolved into a `VllmConfig`."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm.config import (CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig,
+                         default_device, resolve_dtype)
+from vllm.transformers_utils.config import get_config, resolve_model_path
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str | torch.dtype = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    enable_prompt_embeds: bool = False
+    prompt_embeds_batching: str = "mixed"
+    seed: int = 0
+    served_model_name: str | None = None
+    device: str | None = None
+    skip_tokenizer_init: bool = False
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"Unknown engine argument(s): {', '.join(unknown)}.")
+        return cls(**kwargs)
+
+    def create_engine_config(self) -> VllmConfig:
+        model = resolve_model_path(self.model)
+        hf_config = get_config(model)
+        device = self.device or default_device()
+        max_pos = getattr(hf_config, "max_position_embeddings", None) or 2048
+        max_model_len = self.max_model_len or max_pos
+        if max_model_len > max_pos:
+            raise ValueError(f"max_model_len={max_model_len} is larger than the model's "
+                             f"max_position_embeddings={max_pos}.")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}.")
+        if self.prompt_embeds_batching not in ("mixed", "separate"):
+            raise ValueError("prompt_embeds_batching must be 'mixed' or 'separate', got "
+                             f"{self.prompt_embeds_batching!r}.")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
+        max_batched = self.max_num_batched_tokens
+        if max_batched is None:
+            max_batched = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
+        if not self.enable_chunked_prefill and max_batched < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={max_batched} is smaller than max_model_len="
+                f"{max_model_len}; with chunked prefill disabled a whole prompt must fit "
+                "in one step.")
+        model_config = ModelConfig(
+            model=model,
+            tokenizer=self.tokenizer or model,
+            hf_config=hf_config,
+            dtype=resolve_dtype(self.dtype, device),
+            max_model_len=max_model_len,
+            seed=self.seed,
+            enable_prompt_embeds=self.enable_prompt_embeds,
+            served_model_name=self.served_model_name,
+            skip_tokenizer_init=self.skip_tokenizer_init,
+        )
+        cache_config = CacheConfig(
+            block_size=self.block_size,
+            enable_prefix_caching=self.enable_prefix_caching,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+        )
+        if self.kv_cache_memory_bytes is not None:
+            cache_config.kv_cache_memory_bytes = self.kv_cache_memory_bytes
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=max_batched,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            prompt_embeds_batching=self.prompt_embeds_batching,  # type: ignore[arg-type]
+        )
+        return VllmConfig(model_config, cache_config, scheduler_config, DeviceConfig(device))

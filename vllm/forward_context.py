@@ -1,0 +1,33 @@
+"""The per-step context the attention layers read during one forward pass."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(slots=True)
+class ForwardContext:
+    attn_metadata: Any  # the backend's metadata for this step
+    kv_caches: list  # one tensor per attention layer
+
+
+_forward_context: ForwardContext | None = None
+
+
+def get_forward_context() -> ForwardContext:
+    assert _forward_context is not None, "called outside set_forward_context()"
+    return _forward_context
+
+
+@contextmanager
+def set_forward_context(attn_metadata: Any, kv_caches: list) -> Iterator[None]:
+    global _forward_context
+    previous = _forward_context
+    _forward_context = ForwardContext(attn_metadata, kv_caches)
+    try:
+        yield
+    finally:
+        _forward_context = previous

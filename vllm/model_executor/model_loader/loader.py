@@ -1,0 +1,50 @@
+"""Building a model and filling it from safetensors files or a GGUF file."""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from vllm.config import ModelConfig
+from vllm.model_executor.models.registry import resolve_model_cls
+from vllm.v1.attention.backends.abstract import AttentionBackend
+
+
+def iterate_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    if model_config.is_gguf:
+        from vllm.model_executor.model_loader.gguf_loader import load_gguf_state_dict
+
+        yield from load_gguf_state_dict(model_config.model, model_config.dtype).items()
+        return
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(model_config.model, "*.safetensors")))
+    if not files:
+        raise ValueError(f"No *.safetensors files in {model_config.model!r}.")
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def get_model(model_config: ModelConfig, backend: type[AttentionBackend],
+              device: torch.device) -> nn.Module:
+    model_cls = resolve_model_cls(model_config.architecture)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(model_config.dtype)
+    try:
+        with torch.device(device):
+            model = model_cls(model_config.hf_config, backend, model_config.max_model_len,
+                              model_config.dtype)
+    finally:
+        torch.set_default_dtype(previous)
+    loaded = model.load_weights(iterate_weights(model_config))
+    missing = sorted(set(dict(model.named_parameters())) - loaded)
+    if missing:
+        raise ValueError(f"Checkpoint {model_config.model!r} lacks weights for: "
+                         f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+    return model.eval().requires_grad_(False)

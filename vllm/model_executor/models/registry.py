@@ -1,0 +1,24 @@
+"""Architecture name (config.json `architectures`) -> model class."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from vllm.model_executor.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+
+_MODELS: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+}
+
+
+def get_supported_archs() -> list[str]:
+    return list(_MODELS)
+
+
+def resolve_model_cls(architecture: str) -> type[nn.Module]:
+    if architecture not in _MODELS:
+        raise ValueError(f"Model architecture {architecture!r} is not supported. "
+                         f"Supported architectures: {', '.join(_MODELS)}.")
+    return _MODELS[architecture]

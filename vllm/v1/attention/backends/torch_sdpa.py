@@ -1,0 +1,147 @@
+"""Paged attention on `torch.nn.functional.scaled_dot_product_attention` (CPU and CUDA).
+
+KV cache per layer: `[2, num_blocks, block_size, num_kv_heads, head_size]`; K and V of
+token t live at flat slot `slot_mapping[t]` of `kv_cache[0]` / `kv_cache[1]`.
+
+Decode requests (one query token) are computed together: their blocks are gathered into a
+padded `[num_decodes, max_blocks * block_size]` key range and masked by sequence length.
+Prefill chunks are computed one request at a time; a chunk with nothing computed before it
+attends to its own keys with a causal mask and never reads the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from vllm.v1.attention.backends.abstract import (AttentionBackend, AttentionImpl,
+                                                 CommonAttentionMetadata)
+
+
+@dataclass(slots=True)
+class PrefillSpan:
+    start: int  # first token of the chunk in the batch
+    end: int
+    # Only for chunks continuing earlier tokens (chunked prefill, prefix hit):
+    block_ids: torch.Tensor | None  # [num_blocks] int64
+    seq_len: int
+    mask: torch.Tensor | None  # [query_len, seq_len] bool, True = attend
+
+
+@dataclass(slots=True)
+class TorchSDPAMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    num_actual_tokens: int
+    decode_token_idx: torch.Tensor | None  # [num_decodes] int64
+    decode_block_table: torch.Tensor | None  # [num_decodes, max_blocks] int64
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    prefills: list[PrefillSpan]
+
+
+class TorchSDPABackend(AttentionBackend):
+    name = "TORCH_SDPA"
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                           head_size: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def build_metadata(common: CommonAttentionMetadata, block_size: int,
+                       device: torch.device) -> TorchSDPAMetadata:
+        qsl, seq_lens = common.query_start_loc, common.seq_lens
+        query_lens = np.diff(qsl)
+        decode = np.flatnonzero(query_lens == 1)
+        decode_idx = decode_table = decode_mask = None
+        if decode.size:
+            # e.g. seq_lens [55, 146] with block size 16 -> 10 blocks each; the mask keeps
+            # keys 0..54 of row 0 and 0..145 of row 1.
+            max_blocks = -(-int(seq_lens[decode].max()) // block_size)
+            decode_idx = torch.from_numpy(qsl[decode].astype(np.int64)).to(device)
+            decode_table = torch.from_numpy(
+                common.block_table[decode, :max_blocks].astype(np.int64)).to(device)
+            key_pos = np.arange(max_blocks * block_size)
+            decode_mask = torch.from_numpy(
+                key_pos[None, :] < seq_lens[decode][:, None])[:, None, None, :].to(device)
+        prefills = []
+        for i in np.flatnonzero(query_lens > 1):
+            start, end = int(qsl[i]), int(qsl[i + 1])
+            computed, seq_len = int(common.num_computed_tokens[i]), int(seq_lens[i])
+            block_ids = mask = None
+            if computed > 0:
+                num_blocks = -(-seq_len // block_size)
+                block_ids = torch.from_numpy(
+                    common.block_table[i, :num_blocks].astype(np.int64)).to(device)
+                # Query row r sits at position computed + r and sees keys 0..computed + r.
+                q_pos = computed + np.arange(end - start)
+                mask = torch.from_numpy(np.arange(seq_len)[None, :] <= q_pos[:, None])
+                mask = mask.to(device)
+            prefills.append(PrefillSpan(start, end, block_ids, seq_len, mask))
+        slot_mapping = torch.from_numpy(common.slot_mapping).to(device)
+        return TorchSDPAMetadata(slot_mapping, common.num_actual_tokens, decode_idx,
+                                 decode_table, decode_mask, prefills)
+
+    @staticmethod
+    def make_impl(num_heads: int, head_size: int, num_kv_heads: int,
+                  scale: float) -> TorchSDPAImpl:
+        return TorchSDPAImpl(num_heads, head_size, num_kv_heads, scale)
+
+
+class TorchSDPAImpl(AttentionImpl):
+    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int,
+                 scale: float) -> None:
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.num_kv_heads = num_kv_heads
+        self.group = num_heads // num_kv_heads
+        self.scale = scale
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: TorchSDPAMetadata) -> torch.Tensor:
+        num_tokens = query.shape[0]
+        key_cache = kv_cache[0].view(-1, self.num_kv_heads, self.head_size)
+        value_cache = kv_cache[1].view(-1, self.num_kv_heads, self.head_size)
+        n = metadata.num_actual_tokens
+        key_cache.index_copy_(0, metadata.slot_mapping, key[:n])
+        value_cache.index_copy_(0, metadata.slot_mapping, value[:n])
+
+        out = torch.empty(num_tokens, self.num_heads, self.head_size, dtype=query.dtype,
+                          device=query.device)
+        if metadata.decode_token_idx is not None:
+            out[metadata.decode_token_idx] = self._decode(query, kv_cache, metadata)
+        for span in metadata.prefills:
+            out[span.start:span.end] = self._prefill(query, key, value, kv_cache, span)
+        return out.view(num_tokens, self.num_heads * self.head_size)
+
+    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: TorchSDPAMetadata) -> torch.Tensor:
+        idx, table = metadata.decode_token_idx, metadata.decode_block_table
+        n = table.shape[0]
+        # Queries of one KV head's group share every key, so the group folds into the
+        # query-length axis: q [n, kv_heads, group, d] against k [n, kv_heads, len, d].
+        q = query[idx].view(n, self.num_kv_heads, self.group, self.head_size)
+        k = kv_cache[0][table].view(n, -1, self.num_kv_heads, self.head_size).transpose(1, 2)
+        v = kv_cache[1][table].view(n, -1, self.num_kv_heads, self.head_size).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=metadata.decode_mask,
+                                           scale=self.scale)
+        return o.reshape(n, self.num_heads, self.head_size)
+
+    def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 kv_cache: torch.Tensor, span: PrefillSpan) -> torch.Tensor:
+        q = query[span.start:span.end].transpose(0, 1)  # [heads, q_len, d]
+        if span.block_ids is None:
+            k = key[span.start:span.end].transpose(0, 1)
+            v = value[span.start:span.end].transpose(0, 1)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                               enable_gqa=self.group > 1)
+        else:
+            k = kv_cache[0][span.block_ids].view(-1, self.num_kv_heads, self.head_size)
+            v = kv_cache[1][span.block_ids].view(-1, self.num_kv_heads, self.head_size)
+            k = k[:span.seq_len].transpose(0, 1)
+            v = v[:span.seq_len].transpose(0, 1)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, scale=self.scale,
+                                               enable_gqa=self.group > 1)
+        return o.transpose(0, 1)

@@ -1,0 +1,127 @@
+"""KV cache blocks, the free-block queue and chained block hashing for prefix caching."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+BlockHash = bytes
+
+
+@dataclass(slots=True, eq=False)
+class KVCacheBlock:
+    """One physical block of the paged KV cache."""
+
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None  # set while the block is in the prefix cache
+    # Links of the free queue; None when the block is not in it (or at an end).
+    prev_free_block: KVCacheBlock | None = None
+    next_free_block: KVCacheBlock | None = None
+    is_null: bool = False
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt})"
+
+
+class FreeKVCacheBlockQueue:
+    """Doubly linked list of free blocks, in eviction order (head evicted first).
+
+    Removing a block from the middle is O(1): a prefix hit on a free cached block takes it
+    back out of the queue without a scan.
+    """
+
+    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        self.num_free_blocks = len(blocks)
+        self._head = KVCacheBlock(-1)
+        self._tail = KVCacheBlock(-1)
+        prev = self._head
+        for block in blocks:
+            prev.next_free_block = block
+            block.prev_free_block = prev
+            prev = block
+        prev.next_free_block = self._tail
+        self._tail.prev_free_block = prev
+
+    def popleft(self) -> KVCacheBlock:
+        block = self._head.next_free_block
+        if block is self._tail or block is None:
+            raise ValueError("No free blocks available.")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVCacheBlock) -> None:
+        prev, nxt = block.prev_free_block, block.next_free_block
+        assert prev is not None and nxt is not None, f"{block} is not in the free queue"
+        prev.next_free_block = nxt
+        nxt.prev_free_block = prev
+        block.prev_free_block = block.next_free_block = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        last = self._tail.prev_free_block
+        assert last is not None
+        last.next_free_block = block
+        block.prev_free_block = last
+        block.next_free_block = self._tail
+        self._tail.prev_free_block = block
+        self.num_free_blocks += 1
+
+    def extend(self, blocks: Iterable[KVCacheBlock]) -> None:
+        for block in blocks:
+            self.append(block)
+
+    def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        out = []
+        block = self._head.next_free_block
+        while block is not None and block is not self._tail:
+            out.append(block)
+            block = block.next_free_block
+        return out
+
+
+def hash_block(parent: BlockHash | None, token_ids: list[int],
+               embeds_rows: torch.Tensor | None = None) -> BlockHash:
+    """Hash of one full block, chained to its parent's hash.
+
+    A block whose positions come (partly) from prompt embeds is hashed by the bytes of
+    those rows (already in the model dtype) followed by the real token ids after them; the
+    leading tag keeps token blocks and embeds blocks from ever colliding.
+    """
+    h = hashlib.sha256(parent or b"")
+    if embeds_rows is not None:
+        h.update(b"E")
+        h.update(embeds_rows.contiguous().view(torch.uint8).numpy().tobytes())
+    else:
+        h.update(b"T")
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.digest()
+
+
+def make_block_hasher(block_size: int) -> Callable[[Request], list[BlockHash]]:
+    """Returns a function giving the hashes of a request's not yet hashed full blocks."""
+
+    def hasher(request: Request) -> list[BlockHash]:
+        start_block = len(request.block_hashes)
+        num_full_blocks = request.num_tokens // block_size
+        parent = request.block_hashes[-1] if request.block_hashes else None
+        embeds = request.prompt_embeds
+        num_embeds = request.num_prompt_tokens if embeds is not None else 0
+        new_hashes = []
+        for i in range(start_block, num_full_blocks):
+            start, end = i * block_size, (i + 1) * block_size
+            rows = embeds[start:min(end, num_embeds)] if start < num_embeds else None
+            tokens = request.all_token_ids[max(start, num_embeds):end]
+            parent = hash_block(parent, tokens, rows)
+            new_hashes.append(parent)
+        return new_hashes
+
+    return hasher

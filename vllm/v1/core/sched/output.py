@@ -1,0 +1,62 @@
+"""`SchedulerOutput`: what the scheduler tells the model runner each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm.sampling_params import SamplingParams
+from vllm.v1.request import Request
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """Everything the runner needs about a request it has not seen (or has forgotten,
+    after a preemption). Sent once; later steps send only `CachedRequestData` deltas."""
+
+    req_id: str
+    prompt_token_ids: list[int]  # placeholders at embeds positions
+    prompt_embeds: torch.Tensor | None  # [num_prompt_tokens, hidden_size]
+    output_token_ids: list[int]  # generated before a preemption; usually empty
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+    @classmethod
+    def from_request(cls, request: Request, block_ids: list[int]) -> NewRequestData:
+        return cls(
+            req_id=request.request_id,
+            prompt_token_ids=request.all_token_ids[:request.num_prompt_tokens],
+            prompt_embeds=request.prompt_embeds,
+            output_token_ids=list(request.output_token_ids),
+            sampling_params=request.sampling_params,
+            block_ids=block_ids,
+            num_computed_tokens=request.num_computed_tokens,
+        )
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """Deltas for requests the runner already holds, index-aligned lists."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    # req_id -> tokens to compute this step; insertion order is the scheduling order.
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests the runner must forget: finished or aborted since the last step, or
+    # preempted in this one.
+    finished_req_ids: list[str]
+    preempted_req_ids: list[str] = field(default_factory=list)

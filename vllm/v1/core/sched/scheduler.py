@@ -1,0 +1,253 @@
+"""`Scheduler`: continuous batching in tokens under a budget, with preemption by recompute."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from vllm.config import CacheConfig, SchedulerConfig
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_utils import make_block_hasher
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.v1.engine import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
+                            SchedulerStats)
+from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+
+
+class Scheduler:
+    """Decides, each step, how many tokens of which requests to compute.
+
+    Every request is `num_tokens` long and has `num_computed_tokens` done; a step gives
+    running requests (oldest first) and then waiting ones a share of the token budget. A
+    prompt that does not fit is chunked; a request that cannot get KV blocks preempts the
+    newest running request, which restarts from scratch later (its outputs are kept).
+    """
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+        self.config = scheduler_config
+        self.max_model_len = scheduler_config.max_model_len
+        self.block_size = cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
+                                               cache_config.enable_prefix_caching)
+        self.block_hasher = (make_block_hasher(cache_config.block_size)
+                             if cache_config.enable_prefix_caching else None)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished_req_ids: list[str] = []
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------
+
+    def add_request(self, engine_request: EngineCoreRequest) -> None:
+        if engine_request.request_id in self.requests:
+            raise ValueError(f"Request id {engine_request.request_id!r} is already running.")
+        request = Request.from_engine_core_request(engine_request, self.max_model_len,
+                                                   self.block_hasher)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        """Ends requests from outside (abort, stop string); unknown ids are ignored."""
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.append(request.request_id)
+        del self.requests[request.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- scheduling ---------------------------------------------------------------
+
+    def _step_kind(self) -> bool | None:
+        """Under `separate` embeds batching: True for a token-only step, False for an
+        embeds-only step, chosen by the oldest request; None when kinds mix freely."""
+        if self.config.prompt_embeds_batching != "separate":
+            return None
+        candidates = [*self.running, *self.waiting]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda r: r.arrival_time).is_token_prompt
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        kind = self._step_kind()
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[Request] = []
+        cached_reqs: list[Request] = []
+        preempted: list[Request] = []
+        new_block_ids: dict[str, list[int]] = {}
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = self._num_new_tokens(request, budget)
+            if (kind is not None and request.is_token_prompt != kind) or num_new == 0:
+                index += 1
+                continue
+            while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                cached_reqs.append(request)
+                new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
+                num_scheduled[request.request_id] = num_new
+                budget -= num_new
+                index += 1
+                continue
+            break
+
+        if not preempted:
+            budget = self._schedule_waiting(budget, kind, num_scheduled, new_reqs)
+
+        output = self._make_output(new_reqs, cached_reqs, new_block_ids, num_scheduled,
+                                   preempted)
+        for request in (*cached_reqs, *new_reqs):
+            request.num_computed_tokens += num_scheduled[request.request_id]
+        return output
+
+    def _schedule_waiting(self, budget: int, kind: bool | None,
+                          num_scheduled: dict[str, int], new_reqs: list[Request]) -> int:
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if kind is not None and request.is_token_prompt != kind:
+                skipped.append(self.waiting.popleft())
+                continue
+            hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            if self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks,
+                                                     num_hit) is None:
+                break
+            self.waiting.popleft()
+            self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_hit)
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_hit
+            request.num_computed_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            new_reqs.append(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+        return budget
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        # The token at position max_model_len - 1 is the last that needs a KV slot.
+        return max(0, min(num_new, self.max_model_len - request.num_computed_tokens))
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _make_output(self, new_reqs: list[Request], cached_reqs: list[Request],
+                     new_block_ids: dict[str, list[int]], num_scheduled: dict[str, int],
+                     preempted: list[Request]) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        new_data = [NewRequestData.from_request(r, kv.get_block_ids(r.request_id))
+                    for r in new_reqs]
+        cached = CachedRequestData()
+        for request in cached_reqs:
+            cached.req_ids.append(request.request_id)
+            cached.new_block_ids.append(new_block_ids[request.request_id])
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+        finished, self.finished_req_ids = self.finished_req_ids, []
+        return SchedulerOutput(
+            scheduled_new_reqs=new_data,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=finished,
+            preempted_req_ids=[r.request_id for r in preempted],
+        )
+
+    # ---- results ------------------------------------------------------------------
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
+        outputs: list[EngineCoreOutput] = []
+        stopped: list[Request] = []
+        logprobs = runner_output.logprobs
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted meanwhile
+            index = runner_output.req_id_to_index[req_id]
+            new_token_ids = runner_output.sampled_token_ids[index]
+            if not new_token_ids:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            request.append_output_token_ids(new_token_ids)
+            if self._check_stop(request):
+                stopped.append(request)
+            outputs.append(EngineCoreOutput(
+                request_id=req_id,
+                new_token_ids=new_token_ids,
+                new_logprobs=_row(logprobs, index),
+                finish_reason=request.get_finished_reason(),
+                stop_reason=request.stop_reason,
+                num_cached_tokens=request.num_cached_tokens or 0,
+            ))
+        for request in stopped:
+            self.running.remove(request)
+            self._free_request(request)
+        return EngineCoreOutputs(outputs, self.make_stats())
+
+    def _check_stop(self, request: Request) -> bool:
+        token = request.output_token_ids[-1]
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token == request.eos_token_id and not params.ignore_eos:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if token in params.stop_token_ids or token in params.all_stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token
+                return True
+        if (request.num_output_tokens >= request.max_tokens
+                or request.num_tokens >= self.max_model_len):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def make_stats(self) -> SchedulerStats:
+        prefix = self.kv_cache_manager.make_prefix_cache_stats()
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_preemptions=self.num_preemptions,
+        )
+
+
+def _row(logprobs: LogprobsLists | None, index: int) -> LogprobsLists | None:
+    if logprobs is None:
+        return None
+    return LogprobsLists([logprobs.token_ids[index]], [logprobs.logprobs[index]],
+                         [logprobs.ranks[index]])

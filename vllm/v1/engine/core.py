@@ -1,0 +1,54 @@
+"""`EngineCore`: the scheduler and the executor, stepped by a three-call loop."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.config import VllmConfig
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
+from vllm.v1.executor.uniproc import UniProcExecutor
+from vllm.v1.request import RequestStatus
+
+
+class EngineCore:
+    """Owns the scheduler and the model executor; knows nothing of text."""
+
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        torch.manual_seed(vllm_config.model_config.seed)
+        self.vllm_config = vllm_config
+        self.model_executor = UniProcExecutor(vllm_config)
+        cache = vllm_config.cache_config
+        num_blocks = self.model_executor.determine_num_blocks()
+        max_len = vllm_config.model_config.max_model_len
+        needed = -(-max_len // cache.block_size) + 1  # + the null block
+        if num_blocks < needed:
+            raise ValueError(
+                f"The KV cache has room for {num_blocks} blocks of {cache.block_size} tokens, "
+                f"but one request of max_model_len={max_len} needs {needed}. Raise the KV "
+                "cache size (kv_cache_memory_bytes) or lower max_model_len.")
+        self.model_executor.initialize_kv_cache(num_blocks)
+        cache.num_blocks = num_blocks
+        self.scheduler = Scheduler(vllm_config.scheduler_config, cache)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def step(self) -> EngineCoreOutputs:
+        if not self.scheduler.has_unfinished_requests():
+            return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
+        scheduler_output = self.scheduler.schedule()
+        model_output = self.model_executor.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, model_output)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.kv_cache_manager.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.model_executor.shutdown()

@@ -1,0 +1,185 @@
+"""`OutputProcessor`: engine-core outputs -> user `RequestOutput`s (text, logprobs, n>1)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from vllm.v1.engine.detokenizer import IncrementalDetokenizer
+from vllm.v1.outputs import Logprob, LogprobsLists
+
+
+@dataclass
+class ParentRequest:
+    """Gathers the n child sequences of one user request (n > 1)."""
+
+    request_id: str
+    n: int
+    output_kind: RequestOutputKind
+    completions: list[CompletionOutput | None] = field(default_factory=list)
+    num_finished: int = 0
+
+    def __post_init__(self) -> None:
+        self.completions = [None] * self.n
+
+
+@dataclass
+class RequestState:
+    request_id: str  # the engine-core id (a child id when n > 1)
+    parent: ParentRequest | None
+    index: int
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    num_prompt_tokens: int
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[dict[int, Logprob]] | None
+    cumulative_logprob: float | None
+    num_cached_tokens: int = 0
+    sent_text_len: int = 0
+    sent_num_tokens: int = 0
+    queue: Any = None  # AsyncLLM: where this request's outputs go
+
+
+class OutputProcessor:
+    """Owns detokenizer state and stop-string matching for every live request."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.request_states: dict[str, RequestState] = {}
+        self.parents: dict[str, ParentRequest] = {}
+
+    def add_request(self, request_id: str, prompt: str | None,
+                    prompt_token_ids: list[int] | None, num_prompt_tokens: int,
+                    params: SamplingParams, parent: ParentRequest | None = None,
+                    index: int = 0, queue: Any = None) -> None:
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
+                                       params.skip_special_tokens, params.stop,
+                                       params.include_stop_str_in_output)
+        wants_logprobs = params.logprobs is not None
+        self.request_states[request_id] = RequestState(
+            request_id, parent, index, prompt, prompt_token_ids, num_prompt_tokens, params,
+            detok, [] if wants_logprobs else None, 0.0 if wants_logprobs else None,
+            queue=queue)
+        if parent is not None:
+            self.parents[parent.request_id] = parent
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.request_states)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.request_states)
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Forgets requests by user or child id; returns the engine-core ids to abort."""
+        to_abort = []
+        for req_id in request_ids:
+            parent = self.parents.pop(req_id, None)
+            ids = [s.request_id for s in self.request_states.values()
+                   if s.parent is parent] if parent else [req_id]
+            for child_id in ids:
+                if self.request_states.pop(child_id, None) is not None:
+                    to_abort.append(child_id)
+        return to_abort
+
+    def process_outputs(self, outputs: EngineCoreOutputs
+                        ) -> tuple[list[tuple[RequestState, RequestOutput]], list[str]]:
+        """Returns (request outputs ready for users, with their states) and the ids that
+        a stop string finished, which the engine core must abort."""
+        ready: list[tuple[RequestState, RequestOutput]] = []
+        reqs_to_abort: list[str] = []
+        for out in outputs.outputs:
+            state = self.request_states.get(out.request_id)
+            if state is None:
+                continue  # aborted meanwhile
+            finish_reason, stop_reason = out.finish_reason, out.stop_reason
+            state.num_cached_tokens = out.num_cached_tokens
+            stop_str = state.detokenizer.update(out.new_token_ids,
+                                                finish_reason == FinishReason.STOP)
+            if stop_str is not None and finish_reason is None:
+                finish_reason, stop_reason = FinishReason.STOP, stop_str
+                reqs_to_abort.append(out.request_id)
+            if out.new_logprobs is not None and state.logprobs is not None:
+                self._append_logprobs(state, out.new_logprobs)
+            finished = finish_reason is not None
+            if finished:
+                del self.request_states[out.request_id]
+            request_output = self._make_request_output(state, finish_reason, stop_reason)
+            if request_output is not None:
+                ready.append((state, request_output))
+        return ready, reqs_to_abort
+
+    def _append_logprobs(self, state: RequestState, lp: LogprobsLists) -> None:
+        k = state.params.logprobs or 0
+        detok = state.detokenizer
+        for token_ids, values, rank in zip(lp.token_ids, lp.logprobs, lp.ranks):
+            entry = {token_ids[0]: Logprob(values[0], rank, detok.decode_token(token_ids[0]))}
+            for r, (tid, value) in enumerate(zip(token_ids[1:k + 1], values[1:k + 1]), 1):
+                if tid not in entry:
+                    entry[tid] = Logprob(value, r, detok.decode_token(tid))
+            state.logprobs.append(entry)
+            state.cumulative_logprob += values[0]
+
+    def _make_request_output(self, state: RequestState, finish_reason: FinishReason | None,
+                             stop_reason: int | str | None) -> RequestOutput | None:
+        finished = finish_reason is not None
+        kind = state.params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        completion = self._make_completion(state, finished, finish_reason, stop_reason, kind)
+        parent = state.parent
+        if parent is None:
+            return self._request_output(state, state.request_id, [completion], finished)
+        parent.completions[state.index] = completion
+        parent.num_finished += finished
+        all_done = parent.num_finished == parent.n
+        if all_done:
+            self.parents.pop(parent.request_id, None)
+        if kind == RequestOutputKind.FINAL_ONLY:
+            if not all_done:
+                return None
+            return self._request_output(state, parent.request_id,
+                                        list(parent.completions), True)
+        return self._request_output(state, parent.request_id, [completion], all_done)
+
+    def _make_completion(self, state: RequestState, finished: bool,
+                         finish_reason: FinishReason | None, stop_reason: int | str | None,
+                         kind: RequestOutputKind) -> CompletionOutput:
+        detok = state.detokenizer
+        text = detok.get_text(finished)
+        token_ids = detok.token_ids
+        logprobs = state.logprobs
+        if kind == RequestOutputKind.DELTA:
+            text, state.sent_text_len = text[state.sent_text_len:], len(text)
+            token_ids = token_ids[state.sent_num_tokens:]
+            if logprobs is not None:
+                logprobs = logprobs[state.sent_num_tokens:]
+            state.sent_num_tokens = len(detok.token_ids)
+        else:
+            token_ids = list(token_ids)
+            logprobs = list(logprobs) if logprobs is not None else None
+        return CompletionOutput(
+            index=state.index,
+            text=text,
+            token_ids=token_ids,
+            cumulative_logprob=state.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=str(finish_reason) if finish_reason is not None else None,
+            stop_reason=stop_reason,
+        )
+
+    def _request_output(self, state: RequestState, request_id: str,
+                        completions: list[CompletionOutput], finished: bool) -> RequestOutput:
+        return RequestOutput(
+            request_id=request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            prompt_logprobs=None,
+            outputs=completions,
+            finished=finished,
+            num_cached_tokens=state.num_cached_tokens,
+            num_prompt_tokens=state.num_prompt_tokens,
+        )

@@ -1,0 +1,40 @@
+"""What the model runner sends back to the scheduler each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class Logprob(NamedTuple):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One dict per generated token: token id -> Logprob.
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+class LogprobsLists(NamedTuple):
+    """Top-k logprobs for the sampled tokens of one step, row per request.
+
+    The first column is the sampled token; the rest are the top-k in rank order.
+    """
+
+    token_ids: list[list[int]]  # [num_reqs][1 + k]
+    logprobs: list[list[float]]  # [num_reqs][1 + k]
+    ranks: list[int]  # [num_reqs] rank of the sampled token
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    # One list per request: the token(s) sampled this step; empty for a request
+    # whose prefill chunk did not reach the end of its prompt.
+    sampled_token_ids: list[list[int]]
+    logprobs: LogprobsLists | None = None
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput([], {}, [], None)

@@ -1,0 +1,122 @@
+"""`Request`: the scheduler's record of one sequence in flight."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+
+import torch
+
+from vllm.sampling_params import SamplingParams
+from vllm.v1.engine import EngineCoreRequest, FinishReason
+
+# Token id stored at positions whose input comes from prompt embeds. The scheduler never
+# reads it; the model runner's is_token_ids table says the position is not a real token.
+EMBEDS_PLACEHOLDER_TOKEN_ID = 0
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after this is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def get_finished_reason(status: RequestStatus) -> FinishReason | None:
+        return _FINISHED_REASONS.get(status)
+
+
+_FINISHED_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+class Request:
+    """Token ids (placeholders where the prompt is embeds), progress and block hashes.
+
+    `num_tokens - num_computed_tokens` is all the scheduler needs: prefill, chunked
+    prefill, prefix hits and decode are the same arithmetic.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int] | None,
+        prompt_embeds: torch.Tensor | None,
+        sampling_params: SamplingParams,
+        eos_token_id: int | None,
+        arrival_time: float,
+        max_model_len: int,
+        block_hasher: Callable[[Request], list[bytes]] | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.prompt_embeds = prompt_embeds
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = arrival_time
+        if prompt_token_ids is not None:
+            self.num_prompt_tokens = len(prompt_token_ids)
+            self._all_token_ids = list(prompt_token_ids)
+        else:
+            assert prompt_embeds is not None
+            self.num_prompt_tokens = prompt_embeds.shape[0]
+            self._all_token_ids = [EMBEDS_PLACEHOLDER_TOKEN_ID] * self.num_prompt_tokens
+        room = max_model_len - self.num_prompt_tokens
+        requested = sampling_params.max_tokens
+        self.max_tokens = max(1, room if requested is None else min(requested, max(room, 1)))
+        self.output_token_ids: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens: int | None = None  # set on the first schedule
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+        self.block_hashes: list[bytes] = []
+        self._block_hasher = block_hasher
+        if block_hasher is not None:
+            self.block_hashes.extend(block_hasher(self))
+
+    @classmethod
+    def from_engine_core_request(cls, request: EngineCoreRequest, max_model_len: int,
+                                 block_hasher: Callable[[Request], list[bytes]] | None
+                                 ) -> Request:
+        return cls(request.request_id, request.prompt_token_ids, request.prompt_embeds,
+                   request.sampling_params, request.eos_token_id, request.arrival_time,
+                   max_model_len, block_hasher)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_token_prompt(self) -> bool:
+        return self.prompt_embeds is None
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self._all_token_ids.extend(token_ids)
+        if self._block_hasher is not None:
+            self.block_hashes.extend(self._block_hasher(self))
+
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def get_finished_reason(self) -> FinishReason | None:
+        return RequestStatus.get_finished_reason(self.status)

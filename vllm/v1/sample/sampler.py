@@ -1,0 +1,102 @@
+"""`Sampler`: logits -> next tokens (and logprobs), vectorised over the batch."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from vllm.v1.outputs import LogprobsLists
+from vllm.v1.sample.metadata import SamplingMetadata
+
+
+class SamplerOutput(NamedTuple):
+    sampled_token_ids: torch.Tensor  # [n] int64
+    logprobs: LogprobsLists | None
+
+
+class Sampler(nn.Module):
+    """Order: min_tokens mask, penalties, temperature, top-k/top-p/min-p, then sampling by
+    the exponential race `argmax(p / q)` with `q ~ Exp(1)`, drawn from each seeded
+    request's own generator. Logprobs are those of the raw model output."""
+
+    def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        raw_logprobs = None
+        if md.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = logits.clone() if md.min_tokens_blocked or md.repetition_penalty is not None \
+            else logits
+        for row, token_ids in md.min_tokens_blocked.items():
+            logits[row, token_ids] = float("-inf")
+        if md.repetition_penalty is not None:
+            logits = apply_penalties(logits, md)
+        sampled = self.sample(logits, md)
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs)
+        return SamplerOutput(sampled, logprobs)
+
+    def sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        greedy = logits.argmax(dim=-1)
+        if md.all_greedy:
+            return greedy
+        temperature = torch.where(md.temperature > 0, md.temperature, 1.0)
+        logits = logits / temperature[:, None]
+        logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+        probs = logits.softmax(dim=-1, dtype=torch.float32)
+        if md.min_p is not None:
+            max_p = probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < md.min_p[:, None] * max_p, 0.0)
+        q = torch.empty_like(probs)
+        if len(md.generators) < probs.shape[0]:
+            q.exponential_()
+        for row, generator in md.generators.items():
+            q[row].exponential_(generator=generator)
+        random = (probs / q).argmax(dim=-1)
+        if md.all_random:
+            return random
+        return torch.where(md.temperature > 0, random, greedy)
+
+
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Repetition penalty over prompt and output tokens (divide positive logits, multiply
+    negative ones); presence and frequency penalties over output tokens (OpenAI's)."""
+    counts = md.output_token_counts
+    seen = md.prompt_token_mask | (counts > 0)
+    rep = md.repetition_penalty[:, None].expand_as(logits)
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    logits = logits - md.frequency_penalty[:, None] * counts
+    return logits - md.presence_penalty[:, None] * (counts > 0)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
+                      top_p: torch.Tensor | None) -> torch.Tensor:
+    if top_k is None and top_p is None:
+        return logits
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=False)
+    vocab = logits.shape[-1]
+    if top_k is not None:
+        # The k-th largest value is at ascending index vocab - k.
+        kth = sorted_logits.gather(-1, (vocab - top_k.clamp(1, vocab))[:, None])
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= (1.0 - top_p[:, None])
+        drop[:, -1] = False  # always keep the most likely token
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+
+
+def gather_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, k: int) -> LogprobsLists:
+    """Row i: [sampled token, top-k tokens...] with their logprobs, and the sampled rank."""
+    sampled_lp = logprobs.gather(-1, sampled[:, None])
+    ranks = (logprobs > sampled_lp).sum(dim=-1) + 1
+    if k > 0:
+        top_lp, top_ids = logprobs.topk(k, dim=-1)
+        token_ids = torch.cat([sampled[:, None], top_ids], dim=1)
+        values = torch.cat([sampled_lp, top_lp], dim=1)
+    else:
+        token_ids, values = sampled[:, None], sampled_lp
+    return LogprobsLists(token_ids.tolist(), values.tolist(), ranks.tolist())

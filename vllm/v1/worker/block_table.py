@@ -1,0 +1,53 @@
+"""`BlockTable`: each batch row's physical KV block ids, and slot mapping from it."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class BlockTable:
+    """A `[max_num_reqs, max_num_blocks_per_req]` int32 table; 0 (the null block) pads."""
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.max_num_blocks_per_req = -(-max_model_len // block_size)
+        self.table = np.zeros((max_num_reqs, self.max_num_blocks_per_req), dtype=np.int32)
+        self.num_blocks_per_row = np.zeros(max_num_reqs, dtype=np.int32)
+
+    def add_row(self, block_ids: list[int], row: int) -> None:
+        self.num_blocks_per_row[row] = 0
+        self.table[row] = 0
+        self.append_row(block_ids, row)
+
+    def append_row(self, block_ids: list[int], row: int) -> None:
+        if not block_ids:
+            return
+        start = self.num_blocks_per_row[row]
+        self.table[row, start:start + len(block_ids)] = block_ids
+        self.num_blocks_per_row[row] = start + len(block_ids)
+
+    def move_row(self, src: int, dst: int) -> None:
+        n = self.num_blocks_per_row[src]
+        self.table[dst] = 0
+        self.table[dst, :n] = self.table[src, :n]
+        self.num_blocks_per_row[dst] = n
+
+    def clear_row(self, row: int) -> None:
+        self.table[row] = 0
+        self.num_blocks_per_row[row] = 0
+
+    def compute_slot_mapping(self, req_indices: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """The KV cache slot of every scheduled token.
+
+        slot = table[req, pos // block_size] * block_size + pos % block_size
+
+        Example (block size 16): rows 0 and 1 decode at positions 54 and 145 with tables
+        [1, 2, 3, 4, ...] and [5, 6, ..., 14, ...]; row 2 prefills from position 0 with
+        table [15, ...]:
+            block_numbers = [table[0, 3], table[1, 9], table[2, 0], table[2, 0]] = [4, 14, 15, 15]
+            offsets       = [54 % 16, 145 % 16, 0, 1]                            = [6, 1, 0, 1]
+            slot_mapping  = [4*16+6, 14*16+1, 15*16+0, 15*16+1]                  = [70, 225, 240, 241]
+        """
+        flat_indices = req_indices * self.max_num_blocks_per_req + positions // self.block_size
+        block_numbers = self.table.reshape(-1)[flat_indices].astype(np.int64)
+        return block_numbers * self.block_size + positions % self.block_size

@@ -1,0 +1,323 @@
+"""The model runner: scheduler output in, sampled tokens out.
+
+`execute_model` reads as its table of contents: update states -> prepare inputs -> run the
+model -> sample -> bookkeeping. Input preparation is vectorised on CPU numpy mirrors and
+moved to the device once per step (see `compute_step_indices`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from vllm.config import VllmConfig
+from vllm.forward_context import set_forward_context
+from vllm.model_executor.model_loader.loader import get_model
+from vllm.v1.attention.backends import get_attn_backend
+from vllm.v1.attention.backends.abstract import CommonAttentionMetadata
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.sample.sampler import Sampler, SamplerOutput
+from vllm.v1.worker.input_batch import CachedRequestState, InputBatch
+
+
+class StepIndices(NamedTuple):
+    req_indices: np.ndarray  # [num_tokens] batch row of each token
+    positions: np.ndarray  # [num_tokens] position of each token in its request
+    token_indices: np.ndarray  # [num_tokens] index into the flattened token-id table
+    query_start_loc: np.ndarray  # [num_reqs + 1]
+    seq_lens: np.ndarray  # [num_reqs] computed + scheduled
+
+
+def compute_step_indices(num_scheduled: np.ndarray, num_computed: np.ndarray,
+                         max_model_len: int) -> StepIndices:
+    """Token-level indices of one step from request-level counts.
+
+    Example: num_scheduled [3, 2, 5], nothing computed, max_model_len M:
+        cu_num_tokens   = [3, 5, 10]
+        query_start_loc = [0, 3, 5, 10]
+        req_indices     = [0, 0, 0, 1, 1, 2, 2, 2, 2, 2]
+        arange          = [0, 1, 2, 0, 1, 0, 1, 2, 3, 4]
+        positions       = num_computed[req_indices] + arange = arange
+        token_indices   = positions + req_indices * M = [0, 1, 2, M, M+1, 2M, ..., 2M+4]
+        seq_lens        = [3, 2, 5]
+    With num_scheduled [1, 1, 93, 75, 30] and num_computed [54, 145, 0, 0, 0], positions
+    start [54, 145, 0, 1, ...] and seq_lens are [55, 146, 93, 75, 30].
+    """
+    num_reqs = num_scheduled.shape[0]
+    cu_num_tokens = np.cumsum(num_scheduled)
+    total = int(cu_num_tokens[-1]) if num_reqs else 0
+    req_indices = np.repeat(np.arange(num_reqs, dtype=np.int64), num_scheduled)
+    arange = np.arange(total, dtype=np.int64) - np.repeat(cu_num_tokens - num_scheduled,
+                                                          num_scheduled)
+    positions = num_computed[req_indices].astype(np.int64) + arange
+    token_indices = positions + req_indices * max_model_len
+    query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
+    query_start_loc[1:] = cu_num_tokens
+    seq_lens = (num_computed[:num_reqs] + num_scheduled).astype(np.int32)
+    return StepIndices(req_indices, positions, token_indices, query_start_loc, seq_lens)
+
+
+class ModelInputs(NamedTuple):
+    input_ids: torch.Tensor | None  # [num_tokens] int64; None when embeds are given
+    inputs_embeds: torch.Tensor | None  # [num_tokens, hidden_size]
+    positions: torch.Tensor  # [num_tokens] int64
+    attn_metadata: object
+    logits_indices: torch.Tensor  # [num_sampling_reqs] int64
+    sampling_rows: np.ndarray  # [num_sampling_reqs] batch rows that sample this step
+
+
+class GPUModelRunner:
+    """Owns the model, the KV cache tensors and the persistent `InputBatch`."""
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device) -> None:
+        self.vllm_config = vllm_config
+        self.model_config = vllm_config.model_config
+        self.cache_config = vllm_config.cache_config
+        self.scheduler_config = vllm_config.scheduler_config
+        self.device = device
+        self.dtype = self.model_config.dtype
+        self.max_model_len = self.model_config.max_model_len
+        self.block_size = self.cache_config.block_size
+        self.attn_backend = get_attn_backend()
+        self.requests: dict[str, CachedRequestState] = {}
+        self.input_batch = InputBatch(self.scheduler_config.max_num_seqs, self.max_model_len,
+                                      self.block_size, self.model_config.vocab_size)
+        self.sampler = Sampler()
+        self.kv_caches: list[torch.Tensor] = []
+        self.model: torch.nn.Module | None = None
+
+    # ---- set-up -------------------------------------------------------------------
+
+    def load_model(self) -> None:
+        self.model = get_model(self.model_config, self.attn_backend, self.device)
+
+    def get_kv_cache_block_bytes(self) -> int:
+        mc = self.model_config
+        per_layer = int(np.prod(self.attn_backend.get_kv_cache_shape(
+            1, self.block_size, mc.num_kv_heads, mc.head_dim)))
+        return per_layer * mc.num_layers * self.dtype.itemsize
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        mc = self.model_config
+        shape = self.attn_backend.get_kv_cache_shape(num_blocks, self.block_size,
+                                                     mc.num_kv_heads, mc.head_dim)
+        # Zeroed: padded key positions are masked, but NaN garbage would still leak
+        # through a 0 * NaN in the attention-weighted sum.
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                          for _ in range(mc.num_layers)]
+
+    # ---- one step -----------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        inputs = self._prepare_inputs(scheduler_output)
+        with set_forward_context(inputs.attn_metadata, self.kv_caches):
+            hidden_states = self.model(inputs.input_ids, inputs.positions, inputs.inputs_embeds)
+        logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
+        sampler_output = self.sampler(logits, self._sampling_metadata(inputs.sampling_rows))
+        return self._bookkeep(inputs.sampling_rows, sampler_output)
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.input_batch
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+            batch.remove_request(req_id)
+        # Requests not scheduled this step (preempted, or left out by the budget) leave
+        # the batch but keep their state: a seeded generator continues where it was.
+        for req_id in list(batch.req_id_to_index):
+            if req_id not in so.num_scheduled_tokens:
+                batch.remove_request(req_id)
+        to_add: list[CachedRequestState] = []
+        for new in so.scheduled_new_reqs:
+            old = self.requests.get(new.req_id)
+            batch.remove_request(new.req_id)
+            state = CachedRequestState(
+                req_id=new.req_id,
+                prompt_token_ids=new.prompt_token_ids,
+                prompt_embeds=new.prompt_embeds,
+                sampling_params=new.sampling_params,
+                generator=old.generator if old else self._make_generator(new.sampling_params),
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                output_token_ids=list(new.output_token_ids),
+            )
+            self.requests[new.req_id] = state
+            to_add.append(state)
+        cached = so.scheduled_cached_reqs
+        for req_id, new_block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
+                                                       cached.num_computed_tokens):
+            state = self.requests[req_id]
+            state.num_computed_tokens = num_computed
+            state.block_ids.extend(new_block_ids)
+            row = batch.req_id_to_index.get(req_id)
+            if row is None:
+                to_add.append(state)
+            else:
+                batch.num_computed_tokens_cpu[row] = num_computed
+                batch.block_table.append_row(new_block_ids, row)
+        batch.condense()
+        for state in to_add:
+            batch.add_request(state)
+
+    def _make_generator(self, params) -> torch.Generator | None:
+        if params.seed is None:
+            return None
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(params.seed)
+        return generator
+
+    def _prepare_inputs(self, so: SchedulerOutput) -> ModelInputs:
+        batch = self.input_batch
+        num_reqs = batch.num_reqs
+        num_scheduled = np.array([so.num_scheduled_tokens[r] for r in batch.req_ids_in_order],
+                                 dtype=np.int32)
+        idx = compute_step_indices(num_scheduled, batch.num_computed_tokens_cpu[:num_reqs],
+                                   self.max_model_len)
+        input_ids_np = batch.token_ids_cpu.reshape(-1)[idx.token_indices]
+        is_token_np = batch.is_token_ids.reshape(-1)[idx.token_indices]
+        slot_mapping = batch.block_table.compute_slot_mapping(idx.req_indices, idx.positions)
+        num_tokens = int(idx.query_start_loc[-1])
+        common = CommonAttentionMetadata(
+            query_start_loc=idx.query_start_loc,
+            seq_lens=idx.seq_lens,
+            num_computed_tokens=batch.num_computed_tokens_cpu[:num_reqs].copy(),
+            block_table=batch.block_table.table[:num_reqs],
+            slot_mapping=slot_mapping,
+            num_actual_tokens=num_tokens,
+        )
+        attn_metadata = self.attn_backend.build_metadata(common, self.block_size, self.device)
+        # A request samples once its whole known sequence is computed; a prefill chunk
+        # that stops short of the prompt's end produces no token.
+        sampling_rows = np.flatnonzero(idx.seq_lens >= batch.num_tokens[:num_reqs])
+        logits_indices = idx.query_start_loc[sampling_rows + 1] - 1
+        input_ids = torch.from_numpy(input_ids_np.astype(np.int64)).to(self.device)
+        inputs_embeds = None
+        if not is_token_np.all():
+            inputs_embeds = self._gather_inputs_embeds(input_ids, is_token_np, idx)
+            input_ids = None
+        return ModelInputs(
+            input_ids=input_ids,
+            inputs_embeds=inputs_embeds,
+            positions=torch.from_numpy(idx.positions).to(self.device),
+            attn_metadata=attn_metadata,
+            logits_indices=torch.from_numpy(logits_indices.astype(np.int64)).to(self.device),
+            sampling_rows=sampling_rows,
+        )
+
+    def _gather_inputs_embeds(self, input_ids: torch.Tensor, is_token: np.ndarray,
+                              idx: StepIndices) -> torch.Tensor:
+        """Embeddings of the scheduled tokens: prompt-embeds rows where the position came
+        from embeds, `embed_tokens(id)` where it holds a real token.
+
+        Example: a request with 4 embeds rows E0..E3 and one generated token t4, computed 2,
+        scheduled 3 (positions 2, 3, 4): is_token [F, F, T] -> rows [E2, E3, embed(t4)].
+        """
+        embeds = self.model.get_input_embeddings(input_ids)
+        rows = []
+        qsl = idx.query_start_loc
+        for row in np.unique(idx.req_indices[~is_token]):
+            state = self.input_batch.req_states[row]
+            start = int(idx.positions[qsl[row]])
+            end = min(start + int(qsl[row + 1] - qsl[row]), state.num_prompt_tokens)
+            rows.append(state.prompt_embeds[start:end])
+        positions = torch.from_numpy(np.flatnonzero(~is_token)).to(self.device)
+        embeds[positions] = torch.cat(rows).to(device=self.device, dtype=embeds.dtype)
+        return embeds
+
+    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+        b = self.input_batch
+        temperature = torch.from_numpy(b.temperature[rows]).to(self.device)
+        greedy = b.temperature[rows] < 1e-5
+        top_k = b.top_k[rows]
+        top_p = b.top_p[rows]
+        min_p = b.min_p[rows]
+        generators = {}
+        min_tokens_blocked = {}
+        for i, row in enumerate(rows.tolist()):
+            state = b.req_states[row]
+            if state.generator is not None:
+                generators[i] = state.generator
+            if len(state.output_token_ids) < b.min_tokens[row]:
+                params = state.sampling_params
+                blocked = [*params.stop_token_ids, *params.all_stop_token_ids]
+                if params.eos_token_id is not None and not params.ignore_eos:
+                    blocked.append(params.eos_token_id)
+                if blocked:
+                    min_tokens_blocked[i] = blocked
+        num_logprobs = b.num_logprobs[rows]
+        md = SamplingMetadata(
+            temperature=temperature,
+            all_greedy=bool(greedy.all()),
+            all_random=not bool(greedy.any()),
+            top_p=_tensor_if(top_p, (top_p < 1.0).any(), self.device),
+            top_k=_tensor_if(top_k.astype(np.int64), (top_k < b.vocab_size).any(), self.device),
+            min_p=_tensor_if(min_p, (min_p > 0.0).any(), self.device),
+            generators=generators,
+            presence_penalty=None,
+            frequency_penalty=None,
+            repetition_penalty=None,
+            output_token_counts=None,
+            prompt_token_mask=None,
+            min_tokens_blocked=min_tokens_blocked,
+            max_num_logprobs=int(num_logprobs.max()) if (num_logprobs >= 0).any() else None,
+        )
+        if ((b.presence_penalty[rows] != 0).any() or (b.frequency_penalty[rows] != 0).any()
+                or (b.repetition_penalty[rows] != 1).any()):
+            self._add_penalty_inputs(md, rows)
+        return md
+
+    def _add_penalty_inputs(self, md: SamplingMetadata, rows: np.ndarray) -> None:
+        """Per-row token counts over the vocabulary, from the token-id table.
+
+        Output tokens are positions [num_prompt, num_tokens); prompt tokens are positions
+        [0, num_prompt) that hold real ids (embeds positions are not tokens).
+        """
+        b = self.input_batch
+        max_len = int(b.num_tokens[rows].max())
+        max_len = min(max_len, self.max_model_len)
+        tokens = torch.from_numpy(b.token_ids_cpu[rows, :max_len].astype(np.int64))
+        pos = np.arange(max_len)[None, :]
+        is_output = pos >= b.num_prompt_tokens[rows][:, None]
+        is_output &= pos < b.num_tokens[rows][:, None]
+        is_prompt = (pos < b.num_prompt_tokens[rows][:, None]) & b.is_token_ids[rows, :max_len]
+        vocab = b.vocab_size
+        counts = torch.zeros(len(rows), vocab, dtype=torch.int32)
+        counts.scatter_add_(1, tokens, torch.from_numpy(is_output.astype(np.int32)))
+        prompt_mask = torch.zeros(len(rows), vocab, dtype=torch.int32)
+        prompt_mask.scatter_add_(1, tokens, torch.from_numpy(is_prompt.astype(np.int32)))
+        md.output_token_counts = counts.to(self.device)
+        md.prompt_token_mask = (prompt_mask > 0).to(self.device)
+        md.presence_penalty = torch.from_numpy(b.presence_penalty[rows]).to(self.device)
+        md.frequency_penalty = torch.from_numpy(b.frequency_penalty[rows]).to(self.device)
+        md.repetition_penalty = torch.from_numpy(b.repetition_penalty[rows]).to(self.device)
+
+    def _bookkeep(self, rows: np.ndarray, sampler_output: SamplerOutput) -> ModelRunnerOutput:
+        b = self.input_batch
+        req_ids = list(b.req_ids_in_order)
+        sampled_token_ids: list[list[int]] = [[] for _ in req_ids]
+        for row, token in zip(rows.tolist(), sampler_output.sampled_token_ids.tolist()):
+            b.append_token(row, token)
+            sampled_token_ids[row] = [token]
+        logprobs = None
+        if sampler_output.logprobs is not None:
+            # Rows that did not sample get empty logprob rows so that indices align.
+            lp = sampler_output.logprobs
+            token_ids: list[list[int]] = [[] for _ in req_ids]
+            values: list[list[float]] = [[] for _ in req_ids]
+            ranks = [0] * len(req_ids)
+            for i, row in enumerate(rows.tolist()):
+                token_ids[row], values[row], ranks[row] = lp.token_ids[i], lp.logprobs[i], \
+                    lp.ranks[i]
+            logprobs = type(lp)(token_ids, values, ranks)
+        return ModelRunnerOutput(req_ids, dict(b.req_id_to_index), sampled_token_ids, logprobs)
+
+
+def _tensor_if(array: np.ndarray, condition, device: torch.device) -> torch.Tensor | None:
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device) if condition else None
