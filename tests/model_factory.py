@@ -1,0 +1,209 @@
+"""Build tiny, random-weight Hugging Face checkpoints and tokenizers for tests, fully offline."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+BOS_TOKEN = "<s>"
+EOS_TOKEN = "</s>"
+PAD_TOKEN = "<pad>"
+UNK_TOKEN = "<unk>"
+SPECIAL_TOKENS = [UNK_TOKEN, BOS_TOKEN, EOS_TOKEN, PAD_TOKEN]
+
+TOKENIZER_VOCAB_SIZE = 768
+MODEL_MAX_LENGTH = 1024
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ message['role'] }}: {{ message['content'] }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+TRAINING_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. A small engine reads a prompt, splits it into "
+    "tokens, and predicts the next token one step at a time until it reaches the end.",
+    "Once upon a time there was a little robot who lived in a quiet village by the sea. Every "
+    "morning it walked to the market, bought bread and apples, and said hello to the baker.",
+    "Language models are trained on large amounts of text. They learn which words tend to follow "
+    "other words, and they can answer questions, write stories, and translate sentences.",
+    "What is the capital of France? The capital of France is Paris. What is the capital of Japan? "
+    "The capital of Japan is Tokyo. Numbers like 1, 2, 3, 42, 100 and 2024 appear in text too.",
+    "She ordered a café au lait and a croissant; he was naïve enough to think the jalapeño salsa "
+    "would be mild. The résumé listed Zürich, São Paulo, and Kraków as previous homes.",
+    "日本語のテキストも少し含めます。東京は日本の首都です。中文也可以：你好，世界。"
+    "한국어 문장도 있습니다. Привет, мир! Γειά σου κόσμε.",
+    "Emoji make chats lively 🙂 🚀 🎉 ❤️ and so do symbols like €, £, ©, ™, → and ∑.",
+    'def greet(name):\n    return f"Hello, {name}!"\n\n'
+    "print(greet('world'))  # prints a greeting",
+    "user: Can you help me plan a trip?\nassistant: Of course! Where would you like to go, and "
+    "how many days do you have? I can suggest museums, parks, and good places to eat.",
+]
+
+
+def _train_tokenizer() -> Any:
+    """Train a deterministic byte-level BPE ``tokenizers.Tokenizer`` on the built-in corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token=UNK_TOKEN))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        min_frequency=1,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(TRAINING_CORPUS * 4, trainer=trainer)
+    bos_id = tokenizer.token_to_id(BOS_TOKEN)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN} $A",
+        pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
+        special_tokens=[(BOS_TOKEN, bos_id)],
+    )
+    return tokenizer
+
+
+def _write_json(path: str, data: dict) -> None:
+    """Write ``data`` as stable, indented JSON."""
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(data, handle, indent=2, ensure_ascii=False, sort_keys=True)
+        handle.write("\n")
+
+
+def make_tiny_tokenizer(path: str) -> None:
+    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into ``path``.
+
+    The result is a byte-level BPE tokenizer (any UTF-8 text round-trips) that
+    ``transformers.AutoTokenizer.from_pretrained(path)`` loads offline with bos/eos/pad/unk set,
+    a plain-text chat template, and a bos token prepended to every encoded prompt.
+    """
+    os.makedirs(path, exist_ok=True)
+    _train_tokenizer().save(os.path.join(path, "tokenizer.json"))
+    special_tokens = {
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "unk_token": UNK_TOKEN,
+    }
+    _write_json(os.path.join(path, "special_tokens_map.json"), special_tokens)
+    _write_json(
+        os.path.join(path, "tokenizer_config.json"),
+        {
+            **special_tokens,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "model_max_length": MODEL_MAX_LENGTH,
+            "clean_up_tokenization_spaces": False,
+            "add_bos_token": True,
+            "add_eos_token": False,
+            "chat_template": CHAT_TEMPLATE,
+        },
+    )
+
+
+def tiny_tokenizer_vocab_size(path: str) -> int:
+    """Number of tokens (special ones included) of the tokenizer written in ``path``."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(os.path.join(path, "tokenizer.json")).get_vocab_size()
+
+
+_ARCH_CLASSES: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+}
+
+WEIGHT_INIT_STD = 0.2
+NORM_INIT_STD = 0.1
+
+
+def tiny_model_config(arch: str, vocab_size: int, **overrides: Any) -> Any:
+    """Return a small transformers config (GQA, float32) for ``arch`` with ``overrides``."""
+    import transformers
+
+    if arch not in _ARCH_CLASSES:
+        choices = sorted(_ARCH_CLASSES)
+        raise ValueError(f"Unsupported tiny model arch {arch!r}; choose from {choices}")
+    config_class = getattr(transformers, _ARCH_CLASSES[arch][0])
+    settings: dict[str, Any] = {
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": MODEL_MAX_LENGTH,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "initializer_range": WEIGHT_INIT_STD,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 3,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+    settings.update(overrides)
+    return config_class(**settings)
+
+
+def _randomize_parameters(model: torch.nn.Module, seed: int, std: float) -> None:
+    """Fill every parameter from a seeded generator: norms near 1, everything else N(0, std).
+
+    Biases (qwen2's q/k/v) and norm weights are made non-trivial too, so a loader that drops or
+    misplaces them changes the model's output.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            if "norm" in name:
+                param.copy_(1.0 + NORM_INIT_STD * noise)
+            else:
+                param.copy_(std * noise)
+
+
+def _add_legacy_config_keys(path: str, config: Any) -> None:
+    """Add the ``torch_dtype`` and ``rope_theta`` keys that most published config.json files use."""
+    config_path = os.path.join(path, "config.json")
+    with open(config_path, encoding="utf-8") as handle:
+        data = json.load(handle)
+    data.setdefault("torch_dtype", "float32")
+    rope = data.get("rope_parameters") or {}
+    data.setdefault("rope_theta", rope.get("rope_theta", getattr(config, "rope_theta", None)))
+    _write_json(config_path, data)
+
+
+def make_tiny_model(
+    path: str,
+    arch: str = "llama",
+    *,
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+    **config_overrides: Any,
+) -> str:
+    """Write a tiny random-weight ``arch`` checkpoint (config, safetensors, tokenizer) to ``path``.
+
+    Weights are drawn with ``seed`` and scaled (``WEIGHT_INIT_STD``) so that greedy decoding
+    yields varied tokens rather than one repeated token. Returns ``path``.
+    """
+    import transformers
+
+    make_tiny_tokenizer(path)
+    config = tiny_model_config(
+        arch,
+        tiny_tokenizer_vocab_size(path),
+        tie_word_embeddings=tie_word_embeddings,
+        **config_overrides,
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, _ARCH_CLASSES[arch][1])(config).to(torch.float32).eval()
+    _randomize_parameters(model, seed, config.initializer_range)
+    model.save_pretrained(path, safe_serialization=True)
+    _add_legacy_config_keys(path, config)
+    return path
