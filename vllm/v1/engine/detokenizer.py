@@ -59,6 +59,16 @@ class IncrementalDetokenizer:
             return full[len(prefix):]
         return ""
 
+    def flush(self) -> None:
+        """At the end of the sequence, emits what was held back waiting for a character
+        to complete (invalid bytes become U+FFFD, as a full decode would show them)."""
+        if self.tokenizer is None or self.read_offset == len(self.tokens):
+            return
+        prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
+        full = self._decode(self.tokens[self.prefix_offset:])
+        self.output_text += full[len(prefix):]
+        self.prefix_offset = self.read_offset = len(self.tokens)
+
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 

@@ -63,13 +63,21 @@ class LLMEngine:
 
     def abort_request(self, request_ids: list[str]) -> None:
         self.engine_core.abort_requests(self.output_processor.abort_requests(request_ids))
+        self._flush_if_idle()
 
     def step(self) -> list[RequestOutput]:
         outputs = self.engine_core.step()
         ready, reqs_to_abort = self.output_processor.process_outputs(outputs)
         if reqs_to_abort:
             self.engine_core.abort_requests(reqs_to_abort)
+        self._flush_if_idle()
         return [output for _, output in ready]
+
+    def _flush_if_idle(self) -> None:
+        if not self.has_unfinished_requests() and self.engine_core.has_requests():
+            # Nothing left to run: one empty step delivers the finished ids to the model
+            # runner so that it drops their state (prompt embeds included) now.
+            self.engine_core.step()
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()

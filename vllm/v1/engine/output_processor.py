@@ -102,6 +102,8 @@ class OutputProcessor:
             if stop_str is not None and finish_reason is None:
                 finish_reason, stop_reason = FinishReason.STOP, stop_str
                 reqs_to_abort.append(out.request_id)
+            elif finish_reason is not None and stop_str is None:
+                state.detokenizer.flush()
             if out.new_logprobs is not None and state.logprobs is not None:
                 self._append_logprobs(state, out.new_logprobs)
             finished = finish_reason is not None

@@ -68,6 +68,13 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_finished_requests(self) -> bool:
+        """Finished ids not yet delivered to the runner (it frees their state then)."""
+        return bool(self.finished_req_ids)
+
+    def has_requests(self) -> bool:
+        return self.has_unfinished_requests() or self.has_finished_requests()
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
 
