@@ -1,0 +1,244 @@
+"""`AsyncLLM`: asyncio front end over an engine core in a background process (the server's engine).
+
+    generate() ─► Processor ─► AsyncMPClient ══ZMQ══► EngineCore (own process)
+         ▲                                                   │
+         └── per-request queue ◄── OutputProcessor ◄── output handler task
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator
+from typing import Any, Protocol
+
+from vllm.config import VllmConfig
+from vllm.engine.arg_utils import EngineArgs
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import SamplingParams
+from vllm.transformers_utils.tokenizer import get_tokenizer
+from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from vllm.v1.engine.core_client import AsyncMPClient, EngineDeadError
+from vllm.v1.engine.llm_engine import child_params
+from vllm.v1.engine.output_processor import OutputProcessor, ParentRequest
+from vllm.v1.engine.processor import Processor
+from vllm.v1.metrics.stats import IterationStats, RequestStatsTracker
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AsyncLLM", "EngineDeadError", "RequestStream"]
+
+# Outputs handled per slice before yielding to the event loop (keeps streams responsive).
+_OUTPUT_CHUNK = 128
+
+
+class StatLogger(Protocol):
+    def record(self, scheduler_stats: SchedulerStats | None,
+               iteration_stats: IterationStats | None) -> None: ...
+
+
+class RequestStream:
+    """The outputs of one user request, in order; an exception in the queue is raised."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.queue.put_nowait(item)
+
+    async def get(self) -> RequestOutput:
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+
+class AsyncLLM:
+    """Serves many concurrent requests; `generate` is an async iterator of `RequestOutput`s.
+
+    Tokenizing, validation and detokenizing happen here (the API process); scheduling and
+    the model run in the engine-core process. Abandoning a `generate` iterator (a client
+    that disconnected) aborts the request in the core, which frees its KV blocks.
+    """
+
+    def __init__(self, vllm_config: VllmConfig,
+                 stat_loggers: list[StatLogger] | None = None) -> None:
+        self.vllm_config = vllm_config
+        model_config = vllm_config.model_config
+        self.tokenizer = (None if model_config.skip_tokenizer_init
+                          else get_tokenizer(model_config.tokenizer))
+        self.processor = Processor(model_config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.stats_tracker = RequestStatsTracker()
+        self.stat_loggers = list(stat_loggers or [])
+        self.engine_core = AsyncMPClient(vllm_config)
+        vllm_config.cache_config.num_blocks = self.engine_core.num_blocks
+        self._output_handler: asyncio.Task | None = None
+        self._background: set[asyncio.Task] = set()
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs,
+                         stat_loggers: list[StatLogger] | None = None) -> AsyncLLM:
+        return cls(engine_args.create_engine_config(), stat_loggers)
+
+    # ---- health ---------------------------------------------------------------------
+
+    @property
+    def errored(self) -> bool:
+        return not self.engine_core.is_alive()
+
+    @property
+    def dead_error(self) -> EngineDeadError:
+        return self.engine_core.dead_error or EngineDeadError("The engine core is not running.")
+
+    async def check_health(self) -> None:
+        """Raises `EngineDeadError` if the engine core process is gone."""
+        if self.errored:
+            raise self.dead_error
+
+    # ---- requests -------------------------------------------------------------------
+
+    async def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
+                          arrival_time: float | None = None) -> RequestStream:
+        """Validates and queues one prompt; raises ValueError (bad input, nothing queued)
+        or EngineDeadError."""
+        if self.errored:
+            raise self.dead_error
+        if request_id in self.output_processor.request_states or \
+                request_id in self.output_processor.parents:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        request, parsed = self.processor.process_inputs(request_id, prompt, params,
+                                                        arrival_time)
+        self._ensure_output_handler()
+        stream = RequestStream(request_id)
+        try:
+            if params.n == 1:
+                await self._add_engine_request(request, parsed, stream)
+                return stream
+            parent = ParentRequest(request_id, params.n, params.output_kind)
+            for index in range(params.n):
+                child = EngineCoreRequest(f"{index}_{request_id}", request.prompt_token_ids,
+                                          request.prompt_embeds,
+                                          child_params(request.sampling_params, index),
+                                          request.eos_token_id, request.arrival_time)
+                await self._add_engine_request(child, parsed, stream, parent, index)
+        except BaseException:
+            self.abort_nowait([request_id])
+            raise
+        return stream
+
+    async def _add_engine_request(self, request: EngineCoreRequest, parsed: Any,
+                                  stream: RequestStream, parent: ParentRequest | None = None,
+                                  index: int = 0) -> None:
+        num_prompt = request.num_prompt_tokens
+        self.output_processor.add_request(request.request_id, parsed.prompt,
+                                          parsed.prompt_token_ids, num_prompt,
+                                          request.sampling_params, parent, index, queue=stream)
+        self.stats_tracker.add(request.request_id, request.arrival_time, num_prompt)
+        await self.engine_core.add_request_async(request)
+
+    async def generate(self, prompt: Any, sampling_params: SamplingParams,
+                       request_id: str) -> AsyncGenerator[RequestOutput, None]:
+        """Yields the request's outputs (per `sampling_params.output_kind`) until finished.
+
+        Closing or cancelling the iterator early aborts the request.
+        """
+        stream = await self.add_request(request_id, prompt, sampling_params)
+        async for output in self.iterate(stream):
+            yield output
+
+    async def iterate(self, stream: RequestStream) -> AsyncGenerator[RequestOutput, None]:
+        """Yields a stream's outputs; aborts the request if the consumer stops early."""
+        try:
+            while not stream.finished:
+                yield await stream.get()
+        finally:
+            if not stream.finished:
+                self.abort_nowait([stream.request_id])
+
+    async def abort(self, request_id: str | list[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        core_ids = self._forget(ids)
+        await self.engine_core.abort_requests_async(core_ids)
+
+    def abort_nowait(self, request_ids: list[str]) -> None:
+        """Abort from synchronous code (a `finally` of a cancelled stream)."""
+        core_ids = self._forget(request_ids)
+        if core_ids and not self.errored:
+            self._spawn(self.engine_core.abort_requests_async(core_ids))
+
+    def _forget(self, request_ids: list[str]) -> list[str]:
+        core_ids = self.output_processor.abort_requests(request_ids)
+        self._log(None, self.stats_tracker.end(core_ids, "abort", time.monotonic()))
+        return core_ids
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ---- outputs --------------------------------------------------------------------
+
+    def _ensure_output_handler(self) -> None:
+        if self._output_handler is None or self._output_handler.done():
+            self._output_handler = asyncio.get_running_loop().create_task(
+                self._run_output_handler())
+
+    async def _run_output_handler(self) -> None:
+        try:
+            while True:
+                outputs = await self.engine_core.get_output_async()
+                await self._process_outputs(outputs)
+        except EngineDeadError as e:
+            self._fail_all(e)
+        except Exception as e:
+            logger.exception("The output handler failed.")
+            self._fail_all(EngineDeadError(f"The output handler failed: {e}"))
+
+    async def _process_outputs(self, outputs: EngineCoreOutputs) -> None:
+        now = time.monotonic()
+        self._log(outputs.scheduler_stats, self.stats_tracker.update(outputs, now))
+        items = outputs.outputs
+        for start in range(0, len(items), _OUTPUT_CHUNK):
+            if start:
+                await asyncio.sleep(0)
+            chunk = EngineCoreOutputs(items[start:start + _OUTPUT_CHUNK])
+            ready, stopped = self.output_processor.process_outputs(chunk)
+            for state, request_output in ready:
+                state.queue.put(request_output)
+            if stopped:  # a stop string matched: finished here, the core must drop it too
+                self._log(None, self.stats_tracker.end(stopped, "stop", now))
+                await self.engine_core.abort_requests_async(stopped)
+
+    def _fail_all(self, error: BaseException) -> None:
+        streams = {id(s.queue): s.queue for s in self.output_processor.request_states.values()}
+        self.output_processor.abort_requests(list(self.output_processor.request_states))
+        for stream in streams.values():
+            stream.put(error)
+
+    def _log(self, scheduler_stats: SchedulerStats | None,
+             iteration_stats: IterationStats | None) -> None:
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(scheduler_stats, iteration_stats)
+
+    # ---- utilities ------------------------------------------------------------------
+
+    async def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.engine_core.reset_prefix_cache_async()
+
+    async def get_scheduler_stats(self) -> dict[str, Any]:
+        """Running/waiting requests and KV usage, asked of the engine core now."""
+        return await self.engine_core.call_utility_async("get_scheduler_stats")
+
+    def shutdown(self) -> None:
+        if self._output_handler is not None:
+            self._output_handler.cancel()
+        self.engine_core.shutdown()

@@ -1,0 +1,194 @@
+"""The engine core in its own process: a ZMQ-fed loop around `EngineCore`.
+
+    API process (AsyncMPClient)                      engine-core process (EngineCoreProc)
+    PUSH  input  ── [ADD | ABORT | UTILITY, body, *tensor frames] ──►  PULL
+    PULL  output ◄── [OUTPUTS | UTILITY_RESULT | ENGINE_DEAD, body] ──  PUSH
+
+Bodies are msgpack (`vllm.v1.serial_utils`); nothing on these sockets is pickled. The
+start-up handshake (ready, or the error that stopped the engine from starting) goes over
+a one-way multiprocessing pipe as msgpack bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import traceback
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgspec
+import zmq
+
+from vllm.config import VllmConfig
+from vllm.v1.engine import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
+                            FinishReason, SchedulerStats)
+from vllm.v1.engine.core import EngineCore
+from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+logger = logging.getLogger(__name__)
+
+# First frame of every input message.
+REQ_ADD = b"\x00"
+REQ_ABORT = b"\x01"
+REQ_UTILITY = b"\x02"
+# First frame of every output message.
+OUT_OUTPUTS = b"\x00"
+OUT_UTILITY_RESULT = b"\x01"
+OUT_ENGINE_DEAD = b"\x02"
+
+# How often an idle engine checks that the API process is still alive.
+_IDLE_POLL_MS = 1000
+
+
+@dataclass(slots=True)
+class UtilityCall:
+    call_id: int
+    method: str
+    args: list[Any] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class UtilityResult:
+    call_id: int
+    result: Any = None
+    error: str | None = None  # set when the call raised
+
+
+@dataclass(slots=True)
+class EngineDead:
+    message: str
+
+
+class EngineCoreProc:
+    """Owns one `EngineCore` and its two sockets; steps while there is work, sleeps on the
+    input socket when there is none."""
+
+    UTILITY_METHODS = ("reset_prefix_cache", "get_scheduler_stats", "ping")
+
+    def __init__(self, engine_core: EngineCore, input_addr: str, output_addr: str,
+                 parent_pid: int) -> None:
+        self.engine_core = engine_core
+        self.parent_pid = parent_pid
+        self.ctx = zmq.Context()
+        self.input_socket = self.ctx.socket(zmq.PULL)
+        self.input_socket.connect(input_addr)
+        self.output_socket = self.ctx.socket(zmq.PUSH)
+        self.output_socket.connect(output_addr)
+        self.encoder = MsgpackEncoder()
+        self.add_decoder = MsgpackDecoder(EngineCoreRequest)
+        self.abort_decoder = MsgpackDecoder(list[str])
+        self.utility_decoder = MsgpackDecoder(UtilityCall)
+        self._last_stats: SchedulerStats | None = None
+
+    def run_busy_loop(self) -> None:
+        while True:
+            if not self._process_input(block=not self.engine_core.has_unfinished_requests()):
+                return  # the API process is gone
+            outputs = self.engine_core.step()
+            # Stats carry per-step prefix-cache deltas, so any change must be sent.
+            if outputs.outputs or outputs.scheduler_stats != self._last_stats:
+                self._send(OUT_OUTPUTS, outputs)
+                self._last_stats = outputs.scheduler_stats
+
+    def _process_input(self, block: bool) -> bool:
+        """Handles every queued message; when `block`, first waits for one. Returns False
+        if the parent process died while waiting."""
+        if block:
+            while not self.input_socket.poll(_IDLE_POLL_MS):
+                if os.getppid() != self.parent_pid:
+                    return False
+        while self.input_socket.poll(0):
+            frames = self.input_socket.recv_multipart(copy=False)
+            self._handle(frames[0].bytes, [f.buffer for f in frames[1:]])
+        return True
+
+    def _handle(self, kind: bytes, body: list[memoryview]) -> None:
+        if kind == REQ_ADD:
+            self._add_request(self.add_decoder.decode(body))
+        elif kind == REQ_ABORT:
+            self.engine_core.abort_requests(self.abort_decoder.decode(body))
+        elif kind == REQ_UTILITY:
+            self._call_utility(self.utility_decoder.decode(body))
+        else:
+            logger.error("Ignoring an engine-core message of unknown kind %r.", kind)
+
+    def _add_request(self, request: EngineCoreRequest) -> None:
+        try:
+            self.engine_core.add_request(request)
+        except Exception as e:  # the API process validated it; never let one kill the loop
+            logger.error("Engine core refused request %s: %s", request.request_id, e)
+            refused = EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ABORT)
+            self._send(OUT_OUTPUTS, EngineCoreOutputs([refused]))
+
+    def _call_utility(self, call: UtilityCall) -> None:
+        result = UtilityResult(call.call_id)
+        if call.method not in self.UTILITY_METHODS:
+            result.error = f"Unknown engine-core utility {call.method!r}."
+        else:
+            try:
+                result.result = getattr(self, call.method)(*call.args)
+            except Exception as e:
+                result.error = f"{type(e).__name__}: {e}"
+        self._send(OUT_UTILITY_RESULT, result)
+
+    # ---- utilities callable from the API process ---------------------------------
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.reset_prefix_cache()
+
+    def get_scheduler_stats(self) -> dict[str, Any]:
+        """Running/waiting counts and KV usage now (leaves the streamed prefix deltas be)."""
+        scheduler = self.engine_core.scheduler
+        return {
+            "num_running_reqs": len(scheduler.running),
+            "num_waiting_reqs": len(scheduler.waiting),
+            "kv_cache_usage": scheduler.kv_cache_manager.usage,
+            "num_preemptions": scheduler.num_preemptions,
+        }
+
+    def ping(self) -> str:
+        return "pong"
+
+    def _send(self, kind: bytes, obj: Any) -> None:
+        self.output_socket.send_multipart([kind, *self.encoder.encode(obj)], copy=False)
+
+    def send_dead(self, message: str) -> None:
+        self._send(OUT_ENGINE_DEAD, EngineDead(message))
+
+    def close(self) -> None:
+        self.engine_core.shutdown()
+        self.ctx.destroy(linger=1000)
+
+
+def run_engine_core(vllm_config: VllmConfig, input_addr: str, output_addr: str,
+                    ready_pipe: Connection, parent_pid: int) -> None:
+    """Process entry point: build the engine, report ready (or why not), then loop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when to stop
+
+    def _on_sigterm(signum: int, frame: Any) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        core = EngineCore(vllm_config)
+        proc = EngineCoreProc(core, input_addr, output_addr, parent_pid)
+    except Exception as e:
+        ready_pipe.send_bytes(msgspec.msgpack.encode(
+            {"status": "failed", "error": f"{type(e).__name__}: {e}"}))
+        raise SystemExit(1) from None
+    ready_pipe.send_bytes(msgspec.msgpack.encode(
+        {"status": "ready", "num_blocks": vllm_config.cache_config.num_blocks}))
+    ready_pipe.close()
+    try:
+        proc.run_busy_loop()
+    except SystemExit:
+        pass
+    except BaseException as e:
+        logger.error("Engine core died:\n%s", traceback.format_exc())
+        proc.send_dead(f"{type(e).__name__}: {e}")
+        proc.close()
+        raise SystemExit(1) from None
+    proc.close()

@@ -1,0 +1,94 @@
+"""`PrometheusStatLogger`: serving metrics with vLLM's names, in a registry of its own."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from vllm.v1.engine import SchedulerStats
+from vllm.v1.metrics.stats import IterationStats
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                0.75, 1.0, 2.5, 5.0, 10.0)
+_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                50.0, 60.0, 120.0, 240.0)
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class PrometheusStatLogger:
+    """Turns scheduler snapshots and iteration stats into Prometheus metrics.
+
+    Every metric carries a `model_name` label; `render()` gives the text exposition format.
+    """
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        reg, names, label = self.registry, ["model_name"], (model_name,)
+        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch.",
+                             names, registry=reg).labels(*label)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.",
+                             names, registry=reg).labels(*label)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc",
+                              "Fraction of KV cache blocks in use (1 = full).",
+                              names, registry=reg).labels(*label)
+        self.hit_rate = Gauge("vllm:prefix_cache_hit_rate",
+                              "Prefix-cache hits / queries, in tokens, since start.",
+                              names, registry=reg).labels(*label)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache.",
+                                      names, registry=reg).labels(*label)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits",
+                                   "Prompt tokens found in the prefix cache.",
+                                   names, registry=reg).labels(*label)
+        self.preemptions = Counter("vllm:num_preemptions", "Requests preempted.",
+                                   names, registry=reg).labels(*label)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefilled prompt tokens.",
+                                     names, registry=reg).labels(*label)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.",
+                                         names, registry=reg).labels(*label)
+        success = Counter("vllm:request_success", "Finished requests, by finish reason.",
+                          ["model_name", "finished_reason"], registry=reg)
+        self.success = {r: success.labels(model_name, r) for r in FINISH_REASONS}
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.",
+                              names, buckets=_TTFT_BUCKETS, registry=reg).labels(*label)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens.",
+                             names, buckets=_ITL_BUCKETS, registry=reg).labels(*label)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.",
+                             names, buckets=_E2E_BUCKETS, registry=reg).labels(*label)
+        self._queries = self._hits = 0
+        self._num_preemptions = 0
+
+    def record(self, scheduler_stats: SchedulerStats | None,
+               iteration_stats: IterationStats | None) -> None:
+        if scheduler_stats is not None:
+            self._record_scheduler(scheduler_stats)
+        if iteration_stats is not None:
+            self._record_iteration(iteration_stats)
+
+    def _record_scheduler(self, stats: SchedulerStats) -> None:
+        self.running.set(stats.num_running_reqs)
+        self.waiting.set(stats.num_waiting_reqs)
+        self.kv_usage.set(stats.kv_cache_usage)
+        self.prefix_queries.inc(stats.prefix_cache_queries)
+        self.prefix_hits.inc(stats.prefix_cache_hits)
+        self._queries += stats.prefix_cache_queries
+        self._hits += stats.prefix_cache_hits
+        self.hit_rate.set(self._hits / self._queries if self._queries else 0.0)
+        if stats.num_preemptions > self._num_preemptions:  # the core reports a running total
+            self.preemptions.inc(stats.num_preemptions - self._num_preemptions)
+            self._num_preemptions = stats.num_preemptions
+
+    def _record_iteration(self, stats: IterationStats) -> None:
+        self.prompt_tokens.inc(stats.num_prompt_tokens)
+        self.generation_tokens.inc(stats.num_generation_tokens)
+        for ttft in stats.time_to_first_tokens:
+            self.ttft.observe(ttft)
+        for itl in stats.inter_token_latencies:
+            self.itl.observe(itl)
+        for finished in stats.finished_requests:
+            self.success[finished.finish_reason].inc()
+            self.e2e.observe(finished.e2e_latency)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
