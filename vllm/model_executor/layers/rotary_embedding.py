@@ -26,12 +26,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", (emb.cos() * scaling).to(dtype), persistent=False)
         self.register_buffer("sin", (emb.sin() * scaling).to(dtype), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor,
-                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [num_tokens, heads, d], k [num_tokens, kv_heads, d] -> rotated copies."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin rows of the step's positions, [num_tokens, 1, d]; computed once per
+        step and shared by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rotary(cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor,
+                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [num_tokens, heads, d], k [num_tokens, kv_heads, d] -> rotated copies."""
+    cos, sin = cos_sin
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

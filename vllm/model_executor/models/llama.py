@@ -15,13 +15,13 @@ from torch import nn
 
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 from vllm.v1.attention.backends.abstract import AttentionBackend
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, config, layer_idx: int, backend: type[AttentionBackend],
-                 rotary: RotaryEmbedding, qkv_bias: bool) -> None:
+                 qkv_bias: bool) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -33,17 +33,17 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size,
                                 bias=getattr(config, "attention_bias", False))
-        self.rotary = rotary
         self.attn = Attention(backend, layer_idx, self.num_heads, self.head_dim,
                               self.num_kv_heads, self.head_dim**-0.5)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(cos_sin, q, k)
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -61,15 +61,16 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, backend: type[AttentionBackend],
-                 rotary: RotaryEmbedding, qkv_bias: bool) -> None:
+                 qkv_bias: bool) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, backend, rotary, qkv_bias)
+        self.self_attn = LlamaAttention(config, layer_idx, backend, qkv_bias)
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h))
+    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                h: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(cos_sin, self.input_layernorm(h))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -82,10 +83,10 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         head_dim = (getattr(config, "head_dim", None)
                     or config.hidden_size // config.num_attention_heads)
-        rotary = RotaryEmbedding(config, head_dim, max_model_len, dtype)
+        self.rotary = RotaryEmbedding(config, head_dim, max_model_len, dtype)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, backend, rotary, self.qkv_bias)
+            LlamaDecoderLayer(config, i, backend, self.qkv_bias)
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
@@ -99,8 +100,9 @@ class LlamaForCausalLM(nn.Module):
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Returns the final hidden states, [num_tokens, hidden_size]."""
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        cos_sin = self.rotary.lookup(positions)
         for layer in self.layers:
-            h = layer(positions, h)
+            h = layer(cos_sin, h)
         return self.norm(h)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

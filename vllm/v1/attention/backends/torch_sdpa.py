@@ -39,6 +39,7 @@ class TorchSDPAMetadata:
     decode_block_table: torch.Tensor | None  # [num_decodes, max_blocks] int64
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillSpan]
+    decode_only: bool  # every token is a decode, in order: no scatter of results needed
 
 
 class TorchSDPABackend(AttentionBackend):
@@ -82,7 +83,8 @@ class TorchSDPABackend(AttentionBackend):
             prefills.append(PrefillSpan(start, end, block_ids, seq_len, mask))
         slot_mapping = torch.from_numpy(common.slot_mapping).to(device)
         return TorchSDPAMetadata(slot_mapping, common.num_actual_tokens, decode_idx,
-                                 decode_table, decode_mask, prefills)
+                                 decode_table, decode_mask, prefills,
+                                 decode_only=decode.size == common.num_actual_tokens)
 
     @staticmethod
     def make_impl(num_heads: int, head_size: int, num_kv_heads: int,
@@ -108,6 +110,8 @@ class TorchSDPAImpl(AttentionImpl):
         key_cache.index_copy_(0, metadata.slot_mapping, key[:n])
         value_cache.index_copy_(0, metadata.slot_mapping, value[:n])
 
+        if metadata.decode_only:
+            return self._decode(query, kv_cache, metadata).view(num_tokens, -1)
         out = torch.empty(num_tokens, self.num_heads, self.head_size, dtype=query.dtype,
                           device=query.device)
         if metadata.decode_token_idx is not None:
@@ -118,13 +122,15 @@ class TorchSDPAImpl(AttentionImpl):
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: TorchSDPAMetadata) -> torch.Tensor:
-        idx, table = metadata.decode_token_idx, metadata.decode_block_table
+        table = metadata.decode_block_table
         n = table.shape[0]
+        q = query if metadata.decode_only else query[metadata.decode_token_idx]
         # Queries of one KV head's group share every key, so the group folds into the
         # query-length axis: q [n, kv_heads, group, d] against k [n, kv_heads, len, d].
-        q = query[idx].view(n, self.num_kv_heads, self.group, self.head_size)
-        k = kv_cache[0][table].view(n, -1, self.num_kv_heads, self.head_size).transpose(1, 2)
-        v = kv_cache[1][table].view(n, -1, self.num_kv_heads, self.head_size).transpose(1, 2)
+        q = q.view(n, self.num_kv_heads, self.group, self.head_size)
+        kv = kv_cache.index_select(1, table.view(-1)).view(2, n, -1, self.num_kv_heads,
+                                                            self.head_size)
+        k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=metadata.decode_mask,
                                            scale=self.scale)
         return o.reshape(n, self.num_heads, self.head_size)
