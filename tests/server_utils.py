@@ -1,0 +1,112 @@
+"""Run `vllm serve` in a subprocess on a free loopback port, for the server tests."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import torch
+
+# The engine flags every test server shares: small, exact and quick on CPU.
+SMALL_ENGINE_ARGS = ["--dtype", "float32", "--kv-cache-memory-bytes", "64MiB",
+                     "--max-model-len", "512", "--seed", "0"]
+STARTUP_TIMEOUT_S = 180.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def encode_tensor(tensor: object) -> str:
+    """base64 of torch.save(tensor): the wire form of `prompt_embeds`."""
+    buffer = io.BytesIO()
+    torch.save(tensor, buffer)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def _vllm_command() -> list[str]:
+    script = os.path.join(os.path.dirname(sys.executable), "vllm")
+    if os.path.exists(script):
+        return [script]
+    return [sys.executable, "-c", "import sys; from vllm.entrypoints.cli import main; "
+            "sys.exit(main())"]
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of `pid` (Linux /proc)."""
+    result = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            result += [int(p) for p in f.read().split()]
+    return result
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+class RemoteServer:
+    """`vllm serve MODEL ARGS` on 127.0.0.1:<free port>; stop() sends SIGTERM."""
+
+    def __init__(self, model: str, args: list[str]) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="vllm-serve-", suffix=".log")
+        command = [*_vllm_command(), "serve", model, "--host", "127.0.0.1",
+                   "--port", str(self.port), "--disable-uvicorn-access-log", *args]
+        self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n"
+                                   f"{self.read_log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"vllm serve did not become healthy:\n{self.read_log()}")
+
+    def engine_core_pids(self) -> list[int]:
+        return [p for p in child_pids(self.proc.pid) if "spawn_main" in _cmdline(p)]
+
+    def read_log(self) -> str:
+        self.log.flush()
+        with open(self.log.name) as f:
+            return f.read()[-5000:]
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM, then wait; returns the exit code (kills after `timeout`)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if not self.log.closed:
+            self.final_log = self.read_log()
+            self.log.close()
+        return self.proc.returncode

@@ -1,0 +1,79 @@
+"""`vllm serve` with an API key, a served model name and prompt embeds off; then the engine
+process is killed and the server must report it (the last test of the module)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.server_utils import SMALL_ENGINE_ARGS, RemoteServer, encode_tensor
+
+API_KEY = "test-secret"
+NAME = "tiny-qwen"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen2_dir: str):
+    srv = RemoteServer(tiny_qwen2_dir, ["--api-key", API_KEY, "--served-model-name", NAME,
+                                        "--no-enable-prefix-caching", *SMALL_ENGINE_ARGS])
+    yield srv
+    assert srv.stop() == 0, srv.final_log  # clean exit even with the engine dead
+
+
+@pytest.fixture(scope="module")
+def client(server: RemoteServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0,
+                         timeout=60)
+
+
+def test_api_key_required_on_v1(server: RemoteServer, client: openai.OpenAI) -> None:
+    wrong = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as info:
+        wrong.completions.create(model=NAME, prompt="hi", max_tokens=2)
+    assert info.value.status_code == 401
+    response = httpx.get(f"{server.url}/v1/models")
+    assert response.status_code == 401 and response.json()["error"]["code"] == 401
+    assert httpx.get(f"{server.url}/health").status_code == 200  # not behind the key
+    assert [m.id for m in client.models.list().data] == [NAME]
+    out = client.completions.create(model=NAME, prompt="hi", max_tokens=3, temperature=0.0)
+    assert out.usage.completion_tokens == 3
+
+
+def test_served_model_name(client: openai.OpenAI, tiny_qwen2_dir: str) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model=tiny_qwen2_dir, prompt="hi", max_tokens=2)
+    out = client.chat.completions.create(model=NAME, max_tokens=3,
+                                         messages=[{"role": "user", "content": "hi"}])
+    assert out.model == NAME
+
+
+def test_prompt_embeds_flag_off_is_400(client: openai.OpenAI) -> None:
+    import torch
+
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=NAME, prompt=None, max_tokens=2,
+                                  extra_body={"prompt_embeds": encode_tensor(torch.randn(3, 64))})
+    assert "--enable-prompt-embeds" in str(info.value)
+
+
+def test_engine_death_is_reported(server: RemoteServer, client: openai.OpenAI) -> None:
+    """Kill the engine-core process: /health turns non-200 and requests fail with 500."""
+    pids = server.engine_core_pids()
+    assert len(pids) == 1
+    os.kill(pids[0], signal.SIGKILL)
+    for _ in range(100):  # bounded: at most ~5 s for the sentinel to fire
+        if httpx.get(f"{server.url}/health").status_code != 200:
+            break
+        time.sleep(0.05)
+    health = httpx.get(f"{server.url}/health")
+    assert health.status_code == 503 and "engine" in health.json()["error"]["message"]
+    with pytest.raises(openai.InternalServerError) as info:
+        client.completions.create(model=NAME, prompt="hi", max_tokens=2)
+    assert info.value.status_code == 500
+    with pytest.raises(openai.InternalServerError):
+        list(client.completions.create(model=NAME, prompt="hi", max_tokens=2, stream=True))
