@@ -71,4 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run through the importable module, whose registry the optional subcommands fill.
+    from vllm.entrypoints.cli import main as _main
+
+    sys.exit(_main())
