@@ -3,8 +3,10 @@
 KV cache per layer: `[2, num_blocks, block_size, num_kv_heads, head_size]`; K and V of
 token t live at flat slot `slot_mapping[t]` of `kv_cache[0]` / `kv_cache[1]`.
 
-Decode requests (one query token) are computed together: their blocks are gathered into a
-padded `[num_decodes, max_blocks * block_size]` key range and masked by sequence length.
+Decode requests (one query token) are computed together: on CPU by the native paged
+kernel (`csrc/cpu/paged_attention.cpp`, reading blocks in place), otherwise by gathering
+their blocks into a padded `[num_decodes, max_blocks * block_size]` key range masked by
+sequence length.
 Prefill chunks are computed one request at a time; a chunk with nothing computed before it
 attends to its own keys with a causal mask and never reads the cache.
 """
@@ -19,6 +21,15 @@ import torch.nn.functional as F
 
 from vllm.v1.attention.backends.abstract import (AttentionBackend, AttentionImpl,
                                                  CommonAttentionMetadata)
+
+
+def _native_decode(device: torch.device):
+    """The native CPU kernels module, or None (other devices, or no compiler)."""
+    if device.type != "cpu":
+        return None
+    from vllm._custom_ops import cpu_ops
+
+    return cpu_ops()
 
 
 @dataclass(slots=True)
@@ -38,6 +49,8 @@ class TorchSDPAMetadata:
     decode_token_idx: torch.Tensor | None  # [num_decodes] int64
     decode_block_table: torch.Tensor | None  # [num_decodes, max_blocks] int64
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    decode_seq_lens: torch.Tensor | None  # [num_decodes] int32 (native kernel)
+    decode_block_table_i32: torch.Tensor | None  # [num_decodes, max_blocks] int32 (native)
     prefills: list[PrefillSpan]
     decode_only: bool  # every token is a decode, in order: no scatter of results needed
 
@@ -56,8 +69,14 @@ class TorchSDPABackend(AttentionBackend):
         qsl, seq_lens = common.query_start_loc, common.seq_lens
         query_lens = np.diff(qsl)
         decode = np.flatnonzero(query_lens == 1)
-        decode_idx = decode_table = decode_mask = None
-        if decode.size:
+        decode_idx = decode_table = decode_mask = decode_seq_lens = decode_table_i32 = None
+        if decode.size and _native_decode(device) is not None:
+            decode_idx = torch.from_numpy(qsl[decode].astype(np.int64)).to(device)
+            max_blocks = -(-int(seq_lens[decode].max()) // block_size)
+            decode_table_i32 = torch.from_numpy(
+                np.ascontiguousarray(common.block_table[decode, :max_blocks])).to(device)
+            decode_seq_lens = torch.from_numpy(seq_lens[decode].astype(np.int32)).to(device)
+        elif decode.size:
             # e.g. seq_lens [55, 146] with block size 16 -> 10 blocks each; the mask keeps
             # keys 0..54 of row 0 and 0..145 of row 1.
             max_blocks = -(-int(seq_lens[decode].max()) // block_size)
@@ -83,7 +102,8 @@ class TorchSDPABackend(AttentionBackend):
             prefills.append(PrefillSpan(start, end, block_ids, seq_len, mask))
         slot_mapping = torch.from_numpy(common.slot_mapping).to(device)
         return TorchSDPAMetadata(slot_mapping, common.num_actual_tokens, decode_idx,
-                                 decode_table, decode_mask, prefills,
+                                 decode_table, decode_mask, decode_seq_lens, decode_table_i32,
+                                 prefills,
                                  decode_only=decode.size == common.num_actual_tokens)
 
     @staticmethod
@@ -122,9 +142,13 @@ class TorchSDPAImpl(AttentionImpl):
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: TorchSDPAMetadata) -> torch.Tensor:
+        q = query if metadata.decode_only else query[metadata.decode_token_idx]
+        if metadata.decode_seq_lens is not None:
+            return _native_decode(q.device).paged_decode_attention(
+                q.contiguous(), kv_cache, metadata.decode_block_table_i32,
+                metadata.decode_seq_lens, self.scale)
         table = metadata.decode_block_table
         n = table.shape[0]
-        q = query if metadata.decode_only else query[metadata.decode_token_idx]
         # Queries of one KV head's group share every key, so the group folds into the
         # query-length axis: q [n, kv_heads, group, d] against k [n, kv_heads, len, d].
         q = q.view(n, self.num_kv_heads, self.group, self.head_size)

@@ -1,0 +1,49 @@
+"""Native kernels from `csrc/`, compiled on first use (cached by torch); None if unavailable.
+
+The CPU kernels are built with torch's C++ extension machinery the first time they are
+needed (about a minute), then loaded from the cache. Setting `VLLM_DISABLE_NATIVE=1`, or a
+machine without a compiler, falls back to the pure-torch paths.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+_CSRC = Path(__file__).resolve().parent.parent / "csrc"
+
+
+def _cpu_signature() -> str:
+    """Short hash of the CPU's feature flags: the kernels are built with -march=native, so
+    a cached build must never be loaded on a CPU with other instructions."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return hashlib.sha256(flags.encode()).hexdigest()[:10]
+
+
+@functools.cache
+def cpu_ops() -> ModuleType | None:
+    if os.environ.get("VLLM_DISABLE_NATIVE") == "1":
+        return None
+    source = _CSRC / "cpu" / "paged_attention.cpp"
+    if not source.is_file():
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(name=f"vllm_cpu_ops_{_cpu_signature()}", sources=[str(source)],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math",
+                                  "-fno-finite-math-only"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as e:  # no compiler, no ninja, ...: the torch path still works
+        logger.warning("Native CPU kernels unavailable (%s); using the torch fallback.", e)
+        return None
