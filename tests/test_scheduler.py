@@ -345,10 +345,10 @@ def test_stop_on_max_tokens() -> None:
     assert (reason, stop_reason) == (FinishReason.LENGTH, None)
 
 
-def test_eos_as_the_last_allowed_token_reports_stop() -> None:
-    # Stop conditions are checked before the length cap (vLLM v1 checks length first).
+def test_eos_as_the_last_allowed_token_reports_length() -> None:
+    # As in vLLM v1, the length cap is checked before EOS and stop token ids.
     _, reason, _, _ = run_one({"max_tokens": 2}, [5, EOS_TOKEN_ID])
-    assert reason == FinishReason.STOP
+    assert reason == FinishReason.LENGTH
 
 
 def test_min_tokens_defers_eos_and_stop_token_ids() -> None:
@@ -476,10 +476,6 @@ def test_separate_batching_token_step_skips_embeds_requests_in_order() -> None:
     assert out.num_scheduled_tokens == {"e1": 3, "e2": 5}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Engine bug: under separate embeds batching the step kind follows the oldest request "
-    "even when it is waiting and cannot get blocks; running requests of the other kind keep "
-    "their blocks but are never scheduled or preempted, so every step is empty forever."))
 def test_separate_batching_makes_progress_when_blocks_are_short() -> None:
     # 5 usable blocks of 2 tokens. t0 (oldest, tokens) makes the first step a token step,
     # which admits t0 and t1 while the embeds request e (older than t1) waits.

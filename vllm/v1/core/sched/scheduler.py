@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass, field
 
 from vllm.config import CacheConfig, SchedulerConfig
 from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -12,6 +13,18 @@ from vllm.v1.engine import (EngineCoreOutput, EngineCoreOutputs, EngineCoreReque
                             SchedulerStats)
 from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class _Step:
+    """What one `schedule()` call has decided so far."""
+
+    budget: int
+    num_scheduled: dict[str, int] = field(default_factory=dict)  # in scheduling order
+    new_reqs: list[Request] = field(default_factory=list)
+    cached_reqs: list[Request] = field(default_factory=list)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    preempted: list[Request] = field(default_factory=list)
 
 
 class Scheduler:
@@ -91,58 +104,54 @@ class Scheduler:
         return min(candidates, key=lambda r: r.arrival_time).is_token_prompt
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
+        step = _Step(budget=self.config.max_num_batched_tokens)
         kind = self._step_kind()
-        num_scheduled: dict[str, int] = {}
-        new_reqs: list[Request] = []
-        cached_reqs: list[Request] = []
-        preempted: list[Request] = []
-        new_block_ids: dict[str, list[int]] = {}
+        self._schedule_running(step, kind)
+        if not step.preempted:
+            self._schedule_waiting(step, kind)
+        if kind is not None and not step.num_scheduled:
+            # The oldest request's kind cannot run (it waits for blocks held by running
+            # requests of the other kind): let those progress, admitting nothing new.
+            self._schedule_running(step, not kind)
+        output = self._make_output(step)
+        for request in (*step.cached_reqs, *step.new_reqs):
+            request.num_computed_tokens += step.num_scheduled[request.request_id]
+        return output
 
+    def _schedule_running(self, step: _Step, kind: bool | None) -> None:
+        """Running requests, oldest first; a request short of blocks preempts the newest."""
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and step.budget > 0:
             request = self.running[index]
-            num_new = self._num_new_tokens(request, budget)
-            if (kind is not None and request.is_token_prompt != kind) or num_new == 0:
+            num_new = self._num_new_tokens(request, step.budget)
+            if ((kind is not None and request.is_token_prompt != kind) or num_new == 0
+                    or request.request_id in step.num_scheduled):
                 index += 1
                 continue
             while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
-                preempted.append(victim)
+                step.preempted.append(victim)
                 if victim is request:
-                    break
-            else:
-                cached_reqs.append(request)
-                new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
-                num_scheduled[request.request_id] = num_new
-                budget -= num_new
-                index += 1
-                continue
-            break
+                    return
+            step.cached_reqs.append(request)
+            step.new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
+            step.num_scheduled[request.request_id] = num_new
+            step.budget -= num_new
+            index += 1
 
-        if not preempted:
-            budget = self._schedule_waiting(budget, kind, num_scheduled, new_reqs)
-
-        output = self._make_output(new_reqs, cached_reqs, new_block_ids, num_scheduled,
-                                   preempted)
-        for request in (*cached_reqs, *new_reqs):
-            request.num_computed_tokens += num_scheduled[request.request_id]
-        return output
-
-    def _schedule_waiting(self, budget: int, kind: bool | None,
-                          num_scheduled: dict[str, int], new_reqs: list[Request]) -> int:
+    def _schedule_waiting(self, step: _Step, kind: bool | None) -> None:
         skipped: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if kind is not None and request.is_token_prompt != kind:
                 skipped.append(self.waiting.popleft())
                 continue
             hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
-            if not self.config.enable_chunked_prefill and num_new > budget:
+            if not self.config.enable_chunked_prefill and num_new > step.budget:
                 break
-            num_new = min(num_new, budget)
+            num_new = min(num_new, step.budget)
             if self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks,
                                                      num_hit) is None:
                 break
@@ -153,11 +162,10 @@ class Scheduler:
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            new_reqs.append(request)
-            num_scheduled[request.request_id] = num_new
-            budget -= num_new
+            step.new_reqs.append(request)
+            step.num_scheduled[request.request_id] = num_new
+            step.budget -= num_new
         self.waiting.extendleft(reversed(skipped))
-        return budget
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         num_new = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -172,25 +180,23 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _make_output(self, new_reqs: list[Request], cached_reqs: list[Request],
-                     new_block_ids: dict[str, list[int]], num_scheduled: dict[str, int],
-                     preempted: list[Request]) -> SchedulerOutput:
+    def _make_output(self, step: _Step) -> SchedulerOutput:
         kv = self.kv_cache_manager
         new_data = [NewRequestData.from_request(r, kv.get_block_ids(r.request_id))
-                    for r in new_reqs]
+                    for r in step.new_reqs]
         cached = CachedRequestData()
-        for request in cached_reqs:
+        for request in step.cached_reqs:
             cached.req_ids.append(request.request_id)
-            cached.new_block_ids.append(new_block_ids[request.request_id])
+            cached.new_block_ids.append(step.new_block_ids[request.request_id])
             cached.num_computed_tokens.append(request.num_computed_tokens)
         finished, self.finished_req_ids = self.finished_req_ids, []
         return SchedulerOutput(
             scheduled_new_reqs=new_data,
             scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            num_scheduled_tokens=step.num_scheduled,
+            total_num_scheduled_tokens=sum(step.num_scheduled.values()),
             finished_req_ids=finished,
-            preempted_req_ids=[r.request_id for r in preempted],
+            preempted_req_ids=[r.request_id for r in step.preempted],
         )
 
     # ---- results ------------------------------------------------------------------
@@ -225,19 +231,20 @@ class Scheduler:
         return EngineCoreOutputs(outputs, self.make_stats())
 
     def _check_stop(self, request: Request) -> bool:
-        token = request.output_token_ids[-1]
-        params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
-            if token == request.eos_token_id and not params.ignore_eos:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if token in params.stop_token_ids or token in params.all_stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = token
-                return True
         if (request.num_output_tokens >= request.max_tokens
                 or request.num_tokens >= self.max_model_len):
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        token = request.output_token_ids[-1]
+        params = request.sampling_params
+        if request.num_output_tokens < params.min_tokens:
+            return False
+        if token == request.eos_token_id and not params.ignore_eos:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if token in params.stop_token_ids or token in params.all_stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = token
             return True
         return False
 
