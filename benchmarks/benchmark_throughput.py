@@ -1,0 +1,164 @@
+"""Offline throughput on a fixed workload, optionally side by side with transformers.
+
+Workload: N requests (default 64) with prompt lengths drawn uniformly from [32, 256]
+(seeded random token ids), each generating exactly 128 tokens (ignore_eos).
+
+    python benchmarks/benchmark_throughput.py                      # ids, default model
+    python benchmarks/benchmark_throughput.py --compare-hf         # + transformers, ratio
+    python benchmarks/benchmark_throughput.py --input-mode all     # ids/embeds/mixed ratios
+    python benchmarks/benchmark_throughput.py --single             # one-request decode speed
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from vllm import LLM, SamplingParams
+
+
+def make_workload(vocab_size: int, num_prompts: int, min_len: int, max_len: int,
+                  seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(min_len, max_len + 1, size=num_prompts)
+    # Skip the first ids (special tokens in most vocabularies).
+    return [rng.integers(100, vocab_size, size=n).tolist() for n in lengths]
+
+
+def to_prompts(llm: LLM, token_ids: list[list[int]], mode: str) -> list[dict]:
+    """ids: token prompts; embeds: the same prompts as embeddings; mixed: alternating."""
+    embed = llm.llm_engine.engine_core.model_executor.model_runner.model.get_input_embeddings
+    prompts = []
+    for i, ids in enumerate(token_ids):
+        as_embeds = mode == "embeds" or (mode == "mixed" and i % 2 == 1)
+        if as_embeds:
+            with torch.inference_mode():
+                prompts.append({"prompt_embeds": embed(torch.tensor(ids)).float().clone()})
+        else:
+            prompts.append({"prompt_token_ids": ids})
+    return prompts
+
+
+def run_engine(llm: LLM, prompts: list[dict], output_len: int) -> tuple[float, int]:
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    llm.llm_engine.reset_prefix_cache()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return elapsed, sum(len(o.outputs[0].token_ids) for o in outputs)
+
+
+def run_hf(model_path: str, token_ids: list[list[int]], output_len: int, dtype: torch.dtype,
+           batch_size: int) -> tuple[float, int]:
+    """transformers generate, batched and left-padded, greedy, exactly output_len tokens."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.hf_reference import load_hf_model
+
+    model = load_hf_model(model_path, dtype)
+    pad = 0
+    start = time.perf_counter()
+    total = 0
+    with torch.inference_mode():
+        for b in range(0, len(token_ids), batch_size):
+            batch = token_ids[b:b + batch_size]
+            width = max(len(ids) for ids in batch)
+            ids = torch.full((len(batch), width), pad, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for i, row in enumerate(batch):
+                ids[i, width - len(row):] = torch.tensor(row)
+                mask[i, width - len(row):] = 1
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=output_len,
+                                 min_new_tokens=output_len, do_sample=False, pad_token_id=pad)
+            total += (out.shape[1] - width) * len(batch)
+    return time.perf_counter() - start, total
+
+
+def report(name: str, elapsed: float, tokens: int) -> float:
+    tps = tokens / elapsed
+    print(f"{name:<28} {tokens:6d} tokens in {elapsed:7.2f} s = {tps:8.1f} output tok/s")
+    return tps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct GGUF")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--min-input-len", type=int, default=32)
+    parser.add_argument("--max-input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--input-mode", choices=["ids", "embeds", "mixed", "all"],
+                        default="ids")
+    parser.add_argument("--prompt-embeds-batching", choices=["mixed", "separate"],
+                        default="mixed")
+    parser.add_argument("--compare-hf", action="store_true",
+                        help="also run transformers generate on the same workload")
+    parser.add_argument("--hf-batch-size", type=int, default=64)
+    parser.add_argument("--single", action="store_true",
+                        help="also measure one request's decode speed (vs transformers "
+                             "with --compare-hf)")
+    args = parser.parse_args()
+
+    def make_llm(policy: str) -> LLM:
+        return LLM(args.model, dtype=args.dtype, max_model_len=2048,
+                   max_num_seqs=args.max_num_seqs,
+                   max_num_batched_tokens=args.max_num_batched_tokens,
+                   enable_prompt_embeds=True, prompt_embeds_batching=policy,
+                   kv_cache_memory_bytes=1024**3)
+
+    llm = make_llm(args.prompt_embeds_batching)
+    model_path = llm.llm_engine.vllm_config.model_config.model
+    vocab = llm.llm_engine.vllm_config.model_config.vocab_size
+    token_ids = make_workload(vocab, args.num_prompts, args.min_input_len, args.max_input_len)
+    print(f"model {model_path}, dtype {args.dtype}, {args.num_prompts} prompts of "
+          f"{args.min_input_len}-{args.max_input_len} tokens, {args.output_len} output tokens "
+          f"each, torch threads {torch.get_num_threads()}")
+    run_engine(llm, to_prompts(llm, token_ids[:4], "ids"), 8)  # warm-up
+
+    results: dict[str, float] = {}
+    modes = ["ids", "embeds", "mixed"] if args.input_mode == "all" else [args.input_mode]
+    for mode in modes:
+        label = f"vllm {mode}" + (f" ({args.prompt_embeds_batching})" if mode == "mixed" else "")
+        results[label] = report(label, *run_engine(llm, to_prompts(llm, token_ids, mode),
+                                                   args.output_len))
+    if args.input_mode == "all":
+        other = "separate" if args.prompt_embeds_batching == "mixed" else "mixed"
+        del llm
+        llm = make_llm(other)
+        label = f"vllm mixed ({other})"
+        results[label] = report(label, *run_engine(llm, to_prompts(llm, token_ids, "mixed"),
+                                                   args.output_len))
+        ids = results["vllm ids"]
+        print(f"ratio embeds / ids:                 {results['vllm embeds'] / ids:.3f}")
+        print(f"ratio mixed(mixed) / ids:           {results['vllm mixed (mixed)'] / ids:.3f}")
+        print(f"ratio mixed(mixed) / mixed(separate): "
+              f"{results['vllm mixed (mixed)'] / results['vllm mixed (separate)']:.3f}")
+    if args.compare_hf:
+        hf = report("transformers generate", *run_hf(model_path, token_ids, args.output_len,
+                                                     llm.llm_engine.vllm_config.model_config.dtype,
+                                                     args.hf_batch_size))
+        first = next(iter(results.values()))
+        print(f"ratio vllm / transformers (throughput): {first / hf:.2f}x")
+    if args.single:
+        one = token_ids[:1]
+        single = report("vllm single request", *run_engine(llm, to_prompts(llm, one, "ids"),
+                                                            args.output_len))
+        if args.compare_hf:
+            hf_single = report("transformers single request",
+                               *run_hf(model_path, one, args.output_len,
+                                       llm.llm_engine.vllm_config.model_config.dtype, 1))
+            print(f"ratio vllm / transformers (single-request decode): "
+                  f"{single / hf_single:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
