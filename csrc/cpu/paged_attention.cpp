@@ -16,6 +16,9 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -117,6 +120,88 @@ void decode_attention(const T* query, const T* kv_cache, const int32_t* block_ta
   });
 }
 
+#if defined(__AVX512F__)
+// The same computation with 16-wide float vectors: a head is head_size / 16 vectors; the
+// group's queries and accumulators stay in vector registers (or L1) across the sequence.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+constexpr int64_t kMaxVecs = 64;  // group * head_size / 16
+
+template <typename T>
+bool decode_attention_avx512(const T* query, const T* kv_cache, const int32_t* block_table,
+                             const int32_t* seq_lens, T* out, int64_t num_seqs,
+                             int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
+                             int64_t num_blocks, int64_t block_size, int64_t max_blocks,
+                             float scale) {
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t chunks = head_size / 16;
+  if (head_size % 16 != 0 || group * chunks > kMaxVecs) return false;
+  const int64_t token_stride = num_kv_heads * head_size;
+  const T* value_cache = kv_cache + num_blocks * block_size * token_stride;
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    __m512 q[kMaxVecs], acc[kMaxVecs], row[kMaxVecs];
+    std::vector<float> scores, tmp(head_size);
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
+      const int64_t len = seq_lens[seq];
+      const int32_t* blocks = block_table + seq * max_blocks;
+      for (int64_t g = 0; g < group; ++g) {
+        const T* src = query + (seq * num_heads + kv_head * group + g) * head_size;
+        for (int64_t c = 0; c < chunks; ++c) q[g * chunks + c] = _mm512_mul_ps(load16(src + 16 * c), vscale);
+      }
+      scores.resize(group * len);
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t slot = static_cast<int64_t>(blocks[t / block_size]) * block_size + t % block_size;
+        const T* k = kv_cache + slot * token_stride + kv_head * head_size;
+        for (int64_t c = 0; c < chunks; ++c) row[c] = load16(k + 16 * c);
+        for (int64_t g = 0; g < group; ++g) {
+          __m512 dot = _mm512_mul_ps(q[g * chunks], row[0]);
+          for (int64_t c = 1; c < chunks; ++c) dot = _mm512_fmadd_ps(q[g * chunks + c], row[c], dot);
+          scores[g * len + t] = _mm512_reduce_add_ps(dot);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* sc = scores.data() + g * len;
+        float max_score = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < len; ++t) max_score = std::max(max_score, sc[t]);
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; ++t) {
+          sc[t] = std::exp(sc[t] - max_score);
+          sum += sc[t];
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t t = 0; t < len; ++t) sc[t] *= inv;
+      }
+      for (int64_t i = 0; i < group * chunks; ++i) acc[i] = _mm512_setzero_ps();
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t slot = static_cast<int64_t>(blocks[t / block_size]) * block_size + t % block_size;
+        const T* v = value_cache + slot * token_stride + kv_head * head_size;
+        for (int64_t c = 0; c < chunks; ++c) row[c] = load16(v + 16 * c);
+        for (int64_t g = 0; g < group; ++g) {
+          const __m512 p = _mm512_set1_ps(scores[g * len + t]);
+          for (int64_t c = 0; c < chunks; ++c)
+            acc[g * chunks + c] = _mm512_fmadd_ps(p, row[c], acc[g * chunks + c]);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(tmp.data() + 16 * c, acc[g * chunks + c]);
+        store_row(tmp.data(), out + (seq * num_heads + kv_head * group + g) * head_size, head_size);
+      }
+    }
+  });
+  return true;
+}
+#endif
+
 }  // namespace
 
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache,
@@ -136,6 +221,14 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
   auto out = torch::empty_like(query);
   auto run = [&](auto* type_tag) {
     using T = std::remove_pointer_t<decltype(type_tag)>;
+#if defined(__AVX512F__)
+    if (decode_attention_avx512<T>(query.data_ptr<T>(), kv_cache.data_ptr<T>(),
+                                   block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
+                                   out.data_ptr<T>(), num_seqs, num_heads, num_kv_heads,
+                                   head_size, num_blocks, block_size, block_table.size(1),
+                                   static_cast<float>(scale)))
+      return;
+#endif
     decode_attention<T>(query.data_ptr<T>(), kv_cache.data_ptr<T>(),
                         block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
                         out.data_ptr<T>(), num_seqs, num_heads, num_kv_heads, head_size,
