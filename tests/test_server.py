@@ -103,6 +103,11 @@ def test_completion_embeds_match_offline(client, offline, tiny_llama_dir) -> Non
                                         extra_body={"prompt_embeds": encode_tensor(sent)})
         assert out.choices[0].text == expected
         assert out.usage.prompt_tokens == tensor.shape[0]
+    # vLLM's convention with the openai client: prompt="" means "embeds only".
+    out = client.completions.create(model=tiny_llama_dir, prompt="", max_tokens=12,
+                                    temperature=0.0,
+                                    extra_body={"prompt_embeds": encode_tensor(tensor)})
+    assert [c.text for c in out.choices] == [expected]
     bf16 = embeds(2, dtype=torch.bfloat16)  # cast to the model dtype, as offline
     out = client.completions.create(model=tiny_llama_dir, prompt=None, max_tokens=12,
                                     temperature=0.0,

@@ -104,7 +104,8 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def _text_prompts(self, request: CompletionRequest) -> list[CompletionPrompt]:
         prompt = request.prompt
-        if prompt is None:
+        # The openai client needs some `prompt`; vLLM's convention for "embeds only" is "".
+        if prompt is None or (request.prompt_embeds and prompt in ("", [], [""])):
             return []
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompt = [prompt]
