@@ -161,17 +161,18 @@ class TorchSDPAImpl(AttentionImpl):
 
     def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  kv_cache: torch.Tensor, span: PrefillSpan) -> torch.Tensor:
-        q = query[span.start:span.end].transpose(0, 1)  # [heads, q_len, d]
+        # 4-D [1, heads, len, d] inputs: the 3-D form takes a slower kernel on CPU.
+        q = query[span.start:span.end].transpose(0, 1)[None]
         if span.block_ids is None:
-            k = key[span.start:span.end].transpose(0, 1)
-            v = value[span.start:span.end].transpose(0, 1)
+            k = key[span.start:span.end].transpose(0, 1)[None]
+            v = value[span.start:span.end].transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
                                                enable_gqa=self.group > 1)
         else:
             k = kv_cache[0][span.block_ids].view(-1, self.num_kv_heads, self.head_size)
             v = kv_cache[1][span.block_ids].view(-1, self.num_kv_heads, self.head_size)
-            k = k[:span.seq_len].transpose(0, 1)
-            v = v[:span.seq_len].transpose(0, 1)
+            k = k[:span.seq_len].transpose(0, 1)[None]
+            v = v[:span.seq_len].transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, scale=self.scale,
                                                enable_gqa=self.group > 1)
-        return o.transpose(0, 1)
+        return o[0].transpose(0, 1)
