@@ -296,6 +296,7 @@ def _bad_requests(model: str) -> dict[str, dict]:
     cases.update({
         "prompt_logprobs with embeds": {"prompt_embeds": good, "prompt_logprobs": 1},
         "echo with embeds": {"prompt_embeds": good, "echo": True},
+        "too many prompt_embeds bytes in one request": {"prompt_embeds": ["A" * 400_000] * 9},
         "too long text prompt": {"prompt": "fox " * (MAX_MODEL_LEN + 5)},
         "prompt plus max_tokens over the context": {"prompt": "hi", "max_tokens": MAX_MODEL_LEN},
         "token id out of vocabulary": {"prompt": [1, 10**6]},
@@ -344,6 +345,8 @@ def test_bad_inputs_are_400_while_serving_others(server, offline, tiny_llama_dir
         assert error["code"] == 400 and error["type"] and error["message"], name
     assert "hidden size" in answers["prompt_embeds: wrong hidden size"].json()["error"][
         "message"]
+    assert "split the batch" in answers["too many prompt_embeds bytes in one request"].json()[
+        "error"]["message"]
     assert not os.path.exists("/tmp/vllm-test-pwned")
     assert streamed == expected
     assert httpx.get(f"{server.url}/health").status_code == 200

@@ -19,6 +19,8 @@ from vllm.outputs import CompletionOutput
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.outputs import SampleLogprobs
 
+# A request may carry this many maximum-size prompt_embeds (more, if they are shorter).
+_MAX_EMBEDS_PER_REQUEST = 8
 EMBEDS_DISABLED = ("prompt_embeds given, but prompt embeds are disabled: start the server "
                    "with --enable-prompt-embeds.")
 
@@ -87,7 +89,13 @@ class OpenAIServingCompletion(OpenAIServing):
     # ---- prompts ----------------------------------------------------------------------
 
     async def _make_prompts(self, request: CompletionRequest) -> list[CompletionPrompt]:
-        prompts = [await self._embeds_prompt(data) for data in _as_list(request.prompt_embeds)]
+        embeds = _as_list(request.prompt_embeds)
+        total = sum(len(data) for data in embeds if isinstance(data, str))
+        if total > _MAX_EMBEDS_PER_REQUEST * self.embeds_budget * 4 // 3:
+            raise OpenAIError(f"The prompt_embeds of one request total {total} base64 "
+                              f"characters, over the limit of {_MAX_EMBEDS_PER_REQUEST} "
+                              "maximum-size prompts; split the batch into several requests.")
+        prompts = [await self._embeds_prompt(data) for data in embeds]
         return prompts + self._text_prompts(request)
 
     async def _embeds_prompt(self, data: Any) -> CompletionPrompt:
