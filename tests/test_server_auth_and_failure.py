@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -61,15 +62,38 @@ def test_prompt_embeds_flag_off_is_400(client: openai.OpenAI) -> None:
     assert "--enable-prompt-embeds" in str(info.value)
 
 
+def _running(server: RemoteServer) -> float:
+    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
+        if line.startswith("vllm:num_requests_running{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def test_engine_death_is_reported(server: RemoteServer, client: openai.OpenAI) -> None:
-    """Kill the engine-core process: /health turns non-200 and requests fail with 500."""
+    """Kill the engine-core process: the request in flight and later ones fail with 500
+    instead of hanging, and /health turns non-200."""
     pids = server.engine_core_pids()
     assert len(pids) == 1
-    os.kill(pids[0], signal.SIGKILL)
-    for _ in range(100):  # bounded: at most ~5 s for the sentinel to fire
-        if httpx.get(f"{server.url}/health").status_code != 200:
+    in_flight: dict[str, object] = {}
+
+    def long_request() -> None:
+        in_flight["response"] = httpx.post(
+            f"{server.url}/v1/completions", timeout=60,
+            headers={"Authorization": f"Bearer {API_KEY}"},
+            json={"model": NAME, "prompt": "hi", "max_tokens": 496, "n": 8,
+                  "ignore_eos": True})
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    for _ in range(200):  # bounded: until the request is running (at most ~10 s)
+        if _running(server) > 0:
             break
         time.sleep(0.05)
+    os.kill(pids[0], signal.SIGKILL)
+    thread.join(60)
+    assert not thread.is_alive()
+    assert in_flight["response"].status_code == 500
+    assert "engine" in in_flight["response"].json()["error"]["message"].lower()
     health = httpx.get(f"{server.url}/health")
     assert health.status_code == 503 and "engine" in health.json()["error"]["message"]
     with pytest.raises(openai.InternalServerError) as info:
