@@ -103,6 +103,11 @@ def test_completion_embeds_match_offline(client, offline, tiny_llama_dir) -> Non
                                         extra_body={"prompt_embeds": encode_tensor(sent)})
         assert out.choices[0].text == expected
         assert out.usage.prompt_tokens == tensor.shape[0]
+    sparse = tensor.to_sparse()  # a valid sparse tensor is densified (within the cap)
+    out = client.completions.create(model=tiny_llama_dir, prompt=None, max_tokens=12,
+                                    temperature=0.0,
+                                    extra_body={"prompt_embeds": encode_tensor(sparse)})
+    assert out.choices[0].text == expected
     # vLLM's convention with the openai client: prompt="" means "embeds only".
     out = client.completions.create(model=tiny_llama_dir, prompt="", max_tokens=12,
                                     temperature=0.0,
@@ -135,6 +140,26 @@ def test_n_with_seed_matches_offline(client, offline, tiny_llama_dir) -> None:
                                     temperature=1.0, max_tokens=8)
     assert sorted(c.index for c in out.choices) == [0, 1, 2]
     assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == expected
+
+
+def test_streamed_n_over_two_prompts(client, offline, tiny_llama_dir) -> None:
+    """Choice index = prompt index * n + sample index; streamed deltas rebuild each text."""
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=6)
+    expected = [c.text for o in offline.generate(TEXTS[:2], params, use_tqdm=False)
+                for c in o.outputs]
+    chunks = list(client.completions.create(model=tiny_llama_dir, prompt=TEXTS[:2], n=2,
+                                            seed=3, temperature=1.0, max_tokens=6,
+                                            stream=True))
+    texts = ["", "", "", ""]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == expected
+    chat = list(client.chat.completions.create(
+        model=tiny_llama_dir, messages=[{"role": "user", "content": "hi"}], n=2, seed=3,
+        temperature=1.0, max_tokens=6, stream=True))
+    finished = [c.choices[0].index for c in chat if c.choices and c.choices[0].finish_reason]
+    assert sorted(finished) == [0, 1]
 
 
 def test_stop_string_and_echo(client, offline, tiny_llama_dir) -> None:
