@@ -75,15 +75,16 @@ class AsyncMPClient:
         reader, writer = mp.Pipe(duplex=False)
         self.proc = mp.Process(target=run_engine_core, name="EngineCore",
                                args=(vllm_config, input_addr, output_addr, writer, os.getpid()))
-        self.proc.start()
-        writer.close()
         self._finalizer = weakref.finalize(self, _stop_process, self.proc, self.ctx, self.tmpdir)
         try:
+            self.proc.start()
+            writer.close()
             self.num_blocks = self._wait_ready(reader)
         except BaseException:
             self._finalizer()
             raise
         finally:
+            writer.close()
             reader.close()
 
         self.encoder = MsgpackEncoder()
