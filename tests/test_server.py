@@ -458,3 +458,14 @@ def test_client_disconnect_frees_blocks(server, tiny_llama_dir) -> None:
     assert aborted == 2 * n  # every child sequence of both requests
     generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
     assert generated < n * max_tokens  # far from the 2 * n * max_tokens of a full run
+
+
+def test_oversized_request_body_is_413_before_parsing(server, tiny_llama_dir) -> None:
+    # 8 embeds budgets of (512 * 64 * 8 + 64 KiB) bytes, as base64, plus 1 MiB of slack.
+    limit = 8 * (MAX_MODEL_LEN * HIDDEN * 8 + 64 * 1024) * 4 // 3 + 2**20
+    body = b'{"model": "x", "prompt": "' + b"a" * (limit + 10) + b'"}'
+    response = httpx.post(f"{server.url}/v1/completions", content=body,
+                          headers={"content-type": "application/json"}, timeout=60)
+    assert response.status_code == 413
+    assert "larger than" in response.json()["error"]["message"]
+    assert httpx.get(f"{server.url}/health").status_code == 200

@@ -1,6 +1,6 @@
 """Engine configuration: small dataclasses resolved once, then left alone.
 
-`EngineArgs` (vllm/engine_args.py) turns user keyword arguments into a `VllmConfig`;
+`EngineArgs` (vllm/engine/arg_utils.py) turns user keyword arguments into a `VllmConfig`;
 each component takes the sub-config it needs.
 """
 

@@ -78,6 +78,35 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class BodySizeLimitMiddleware:
+    """Answers 413 to bodies whose Content-Length is over `max_bytes`, before anything reads
+    them; a chunked body that grows past it is cut off as a client disconnect."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            response = error_json(f"Request body is larger than {self.max_bytes} bytes.",
+                                  "BadRequestError", HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+            await response(scope, receive, send)
+            return
+        seen = 0
+
+        async def bounded_receive() -> dict:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            return {"type": "http.disconnect"} if seen > self.max_bytes else message
+
+        await self.app(scope, bounded_receive, send)
+
+
 async def with_cancellation(handler: Coroutine[Any, Any, Any], request: Request) -> Any:
     """Runs a handler, cancelling it if the client disconnects first (returns None then).
 
@@ -139,6 +168,9 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="vLLM-compatible OpenAI API server", version=vllm.__version__)
     app.state.server = state
     _add_exception_handlers(app)
+    # Room for the largest request the completion endpoint accepts, plus its JSON.
+    app.add_middleware(BodySizeLimitMiddleware,
+                       max_bytes=state.completion.max_request_body_bytes + 2**20)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     _add_info_routes(app, state)

@@ -39,6 +39,7 @@ class OpenAIServingCompletion(OpenAIServing):
         super().__init__(engine, served_model_names)
         mc = self.model_config
         self.embeds_budget = prompt_embeds_byte_budget(mc.max_model_len, mc.hidden_size)
+        self.max_request_body_bytes = _MAX_EMBEDS_PER_REQUEST * self.embeds_budget * 4 // 3
         # One worker: torch.load's sparse-invariant checking is process-global state.
         self._decode_pool = ThreadPoolExecutor(1, thread_name_prefix="prompt-embeds")
 

@@ -81,8 +81,14 @@ class OutputProcessor:
             ids = [s.request_id for s in self.request_states.values()
                    if s.parent is parent] if parent else [req_id]
             for child_id in ids:
-                if self.request_states.pop(child_id, None) is not None:
-                    to_abort.append(child_id)
+                state = self.request_states.pop(child_id, None)
+                if state is None:
+                    continue
+                to_abort.append(child_id)
+                orphan = state.parent
+                if orphan is not None and not any(s.parent is orphan
+                                                  for s in self.request_states.values()):
+                    self.parents.pop(orphan.request_id, None)
         return to_abort
 
     def process_outputs(self, outputs: EngineCoreOutputs

@@ -94,6 +94,10 @@ class GPUModelRunner:
 
     def load_model(self) -> None:
         self.model = get_model(self.model_config, self.attn_backend, self.device)
+        if self.device.type == "cpu":
+            from vllm._custom_ops import cpu_ops
+
+            cpu_ops()  # build or load the native kernels now, not on the first request
 
     def get_kv_cache_block_bytes(self) -> int:
         mc = self.model_config
