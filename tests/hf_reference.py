@@ -21,8 +21,10 @@ def load_hf_model(path: str, dtype: torch.dtype = torch.float32):
     if path.endswith(".gguf"):
         from transformers import AutoConfig
 
-        from vllm.model_executor.model_loader.gguf_loader import (load_gguf_config,
-                                                                  load_gguf_state_dict)
+        from vllm.model_executor.model_loader.gguf_loader import (
+            load_gguf_config,
+            load_gguf_state_dict,
+        )
 
         config_dict = dict(load_gguf_config(path))
         config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)

@@ -67,7 +67,7 @@ def test_backend_matches_dense_reference(dtype, native, monkeypatch):
     impl = TorchSDPABackend.make_impl(HEADS, HEAD_SIZE, KV_HEADS, scale)
     out = impl.forward(q, k, v, kv_cache, metadata).view(-1, HEADS, HEAD_SIZE)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
-    for i, (c, s) in enumerate(plan):
+    for i, (c, _) in enumerate(plan):
         qq, kk, vv = (t.to(dtype) for t in seqs[i])
         expected = _reference(qq, kk, vv, scale)[c:]
         got = out[qsl[i]:qsl[i + 1]].double()

@@ -9,8 +9,13 @@ import pytest
 import torch
 
 from vllm.sampling_params import RequestOutputKind, SamplingParams
-from vllm.v1.engine import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
-                            FinishReason, SchedulerStats)
+from vllm.v1.engine import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    SchedulerStats,
+)
 from vllm.v1.engine.core_proc import UtilityCall
 from vllm.v1.outputs import LogprobsLists
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder

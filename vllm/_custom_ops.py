@@ -19,15 +19,16 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 
 
-def _cpu_signature() -> str:
-    """Short hash of the CPU's feature flags: the kernels are built with -march=native, so
-    a cached build must never be loaded on a CPU with other instructions."""
+def _build_signature(source: Path) -> str:
+    """Short hash of the CPU's feature flags and the source: the kernels are built with
+    -march=native, so a cached build must never be loaded on a CPU with other
+    instructions, nor shared by two checkouts with different sources."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), "")
     except OSError:
         flags = ""
-    return hashlib.sha256(flags.encode()).hexdigest()[:10]
+    return hashlib.sha256(flags.encode() + source.read_bytes()).hexdigest()[:10]
 
 
 @functools.cache
@@ -40,7 +41,7 @@ def cpu_ops() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name=f"vllm_cpu_ops_{_cpu_signature()}", sources=[str(source)],
+        return load(name=f"vllm_cpu_ops_{_build_signature(source)}", sources=[str(source)],
                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math",
                                   "-fno-finite-math-only"],
                     extra_ldflags=["-fopenmp"], verbose=False)

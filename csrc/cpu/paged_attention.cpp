@@ -42,6 +42,20 @@ inline void load_row(const at::Half* src, float* dst, int64_t n) {
   for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<float>(src[j]);
 }
 
+// Softmax of one row of scores, in place.
+inline void softmax_in_place(float* s, int64_t len) {
+  float max_score = -std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; t < len; ++t) max_score = std::max(max_score, s[t]);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < len; ++t) {
+    s[t] = std::exp(s[t] - max_score);
+    sum += s[t];
+  }
+  const float inv = 1.0f / sum;
+  for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+}
+
 inline void store_row(const float* src, float* dst, int64_t n) {
   std::memcpy(dst, src, n * sizeof(float));
 }
@@ -86,19 +100,7 @@ void decode_attention(const T* query, const T* kv_cache, const int32_t* block_ta
           scores[g * len + t] = dot * scale;
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * len;
-        float max_score = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < len; ++t) max_score = std::max(max_score, s[t]);
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; ++t) {
-          s[t] = std::exp(s[t] - max_score);
-          sum += s[t];
-        }
-        const float inv = 1.0f / sum;
-        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
-      }
+      for (int64_t g = 0; g < group; ++g) softmax_in_place(scores.data() + g * len, len);
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t t = 0; t < len; ++t) {
         const int64_t slot = static_cast<int64_t>(blocks[t / block_size]) * block_size +
@@ -168,19 +170,7 @@ bool decode_attention_avx512(const T* query, const T* kv_cache, const int32_t* b
           scores[g * len + t] = _mm512_reduce_add_ps(dot);
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* sc = scores.data() + g * len;
-        float max_score = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < len; ++t) max_score = std::max(max_score, sc[t]);
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; ++t) {
-          sc[t] = std::exp(sc[t] - max_score);
-          sum += sc[t];
-        }
-        const float inv = 1.0f / sum;
-        for (int64_t t = 0; t < len; ++t) sc[t] *= inv;
-      }
+      for (int64_t g = 0; g < group; ++g) softmax_in_place(scores.data() + g * len, len);
       for (int64_t i = 0; i < group * chunks; ++i) acc[i] = _mm512_setzero_ps();
       for (int64_t t = 0; t < len; ++t) {
         const int64_t slot = static_cast<int64_t>(blocks[t / block_size]) * block_size + t % block_size;

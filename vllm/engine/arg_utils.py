@@ -8,8 +8,15 @@ from typing import Any
 
 import torch
 
-from vllm.config import (CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig,
-                         default_device, resolve_dtype)
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+    default_device,
+    resolve_dtype,
+)
 from vllm.transformers_utils.config import get_config, resolve_model_path
 
 

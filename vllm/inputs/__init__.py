@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TypedDict, Union
+from typing import TypedDict
 
 import torch
 
@@ -19,6 +19,6 @@ class EmbedsPrompt(TypedDict, total=False):
     prompt_embeds: torch.Tensor
 
 
-PromptType = Union[str, TextPrompt, TokensPrompt, EmbedsPrompt]
+PromptType = str | TextPrompt | TokensPrompt | EmbedsPrompt
 
 __all__ = ["TextPrompt", "TokensPrompt", "EmbedsPrompt", "PromptType"]

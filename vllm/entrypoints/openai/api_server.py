@@ -23,9 +23,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import vllm
-from vllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
-                                              DetokenizeRequest, DetokenizeResponse, ModelCard,
-                                              ModelList, TokenizeRequest, TokenizeResponse)
+from vllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing

@@ -5,15 +5,26 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from vllm.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
-                                              ChatCompletionLogProbsContent,
-                                              ChatCompletionRequest, ChatCompletionResponse,
-                                              ChatCompletionResponseChoice,
-                                              ChatCompletionResponseStreamChoice,
-                                              ChatCompletionStreamResponse, ChatMessage,
-                                              DeltaMessage, UsageInfo)
-from vllm.entrypoints.openai.serving_engine import (OpenAIError, OpenAIServing, random_id, sse,
-                                                    stream_error)
+from vllm.entrypoints.openai.protocol import (
+    ChatCompletionLogProb,
+    ChatCompletionLogProbs,
+    ChatCompletionLogProbsContent,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    DeltaMessage,
+    UsageInfo,
+)
+from vllm.entrypoints.openai.serving_engine import (
+    OpenAIError,
+    OpenAIServing,
+    random_id,
+    sse,
+    stream_error,
+)
 from vllm.outputs import CompletionOutput
 from vllm.v1.engine.async_llm import RequestStream
 

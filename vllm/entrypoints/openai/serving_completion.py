@@ -9,12 +9,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm.entrypoints.openai.prompt_embeds import decode_prompt_embeds, prompt_embeds_byte_budget
-from vllm.entrypoints.openai.protocol import (CompletionLogProbs, CompletionRequest,
-                                              CompletionResponse, CompletionResponseChoice,
-                                              CompletionStreamResponse, UsageInfo)
-from vllm.entrypoints.openai.serving_engine import (OpenAIError, OpenAIServing,
-                                                    merge_async_iterators, random_id, sse,
-                                                    stream_error)
+from vllm.entrypoints.openai.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+    UsageInfo,
+)
+from vllm.entrypoints.openai.serving_engine import (
+    OpenAIError,
+    OpenAIServing,
+    merge_async_iterators,
+    random_id,
+    sse,
+    stream_error,
+)
 from vllm.outputs import CompletionOutput
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.outputs import SampleLogprobs

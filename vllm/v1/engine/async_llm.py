@@ -17,12 +17,10 @@ from vllm.config import VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
-from vllm.transformers_utils.tokenizer import get_tokenizer
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from vllm.v1.engine.core_client import AsyncMPClient, EngineDeadError
-from vllm.v1.engine.llm_engine import child_params
-from vllm.v1.engine.output_processor import OutputProcessor, ParentRequest
-from vllm.v1.engine.processor import Processor
+from vllm.v1.engine.llm_engine import build_front_end, child_params
+from vllm.v1.engine.output_processor import ParentRequest
 from vllm.v1.metrics.stats import IterationStats, RequestStatsTracker
 
 logger = logging.getLogger(__name__)
@@ -69,11 +67,8 @@ class AsyncLLM:
     def __init__(self, vllm_config: VllmConfig,
                  stat_loggers: list[StatLogger] | None = None) -> None:
         self.vllm_config = vllm_config
-        model_config = vllm_config.model_config
-        self.tokenizer = (None if model_config.skip_tokenizer_init
-                          else get_tokenizer(model_config.tokenizer))
-        self.processor = Processor(model_config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.tokenizer, self.processor, self.output_processor = build_front_end(
+            vllm_config.model_config)
         self.stats_tracker = RequestStatsTracker()
         self.stat_loggers = list(stat_loggers or [])
         self.engine_core = AsyncMPClient(vllm_config)

@@ -28,9 +28,18 @@ import zmq.asyncio
 
 from vllm.config import VllmConfig
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
-from vllm.v1.engine.core_proc import (OUT_ENGINE_DEAD, OUT_OUTPUTS, OUT_UTILITY_RESULT,
-                                      REQ_ABORT, REQ_ADD, REQ_UTILITY, EngineDead,
-                                      UtilityCall, UtilityResult, run_engine_core)
+from vllm.v1.engine.core_proc import (
+    OUT_ENGINE_DEAD,
+    OUT_OUTPUTS,
+    OUT_UTILITY_RESULT,
+    REQ_ABORT,
+    REQ_ADD,
+    REQ_UTILITY,
+    EngineDead,
+    UtilityCall,
+    UtilityResult,
+    run_engine_core,
+)
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 logger = logging.getLogger(__name__)

@@ -23,8 +23,13 @@ import msgspec
 import zmq
 
 from vllm.config import VllmConfig
-from vllm.v1.engine import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
-                            FinishReason, SchedulerStats)
+from vllm.v1.engine import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    SchedulerStats,
+)
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 

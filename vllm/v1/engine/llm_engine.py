@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
-from vllm.config import VllmConfig
+from vllm.config import ModelConfig, VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
@@ -23,14 +23,25 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
     return child
 
 
+class FrontEnd(NamedTuple):
+    """The text side of an engine, shared by `LLMEngine` and `AsyncLLM`."""
+
+    tokenizer: Any
+    processor: Processor
+    output_processor: OutputProcessor
+
+
+def build_front_end(model_config: ModelConfig) -> FrontEnd:
+    tokenizer = (None if model_config.skip_tokenizer_init
+                 else get_tokenizer(model_config.tokenizer))
+    return FrontEnd(tokenizer, Processor(model_config, tokenizer), OutputProcessor(tokenizer))
+
+
 class LLMEngine:
     def __init__(self, vllm_config: VllmConfig) -> None:
         self.vllm_config = vllm_config
-        model_config = vllm_config.model_config
-        self.tokenizer = (None if model_config.skip_tokenizer_init
-                          else get_tokenizer(model_config.tokenizer))
-        self.processor = Processor(model_config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.tokenizer, self.processor, self.output_processor = build_front_end(
+            vllm_config.model_config)
         self.engine_core = EngineCore(vllm_config)
 
     @classmethod

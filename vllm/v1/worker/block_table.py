@@ -44,9 +44,10 @@ class BlockTable:
         Example (block size 16): rows 0 and 1 decode at positions 54 and 145 with tables
         [1, 2, 3, 4, ...] and [5, 6, ..., 14, ...]; row 2 prefills from position 0 with
         table [15, ...]:
-            block_numbers = [table[0, 3], table[1, 9], table[2, 0], table[2, 0]] = [4, 14, 15, 15]
-            offsets       = [54 % 16, 145 % 16, 0, 1]                            = [6, 1, 0, 1]
-            slot_mapping  = [4*16+6, 14*16+1, 15*16+0, 15*16+1]                  = [70, 225, 240, 241]
+            block_numbers = [table[0, 3], table[1, 9], table[2, 0], table[2, 0]]
+                          = [4, 14, 15, 15]
+            offsets       = [54 % 16, 145 % 16, 0, 1] = [6, 1, 0, 1]
+            slot_mapping  = [4*16+6, 14*16+1, 15*16+0, 15*16+1] = [70, 225, 240, 241]
         """
         flat_indices = req_indices * self.max_num_blocks_per_req + positions // self.block_size
         block_numbers = self.table.reshape(-1)[flat_indices].astype(np.int64)

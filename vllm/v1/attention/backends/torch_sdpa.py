@@ -19,8 +19,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vllm.v1.attention.backends.abstract import (AttentionBackend, AttentionImpl,
-                                                 CommonAttentionMetadata)
+from vllm.v1.attention.backends.abstract import (
+    AttentionBackend,
+    AttentionImpl,
+    CommonAttentionMetadata,
+)
 
 
 def _native_decode(device: torch.device):

@@ -9,8 +9,7 @@ from vllm.config import CacheConfig, SchedulerConfig
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import make_block_hasher
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-from vllm.v1.engine import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
-                            SchedulerStats)
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
