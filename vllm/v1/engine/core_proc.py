@@ -90,7 +90,8 @@ class EngineCoreProc:
 
     def run_busy_loop(self) -> None:
         while True:
-            if not self._process_input(block=not self.engine_core.has_unfinished_requests()):
+            # Keep stepping while finished requests remain to be dropped by the runner.
+            if not self._process_input(block=not self.engine_core.has_requests()):
                 return  # the API process is gone
             outputs = self.engine_core.step()
             # Stats carry per-step prefix-cache deltas, so any change must be sent.
