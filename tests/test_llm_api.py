@@ -180,3 +180,60 @@ def test_cli_generate(tiny_llama_dir):
     expected = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=5),
                             use_tqdm=False)[0].outputs[0].text
     assert result.stdout == expected + "\n"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"top_k": 10**6}, "top_k"),
+    ({"stop_token_ids": [10**6], "min_tokens": 1}, "stop_token_ids"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"min_tokens": 10**6, "max_tokens": 10**7}, "min_tokens"),
+    ({"n": 129}, "n must be"),
+    ({"seed": 2**63}, "seed"),
+])
+def test_params_checked_against_the_model(llm, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate(PROMPT, SamplingParams(**kwargs), use_tqdm=False)
+    assert llm.generate(PROMPT, SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_top_k_below_minus_one_is_rejected():
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=-2)
+    assert SamplingParams(top_k=-1).top_k == 0
+
+
+def test_stop_strings_wait_for_min_tokens_and_win_on_the_last_token(llm):
+    base = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12),
+                        use_tqdm=False)[0].outputs[0]
+    # A stop string inside the first tokens' text is ignored until min_tokens.
+    early = base.text[:2]
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12, stop=[early],
+                                              min_tokens=6), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) > 6
+    # A stop string completed by the last allowed token still reports "stop".
+    last_text = llm.get_tokenizer().decode(base.token_ids[-1:])
+    assert last_text.strip()
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12, stop=[last_text]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == last_text
+
+
+def test_ignore_eos_ignores_generation_config_eos_ids(tmp_path, tiny_llama_dir):
+    import json
+    import shutil
+
+    path = tmp_path / "m"
+    shutil.copytree(tiny_llama_dir, path)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=8 * 1024**2, max_model_len=128)
+    base = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8),
+                        use_tqdm=False)[0].outputs[0]
+    extra_eos = base.token_ids[3]
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, extra_eos]}))
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=8 * 1024**2, max_model_len=128)
+    stopped = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8),
+                           use_tqdm=False)[0].outputs[0]
+    assert stopped.token_ids == base.token_ids[:base.token_ids.index(extra_eos) + 1]
+    assert stopped.finish_reason == "stop"
+    ignored = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+    assert ignored.token_ids == base.token_ids and ignored.finish_reason == "length"

@@ -312,6 +312,7 @@ BAD_EMBEDS = {
     "sparse, negative index": encode_tensor(_sparse([[0, -1], [0, 1]])),
     "oversized payload": "A" * (MAX_MODEL_LEN * HIDDEN * 16),
     "not a string": 12345,
+    "meta tensor": encode_tensor(torch.empty(4, HIDDEN, device="meta")),
 }
 
 
@@ -328,6 +329,14 @@ def _bad_requests(model: str) -> dict[str, dict]:
         "no prompt": {},
         "negative temperature": {"prompt": "hi", "temperature": -1.0},
         "prompt of the wrong type": {"prompt": {"a": 1}},
+        "huge text prompt (rejected before tokenizing)": {"prompt": "x" * (65 * MAX_MODEL_LEN)},
+        "top_k beyond the vocabulary": {"prompt": "hi", "top_k": 2**31},
+        "stop_token_ids beyond the vocabulary": {"prompt": "hi", "stop_token_ids": [10**6],
+                                                 "min_tokens": 1},
+        "seed out of range": {"prompt": "hi", "seed": 2**64},
+        "n too large": {"prompt": "hi", "n": 1000},
+        "embeds times n over the byte budget": {"prompt_embeds": ["A" * 400_000] * 2,
+                                                "n": 8},
     })
     for body in cases.values():
         body.setdefault("model", model)

@@ -52,7 +52,7 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k is None or self.top_k < 0:
+        if self.top_k is None or self.top_k == -1:
             self.top_k = 0
         self._verify()
 
@@ -71,8 +71,8 @@ class SamplingParams:
             raise bad("temperature", "must be non-negative")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int):
-            raise bad("top_k", "must be an integer")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", "must be -1 or 0 (disabled) or a positive integer")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
         if self.seed is not None and not isinstance(self.seed, int):

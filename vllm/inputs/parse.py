@@ -50,6 +50,8 @@ def validate_prompt_embeds(embeds: Any, hidden_size: int, dtype: torch.dtype,
     """
     if not isinstance(embeds, torch.Tensor):
         raise ValueError(f"prompt_embeds must be a torch.Tensor, got {type(embeds).__name__}.")
+    if embeds.is_meta:
+        raise ValueError("prompt_embeds is a meta tensor: it has no data.")
     if embeds.layout != torch.strided:
         raise ValueError(f"prompt_embeds must be a dense tensor, got layout {embeds.layout}.")
     if embeds.dim() == 3 and embeds.shape[0] == 1:

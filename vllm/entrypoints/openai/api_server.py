@@ -238,7 +238,7 @@ def _add_tokenizer_routes(app: FastAPI, state: ServerState) -> None:
         else:
             text = request.prompt
             add_special = request.add_special_tokens is not False
-        ids = tokenizer(text, add_special_tokens=add_special).input_ids
+        ids = await base.tokenize(text, add_special)
         strs = tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=base.max_model_len, tokens=ids,
                                 token_strs=strs).model_dump()

@@ -87,7 +87,7 @@ class OpenAIServingChat(OpenAIServing):
         tokenizer = self.require_tokenizer()
         text = render_chat(tokenizer, request.messages, request.add_generation_prompt,
                            request.continue_final_message, request.chat_template_kwargs)
-        token_ids = tokenizer(text, add_special_tokens=request.add_special_tokens).input_ids
+        token_ids = await self.tokenize(text, request.add_special_tokens)
         max_tokens = request.max_completion_tokens or request.max_tokens
         self.check_max_tokens(len(token_ids), max_tokens)
         try:

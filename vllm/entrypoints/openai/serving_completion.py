@@ -101,13 +101,16 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _make_prompts(self, request: CompletionRequest) -> list[CompletionPrompt]:
         embeds = _as_list(request.prompt_embeds)
-        total = sum(len(data) for data in embeds if isinstance(data, str))
+        # Each of the n samples of an embeds prompt holds its own copy in the engine core.
+        copies = max(1, request.n or 1)
+        total = sum(len(data) for data in embeds if isinstance(data, str)) * copies
         if total > _MAX_EMBEDS_PER_REQUEST * self.embeds_budget * 4 // 3:
             raise OpenAIError(f"The prompt_embeds of one request total {total} base64 "
-                              f"characters, over the limit of {_MAX_EMBEDS_PER_REQUEST} "
-                              "maximum-size prompts; split the batch into several requests.")
+                              f"characters (times n={copies}), over the limit of "
+                              f"{_MAX_EMBEDS_PER_REQUEST} maximum-size prompts; split the "
+                              "batch into several requests.")
         prompts = [await self._embeds_prompt(data) for data in embeds]
-        return prompts + self._text_prompts(request)
+        return prompts + await self._text_prompts(request)
 
     async def _embeds_prompt(self, data: Any) -> CompletionPrompt:
         loop = asyncio.get_running_loop()
@@ -121,7 +124,7 @@ class OpenAIServingCompletion(OpenAIServing):
             num_tokens = embeds.shape[-2]
         return CompletionPrompt({"prompt_embeds": embeds}, None, num_tokens)
 
-    def _text_prompts(self, request: CompletionRequest) -> list[CompletionPrompt]:
+    async def _text_prompts(self, request: CompletionRequest) -> list[CompletionPrompt]:
         prompt = request.prompt
         # The openai client needs some `prompt`; vLLM's convention for "embeds only" is "".
         if prompt is None or (request.prompt_embeds and prompt in ("", [], [""])):
@@ -130,12 +133,10 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt = [prompt]
         if not prompt:
             raise OpenAIError("prompt is empty.")
-        tokenizer = self.tokenizer
         result = []
         for item in prompt:
             if isinstance(item, str):
-                tokenizer = self.require_tokenizer()
-                ids = tokenizer(item, add_special_tokens=request.add_special_tokens).input_ids
+                ids = await self.tokenize(item, request.add_special_tokens)
                 result.append(CompletionPrompt({"prompt": item, "prompt_token_ids": ids}, item,
                                                len(ids)))
             else:

@@ -78,6 +78,10 @@ async def merge_async_iterators(*iterators: AsyncIterator[Any]
                 await it.aclose()
 
 
+# No tokenizer we support packs more characters than this into one token.
+MAX_CHARS_PER_TOKEN = 64
+
+
 class OpenAIServing:
     """Base of the endpoint handlers: model-name checks and request submission."""
 
@@ -100,6 +104,19 @@ class OpenAIServing:
         if self.tokenizer is None:
             raise OpenAIError("This endpoint needs a tokenizer (skip_tokenizer_init is set).")
         return self.tokenizer
+
+    async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of untrusted text, off the event loop and bounded in size first: text
+        over `MAX_CHARS_PER_TOKEN * max_model_len` characters cannot fit the context."""
+        tokenizer = self.require_tokenizer()
+        max_chars = MAX_CHARS_PER_TOKEN * self.max_model_len
+        if len(text) > max_chars:
+            raise OpenAIError(f"The prompt has {len(text)} characters, more than the "
+                              f"{max_chars} that could fit this model's maximum context length "
+                              f"of {self.max_model_len} tokens.")
+        encoding = await asyncio.to_thread(tokenizer, text,
+                                           add_special_tokens=add_special_tokens)
+        return encoding.input_ids
 
     def check_max_tokens(self, num_prompt_tokens: int | None, max_tokens: int | None) -> None:
         """vLLM's rule: prompt + requested completion must fit in the context window."""

@@ -19,7 +19,7 @@ from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from vllm.v1.engine.core_client import AsyncMPClient, EngineDeadError
-from vllm.v1.engine.llm_engine import build_front_end, child_params
+from vllm.v1.engine.llm_engine import build_front_end, fan_out
 from vllm.v1.engine.output_processor import ParentRequest
 from vllm.v1.metrics.stats import IterationStats, RequestStatsTracker
 
@@ -104,24 +104,15 @@ class AsyncLLM:
         or EngineDeadError."""
         if self.errored:
             raise self.dead_error
-        if request_id in self.output_processor.request_states or \
-                request_id in self.output_processor.parents:
-            raise ValueError(f"Request id {request_id!r} is already in use.")
+        self.output_processor.check_request_id(request_id)
         request, parsed = self.processor.process_inputs(request_id, prompt, params,
                                                         arrival_time)
         self._ensure_output_handler()
         stream = RequestStream(request_id)
+        parent, requests = fan_out(request, params.n, params.output_kind)
         try:
-            if params.n == 1:
-                await self._add_engine_request(request, parsed, stream)
-                return stream
-            parent = ParentRequest(request_id, params.n, params.output_kind)
-            for index in range(params.n):
-                child = EngineCoreRequest(f"{index}_{request_id}", request.prompt_token_ids,
-                                          request.prompt_embeds,
-                                          child_params(request.sampling_params, index),
-                                          request.eos_token_id, request.arrival_time)
-                await self._add_engine_request(child, parsed, stream, parent, index)
+            for index, core_request in enumerate(requests):
+                await self._add_engine_request(core_request, parsed, stream, parent, index)
         except BaseException:
             self.abort_nowait([request_id])
             raise

@@ -169,17 +169,25 @@ class AsyncMPClient:
     # ---- outputs --------------------------------------------------------------------
 
     async def _read_outputs(self) -> None:
-        while True:
-            frames = await self.output_socket.recv_multipart(copy=False)
-            kind, body = frames[0].bytes, [f.buffer for f in frames[1:]]
-            if kind == OUT_OUTPUTS:
-                self.outputs_queue.put_nowait(self.outputs_decoder.decode(body))
-            elif kind == OUT_UTILITY_RESULT:
-                self._resolve_call(self.utility_decoder.decode(body))
-            elif kind == OUT_ENGINE_DEAD:
-                self._set_dead(f"The engine core died: {self.dead_decoder.decode(body).message}")
-            else:
-                logger.error("Ignoring an engine-core output of unknown kind %r.", kind)
+        try:
+            while True:
+                frames = await self.output_socket.recv_multipart(copy=False)
+                self._dispatch(frames[0].bytes, [f.buffer for f in frames[1:]])
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a reader that stops silently would hang every request
+            logger.exception("Reading engine-core outputs failed.")
+            self._set_dead(f"Reading engine-core outputs failed: {type(e).__name__}: {e}")
+
+    def _dispatch(self, kind: bytes, body: list) -> None:
+        if kind == OUT_OUTPUTS:
+            self.outputs_queue.put_nowait(self.outputs_decoder.decode(body))
+        elif kind == OUT_UTILITY_RESULT:
+            self._resolve_call(self.utility_decoder.decode(body))
+        elif kind == OUT_ENGINE_DEAD:
+            self._set_dead(f"The engine core died: {self.dead_decoder.decode(body).message}")
+        else:
+            logger.error("Ignoring an engine-core output of unknown kind %r.", kind)
 
     def _resolve_call(self, result: UtilityResult) -> None:
         future = self._pending_calls.pop(result.call_id, None)

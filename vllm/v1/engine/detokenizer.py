@@ -20,8 +20,9 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int] | None,
                  skip_special_tokens: bool, stop: list[str],
-                 include_stop_str_in_output: bool) -> None:
+                 include_stop_str_in_output: bool, min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
+        self.min_tokens = min_tokens  # stop strings count only after this many tokens
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop
         self.include_stop = include_stop_str_in_output
@@ -73,7 +74,7 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _check_stop(self, new_text_start: int) -> str | None:
-        if not self.stop:
+        if not self.stop or len(self.token_ids) <= self.min_tokens:
             return None
         search_from = max(0, new_text_start - self.stop_buffer_length)
         best: tuple[int, str] | None = None

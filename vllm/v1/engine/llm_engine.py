@@ -7,8 +7,9 @@ from typing import Any, NamedTuple
 from vllm.config import ModelConfig, VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.outputs import RequestOutput
-from vllm.sampling_params import SamplingParams
+from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.transformers_utils.tokenizer import get_tokenizer
+from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.engine.output_processor import OutputProcessor, ParentRequest
 from vllm.v1.engine.processor import Processor
@@ -21,6 +22,22 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
     if params.seed is not None:
         child.seed = params.seed + index
     return child
+
+
+def fan_out(request: EngineCoreRequest, n: int, output_kind: RequestOutputKind
+            ) -> tuple[ParentRequest | None, list[EngineCoreRequest]]:
+    """The engine-core requests for one user request: the request itself when n == 1,
+    else n children (ids `{index}_{request_id}`, distinct seeds) under a `ParentRequest`.
+    Children share the prompt (embeds included) rather than copying it."""
+    if n == 1:
+        return None, [request]
+    parent = ParentRequest(request.request_id, n, output_kind)
+    children = [EngineCoreRequest(f"{index}_{request.request_id}", request.prompt_token_ids,
+                                  request.prompt_embeds,
+                                  child_params(request.sampling_params, index),
+                                  request.eos_token_id, request.arrival_time)
+                for index in range(n)]
+    return parent, children
 
 
 class FrontEnd(NamedTuple):
@@ -51,26 +68,15 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
                     arrival_time: float | None = None) -> None:
         """Validates and queues one prompt; raises ValueError, touching nothing, if bad."""
-        if request_id in self.output_processor.request_states or \
-                request_id in self.output_processor.parents:
-            raise ValueError(f"Request id {request_id!r} is already in use.")
+        self.output_processor.check_request_id(request_id)
         request, parsed = self.processor.process_inputs(request_id, prompt, params,
                                                         arrival_time)
-        num_prompt = request.num_prompt_tokens
-        if params.n == 1:
-            self.output_processor.add_request(request_id, parsed.prompt, parsed.prompt_token_ids,
-                                              num_prompt, request.sampling_params)
-            self.engine_core.add_request(request)
-            return
-        parent = ParentRequest(request_id, params.n, params.output_kind)
-        for index in range(params.n):
-            child_id = f"{index}_{request_id}"
-            child = type(request)(child_id, request.prompt_token_ids, request.prompt_embeds,
-                                  child_params(request.sampling_params, index),
-                                  request.eos_token_id, request.arrival_time)
-            self.output_processor.add_request(child_id, parsed.prompt, parsed.prompt_token_ids,
-                                              num_prompt, child.sampling_params, parent, index)
-            self.engine_core.add_request(child)
+        parent, requests = fan_out(request, params.n, params.output_kind)
+        for index, core_request in enumerate(requests):
+            self.output_processor.add_request(
+                core_request.request_id, parsed.prompt, parsed.prompt_token_ids,
+                core_request.num_prompt_tokens, core_request.sampling_params, parent, index)
+            self.engine_core.add_request(core_request)
 
     def abort_request(self, request_ids: list[str]) -> None:
         self.engine_core.abort_requests(self.output_processor.abort_requests(request_ids))

@@ -58,7 +58,7 @@ class OutputProcessor:
                     index: int = 0, queue: Any = None) -> None:
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
                                        params.skip_special_tokens, params.stop,
-                                       params.include_stop_str_in_output)
+                                       params.include_stop_str_in_output, params.min_tokens)
         wants_logprobs = params.logprobs is not None
         self.request_states[request_id] = RequestState(
             request_id, parent, index, prompt, prompt_token_ids, num_prompt_tokens, params,
@@ -66,6 +66,10 @@ class OutputProcessor:
             queue=queue)
         if parent is not None:
             self.parents[parent.request_id] = parent
+
+    def check_request_id(self, request_id: str) -> None:
+        if request_id in self.request_states or request_id in self.parents:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.request_states)
@@ -105,10 +109,11 @@ class OutputProcessor:
             state.num_cached_tokens = out.num_cached_tokens
             stop_str = state.detokenizer.update(out.new_token_ids,
                                                 finish_reason == FinishReason.STOP)
-            if stop_str is not None and finish_reason is None:
+            if stop_str is not None:
+                if finish_reason is None:  # the engine core still runs it
+                    reqs_to_abort.append(out.request_id)
                 finish_reason, stop_reason = FinishReason.STOP, stop_str
-                reqs_to_abort.append(out.request_id)
-            elif finish_reason is not None and stop_str is None:
+            elif finish_reason is not None:
                 state.detokenizer.flush()
             if out.new_logprobs is not None and state.logprobs is not None:
                 self._append_logprobs(state, out.new_logprobs)

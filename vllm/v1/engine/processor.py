@@ -12,6 +12,11 @@ from vllm.inputs.parse import ParsedPrompt, parse_prompt, validate_prompt_embeds
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import EngineCoreRequest
 
+# vLLM's default cap on returned logprobs per token.
+MAX_LOGPROBS = 20
+# Samples per prompt; each one is a request of its own in the engine core.
+MAX_N = 128
+
 
 class Processor:
     """Tokenizes, validates and stamps requests; errors are `ValueError`s naming the field."""
@@ -37,6 +42,7 @@ class Processor:
                 raise ValueError("prompt_logprobs is not supported for prompt_embeds prompts: "
                                  "they have no prompt tokens to score.")
             raise ValueError("prompt_logprobs is not supported by this engine yet.")
+        self._validate_params(params)
         embeds = token_ids = None
         if parsed.prompt_embeds is not None:
             embeds = self._validate_embeds(parsed.prompt_embeds)
@@ -56,6 +62,27 @@ class Processor:
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
         )
         return request, ParsedPrompt(parsed.prompt, token_ids, embeds)
+
+    def _validate_params(self, params: SamplingParams) -> None:
+        """Checks of the params against this model (SamplingParams checks the rest), so that
+        no value can fail later inside the engine core."""
+        vocab = self.model_config.vocab_size
+        max_len = self.model_config.max_model_len
+        if params.top_k > vocab:
+            raise ValueError(f"top_k must be at most the vocabulary size {vocab}, "
+                             f"got {params.top_k}.")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad} are out of the vocabulary (size {vocab}).")
+        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be at most {MAX_LOGPROBS}, got {params.logprobs}.")
+        if params.min_tokens > max_len:
+            raise ValueError(f"min_tokens must be at most max_model_len={max_len}, "
+                             f"got {params.min_tokens}.")
+        if params.n > MAX_N:
+            raise ValueError(f"n must be at most {MAX_N}, got {params.n}.")
+        if params.seed is not None and not 0 <= params.seed <= 2**63 - 1 - params.n:
+            raise ValueError(f"seed must be in [0, 2**63 - 1 - n], got {params.seed}.")
 
     def _tokenize(self, parsed: ParsedPrompt) -> list[int]:
         if parsed.prompt_token_ids is not None:

@@ -250,9 +250,11 @@ class GPUModelRunner:
                 generators[i] = state.generator
             if len(state.output_token_ids) < b.min_tokens[row]:
                 params = state.sampling_params
-                blocked = [*params.stop_token_ids, *params.all_stop_token_ids]
-                if params.eos_token_id is not None and not params.ignore_eos:
-                    blocked.append(params.eos_token_id)
+                blocked = list(params.stop_token_ids)
+                if not params.ignore_eos:
+                    blocked += params.all_stop_token_ids
+                    if params.eos_token_id is not None:
+                        blocked.append(params.eos_token_id)
                 if blocked:
                     min_tokens_blocked[i] = blocked
         num_logprobs = b.num_logprobs[rows]

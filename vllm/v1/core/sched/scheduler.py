@@ -238,10 +238,13 @@ class Scheduler:
         params = request.sampling_params
         if request.num_output_tokens < params.min_tokens:
             return False
-        if token == request.eos_token_id and not params.ignore_eos:
+        if not params.ignore_eos and (token == request.eos_token_id
+                                      or token in params.all_stop_token_ids):
+            # EOS, or another end-of-sequence id of the model (generation_config.json).
             request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = None if token == request.eos_token_id else token
             return True
-        if token in params.stop_token_ids or token in params.all_stop_token_ids:
+        if token in params.stop_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = token
             return True
