@@ -48,6 +48,28 @@ class EngineArgs:
             raise TypeError(f"Unknown engine argument(s): {', '.join(unknown)}.")
         return cls(**kwargs)
 
+    def _check_knobs(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}.")
+        if self.prompt_embeds_batching not in ("mixed", "separate"):
+            raise ValueError("prompt_embeds_batching must be 'mixed' or 'separate', got "
+                             f"{self.prompt_embeds_batching!r}.")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
+
+    def _max_num_batched_tokens(self, max_model_len: int) -> int:
+        max_batched = self.max_num_batched_tokens
+        if max_batched is None:
+            max_batched = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
+        if max_batched < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_batched}.")
+        if not self.enable_chunked_prefill and max_batched < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={max_batched} is smaller than max_model_len="
+                f"{max_model_len}; with chunked prefill disabled a whole prompt must fit "
+                "in one step.")
+        return max_batched
+
     def create_engine_config(self) -> VllmConfig:
         model = resolve_model_path(self.model)
         hf_config = get_config(model)
@@ -57,21 +79,8 @@ class EngineArgs:
         if max_model_len > max_pos:
             raise ValueError(f"max_model_len={max_model_len} is larger than the model's "
                              f"max_position_embeddings={max_pos}.")
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two, got {self.block_size}.")
-        if self.prompt_embeds_batching not in ("mixed", "separate"):
-            raise ValueError("prompt_embeds_batching must be 'mixed' or 'separate', got "
-                             f"{self.prompt_embeds_batching!r}.")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
-        max_batched = self.max_num_batched_tokens
-        if max_batched is None:
-            max_batched = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
-        if not self.enable_chunked_prefill and max_batched < max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens={max_batched} is smaller than max_model_len="
-                f"{max_model_len}; with chunked prefill disabled a whole prompt must fit "
-                "in one step.")
+        self._check_knobs()
+        max_batched = self._max_num_batched_tokens(max_model_len)
         model_config = ModelConfig(
             model=model,
             tokenizer=self.tokenizer or model,
