@@ -358,8 +358,6 @@ def test_sampling_params_normalise_stop_and_top_k() -> None:
     assert params.stop_token_ids == []
     assert SamplingParams().stop == []
     assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
-    assert SamplingParams(temperature=0.0).sampling_type_greedy
-    assert not SamplingParams(temperature=0.5).sampling_type_greedy
 
 
 @pytest.mark.parametrize(("field", "value"), [

@@ -93,10 +93,6 @@ class SamplingParams:
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
 
-    @property
-    def sampling_type_greedy(self) -> bool:
-        return self.temperature < 1e-5
-
     def clone(self) -> SamplingParams:
         copy = SamplingParams.__new__(SamplingParams)
         for name in self.__slots__:
