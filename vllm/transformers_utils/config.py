@@ -1,10 +1,11 @@
-"""Loading a model's Hugging Face config from a local directory or a GGUF file."""
+"""Loading a model's Hugging Face config from a local directory, a GGUF file or a CTranslate2
+Whisper directory."""
 
 from __future__ import annotations
 
 import os
 
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig, WhisperConfig
 
 
 def resolve_model_path(model: str | None) -> str:
@@ -28,6 +29,10 @@ def get_config(model: str) -> PretrainedConfig:
         config_dict = dict(load_gguf_config(model))
         model_type = config_dict.pop("model_type")
         return AutoConfig.for_model(model_type, **config_dict)
+    from vllm.model_executor.model_loader.ct2_loader import is_ct2_model_dir, load_ct2_config
+
+    if is_ct2_model_dir(model):
+        return WhisperConfig(**load_ct2_config(model))
     if not os.path.isfile(os.path.join(model, "config.json")):
         raise ValueError(f"No config.json in model directory {model!r}.")
     return AutoConfig.from_pretrained(model, local_files_only=True)

