@@ -70,18 +70,39 @@ class ModelConfig:
         return self.hf_config.vocab_size
 
     @property
+    def is_encoder_decoder(self) -> bool:
+        return bool(getattr(self.hf_config, "is_encoder_decoder", False))
+
+    @property
     def num_layers(self) -> int:
+        """Layers holding KV cache: the decoder's (its self- and cross-attention share one
+        cache tensor per layer; the encoder keeps none)."""
+        if self.is_encoder_decoder:
+            return self.hf_config.decoder_layers
         return self.hf_config.num_hidden_layers
 
     @property
     def num_kv_heads(self) -> int:
         cfg = self.hf_config
+        if self.is_encoder_decoder:
+            return cfg.decoder_attention_heads
         return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
 
     @property
     def head_dim(self) -> int:
         cfg = self.hf_config
+        if self.is_encoder_decoder:
+            return cfg.d_model // cfg.decoder_attention_heads
         return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+    @property
+    def max_encoder_len(self) -> int:
+        """The longest encoder input, in encoder tokens (0 for decoder-only models)."""
+        if not self.is_encoder_decoder:
+            return 0
+        cfg = self.hf_config
+        return (getattr(cfg, "max_source_positions", None)
+                or getattr(cfg, "max_position_embeddings", None) or 1024)
 
     @property
     def name(self) -> str:
@@ -105,6 +126,8 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     prompt_embeds_batching: PromptEmbedsBatching = "mixed"
+    # Encoder input tokens per step (encoder/decoder models); an input is never split.
+    max_num_encoder_input_tokens: int = 2048
 
 
 @dataclass(slots=True)

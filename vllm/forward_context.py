@@ -10,8 +10,11 @@ from typing import Any
 
 @dataclass(slots=True)
 class ForwardContext:
-    attn_metadata: Any  # the backend's metadata for this step
-    kv_caches: list  # one tensor per attention layer
+    attn_metadata: Any  # the backend's metadata for this step (decoder self-attention)
+    kv_caches: list  # one tensor per (decoder) attention layer
+    # Encoder/decoder models only: cross-attention over the cross blocks, and the encoder.
+    cross_attn_metadata: Any = None
+    encoder_attn_metadata: Any = None
 
 
 _forward_context: ForwardContext | None = None
@@ -23,10 +26,12 @@ def get_forward_context() -> ForwardContext:
 
 
 @contextmanager
-def set_forward_context(attn_metadata: Any, kv_caches: list) -> Iterator[None]:
+def set_forward_context(attn_metadata: Any, kv_caches: list, cross_attn_metadata: Any = None,
+                        encoder_attn_metadata: Any = None) -> Iterator[None]:
     global _forward_context
     previous = _forward_context
-    _forward_context = ForwardContext(attn_metadata, kv_caches)
+    _forward_context = ForwardContext(attn_metadata, kv_caches, cross_attn_metadata,
+                                      encoder_attn_metadata)
     try:
         yield
     finally:

@@ -32,6 +32,10 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_prompt_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    # Encoder/decoder models: the encoder's prompt (None for audio and prompt embeds);
+    # `prompt` / `prompt_token_ids` are then the decoder's.
+    encoder_prompt: str | None = None
+    encoder_prompt_token_ids: list[int] | None = None
 
 
 __all__ = ["CompletionOutput", "RequestOutput", "Logprob"]

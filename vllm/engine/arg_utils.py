@@ -28,6 +28,7 @@ class EngineArgs:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
+    max_num_encoder_input_tokens: int | None = None
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
@@ -70,15 +71,27 @@ class EngineArgs:
                 "in one step.")
         return max_batched
 
+    def _max_num_encoder_input_tokens(self, max_batched: int, max_encoder_len: int) -> int:
+        """vLLM's default is the token budget; here also never below one whole encoder
+        input, which is never split."""
+        budget = self.max_num_encoder_input_tokens
+        if budget is None:
+            return max(max_batched, max_encoder_len)
+        if budget < max_encoder_len:
+            raise ValueError(f"max_num_encoder_input_tokens={budget} is smaller than the "
+                             f"model's longest encoder input ({max_encoder_len} tokens), "
+                             "which is never split across steps.")
+        return budget
+
     def create_engine_config(self) -> VllmConfig:
         model = resolve_model_path(self.model)
         hf_config = get_config(model)
         device = self.device or default_device()
-        max_pos = getattr(hf_config, "max_position_embeddings", None) or 2048
+        max_pos = _max_decoder_positions(hf_config)
         max_model_len = self.max_model_len or max_pos
         if max_model_len > max_pos:
             raise ValueError(f"max_model_len={max_model_len} is larger than the model's "
-                             f"max_position_embeddings={max_pos}.")
+                             f"maximum number of (decoder) positions, {max_pos}.")
         self._check_knobs()
         max_batched = self._max_num_batched_tokens(max_model_len)
         model_config = ModelConfig(
@@ -105,5 +118,13 @@ class EngineArgs:
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
             prompt_embeds_batching=self.prompt_embeds_batching,  # type: ignore[arg-type]
+            max_num_encoder_input_tokens=self._max_num_encoder_input_tokens(
+                max_batched, model_config.max_encoder_len),
         )
         return VllmConfig(model_config, cache_config, scheduler_config, DeviceConfig(device))
+
+
+def _max_decoder_positions(hf_config) -> int:
+    """Positions the (decoder) model has: Whisper names them `max_target_positions`."""
+    return (getattr(hf_config, "max_target_positions", None)
+            or getattr(hf_config, "max_position_embeddings", None) or 2048)

@@ -11,6 +11,9 @@ class ParsedPrompt(NamedTuple):
     prompt: str | None
     prompt_token_ids: list[int] | None
     prompt_embeds: torch.Tensor | None
+    # Encoder/decoder models: the encoder's prompt (None for audio and embeds).
+    encoder_prompt: str | None = None
+    encoder_prompt_token_ids: list[int] | None = None
 
 
 _KEYS = ("prompt", "prompt_token_ids", "prompt_embeds")
@@ -43,7 +46,7 @@ def parse_prompt(prompt: Any) -> ParsedPrompt:
 
 
 def validate_prompt_embeds(embeds: Any, hidden_size: int, dtype: torch.dtype,
-                           max_model_len: int) -> torch.Tensor:
+                           max_model_len: int, what: str = "prompt") -> torch.Tensor:
     """Checks prompt embeds and returns them as a contiguous CPU tensor of `dtype`.
 
     A `[1, num_tokens, hidden_size]` tensor is squeezed to `[num_tokens, hidden_size]`.
@@ -67,8 +70,9 @@ def validate_prompt_embeds(embeds: Any, hidden_size: int, dtype: torch.dtype,
         raise ValueError(f"prompt_embeds hidden size is {embeds.shape[1]}, but the model's "
                          f"hidden_size is {hidden_size}.")
     if embeds.shape[0] > max_model_len:
-        raise ValueError(f"The prompt (length {embeds.shape[0]}) is longer than the maximum "
-                         f"model length of {max_model_len}.")
+        limit = "encoder length" if what == "encoder prompt" else "model length"
+        raise ValueError(f"The {what} (length {embeds.shape[0]}) is longer than the maximum "
+                         f"{limit} of {max_model_len}.")
     embeds = embeds.detach().to(device="cpu", dtype=dtype).contiguous()
     if not torch.isfinite(embeds).all():
         raise ValueError("prompt_embeds contains non-finite values (NaN or inf), after the "

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 
 from vllm.sampling_params import SamplingParams
-from vllm.v1.engine import EngineCoreRequest, FinishReason
+from vllm.v1.engine import EncoderInput, EngineCoreRequest, FinishReason
 
 # Token id stored at positions whose input comes from prompt embeds. The scheduler never
 # reads it; the model runner's is_token_ids table says the position is not a real token.
@@ -57,8 +57,12 @@ class Request:
         arrival_time: float,
         max_model_len: int,
         block_hasher: Callable[[Request], list[bytes]] | None = None,
+        encoder_input: EncoderInput | None = None,
     ) -> None:
         self.request_id = request_id
+        # Encoder/decoder models: the encoder's input, kept until the request finishes (a
+        # preempted request whose cross blocks were evicted runs the encoder again).
+        self.encoder_input = encoder_input
         self.prompt_token_ids = prompt_token_ids
         self.prompt_embeds = prompt_embeds
         self.sampling_params = sampling_params
@@ -91,7 +95,7 @@ class Request:
                                  ) -> Request:
         return cls(request.request_id, request.prompt_token_ids, request.prompt_embeds,
                    request.sampling_params, request.eos_token_id, request.arrival_time,
-                   max_model_len, block_hasher)
+                   max_model_len, block_hasher, request.encoder_input)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -108,6 +112,11 @@ class Request:
     @property
     def is_token_prompt(self) -> bool:
         return self.prompt_embeds is None
+
+    @property
+    def num_encoder_tokens(self) -> int:
+        """Rows of cross-attention K/V this request needs (0 for decoder-only models)."""
+        return 0 if self.encoder_input is None else self.encoder_input.num_tokens
 
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)

@@ -1,4 +1,5 @@
-"""Building a model and filling it from safetensors files or a GGUF file."""
+"""Building a model and filling it from safetensors files, a GGUF file or a CTranslate2
+directory (converted to Hugging Face names at load)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,13 @@ def iterate_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tens
         from vllm.model_executor.model_loader.gguf_loader import load_gguf_state_dict
 
         yield from load_gguf_state_dict(model_config.model, model_config.dtype).items()
+        return
+    from vllm.model_executor.model_loader.ct2_loader import is_ct2_model_dir
+
+    if is_ct2_model_dir(model_config.model):
+        from vllm.model_executor.model_loader.ct2_loader import load_ct2_state_dict
+
+        yield from load_ct2_state_dict(model_config.model, model_config.dtype).items()
         return
     from safetensors import safe_open
 

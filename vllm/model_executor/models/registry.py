@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from torch import nn
 
+from vllm.model_executor.models.bart import BartForConditionalGeneration
 from vllm.model_executor.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from vllm.model_executor.models.whisper import WhisperForConditionalGeneration
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "BartForConditionalGeneration": BartForConditionalGeneration,
+    "WhisperForConditionalGeneration": WhisperForConditionalGeneration,
 }
 
 

@@ -106,13 +106,31 @@ def hash_block(parent: BlockHash | None, token_ids: list[int],
     return h.digest()
 
 
+def cross_block_hashes(encoder_hash: bytes, num_blocks: int) -> list[BlockHash]:
+    """Hashes of the cross-attention blocks of one encoder input: block i holds K/V rows
+    [i * block_size, (i + 1) * block_size) of that input's encoder output. The tag keeps
+    them apart from self-attention blocks, whose chains start from the same `encoder_hash`.
+    """
+    return [hashlib.sha256(b"X" + encoder_hash + i.to_bytes(4, "little")).digest()
+            for i in range(num_blocks)]
+
+
 def make_block_hasher(block_size: int) -> Callable[[Request], list[BlockHash]]:
-    """Returns a function giving the hashes of a request's not yet hashed full blocks."""
+    """Returns a function giving the hashes of a request's not yet hashed full blocks.
+
+    For encoder/decoder models the chain starts from the encoder input's hash, so that the
+    same decoder prompt over two different encoder inputs never shares KV.
+    """
 
     def hasher(request: Request) -> list[BlockHash]:
         start_block = len(request.block_hashes)
         num_full_blocks = request.num_tokens // block_size
-        parent = request.block_hashes[-1] if request.block_hashes else None
+        if request.block_hashes:
+            parent = request.block_hashes[-1]
+        elif request.encoder_input is not None:
+            parent = request.encoder_input.content_hash
+        else:
+            parent = None
         embeds = request.prompt_embeds
         num_embeds = request.num_prompt_tokens if embeds is not None else 0
         new_hashes = []

@@ -22,10 +22,28 @@ class FinishReason(enum.IntEnum):
 
 
 @dataclass(slots=True)
+class EncoderInput:
+    """The encoder side of an encoder/decoder request, validated by the `Processor`.
+
+    Exactly one of `token_ids` and `features` is set. `num_tokens` is the encoder's output
+    length, i.e. the number of cross-attention K/V rows; `content_hash` names the input so
+    that requests with the same encoder input share cross-attention blocks.
+    """
+
+    token_ids: list[int] | None
+    # Encoder prompt embeds [num_tokens, d_model] (BART), or log-mel features
+    # [num_mel_bins, num_frames] (Whisper); model dtype (embeds) or float32 (features), CPU.
+    features: torch.Tensor | None
+    num_tokens: int
+    content_hash: bytes
+
+
+@dataclass(slots=True)
 class EngineCoreRequest:
     """One prompt, tokenized and validated, ready for the scheduler.
 
-    Exactly one of `prompt_token_ids` and `prompt_embeds` is set.
+    Exactly one of `prompt_token_ids` and `prompt_embeds` is set (for encoder/decoder
+    models they are the decoder prompt, and `encoder_input` is the encoder's).
     """
 
     request_id: str
@@ -34,6 +52,7 @@ class EngineCoreRequest:
     sampling_params: SamplingParams
     eos_token_id: int | None
     arrival_time: float = field(default_factory=time.monotonic)
+    encoder_input: EncoderInput | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

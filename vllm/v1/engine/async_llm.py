@@ -124,7 +124,9 @@ class AsyncLLM:
         num_prompt = request.num_prompt_tokens
         self.output_processor.add_request(request.request_id, parsed.prompt,
                                           parsed.prompt_token_ids, num_prompt,
-                                          request.sampling_params, parent, index, queue=stream)
+                                          request.sampling_params, parent, index, queue=stream,
+                                          encoder_prompt=parsed.encoder_prompt,
+                                          encoder_prompt_token_ids=parsed.encoder_prompt_token_ids)
         self.stats_tracker.add(request.request_id, request.arrival_time, num_prompt)
         await self.engine_core.add_request_async(request)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from vllm.config import VllmConfig
+from vllm.utils import cdiv
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
 from vllm.v1.executor.uniproc import UniProcExecutor
@@ -21,7 +22,7 @@ class EngineCore:
         cache = vllm_config.cache_config
         num_blocks = self.model_executor.determine_num_blocks()
         max_len = vllm_config.model_config.max_model_len
-        needed = -(-max_len // cache.block_size) + 1  # + the null block
+        needed = cdiv(max_len, cache.block_size) + 1  # + the null block
         if num_blocks < needed:
             raise ValueError(
                 f"The KV cache has room for {num_blocks} blocks of {cache.block_size} tokens, "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 from vllm.config import ModelConfig, VllmConfig
@@ -32,10 +33,9 @@ def fan_out(request: EngineCoreRequest, n: int, output_kind: RequestOutputKind
     if n == 1:
         return None, [request]
     parent = ParentRequest(request.request_id, n, output_kind)
-    children = [EngineCoreRequest(f"{index}_{request.request_id}", request.prompt_token_ids,
-                                  request.prompt_embeds,
-                                  child_params(request.sampling_params, index),
-                                  request.eos_token_id, request.arrival_time)
+    children = [dataclasses.replace(request, request_id=f"{index}_{request.request_id}",
+                                    sampling_params=child_params(request.sampling_params,
+                                                                 index))
                 for index in range(n)]
     return parent, children
 
@@ -75,7 +75,9 @@ class LLMEngine:
         for index, core_request in enumerate(requests):
             self.output_processor.add_request(
                 core_request.request_id, parsed.prompt, parsed.prompt_token_ids,
-                core_request.num_prompt_tokens, core_request.sampling_params, parent, index)
+                core_request.num_prompt_tokens, core_request.sampling_params, parent, index,
+                encoder_prompt=parsed.encoder_prompt,
+                encoder_prompt_token_ids=parsed.encoder_prompt_token_ids)
             self.engine_core.add_request(core_request)
 
     def abort_request(self, request_ids: list[str]) -> None:

@@ -42,6 +42,8 @@ class RequestState:
     sent_text_len: int = 0
     sent_num_tokens: int = 0
     queue: Any = None  # AsyncLLM: where this request's outputs go
+    encoder_prompt: str | None = None
+    encoder_prompt_token_ids: list[int] | None = None
 
 
 class OutputProcessor:
@@ -55,7 +57,8 @@ class OutputProcessor:
     def add_request(self, request_id: str, prompt: str | None,
                     prompt_token_ids: list[int] | None, num_prompt_tokens: int,
                     params: SamplingParams, parent: ParentRequest | None = None,
-                    index: int = 0, queue: Any = None) -> None:
+                    index: int = 0, queue: Any = None, encoder_prompt: str | None = None,
+                    encoder_prompt_token_ids: list[int] | None = None) -> None:
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
                                        params.skip_special_tokens, params.stop,
                                        params.include_stop_str_in_output, params.min_tokens)
@@ -63,7 +66,8 @@ class OutputProcessor:
         self.request_states[request_id] = RequestState(
             request_id, parent, index, prompt, prompt_token_ids, num_prompt_tokens, params,
             detok, [] if wants_logprobs else None, 0.0 if wants_logprobs else None,
-            queue=queue)
+            queue=queue, encoder_prompt=encoder_prompt,
+            encoder_prompt_token_ids=encoder_prompt_token_ids)
         if parent is not None:
             self.parents[parent.request_id] = parent
 
@@ -195,4 +199,6 @@ class OutputProcessor:
             finished=finished,
             num_cached_tokens=state.num_cached_tokens,
             num_prompt_tokens=state.num_prompt_tokens,
+            encoder_prompt=state.encoder_prompt,
+            encoder_prompt_token_ids=state.encoder_prompt_token_ids,
         )

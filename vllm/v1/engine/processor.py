@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
 from typing import Any
 
+import numpy as np
+import torch
+
 from vllm.config import ModelConfig
+from vllm.inputs.audio import audio_to_features, load_feature_extractor
+from vllm.inputs.encoder_decoder import (
+    default_decoder_prompt,
+    split_encoder_decoder_prompt,
+    with_decoder_start,
+)
 from vllm.inputs.parse import ParsedPrompt, parse_prompt, validate_prompt_embeds
 from vllm.sampling_params import SamplingParams
-from vllm.v1.engine import EngineCoreRequest
+from vllm.v1.engine import EncoderInput, EngineCoreRequest
 
 # vLLM's default cap on returned logprobs per token.
 MAX_LOGPROBS = 20
@@ -30,13 +40,22 @@ class Processor:
         if isinstance(self.eos_token_id, list):
             self.eos_token_id = self.eos_token_id[0] if self.eos_token_id else None
         self.generation_stop_ids = _generation_config_eos_ids(model_config.model)
+        self.is_audio_model = model_config.hf_config.model_type == "whisper"
+        self.feature_extractor = (
+            load_feature_extractor(model_config.model, model_config.hf_config.num_mel_bins)
+            if self.is_audio_model else None)
 
     def process_inputs(self, request_id: str, prompt: Any, params: SamplingParams,
                        arrival_time: float | None = None
                        ) -> tuple[EngineCoreRequest, ParsedPrompt]:
-        parsed = parse_prompt(prompt)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"Expected SamplingParams, got {type(params).__name__}.")
+        encoder_input = None
+        if self.model_config.is_encoder_decoder:
+            parsed, encoder_input = self._process_encoder_decoder(prompt)
+        else:
+            _reject_encoder_inputs(prompt, self.model_config)
+            parsed = parse_prompt(prompt)
         if params.prompt_logprobs is not None:
             if parsed.prompt_embeds is not None:
                 raise ValueError("prompt_logprobs is not supported for prompt_embeds prompts: "
@@ -60,8 +79,75 @@ class Processor:
             sampling_params=params,
             eos_token_id=self.eos_token_id,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            encoder_input=encoder_input,
         )
-        return request, ParsedPrompt(parsed.prompt, token_ids, embeds)
+        return request, parsed._replace(prompt_token_ids=token_ids, prompt_embeds=embeds)
+
+    # ---- encoder/decoder models ------------------------------------------------------
+
+    def _process_encoder_decoder(self, prompt: Any) -> tuple[ParsedPrompt, EncoderInput]:
+        """Splits the prompt (see `vllm.inputs.encoder_decoder`); returns the decoder side
+        as a token prompt (with <DEC> in front) and the validated, hashed encoder input."""
+        split = split_encoder_decoder_prompt(prompt)
+        encoder_input, encoder_text = self._encoder_input(split.encoder)
+        config = self.model_config.hf_config
+        if split.decoder is None:
+            decoder_text = None
+            decoder_ids = default_decoder_prompt(config, self.tokenizer, self.is_audio_model)
+        else:
+            decoder = parse_prompt(split.decoder)
+            if decoder.prompt_embeds is not None:
+                raise ValueError("The decoder prompt of an encoder/decoder model cannot be "
+                                 "prompt_embeds; pass embeds as the encoder prompt.")
+            decoder_text = decoder.prompt
+            decoder_ids = (decoder.prompt_token_ids if decoder.prompt_token_ids is not None
+                           else self._encode_text(decoder.prompt, add_special_tokens=False))
+            decoder_ids = with_decoder_start(decoder_ids, config.decoder_start_token_id)
+        parsed = ParsedPrompt(decoder_text, decoder_ids, None, encoder_text,
+                              encoder_input.token_ids)
+        return parsed, encoder_input
+
+    def _encoder_input(self, prompt: Any) -> tuple[EncoderInput, str | None]:
+        mc = self.model_config
+        audio = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if audio is not None:
+            return self._audio_encoder_input(prompt), None
+        if self.is_audio_model:
+            raise ValueError(f"{mc.architecture}'s encoder input is audio: pass "
+                             "{'prompt': '', 'multi_modal_data': {'audio': (waveform, "
+                             "sample_rate)}} as the (encoder) prompt.")
+        parsed = parse_prompt(prompt)
+        if parsed.prompt_embeds is not None:
+            embeds = self._validate_embeds(parsed.prompt_embeds, mc.max_encoder_len,
+                                           "encoder prompt")
+            return EncoderInput(None, embeds, embeds.shape[0],
+                                _content_hash(b"E", embeds.view(-1).view(torch.uint8)
+                                              .numpy())), None
+        token_ids = (parsed.prompt_token_ids if parsed.prompt_token_ids is not None
+                     else self._encode_text(parsed.prompt))
+        self._validate_token_ids(token_ids, mc.max_encoder_len, "encoder prompt")
+        ids_bytes = np.asarray(token_ids, dtype=np.int64)
+        return EncoderInput(token_ids, None, len(token_ids),
+                            _content_hash(b"T", ids_bytes)), parsed.prompt
+
+    def _audio_encoder_input(self, prompt: dict) -> EncoderInput:
+        mc = self.model_config
+        if self.feature_extractor is None:
+            raise ValueError(f"{mc.architecture} does not take audio (multi_modal_data); "
+                             "its encoder input is text or prompt_embeds.")
+        if prompt.get("prompt") or prompt.get("prompt_token_ids"):
+            raise ValueError("The encoder prompt of an audio model is the audio alone: "
+                             "put the text in decoder_prompt.")
+        data = prompt["multi_modal_data"]
+        if not isinstance(data, dict) or set(data) != {"audio"}:
+            raise ValueError("multi_modal_data must be {'audio': (waveform, sample_rate)}, "
+                             f"got {sorted(data) if isinstance(data, dict) else data!r}.")
+        features = audio_to_features(data["audio"], self.feature_extractor)
+        frames_per_token = features.shape[1] // mc.max_encoder_len
+        return EncoderInput(None, features, features.shape[1] // frames_per_token,
+                            _content_hash(b"A", features.numpy()))
+
+    # ---- checks ----------------------------------------------------------------------
 
     def _validate_params(self, params: SamplingParams) -> None:
         """Checks of the params against this model (SamplingParams checks the rest), so that
@@ -87,30 +173,50 @@ class Processor:
     def _tokenize(self, parsed: ParsedPrompt) -> list[int]:
         if parsed.prompt_token_ids is not None:
             return parsed.prompt_token_ids
+        return self._encode_text(parsed.prompt)
+
+    def _encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("A text prompt needs a tokenizer (skip_tokenizer_init is set).")
-        return list(self.tokenizer.encode(parsed.prompt))
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def _validate_token_ids(self, token_ids: list[int]) -> None:
-        max_len = self.model_config.max_model_len
+    def _validate_token_ids(self, token_ids: list[int], max_len: int | None = None,
+                            what: str = "prompt") -> None:
+        max_len = max_len or self.model_config.max_model_len
         if not token_ids:
-            raise ValueError("The prompt is empty: it has 0 tokens.")
+            raise ValueError(f"The {what} is empty: it has 0 tokens.")
         if len(token_ids) > max_len:
-            raise ValueError(f"The prompt (length {len(token_ids)}) is longer than the "
-                             f"maximum model length of {max_len}.")
+            limit = "encoder length" if what == "encoder prompt" else "model length"
+            raise ValueError(f"The {what} (length {len(token_ids)}) is longer than the "
+                             f"maximum {limit} of {max_len}.")
         vocab = self.model_config.vocab_size
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"Token id {bad[0]!r} in prompt_token_ids is out of the "
+            raise ValueError(f"Token id {bad[0]!r} in the {what} is out of the "
                              f"vocabulary (size {vocab}).")
 
-    def _validate_embeds(self, embeds: Any):
+    def _validate_embeds(self, embeds: Any, max_len: int | None = None,
+                         what: str = "prompt"):
         mc = self.model_config
         if not mc.enable_prompt_embeds:
             raise ValueError("prompt_embeds given, but prompt embeds are disabled: create the "
                              "engine with enable_prompt_embeds=True (server: "
                              "--enable-prompt-embeds).")
-        return validate_prompt_embeds(embeds, mc.hidden_size, mc.dtype, mc.max_model_len)
+        return validate_prompt_embeds(embeds, mc.hidden_size, mc.dtype,
+                                      max_len or mc.max_model_len, what)
+
+
+def _content_hash(tag: bytes, data: np.ndarray) -> bytes:
+    """Names an encoder input by its content (tag: T token ids, E embeds, A audio)."""
+    return hashlib.sha256(tag + np.ascontiguousarray(data).tobytes()).digest()
+
+
+def _reject_encoder_inputs(prompt: Any, model_config: ModelConfig) -> None:
+    if isinstance(prompt, dict):
+        for key in ("encoder_prompt", "decoder_prompt", "multi_modal_data"):
+            if prompt.get(key) is not None:
+                raise ValueError(f"{key!r} given, but {model_config.architecture} is a "
+                                 "decoder-only model: it takes one prompt.")
 
 
 def _generation_config_eos_ids(model: str) -> list[int]:

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from vllm.utils import cdiv
+
 
 class BlockTable:
     """A `[max_num_reqs, max_num_blocks_per_req]` int32 table; 0 (the null block) pads."""
 
     def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
         self.block_size = block_size
-        self.max_num_blocks_per_req = -(-max_model_len // block_size)
+        self.max_num_blocks_per_req = cdiv(max_model_len, block_size)
         self.table = np.zeros((max_num_reqs, self.max_num_blocks_per_req), dtype=np.int32)
         self.num_blocks_per_row = np.zeros(max_num_reqs, dtype=np.int32)
 

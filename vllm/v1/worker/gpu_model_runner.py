@@ -21,6 +21,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler, SamplerOutput
+from vllm.v1.worker.encoder_runner import EncoderRunner
 from vllm.v1.worker.input_batch import CachedRequestState, InputBatch
 
 
@@ -66,12 +67,18 @@ class ModelInputs(NamedTuple):
     inputs_embeds: torch.Tensor | None  # [num_tokens, hidden_size]
     positions: torch.Tensor  # [num_tokens] int64
     attn_metadata: object
+    cross_attn_metadata: object | None  # encoder/decoder models only
     logits_indices: torch.Tensor  # [num_sampling_reqs] int64
     sampling_rows: np.ndarray  # [num_sampling_reqs] batch rows that sample this step
 
 
 class GPUModelRunner:
-    """Owns the model, the KV cache tensors and the persistent `InputBatch`."""
+    """Owns the model, the KV cache tensors and the persistent `InputBatch`.
+
+    vLLM's name, but CPU-first: the same code runs on CPU (the machines we test on) and
+    CUDA. Encoder/decoder models add one encoder pass per step (`EncoderRunner`) and
+    cross-attention metadata.
+    """
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device) -> None:
         self.vllm_config = vllm_config
@@ -84,16 +91,21 @@ class GPUModelRunner:
         self.block_size = self.cache_config.block_size
         self.attn_backend = get_attn_backend()
         self.requests: dict[str, CachedRequestState] = {}
+        self.is_encoder_decoder = self.model_config.is_encoder_decoder
         self.input_batch = InputBatch(self.scheduler_config.max_num_seqs, self.max_model_len,
-                                      self.block_size, self.model_config.vocab_size)
+                                      self.block_size, self.model_config.vocab_size,
+                                      self.model_config.max_encoder_len)
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.model: torch.nn.Module | None = None
+        self.encoder_runner: EncoderRunner | None = None
 
     # ---- set-up -------------------------------------------------------------------
 
     def load_model(self) -> None:
         self.model = get_model(self.model_config, self.attn_backend, self.device)
+        if self.is_encoder_decoder:
+            self.encoder_runner = EncoderRunner(self.model, self.block_size, self.device)
         if self.device.type == "cpu":
             from vllm._custom_ops import cpu_ops
 
@@ -121,8 +133,11 @@ class GPUModelRunner:
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
+        if scheduler_output.scheduled_encoder_inputs:
+            self.encoder_runner.run(scheduler_output, self.kv_caches)
         inputs = self._prepare_inputs(scheduler_output)
-        with set_forward_context(inputs.attn_metadata, self.kv_caches):
+        with set_forward_context(inputs.attn_metadata, self.kv_caches,
+                                 inputs.cross_attn_metadata):
             hidden_states = self.model(inputs.input_ids, inputs.positions, inputs.inputs_embeds)
         logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
         sampler_output = self.sampler(logits, self._sampling_metadata(inputs.sampling_rows))
@@ -151,6 +166,9 @@ class GPUModelRunner:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 output_token_ids=list(new.output_token_ids),
+                cross_block_ids=list(new.cross_block_ids),
+                num_encoder_tokens=(new.encoder_input.num_tokens
+                                    if new.encoder_input is not None else 0),
             )
             self.requests[new.req_id] = state
             to_add.append(state)
@@ -197,6 +215,8 @@ class GPUModelRunner:
             num_actual_tokens=num_tokens,
         )
         attn_metadata = self.attn_backend.build_metadata(common, self.block_size, self.device)
+        cross_attn_metadata = self._cross_attn_metadata(common) if self.is_encoder_decoder \
+            else None
         # A request samples once its whole known sequence is computed; a prefill chunk
         # that stops short of the prompt's end produces no token.
         sampling_rows = np.flatnonzero(idx.seq_lens >= batch.num_tokens[:num_reqs])
@@ -211,9 +231,26 @@ class GPUModelRunner:
             inputs_embeds=inputs_embeds,
             positions=torch.from_numpy(idx.positions).to(self.device),
             attn_metadata=attn_metadata,
+            cross_attn_metadata=cross_attn_metadata,
             logits_indices=torch.from_numpy(logits_indices.astype(np.int64)).to(self.device),
             sampling_rows=sampling_rows,
         )
+
+    def _cross_attn_metadata(self, common: CommonAttentionMetadata) -> object:
+        """Cross-attention reads each request's whole encoder output from its cross
+        blocks: the same query layout, with encoder lengths as sequence lengths."""
+        batch = self.input_batch
+        num_reqs = batch.num_reqs
+        cross = CommonAttentionMetadata(
+            query_start_loc=common.query_start_loc,
+            seq_lens=batch.num_encoder_tokens[:num_reqs].copy(),
+            num_computed_tokens=np.zeros(num_reqs, dtype=np.int32),
+            block_table=batch.cross_block_table.table[:num_reqs],
+            slot_mapping=np.zeros(0, dtype=np.int64),  # read-only: nothing is written
+            num_actual_tokens=common.num_actual_tokens,
+        )
+        return self.attn_backend.build_metadata(cross, self.block_size, self.device,
+                                                causal=False)
 
     def _gather_inputs_embeds(self, input_ids: torch.Tensor, is_token: np.ndarray,
                               idx: StepIndices) -> torch.Tensor:

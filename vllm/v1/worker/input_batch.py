@@ -21,6 +21,9 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
+    # Encoder/decoder models: the cross-attention blocks and how many rows they hold.
+    cross_block_ids: list[int] = field(default_factory=list)
+    num_encoder_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -36,11 +39,12 @@ class InputBatch:
 
     Rows `0..num_reqs-1` are occupied (holes are closed by `condense`). The token-id
     table holds every known token of a request; `is_token_ids` says which positions are
-    real tokens (False where the input comes from prompt embeds).
+    real tokens (False where the input comes from prompt embeds). Encoder/decoder models
+    (`max_encoder_len > 0`) also keep a cross-attention block table and encoder lengths.
     """
 
     def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int,
-                 vocab_size: int) -> None:
+                 vocab_size: int, max_encoder_len: int = 0) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -55,6 +59,9 @@ class InputBatch:
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_computed_tokens_cpu = np.zeros(max_num_reqs, dtype=np.int32)
         self.block_table = BlockTable(max_num_reqs, max_model_len, block_size)
+        self.cross_block_table = (BlockTable(max_num_reqs, max_encoder_len, block_size)
+                                  if max_encoder_len else None)
+        self.num_encoder_tokens = np.zeros(max_num_reqs, dtype=np.int32)
 
         self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)
@@ -69,7 +76,10 @@ class InputBatch:
                             self.num_prompt_tokens, self.num_computed_tokens_cpu,
                             self.temperature, self.top_p, self.top_k, self.min_p,
                             self.presence_penalty, self.frequency_penalty,
-                            self.repetition_penalty, self.min_tokens, self.num_logprobs]
+                            self.repetition_penalty, self.min_tokens, self.num_logprobs,
+                            self.num_encoder_tokens]
+        self._block_tables = [t for t in (self.block_table, self.cross_block_table)
+                              if t is not None]
 
     def add_request(self, state: CachedRequestState) -> int:
         row = self.num_reqs
@@ -91,6 +101,9 @@ class InputBatch:
         self.num_prompt_tokens[row] = num_prompt
         self.num_computed_tokens_cpu[row] = state.num_computed_tokens
         self.block_table.add_row(state.block_ids, row)
+        if self.cross_block_table is not None:
+            self.cross_block_table.add_row(state.cross_block_ids, row)
+            self.num_encoder_tokens[row] = state.num_encoder_tokens
 
         params = state.sampling_params
         self.temperature[row] = params.temperature
@@ -110,7 +123,8 @@ class InputBatch:
             return None
         self.req_ids[row] = None
         self.req_states[row] = None
-        self.block_table.clear_row(row)
+        for table in self._block_tables:
+            table.clear_row(row)
         return row
 
     def condense(self) -> None:
@@ -136,8 +150,9 @@ class InputBatch:
         self.req_id_to_index[req_id] = dst
         for array in self._row_arrays:
             array[dst] = array[src]
-        self.block_table.move_row(src, dst)
-        self.block_table.clear_row(src)
+        for table in self._block_tables:
+            table.move_row(src, dst)
+            table.clear_row(src)
 
     def append_token(self, row: int, token_id: int) -> None:
         """Records a sampled token; it becomes the row's next input position."""

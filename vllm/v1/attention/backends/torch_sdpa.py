@@ -9,6 +9,11 @@ their blocks into a padded `[num_decodes, max_blocks * block_size]` key range ma
 sequence length.
 Prefill chunks are computed one request at a time; a chunk with nothing computed before it
 attends to its own keys with a causal mask and never reads the cache.
+
+Encoder/decoder models add two kinds (`AttentionType`): ENCODER attention is bidirectional
+within each encoder input and touches no cache; ENCODER_DECODER (cross) attention is built
+with `causal=False`: its "sequence" is the request's cross-attention blocks, which every
+decoder query reads whole (decode queries through the same paged decode path).
 """
 
 from __future__ import annotations
@@ -19,10 +24,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from vllm.utils import cdiv
 from vllm.v1.attention.backends.abstract import (
     AttentionBackend,
     AttentionImpl,
+    AttentionType,
     CommonAttentionMetadata,
+    EncoderAttentionMetadata,
 )
 
 
@@ -68,21 +76,21 @@ class TorchSDPABackend(AttentionBackend):
 
     @staticmethod
     def build_metadata(common: CommonAttentionMetadata, block_size: int,
-                       device: torch.device) -> TorchSDPAMetadata:
+                       device: torch.device, causal: bool = True) -> TorchSDPAMetadata:
         qsl, seq_lens = common.query_start_loc, common.seq_lens
         query_lens = np.diff(qsl)
         decode = np.flatnonzero(query_lens == 1)
         decode_idx = decode_table = decode_mask = decode_seq_lens = decode_table_i32 = None
         if decode.size and _native_decode(device) is not None:
             decode_idx = torch.from_numpy(qsl[decode].astype(np.int64)).to(device)
-            max_blocks = -(-int(seq_lens[decode].max()) // block_size)
+            max_blocks = cdiv(int(seq_lens[decode].max()), block_size)
             decode_table_i32 = torch.from_numpy(
                 np.ascontiguousarray(common.block_table[decode, :max_blocks])).to(device)
             decode_seq_lens = torch.from_numpy(seq_lens[decode].astype(np.int32)).to(device)
         elif decode.size:
             # e.g. seq_lens [55, 146] with block size 16 -> 10 blocks each; the mask keeps
             # keys 0..54 of row 0 and 0..145 of row 1.
-            max_blocks = -(-int(seq_lens[decode].max()) // block_size)
+            max_blocks = cdiv(int(seq_lens[decode].max()), block_size)
             decode_idx = torch.from_numpy(qsl[decode].astype(np.int64)).to(device)
             decode_table = torch.from_numpy(
                 common.block_table[decode, :max_blocks].astype(np.int64)).to(device)
@@ -94,10 +102,11 @@ class TorchSDPABackend(AttentionBackend):
             start, end = int(qsl[i]), int(qsl[i + 1])
             computed, seq_len = int(common.num_computed_tokens[i]), int(seq_lens[i])
             block_ids = mask = None
-            if computed > 0:
-                num_blocks = -(-seq_len // block_size)
+            if computed > 0 or not causal:
+                num_blocks = cdiv(seq_len, block_size)
                 block_ids = torch.from_numpy(
                     common.block_table[i, :num_blocks].astype(np.int64)).to(device)
+            if computed > 0 and causal:
                 # Query row r sits at position computed + r and sees keys 0..computed + r.
                 q_pos = computed + np.arange(end - start)
                 mask = torch.from_numpy(np.arange(seq_len)[None, :] <= q_pos[:, None])
@@ -110,28 +119,37 @@ class TorchSDPABackend(AttentionBackend):
                                  decode_only=decode.size == common.num_actual_tokens)
 
     @staticmethod
-    def make_impl(num_heads: int, head_size: int, num_kv_heads: int,
-                  scale: float) -> TorchSDPAImpl:
-        return TorchSDPAImpl(num_heads, head_size, num_kv_heads, scale)
+    def make_impl(num_heads: int, head_size: int, num_kv_heads: int, scale: float,
+                  attn_type: AttentionType = AttentionType.DECODER) -> TorchSDPAImpl:
+        return TorchSDPAImpl(num_heads, head_size, num_kv_heads, scale, attn_type)
 
 
 class TorchSDPAImpl(AttentionImpl):
-    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int,
-                 scale: float) -> None:
+    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float,
+                 attn_type: AttentionType = AttentionType.DECODER) -> None:
         self.num_heads = num_heads
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads
         self.group = num_heads // num_kv_heads
         self.scale = scale
+        self.attn_type = attn_type
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, metadata: TorchSDPAMetadata) -> torch.Tensor:
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        n = slot_mapping.shape[0]
+        kv_cache[0].view(-1, self.num_kv_heads, self.head_size).index_copy_(
+            0, slot_mapping, key[:n])
+        kv_cache[1].view(-1, self.num_kv_heads, self.head_size).index_copy_(
+            0, slot_mapping, value[:n])
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor | None,
+                value: torch.Tensor | None, kv_cache: torch.Tensor | None,
+                metadata) -> torch.Tensor:
+        if self.attn_type == AttentionType.ENCODER:
+            return self._encoder(query, key, value, metadata)
         num_tokens = query.shape[0]
-        key_cache = kv_cache[0].view(-1, self.num_kv_heads, self.head_size)
-        value_cache = kv_cache[1].view(-1, self.num_kv_heads, self.head_size)
-        n = metadata.num_actual_tokens
-        key_cache.index_copy_(0, metadata.slot_mapping, key[:n])
-        value_cache.index_copy_(0, metadata.slot_mapping, value[:n])
+        if self.attn_type == AttentionType.DECODER:
+            self.write_kv(key, value, kv_cache, metadata.slot_mapping)
 
         if metadata.decode_only:
             return self._decode(query, kv_cache, metadata).view(num_tokens, -1)
@@ -162,8 +180,30 @@ class TorchSDPAImpl(AttentionImpl):
                                            scale=self.scale)
         return o.reshape(n, self.num_heads, self.head_size)
 
-    def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 kv_cache: torch.Tensor, span: PrefillSpan) -> torch.Tensor:
+    def _encoder(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 metadata: EncoderAttentionMetadata) -> torch.Tensor:
+        """Bidirectional attention within each input: equal lengths in one batched call
+        ([num_inputs, heads, len, d]), otherwise one call per input."""
+        num_tokens = query.shape[0]
+        length = metadata.uniform_len
+        if length is not None:
+            q, k, v = (t.view(-1, length, t.shape[1], self.head_size).transpose(1, 2)
+                       for t in (query, key, value))
+            o = F.scaled_dot_product_attention(q, k, v, scale=self.scale,
+                                               enable_gqa=self.group > 1)
+            return o.transpose(1, 2).reshape(num_tokens, self.num_heads * self.head_size)
+        out = torch.empty_like(query)
+        starts = metadata.query_start_loc
+        for start, end in zip(starts[:-1], starts[1:]):
+            q, k, v = (t[start:end].transpose(0, 1)[None] for t in (query, key, value))
+            o = F.scaled_dot_product_attention(q, k, v, scale=self.scale,
+                                               enable_gqa=self.group > 1)
+            out[start:end] = o[0].transpose(0, 1)
+        return out.view(num_tokens, self.num_heads * self.head_size)
+
+    def _prefill(self, query: torch.Tensor, key: torch.Tensor | None,
+                 value: torch.Tensor | None, kv_cache: torch.Tensor,
+                 span: PrefillSpan) -> torch.Tensor:
         # 4-D [1, heads, len, d] inputs: the 3-D form takes a slower kernel on CPU.
         q = query[span.start:span.end].transpose(0, 1)[None]
         if span.block_ids is None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm.sampling_params import SamplingParams
+from vllm.v1.engine import EncoderInput
 from vllm.v1.request import Request
 
 
@@ -22,9 +23,14 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # Encoder/decoder models: the encoder input (used when the encoder runs this step) and
+    # the cross-attention blocks holding its K/V.
+    encoder_input: EncoderInput | None = None
+    cross_block_ids: list[int] = field(default_factory=list)
 
     @classmethod
-    def from_request(cls, request: Request, block_ids: list[int]) -> NewRequestData:
+    def from_request(cls, request: Request, block_ids: list[int],
+                     cross_block_ids: list[int] | None = None) -> NewRequestData:
         return cls(
             req_id=request.request_id,
             prompt_token_ids=request.all_token_ids[:request.num_prompt_tokens],
@@ -33,6 +39,8 @@ class NewRequestData:
             sampling_params=request.sampling_params,
             block_ids=block_ids,
             num_computed_tokens=request.num_computed_tokens,
+            encoder_input=request.encoder_input,
+            cross_block_ids=cross_block_ids or [],
         )
 
 
@@ -60,3 +68,5 @@ class SchedulerOutput:
     # preempted in this one.
     finished_req_ids: list[str]
     preempted_req_ids: list[str] = field(default_factory=list)
+    # Requests whose encoder runs this step, writing their new cross-attention blocks.
+    scheduled_encoder_inputs: list[str] = field(default_factory=list)

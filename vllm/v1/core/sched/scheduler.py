@@ -19,7 +19,9 @@ class _Step:
     """What one `schedule()` call has decided so far."""
 
     budget: int
+    encoder_budget: int  # encoder input tokens left this step
     num_scheduled: dict[str, int] = field(default_factory=dict)  # in scheduling order
+    encoder_req_ids: list[str] = field(default_factory=list)  # their encoder runs this step
     new_reqs: list[Request] = field(default_factory=list)
     cached_reqs: list[Request] = field(default_factory=list)
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
@@ -33,6 +35,10 @@ class Scheduler:
     running requests (oldest first) and then waiting ones a share of the token budget. A
     prompt that does not fit is chunked; a request that cannot get KV blocks preempts the
     newest running request, which restarts from scratch later (its outputs are kept).
+
+    Encoder/decoder requests run their encoder in the step that first schedules them (or
+    re-schedules them after a preemption), unless their cross-attention blocks are still
+    cached; encoder inputs are never split and count against their own per-step budget.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
@@ -103,7 +109,8 @@ class Scheduler:
         return min(candidates, key=lambda r: r.arrival_time).is_token_prompt
 
     def schedule(self) -> SchedulerOutput:
-        step = _Step(budget=self.config.max_num_batched_tokens)
+        step = _Step(budget=self.config.max_num_batched_tokens,
+                     encoder_budget=self.config.max_num_encoder_input_tokens)
         kind = self._step_kind()
         self._schedule_running(step, kind)
         if not step.preempted:
@@ -151,9 +158,16 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new > step.budget:
                 break
             num_new = min(num_new, step.budget)
-            if self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks,
-                                                     num_hit) is None:
+            cross_hits = self.kv_cache_manager.get_cached_cross_blocks(request)
+            encoder_cost = request.num_encoder_tokens if cross_hits is None else 0
+            if encoder_cost > step.encoder_budget:
                 break
+            if self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks, num_hit,
+                                                     cross_hits) is None:
+                break
+            if encoder_cost:
+                step.encoder_budget -= encoder_cost
+                step.encoder_req_ids.append(request.request_id)
             self.waiting.popleft()
             self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_hit)
             if request.num_cached_tokens is None:
@@ -181,7 +195,8 @@ class Scheduler:
 
     def _make_output(self, step: _Step) -> SchedulerOutput:
         kv = self.kv_cache_manager
-        new_data = [NewRequestData.from_request(r, kv.get_block_ids(r.request_id))
+        new_data = [NewRequestData.from_request(r, kv.get_block_ids(r.request_id),
+                                                kv.get_cross_block_ids(r.request_id))
                     for r in step.new_reqs]
         cached = CachedRequestData()
         for request in step.cached_reqs:
@@ -196,6 +211,7 @@ class Scheduler:
             total_num_scheduled_tokens=sum(step.num_scheduled.values()),
             finished_req_ids=finished,
             preempted_req_ids=[r.request_id for r in step.preempted],
+            scheduled_encoder_inputs=step.encoder_req_ids,
         )
 
     # ---- results ------------------------------------------------------------------
