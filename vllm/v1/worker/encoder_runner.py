@@ -44,6 +44,7 @@ class EncoderRunner:
         self.model = model
         self.block_size = block_size
         self.device = device
+        self.num_inputs_encoded = 0  # encoder inputs run so far (tests, benchmarks)
 
     def run(self, scheduler_output: SchedulerOutput, kv_caches: list[torch.Tensor]) -> None:
         wanted = set(scheduler_output.scheduled_encoder_inputs)
@@ -52,6 +53,7 @@ class EncoderRunner:
         if not new_reqs:
             return
         inputs = [r.encoder_input for r in new_reqs]
+        self.num_inputs_encoded += len(inputs)
         lens = [item.num_tokens for item in inputs]
         slot_mapping = torch.from_numpy(compute_cross_slot_mapping(
             [r.cross_block_ids for r in new_reqs], lens, self.block_size)).to(self.device)
