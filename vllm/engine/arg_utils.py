@@ -87,7 +87,7 @@ class EngineArgs:
         model = resolve_model_path(self.model)
         hf_config = get_config(model)
         device = self.device or default_device()
-        max_pos = _max_decoder_positions(hf_config)
+        max_pos = max_decoder_positions(hf_config)
         max_model_len = self.max_model_len or max_pos
         if max_model_len > max_pos:
             raise ValueError(f"max_model_len={max_model_len} is larger than the model's "
@@ -124,7 +124,7 @@ class EngineArgs:
         return VllmConfig(model_config, cache_config, scheduler_config, DeviceConfig(device))
 
 
-def _max_decoder_positions(hf_config) -> int:
+def max_decoder_positions(hf_config) -> int:
     """Positions the (decoder) model has: Whisper names them `max_target_positions`."""
     return (getattr(hf_config, "max_target_positions", None)
             or getattr(hf_config, "max_position_embeddings", None) or 2048)

@@ -27,7 +27,8 @@ def _generate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="default: the model's maximum (decoder) length, at most 2048")
     parser.add_argument("--chat", action="store_true",
                         help="wrap the prompt in the tokenizer's chat template")
 
@@ -36,7 +37,10 @@ def _generate_args(parser: argparse.ArgumentParser) -> None:
 def _generate(args: argparse.Namespace) -> int:
     from vllm import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
+    max_model_len = args.max_model_len
+    if max_model_len is None:
+        max_model_len = min(2048, _max_positions(args.model))
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=max_model_len, seed=args.seed,
               kv_cache_memory_bytes=256 * 1024**2)
     prompt = args.prompt
     if args.chat:
@@ -49,15 +53,20 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_optional_subcommands() -> None:
-    try:
-        import vllm.entrypoints.openai.cli_serve  # noqa: F401  (registers `serve`)
-    except ImportError:
-        pass
+def _max_positions(model: str | None) -> int:
+    from vllm.engine.arg_utils import max_decoder_positions
+    from vllm.transformers_utils.config import get_config, resolve_model_path
+
+    return max_decoder_positions(get_config(resolve_model_path(model)))
+
+
+def _load_subcommands() -> None:
+    # An import error here is a bug to see, not a subcommand to hide.
+    import vllm.entrypoints.openai.cli_serve  # noqa: F401  (registers `serve`)
 
 
 def main(argv: list[str] | None = None) -> int:
-    _load_optional_subcommands()
+    _load_subcommands()
     parser = argparse.ArgumentParser(prog="vllm", description="vLLM-compatible engine")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name, (add_args, _) in _SUBCOMMANDS.items():
