@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.model_factory import make_tiny_model
+from tests.model_factory import make_tiny_bart, make_tiny_model, make_tiny_whisper
 from vllm.transformers_utils.default_model import default_model_path as _default_model_path
 
 
@@ -25,6 +25,18 @@ def tiny_llama_tied_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Directory of a tiny random LlamaForCausalLM whose lm_head is tied to the embeddings."""
     path = str(tmp_path_factory.mktemp("tiny_llama_tied"))
     return make_tiny_model(path, "llama", tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_bart_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Directory of a tiny random BartForConditionalGeneration with the tiny tokenizer."""
+    return make_tiny_bart(str(tmp_path_factory.mktemp("tiny_bart")))
+
+
+@pytest.fixture(scope="session")
+def tiny_whisper_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Directory of a tiny random WhisperForConditionalGeneration with the tiny.en tokenizer."""
+    return make_tiny_whisper(str(tmp_path_factory.mktemp("tiny_whisper")))
 
 
 @pytest.fixture(scope="session")

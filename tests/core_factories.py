@@ -6,6 +6,7 @@ first" is the order the test created them in, independent of the clock.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from types import SimpleNamespace
 
@@ -17,7 +18,7 @@ from vllm.v1.attention.backends.abstract import CommonAttentionMetadata
 from vllm.v1.core.kv_cache_utils import make_block_hasher
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.engine import EngineCoreRequest
+from vllm.v1.engine import EncoderInput, EngineCoreRequest
 from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -35,6 +36,14 @@ def make_params(**kwargs) -> SamplingParams:
     return params
 
 
+def make_encoder_input(name: str, num_tokens: int) -> EncoderInput:
+    """A token-id encoder input of `num_tokens` rows whose content hash is named by `name`:
+    two inputs made with the same name are the same input (they share cross blocks)."""
+    return EncoderInput(token_ids=[3 + i for i in range(num_tokens)], features=None,
+                        num_tokens=num_tokens,
+                        content_hash=hashlib.sha256(f"encoder:{name}".encode()).digest())
+
+
 def make_request(
     request_id: str,
     prompt_token_ids: list[int] | None = None,
@@ -42,11 +51,13 @@ def make_request(
     prompt_embeds: torch.Tensor | None = None,
     arrival_time: float | None = None,
     eos_token_id: int | None = EOS_TOKEN_ID,
+    encoder_input: EncoderInput | None = None,
     **params,
 ) -> EngineCoreRequest:
     """An `EngineCoreRequest`; `params` are `SamplingParams` fields (max_tokens=16 default).
 
-    Exactly one of `prompt_token_ids` and `prompt_embeds` must be given.
+    Exactly one of `prompt_token_ids` and `prompt_embeds` must be given (for an
+    encoder/decoder request, the decoder prompt; see `make_encoder_input`).
     """
     assert (prompt_token_ids is None) != (prompt_embeds is None)
     return EngineCoreRequest(
@@ -56,6 +67,7 @@ def make_request(
         sampling_params=make_params(**params),
         eos_token_id=eos_token_id,
         arrival_time=float(next(_arrival)) if arrival_time is None else arrival_time,
+        encoder_input=encoder_input,
     )
 
 
@@ -83,6 +95,7 @@ def make_scheduler(
     enable_chunked_prefill: bool = True,
     enable_prefix_caching: bool = True,
     prompt_embeds_batching: str = "mixed",
+    max_num_encoder_input_tokens: int = 2048,
 ) -> Scheduler:
     """A `Scheduler` on a `num_blocks`-block pool (block 0 is the null block)."""
     scheduler_config = SchedulerConfig(
@@ -91,6 +104,7 @@ def make_scheduler(
         max_model_len=max_model_len,
         enable_chunked_prefill=enable_chunked_prefill,
         prompt_embeds_batching=prompt_embeds_batching,
+        max_num_encoder_input_tokens=max_num_encoder_input_tokens,
     )
     cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks,
                                enable_prefix_caching=enable_prefix_caching)

@@ -207,3 +207,68 @@ def make_tiny_model(
     model.save_pretrained(path, safe_serialization=True)
     _add_legacy_config_keys(path, config)
     return path
+
+
+# ---- encoder/decoder models --------------------------------------------------------------
+
+
+def _randomize_encoder_decoder(model: torch.nn.Module, seed: int, keep: tuple[str, ...] = ()
+                               ) -> None:
+    """Seeded weights that give varied greedy tokens: LayerNorm weights near 1 and their
+    biases small (large norm biases make every output the same token), the rest N(0, 0.2).
+    Parameters whose name contains a string of ``keep`` are left as they are."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            if any(part in name for part in keep):
+                continue
+            if "norm" in name and name.endswith("weight"):
+                param.copy_(1.0 + NORM_INIT_STD * noise)
+            elif "norm" in name:
+                param.copy_(NORM_INIT_STD * noise)
+            else:
+                param.copy_(WEIGHT_INIT_STD * noise)
+
+
+def make_tiny_bart(path: str, seed: int = 0) -> str:
+    """Write a tiny random-weight BartForConditionalGeneration (2 + 2 layers, d_model 64)
+    with the tiny tokenizer to ``path``: <DEC> = </s> = 2, <BOS> = <s> = 1. Returns ``path``."""
+    import transformers
+
+    make_tiny_tokenizer(path)
+    config = transformers.BartConfig(
+        vocab_size=tiny_tokenizer_vocab_size(path), d_model=64, encoder_layers=2,
+        decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+        encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=MODEL_MAX_LENGTH,
+        bos_token_id=1, eos_token_id=2, pad_token_id=3, decoder_start_token_id=2,
+        forced_eos_token_id=None, forced_bos_token_id=None, scale_embedding=True)
+    torch.manual_seed(seed)
+    model = transformers.BartForConditionalGeneration(config).to(torch.float32).eval()
+    _randomize_encoder_decoder(model, seed)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def make_tiny_whisper(path: str, seed: int = 0) -> str:
+    """Write a tiny random-weight WhisperForConditionalGeneration (2 + 2 layers, d_model 64,
+    80 mel bins, English-only vocabulary) with the real tiny.en tokenizer to ``path``, so
+    that text decoder prompts and the default decoder prompt work. The encoder's sinusoidal
+    positions are kept. Returns ``path``."""
+    import transformers
+
+    from vllm.model_executor.model_loader.ct2_loader import load_ct2_tokenizer
+    from vllm.transformers_utils.default_model import default_whisper_model_path
+
+    os.makedirs(path, exist_ok=True)
+    load_ct2_tokenizer(default_whisper_model_path()).save_pretrained(path)
+    config = transformers.WhisperConfig(
+        vocab_size=51864, d_model=64, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+        decoder_ffn_dim=128, num_mel_bins=80, max_source_positions=1500,
+        max_target_positions=448)
+    torch.manual_seed(seed)
+    model = transformers.WhisperForConditionalGeneration(config).to(torch.float32).eval()
+    _randomize_encoder_decoder(model, seed, keep=("encoder.embed_positions",))
+    model.save_pretrained(path, safe_serialization=True)
+    return path

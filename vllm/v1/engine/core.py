@@ -22,12 +22,16 @@ class EngineCore:
         cache = vllm_config.cache_config
         num_blocks = self.model_executor.determine_num_blocks()
         max_len = vllm_config.model_config.max_model_len
-        needed = cdiv(max_len, cache.block_size) + 1  # + the null block
+        max_encoder_len = vllm_config.model_config.max_encoder_len
+        # One longest request (its cross blocks included) must fit, + the null block.
+        needed = cdiv(max_len, cache.block_size) + cdiv(max_encoder_len, cache.block_size) + 1
         if num_blocks < needed:
+            encoder = (f" and an encoder input of {max_encoder_len} tokens"
+                       if max_encoder_len else "")
             raise ValueError(
                 f"The KV cache has room for {num_blocks} blocks of {cache.block_size} tokens, "
-                f"but one request of max_model_len={max_len} needs {needed}. Raise the KV "
-                "cache size (kv_cache_memory_bytes) or lower max_model_len.")
+                f"but one request of max_model_len={max_len}{encoder} needs {needed}. Raise "
+                "the KV cache size (kv_cache_memory_bytes) or lower max_model_len.")
         self.model_executor.initialize_kv_cache(num_blocks)
         cache.num_blocks = num_blocks
         self.scheduler = Scheduler(vllm_config.scheduler_config, cache)
