@@ -143,8 +143,11 @@ class Processor:
             raise ValueError("multi_modal_data must be {'audio': (waveform, sample_rate)}, "
                              f"got {sorted(data) if isinstance(data, dict) else data!r}.")
         features = audio_to_features(data["audio"], self.feature_extractor)
-        frames_per_token = features.shape[1] // mc.max_encoder_len
-        return EncoderInput(None, features, features.shape[1] // frames_per_token,
+        # Whisper's convolution stem halves the frames: 3000 frames -> 1500 positions.
+        if features.shape[1] != 2 * mc.max_encoder_len:
+            raise ValueError(f"The feature extractor gave {features.shape[1]} frames, but "
+                             f"{mc.architecture} takes {2 * mc.max_encoder_len}.")
+        return EncoderInput(None, features, mc.max_encoder_len,
                             _content_hash(b"A", features.numpy()))
 
     # ---- checks ----------------------------------------------------------------------
