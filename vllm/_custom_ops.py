@@ -20,15 +20,17 @@ _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 
 
 def _build_signature(source: Path) -> str:
-    """Short hash of the CPU's feature flags and the source: the kernels are built with
-    -march=native, so a cached build must never be loaded on a CPU with other
-    instructions, nor shared by two checkouts with different sources."""
+    """Short hash of the CPU's feature flags, the source and its path: the kernels are
+    built with -march=native, so a cached build must never be loaded on a CPU with other
+    instructions, nor shared by two checkouts (the build records the source's absolute
+    path, so two checkouts sharing one entry would keep rebuilding it for each other)."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), "")
     except OSError:
         flags = ""
-    return hashlib.sha256(flags.encode() + source.read_bytes()).hexdigest()[:10]
+    key = flags.encode() + source.read_bytes() + str(source.resolve()).encode()
+    return hashlib.sha256(key).hexdigest()[:10]
 
 
 @functools.cache
