@@ -43,6 +43,10 @@ def _native_decode(device: torch.device):
     return cpu_ops()
 
 
+# Longest cross-attention query span computed by the paged decode path (see build_metadata).
+_MAX_PAGED_CROSS_QUERY = 16
+
+
 @dataclass(slots=True)
 class PrefillSpan:
     start: int  # first token of the chunk in the batch
@@ -79,26 +83,37 @@ class TorchSDPABackend(AttentionBackend):
                        device: torch.device, causal: bool = True) -> TorchSDPAMetadata:
         qsl, seq_lens = common.query_start_loc, common.seq_lens
         query_lens = np.diff(qsl)
-        decode = np.flatnonzero(query_lens == 1)
+        # Tokens computed as paged decode queries, one per kernel row: single-token rows,
+        # and for cross-attention (where every query of a row sees the same keys) rows of
+        # up to _MAX_PAGED_CROSS_QUERY tokens, such as Whisper's decoder prompts, so that
+        # the cross blocks are read in place rather than gathered.
+        # e.g. non-causal, query_lens [1, 3, 40], qsl [0, 1, 4, 44]: rows 0 and 1 ->
+        # token_rows [0, 1, 1, 1], token_idx [0, 1, 2, 3]; row 2 is a prefill span.
+        max_paged = 1 if causal else _MAX_PAGED_CROSS_QUERY
+        paged_rows = np.flatnonzero(query_lens <= max_paged)
+        row_lens = query_lens[paged_rows]
+        token_rows = np.repeat(paged_rows, row_lens)
+        token_idx = qsl[token_rows] + np.arange(token_rows.size) - np.repeat(
+            np.cumsum(row_lens) - row_lens, row_lens)
         decode_idx = decode_table = decode_mask = decode_seq_lens = decode_table_i32 = None
-        if decode.size and _native_decode(device) is not None:
-            decode_idx = torch.from_numpy(qsl[decode].astype(np.int64)).to(device)
-            max_blocks = cdiv(int(seq_lens[decode].max()), block_size)
+        if token_rows.size:
+            decode_idx = torch.from_numpy(token_idx.astype(np.int64)).to(device)
+            max_blocks = cdiv(int(seq_lens[token_rows].max()), block_size)
+        if token_rows.size and _native_decode(device) is not None:
             decode_table_i32 = torch.from_numpy(
-                np.ascontiguousarray(common.block_table[decode, :max_blocks])).to(device)
-            decode_seq_lens = torch.from_numpy(seq_lens[decode].astype(np.int32)).to(device)
-        elif decode.size:
+                np.ascontiguousarray(common.block_table[token_rows, :max_blocks])).to(device)
+            decode_seq_lens = torch.from_numpy(
+                seq_lens[token_rows].astype(np.int32)).to(device)
+        elif token_rows.size:
             # e.g. seq_lens [55, 146] with block size 16 -> 10 blocks each; the mask keeps
             # keys 0..54 of row 0 and 0..145 of row 1.
-            max_blocks = cdiv(int(seq_lens[decode].max()), block_size)
-            decode_idx = torch.from_numpy(qsl[decode].astype(np.int64)).to(device)
             decode_table = torch.from_numpy(
-                common.block_table[decode, :max_blocks].astype(np.int64)).to(device)
+                common.block_table[token_rows, :max_blocks].astype(np.int64)).to(device)
             key_pos = np.arange(max_blocks * block_size)
-            decode_mask = torch.from_numpy(
-                key_pos[None, :] < seq_lens[decode][:, None])[:, None, None, :].to(device)
+            decode_mask = torch.from_numpy(key_pos[None, :] < seq_lens[token_rows][:, None]
+                                           )[:, None, None, :].to(device)
         prefills = []
-        for i in np.flatnonzero(query_lens > 1):
+        for i in np.flatnonzero(query_lens > max_paged):
             start, end = int(qsl[i]), int(qsl[i + 1])
             computed, seq_len = int(common.num_computed_tokens[i]), int(seq_lens[i])
             block_ids = mask = None
@@ -116,7 +131,7 @@ class TorchSDPABackend(AttentionBackend):
         return TorchSDPAMetadata(slot_mapping, common.num_actual_tokens, decode_idx,
                                  decode_table, decode_mask, decode_seq_lens, decode_table_i32,
                                  prefills,
-                                 decode_only=decode.size == common.num_actual_tokens)
+                                 decode_only=token_rows.size == common.num_actual_tokens)
 
     @staticmethod
     def make_impl(num_heads: int, head_size: int, num_kv_heads: int, scale: float,
