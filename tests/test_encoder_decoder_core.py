@@ -990,3 +990,25 @@ def test_simulated_run_keeps_cross_and_self_kv_contents_consistent(seed: int,
     assert s.kv_cache_manager.block_pool.get_num_free_blocks() == 11
     assert s.kv_cache_manager.req_to_cross_blocks == {}
     assert num_encoder_runs > 0
+
+
+def test_short_cross_spans_become_paged_rows_per_query_token():
+    """Cross-attention (causal=False): rows of up to 16 queries are computed one paged
+    kernel row per query token; longer rows stay prefill spans over gathered blocks."""
+    qsl = np.array([0, 1, 4, 44], dtype=np.int32)  # query lens [1, 3, 40]
+    common = CommonAttentionMetadata(
+        query_start_loc=qsl, seq_lens=np.array([5, 9, 6], dtype=np.int32),
+        num_computed_tokens=np.zeros(3, dtype=np.int32),
+        block_table=np.array([[1, 2, 0], [3, 4, 5], [6, 7, 0]], dtype=np.int32),
+        slot_mapping=np.zeros(0, dtype=np.int64), num_actual_tokens=44)
+    md = TorchSDPABackend.build_metadata(common, 4, torch.device("cpu"), causal=False)
+    assert md.decode_token_idx.tolist() == [0, 1, 2, 3]
+    table = (md.decode_block_table_i32 if md.decode_block_table_i32 is not None
+             else md.decode_block_table)
+    assert table.tolist() == [[1, 2, 0], [3, 4, 5], [3, 4, 5], [3, 4, 5]]
+    assert [(s.start, s.end, s.seq_len, s.mask) for s in md.prefills] == [(4, 44, 6, None)]
+    assert md.prefills[0].block_ids.tolist() == [6, 7]
+    assert not md.decode_only
+    causal = TorchSDPABackend.build_metadata(common, 4, torch.device("cpu"))
+    assert causal.decode_token_idx.tolist() == [0]
+    assert [(s.start, s.end) for s in causal.prefills] == [(1, 4), (4, 44)]
