@@ -176,6 +176,10 @@ def run_engine_core(vllm_config: VllmConfig, input_addr: str, output_addr: str,
                     ready_pipe: Connection, parent_pid: int) -> None:
     """Process entry point: build the engine, report ready (or why not), then loop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when to stop
+    # A spawned process starts with no logging set up: log start-up (cache sizes) as the
+    # API process does.
+    logging.basicConfig(level=logging.INFO,
+                        format="%(levelname)s %(asctime)s %(name)s: %(message)s")
 
     def _on_sigterm(signum: int, frame: Any) -> None:
         raise SystemExit(0)
