@@ -122,7 +122,7 @@ class Pipeline:
                 raise ValueError(f"Stage {k}: got {len(per_prompt)} sampling params for "
                                  f"{num_prompts} prompts.")
             connector = self.connectors[k] if k < len(self.connectors) else None
-            result.append([stage_params(p, connector) for p in per_prompt])
+            result.append([stage_params(p, connector, final_only=True) for p in per_prompt])
         return result
 
     def _add(self, run: _Run, stage: int, request_id: str, prompt: Any) -> None:

@@ -75,10 +75,14 @@ def stage_engine_args(stages: list[Stage], connectors: list[Connector]) -> list[
     return args
 
 
-def stage_params(params: SamplingParams, next_connector: Connector | None) -> SamplingParams:
+def stage_params(params: SamplingParams, next_connector: Connector | None,
+                 final_only: bool = False) -> SamplingParams:
     """The params one stage's request runs with; an earlier stage (it has a next connector)
-    runs one sequence to completion, returning hidden states if the connector reads them."""
+    runs one sequence to completion, returning hidden states if the connector reads them.
+    The last stage keeps the caller's output kind unless `final_only`."""
     params = params.clone()
+    if final_only:
+        params.output_kind = RequestOutputKind.FINAL_ONLY
     if next_connector is None:
         return params
     if params.n != 1:
