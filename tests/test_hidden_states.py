@@ -71,58 +71,69 @@ def _embed(path: str, ids: list[int]) -> torch.Tensor:
     return load_hf_model(path).get_input_embeddings()(torch.tensor(ids)).detach()
 
 
+def _check_same(outputs, baseline) -> None:
+    """The same tokens and (to ATOL) the same rows as the prefix-cache-off baseline."""
+    for out, base in zip(outputs, baseline):
+        assert out.outputs[0].token_ids == base.outputs[0].token_ids
+        torch.testing.assert_close(out.hidden_states, base.hidden_states, atol=ATOL, rtol=0)
+
+
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir) -> LLM:
     return _llm(tiny_llama_dir, enable_prompt_embeds=True)
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
-def test_rows_match_transformers_without_prefix_cache(fixture, request):
-    path = request.getfixturevalue(fixture)
-    llm = _llm(path, enable_prefix_caching=False)
-    _check(path, llm.generate(PROMPTS, _params(), use_tqdm=False))
+@pytest.fixture(scope="module")
+def baseline(tiny_llama_dir):
+    """PROMPTS with the prefix cache off: every row computed by its own request."""
+    llm = _llm(tiny_llama_dir, enable_prefix_caching=False)
+    outputs = llm.generate(PROMPTS, _params(12), use_tqdm=False)
+    _check(tiny_llama_dir, outputs)
+    return outputs
 
 
-def test_prefix_hit_returns_cached_and_new_rows(llm, tiny_llama_dir):
-    first = llm.generate(PROMPTS[:1], _params(), use_tqdm=False)
+def test_rows_match_transformers_without_prefix_cache(baseline, tiny_qwen2_dir):
+    llm = _llm(tiny_qwen2_dir, enable_prefix_caching=False)
+    _check(tiny_qwen2_dir, llm.generate(PROMPTS, _params(), use_tqdm=False))
+
+
+def test_prefix_hit_returns_cached_and_new_rows(llm, tiny_llama_dir, baseline):
+    first = llm.generate(PROMPTS[:1], _params(12), use_tqdm=False)
     assert first[0].num_cached_tokens == 0
     # The second prompt shares the first's opening blocks; the first, run again, hits
     # blocks that hold its prompt and part of its output.
-    again = llm.generate(PROMPTS[:2], _params(), use_tqdm=False)
+    again = llm.generate(PROMPTS[:2], _params(12), use_tqdm=False)
     assert all(o.num_cached_tokens >= 16 for o in again)
-    _check(tiny_llama_dir, first + again)
-    torch.testing.assert_close(again[0].hidden_states, first[0].hidden_states, atol=ATOL,
-                               rtol=0)
+    _check_same(first, baseline)
+    _check_same(again, baseline)
 
 
-def test_chunked_prefill(tiny_llama_dir):
+def test_chunked_prefill(tiny_llama_dir, baseline):
     llm = _llm(tiny_llama_dir, max_num_batched_tokens=8, max_num_seqs=3)
-    outputs = llm.generate(PROMPTS, _params(), use_tqdm=False)
+    outputs = llm.generate(PROMPTS, _params(12), use_tqdm=False)
     assert max(o.num_prompt_tokens for o in outputs) > 8  # really chunked
-    _check(tiny_llama_dir, outputs)
+    _check_same(outputs, baseline)
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True])
-def test_preempted_requests_return_all_rows(tiny_llama_dir, prefix_caching):
-    # 9 usable blocks of 8 tokens for four requests needing ~19 in all: preemption.
+def test_preempted_requests_return_all_rows(tiny_llama_dir, baseline, prefix_caching):
+    # 9 usable blocks of 8 tokens for four requests needing 15 in all: preemption.
     llm = _llm(tiny_llama_dir, num_gpu_blocks_override=10, block_size=8, max_model_len=64,
                enable_prefix_caching=prefix_caching)
-    outputs = llm.generate(PROMPTS, _params(max_tokens=20), use_tqdm=False)
+    outputs = llm.generate(PROMPTS, _params(12), use_tqdm=False)
     assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
-    _check(tiny_llama_dir, outputs)
+    _check_same(outputs, baseline)
 
 
-def test_mixed_embeds_and_token_batch(llm, tiny_llama_dir):
+def test_mixed_embeds_and_token_batch(llm, tiny_llama_dir, baseline):
     tok = llm.get_tokenizer()
     ids = [tok.encode(p) for p in PROMPTS]
     embeds = [_embed(tiny_llama_dir, i) if k % 2 else None for k, i in enumerate(ids)]
     prompts = [{"prompt_embeds": e} if e is not None else {"prompt_token_ids": i}
                for e, i in zip(embeds, ids)]
-    outputs = llm.generate(prompts, _params(), use_tqdm=False)
+    outputs = llm.generate(prompts, _params(12), use_tqdm=False)
     _check(tiny_llama_dir, outputs, embeds)
-    by_ids = llm.generate([{"prompt_token_ids": i} for i in ids], _params(), use_tqdm=False)
-    for a, b in zip(outputs, by_ids):  # embeds rows equal to the token rows they stand for
-        torch.testing.assert_close(a.hidden_states, b.hidden_states, atol=ATOL, rtol=0)
+    _check_same(outputs, baseline)  # embeds rows equal the token rows they stand for
 
 
 def test_stop_string_keeps_rows_of_kept_tokens(llm, tiny_llama_dir):
