@@ -99,7 +99,8 @@ class Pipeline:
             for request_id, prompt in zip(request_ids, prompts):
                 self._add(run, 0, request_id, prompt)
             while len(run.results) < len(request_ids):
-                self._step_all(run)
+                if not self._step_all(run):
+                    raise RuntimeError("The pipeline's engines stopped with requests unfinished.")
         except BaseException:
             self._abort([r for r in request_ids if r not in run.results])
             raise
@@ -129,16 +130,20 @@ class Pipeline:
         self.engines[stage].add_request(request_id, prompt, run.params[request_id][stage])
         self.events.append(PipelineEvent(stage, EventKind.ADD, request_id))
 
-    def _step_all(self, run: _Run) -> None:
-        """One step of every engine that has work; finished requests move on at once."""
+    def _step_all(self, run: _Run) -> bool:
+        """One step of every engine that has work; finished requests move on at once.
+        Returns False if no engine had any."""
+        stepped = False
         for stage, engine in enumerate(self.engines):
             if not engine.has_unfinished_requests():
                 continue
+            stepped = True
             for output in engine.step():
                 if not output.finished:
                     continue
                 self.events.append(PipelineEvent(stage, EventKind.FINISH, output.request_id))
                 self._move_on(run, stage, output)
+        return stepped
 
     def _move_on(self, run: _Run, stage: int, output: RequestOutput) -> None:
         request_id = output.request_id
