@@ -49,6 +49,9 @@ class ModelConfig:
     max_model_len: int
     seed: int = 0
     enable_prompt_embeds: bool = False
+    # Requests may ask for their last hidden states; the engine then keeps them per token
+    # in a CPU tensor beside the KV cache (its bytes come out of the KV budget).
+    enable_return_hidden_states: bool = False
     served_model_name: str | None = None
     skip_tokenizer_init: bool = False
 

@@ -39,6 +39,10 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # The final output carries the last hidden state of every processed position:
+    # [num_prompt_tokens + num_output_tokens - 1, hidden_size] (needs an engine created
+    # with enable_return_hidden_states=True).
+    return_hidden_states: bool = False
     # Filled in by the processor: the tokenizer's end-of-sequence token and any extra
     # ids that also end generation (e.g. from generation_config.json).
     eos_token_id: int | None = field(default=None, repr=False)
@@ -92,6 +96,8 @@ class SamplingParams:
             raise bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        if not isinstance(self.return_hidden_states, bool):
+            raise bad("return_hidden_states", "must be a bool")
 
     def clone(self) -> SamplingParams:
         copy = SamplingParams.__new__(SamplingParams)

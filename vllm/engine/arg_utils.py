@@ -35,6 +35,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     enable_prompt_embeds: bool = False
+    enable_return_hidden_states: bool = False
     prompt_embeds_batching: str = "mixed"
     seed: int = 0
     served_model_name: str | None = None
@@ -102,6 +103,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             seed=self.seed,
             enable_prompt_embeds=self.enable_prompt_embeds,
+            enable_return_hidden_states=self.enable_return_hidden_states,
             served_model_name=self.served_model_name,
             skip_tokenizer_init=self.skip_tokenizer_init,
         )

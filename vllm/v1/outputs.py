@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
+
+import torch
 
 
 class Logprob(NamedTuple):
@@ -35,6 +37,9 @@ class ModelRunnerOutput:
     # whose prefill chunk did not reach the end of its prompt.
     sampled_token_ids: list[list[int]]
     logprobs: LogprobsLists | None = None
+    # Finished requests' rows (`SchedulerOutput.rows_to_gather`):
+    # req_id -> [num_rows, hidden_size] in the model dtype, CPU.
+    hidden_states: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput([], {}, [], None)

@@ -84,6 +84,9 @@ class Request:
         self.num_cached_tokens: int | None = None  # set on the first schedule
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
+        # A stop string matched in the front end while this request (which must return its
+        # rows) was not fully computed: it finishes at its next sampled token.
+        self.stop_requested = False
         self.block_hashes: list[bytes] = []
         self._block_hasher = block_hasher
         if block_hasher is not None:

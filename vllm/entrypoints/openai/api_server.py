@@ -2,6 +2,7 @@
 
     python -m vllm.entrypoints.openai.api_server MODEL --enable-prompt-embeds
     vllm serve MODEL --enable-prompt-embeds          (the same, via the CLI)
+    vllm serve --pipeline stages.yaml                (a pipeline of stages, see vllm.pipeline)
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import argparse
 import asyncio
 import hmac
 import logging
+import os
 import signal
 from collections.abc import AsyncGenerator, Coroutine
 from dataclasses import dataclass
@@ -36,6 +38,8 @@ from vllm.entrypoints.openai.protocol import (
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing
+from vllm.pipeline.async_pipeline import AsyncPipeline
+from vllm.pipeline.stage import load_pipeline_spec
 from vllm.v1.engine.async_llm import AsyncLLM, EngineDeadError
 from vllm.v1.metrics.prometheus import PrometheusStatLogger
 
@@ -44,7 +48,7 @@ logger = logging.getLogger("vllm.entrypoints.openai.api_server")
 
 @dataclass
 class ServerState:
-    engine: AsyncLLM
+    engine: AsyncLLM | AsyncPipeline  # a pipeline answers the same calls
     served_model_names: list[str]
     metrics: PrometheusStatLogger
     completion: OpenAIServingCompletion
@@ -52,7 +56,7 @@ class ServerState:
     base: OpenAIServing  # model checks and tokenizer for /tokenize, /detokenize
 
     @classmethod
-    def create(cls, engine: AsyncLLM, served_model_names: list[str],
+    def create(cls, engine: AsyncLLM | AsyncPipeline, served_model_names: list[str],
                metrics: PrometheusStatLogger) -> ServerState:
         return cls(engine, served_model_names, metrics,
                    OpenAIServingCompletion(engine, served_model_names),
@@ -269,11 +273,14 @@ async def run_server(args: argparse.Namespace) -> None:
     # ends the process through SystemExit, so the `finally` below stops the engine.
     signal.signal(signal.SIGINT, _exit_on_signal)
     signal.signal(signal.SIGTERM, _exit_on_signal)
-    engine_args = engine_args_from_namespace(args)
-    vllm_config = engine_args.create_engine_config()
-    names = served_names(args, vllm_config.model_config.model)
-    metrics = PrometheusStatLogger(names[0])
-    engine = AsyncLLM(vllm_config, stat_loggers=[metrics])
+    if args.pipeline:
+        engine, names, metrics = _start_pipeline(args)
+    else:
+        engine_args = engine_args_from_namespace(args)
+        vllm_config = engine_args.create_engine_config()
+        names = served_names(args, vllm_config.model_config.model)
+        metrics = PrometheusStatLogger(names[0])
+        engine = AsyncLLM(vllm_config, stat_loggers=[metrics])
     try:
         app = build_app(ServerState.create(engine, names, metrics), args.api_key)
         config = uvicorn.Config(app, host=args.host, port=args.port,
@@ -285,6 +292,19 @@ async def run_server(args: argparse.Namespace) -> None:
     finally:
         engine.shutdown()
         logger.info("Engine stopped; server shut down.")
+
+
+def _start_pipeline(args: argparse.Namespace
+                    ) -> tuple[AsyncPipeline, list[str], PrometheusStatLogger]:
+    """The stages of `--pipeline`, one engine-core process each; served under
+    --served-model-name, else the YAML's `name`, else the file's stem."""
+    if args.model_tag or args.model:
+        raise ValueError("Give either MODEL or --pipeline, not both.")
+    spec = load_pipeline_spec(args.pipeline)
+    stem = os.path.splitext(os.path.basename(args.pipeline))[0]
+    names = list(args.served_model_name or [spec.name or stem])
+    metrics = PrometheusStatLogger(names[0])
+    return AsyncPipeline(spec.stages, spec.connectors, [metrics]), names, metrics
 
 
 def run(args: argparse.Namespace) -> int:

@@ -39,6 +39,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     server.add_argument("--disable-uvicorn-access-log", action="store_true")
+    server.add_argument("--pipeline", default=None, metavar="STAGES_YAML",
+                        help="serve a pipeline of stages described in this YAML file (each "
+                             "stage's model and engine arguments, connectors by name) "
+                             "instead of one MODEL; the engine flags below are not used")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--tokenizer", default=None, help="tokenizer directory "
                         "(default: the model's)")
@@ -63,6 +67,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--enable-prompt-embeds", action="store_true",
                         help="accept prompt_embeds (base64 of torch.save(tensor)) in "
                              "/v1/completions")
+    engine.add_argument("--enable-return-hidden-states", action="store_true",
+                        help="let /v1/completions requests ask for their last hidden states "
+                             "(return_hidden_states); keeps them in a CPU cache beside the "
+                             "KV cache, whose bytes come out of the KV budget")
     engine.add_argument("--prompt-embeds-batching", choices=["mixed", "separate"],
                         default="mixed", help="batch embeds and token prompts together "
                         "(mixed) or in separate steps")
@@ -100,6 +108,7 @@ def engine_args_from_namespace(args: argparse.Namespace) -> EngineArgs:
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         enable_prompt_embeds=args.enable_prompt_embeds,
+        enable_return_hidden_states=args.enable_return_hidden_states,
         prompt_embeds_batching=args.prompt_embeds_batching,
         seed=args.seed,
         served_model_name=names[0] if names else None,

@@ -26,6 +26,13 @@ _SERIALIZATION_OVERHEAD = 64 * 1024
 _MAX_ERROR_DETAIL = 300
 
 
+def encode_tensor(tensor: torch.Tensor) -> str:
+    """base64 of `torch.save(tensor)`: what `prompt_embeds` takes (and hidden states return)."""
+    buffer = io.BytesIO()
+    torch.save(tensor.contiguous(), buffer)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
 def prompt_embeds_byte_budget(max_model_len: int, hidden_size: int) -> int:
     """The largest payload worth decoding: max_model_len rows of float64, plus framing."""
     return max_model_len * hidden_size * 8 + _SERIALIZATION_OVERHEAD

@@ -122,6 +122,8 @@ class CompletionRequest(SamplingRequest):
     suffix: str | None = None
     prompt_logprobs: int | None = None
     add_special_tokens: bool = True
+    # vLLM extension: each choice carries its last hidden states (see CompletionResponseChoice).
+    return_hidden_states: bool = False
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -137,6 +139,9 @@ class CompletionResponseChoice(OpenAIBaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # With return_hidden_states, on the choice's last chunk: base64 of torch.save(tensor
+    # [num_prompt_tokens + num_output_tokens - 1, hidden_size]), the form prompt_embeds takes.
+    hidden_states: str | None = None
 
 
 class CompletionResponse(OpenAIBaseModel):

@@ -8,7 +8,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.entrypoints.openai.prompt_embeds import decode_prompt_embeds, prompt_embeds_byte_budget
+from vllm.entrypoints.openai.prompt_embeds import (
+    decode_prompt_embeds,
+    encode_tensor,
+    prompt_embeds_byte_budget,
+)
 from vllm.entrypoints.openai.protocol import (
     CompletionLogProbs,
     CompletionRequest,
@@ -66,6 +70,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                                 request.prompt_logprobs)
         except ValueError as e:
             raise OpenAIError(str(e)) from None
+        params.return_hidden_states = request.return_hidden_states
         request_id = random_id("cmpl")
         streams = await self.add_requests(request_id,
                                           [p.engine_prompt for p in prompts], params)
@@ -164,6 +169,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     logprobs=_logprobs(completion, request.logprobs, len(prefix)),
                     finish_reason=completion.finish_reason,
                     stop_reason=completion.stop_reason,
+                    hidden_states=_hidden_states(completion),
                 ))
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
@@ -195,7 +201,8 @@ class OpenAIServingCompletion(OpenAIServing):
                         choices=[CompletionResponseChoice(
                             index=index, text=text, logprobs=logprobs,
                             finish_reason=completion.finish_reason,
-                            stop_reason=completion.stop_reason)]))
+                            stop_reason=completion.stop_reason,
+                            hidden_states=_hidden_states(completion))]))
             if request.include_usage_in_stream:
                 usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
                 yield sse(CompletionStreamResponse(id=request_id, model=self.model_name,
@@ -203,6 +210,14 @@ class OpenAIServingCompletion(OpenAIServing):
         except Exception as e:
             yield sse(stream_error(e))
         yield "data: [DONE]\n\n"
+
+
+def _hidden_states(completion: CompletionOutput) -> str | None:
+    """A finished choice's hidden states as base64 of torch.save (on its last chunk when
+    streaming: the engine returns them with the final output)."""
+    if completion.hidden_states is None:
+        return None
+    return encode_tensor(completion.hidden_states)
 
 
 def _as_list(value: Any) -> list[Any]:

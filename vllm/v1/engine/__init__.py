@@ -70,6 +70,9 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # On the final output of a request that asked for them (return_hidden_states):
+    # [num_tokens - 1, hidden_size], model dtype; crosses the process boundary as a raw frame.
+    hidden_states: torch.Tensor | None = None
 
     @property
     def finished(self) -> bool:

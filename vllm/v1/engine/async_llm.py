@@ -199,9 +199,9 @@ class AsyncLLM:
             ready, stopped = self.output_processor.process_outputs(chunk)
             for state, request_output in ready:
                 state.queue.put(request_output)
-            if stopped:  # a stop string matched: finished here, the core must drop it too
+            if stopped:  # a stop string matched: finished here, the core must stop it too
                 self._log(None, self.stats_tracker.end(stopped, "stop", now))
-                await self.engine_core.abort_requests_async(stopped)
+                await self.engine_core.stop_requests_async(stopped)
 
     def _fail_all(self, error: BaseException) -> None:
         streams = {id(s.queue): s.queue for s in self.output_processor.request_states.values()}

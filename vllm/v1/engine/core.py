@@ -42,6 +42,11 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
+    def stop_requests(self, request_ids: list[str]) -> None:
+        """Ends requests a stop string finished in the front end; those that asked for
+        their hidden states still send them, in one last output."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
+
     def step(self) -> EngineCoreOutputs:
         if not self.scheduler.has_requests():
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())

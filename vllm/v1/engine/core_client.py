@@ -34,6 +34,7 @@ from vllm.v1.engine.core_proc import (
     OUT_UTILITY_RESULT,
     REQ_ABORT,
     REQ_ADD,
+    REQ_STOP,
     REQ_UTILITY,
     EngineDead,
     UtilityCall,
@@ -221,6 +222,11 @@ class AsyncMPClient:
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         if request_ids and self.dead_error is None:
             await self._send(REQ_ABORT, list(request_ids))
+
+    async def stop_requests_async(self, request_ids: list[str]) -> None:
+        """Requests a stop string finished here; the core still sends their rows if asked."""
+        if request_ids and self.dead_error is None:
+            await self._send(REQ_STOP, list(request_ids))
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
         self._ensure_started()

@@ -1,7 +1,7 @@
 """The engine core in its own process: a ZMQ-fed loop around `EngineCore`.
 
     API process (AsyncMPClient)                      engine-core process (EngineCoreProc)
-    PUSH  input  ── [ADD | ABORT | UTILITY, body, *tensor frames] ──►  PULL
+    PUSH  input  ── [ADD | ABORT | STOP | UTILITY, body, *tensor frames] ──►  PULL
     PULL  output ◄── [OUTPUTS | UTILITY_RESULT | ENGINE_DEAD, body] ──  PUSH
 
 Bodies are msgpack (`vllm.v1.serial_utils`); nothing on these sockets is pickled. The
@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 REQ_ADD = b"\x00"
 REQ_ABORT = b"\x01"
 REQ_UTILITY = b"\x02"
+REQ_STOP = b"\x03"  # a stop string ended these requests in the API process
 # First frame of every output message.
 OUT_OUTPUTS = b"\x00"
 OUT_UTILITY_RESULT = b"\x01"
@@ -116,6 +117,8 @@ class EngineCoreProc:
             self._add_request(self.add_decoder.decode(body))
         elif kind == REQ_ABORT:
             self.engine_core.abort_requests(self.abort_decoder.decode(body))
+        elif kind == REQ_STOP:
+            self.engine_core.stop_requests(self.abort_decoder.decode(body))
         elif kind == REQ_UTILITY:
             self._call_utility(self.utility_decoder.decode(body))
         else:
@@ -173,6 +176,10 @@ def run_engine_core(vllm_config: VllmConfig, input_addr: str, output_addr: str,
                     ready_pipe: Connection, parent_pid: int) -> None:
     """Process entry point: build the engine, report ready (or why not), then loop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when to stop
+    # A spawned process starts with no logging set up: log start-up (cache sizes) as the
+    # API process does.
+    logging.basicConfig(level=logging.INFO,
+                        format="%(levelname)s %(asctime)s %(name)s: %(message)s")
 
     def _on_sigterm(signum: int, frame: Any) -> None:
         raise SystemExit(0)

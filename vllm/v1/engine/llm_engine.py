@@ -86,9 +86,9 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs = self.engine_core.step()
-        ready, reqs_to_abort = self.output_processor.process_outputs(outputs)
-        if reqs_to_abort:
-            self.engine_core.abort_requests(reqs_to_abort)
+        ready, reqs_to_stop = self.output_processor.process_outputs(outputs)
+        if reqs_to_stop:
+            self.engine_core.stop_requests(reqs_to_stop)
         self._flush_if_idle()
         return [output for _, output in ready]
 

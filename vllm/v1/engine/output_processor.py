@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
-from vllm.v1.engine import EngineCoreOutputs, FinishReason
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.engine.detokenizer import IncrementalDetokenizer
 from vllm.v1.outputs import Logprob, LogprobsLists
 
@@ -44,6 +46,9 @@ class RequestState:
     queue: Any = None  # AsyncLLM: where this request's outputs go
     encoder_prompt: str | None = None
     encoder_prompt_token_ids: list[int] | None = None
+    # A stop string finished it here, but it asked for its hidden states: (finish reason,
+    # stop reason) until the engine core's last output for it brings the rows.
+    awaiting_rows: tuple[FinishReason, int | str | None] | None = None
 
 
 class OutputProcessor:
@@ -102,32 +107,54 @@ class OutputProcessor:
     def process_outputs(self, outputs: EngineCoreOutputs
                         ) -> tuple[list[tuple[RequestState, RequestOutput]], list[str]]:
         """Returns (request outputs ready for users, with their states) and the ids that
-        a stop string finished, which the engine core must abort."""
+        a stop string finished, which the engine core must stop."""
         ready: list[tuple[RequestState, RequestOutput]] = []
-        reqs_to_abort: list[str] = []
+        reqs_to_stop: list[str] = []
         for out in outputs.outputs:
             state = self.request_states.get(out.request_id)
             if state is None:
                 continue  # aborted meanwhile
-            finish_reason, stop_reason = out.finish_reason, out.stop_reason
-            state.num_cached_tokens = out.num_cached_tokens
-            stop_str = state.detokenizer.update(out.new_token_ids,
-                                                finish_reason == FinishReason.STOP)
-            if stop_str is not None:
-                if finish_reason is None:  # the engine core still runs it
-                    reqs_to_abort.append(out.request_id)
-                finish_reason, stop_reason = FinishReason.STOP, stop_str
-            elif finish_reason is not None:
-                state.detokenizer.flush()
-            if out.new_logprobs is not None and state.logprobs is not None:
-                self._append_logprobs(state, out.new_logprobs)
-            finished = finish_reason is not None
-            if finished:
-                del self.request_states[out.request_id]
-            request_output = self._make_request_output(state, finish_reason, stop_reason)
+            if state.awaiting_rows is not None:
+                request_output = self._finish_with_rows(state, out)
+            else:
+                request_output = self._process_output(state, out, reqs_to_stop)
             if request_output is not None:
                 ready.append((state, request_output))
-        return ready, reqs_to_abort
+        return ready, reqs_to_stop
+
+    def _process_output(self, state: RequestState, out: EngineCoreOutput,
+                        reqs_to_stop: list[str]) -> RequestOutput | None:
+        finish_reason, stop_reason = out.finish_reason, out.stop_reason
+        state.num_cached_tokens = out.num_cached_tokens
+        stop_str = state.detokenizer.update(out.new_token_ids, finish_reason == FinishReason.STOP)
+        if stop_str is not None:
+            if finish_reason is None:  # the engine core still runs it
+                reqs_to_stop.append(out.request_id)
+            finish_reason, stop_reason = FinishReason.STOP, stop_str
+        elif finish_reason is not None:
+            state.detokenizer.flush()
+        if out.new_logprobs is not None and state.logprobs is not None:
+            self._append_logprobs(state, out.new_logprobs)
+        if finish_reason is None:
+            return self._make_request_output(state, None, None)
+        if out.finish_reason is None and state.params.return_hidden_states:
+            state.awaiting_rows = (finish_reason, stop_reason)
+            return None  # the final output leaves with the rows
+        del self.request_states[out.request_id]
+        return self._make_request_output(state, finish_reason, stop_reason, out.hidden_states)
+
+    def _finish_with_rows(self, state: RequestState, out: EngineCoreOutput
+                          ) -> RequestOutput | None:
+        """The core's outputs for a request a stop string already finished here: tokens it
+        made meanwhile are dropped; its last output brings the rows, cut to the positions
+        of the tokens kept."""
+        if not out.finished:
+            return None
+        del self.request_states[out.request_id]
+        rows = out.hidden_states
+        if rows is not None:
+            rows = rows[:state.num_prompt_tokens + len(state.detokenizer.token_ids) - 1]
+        return self._make_request_output(state, *state.awaiting_rows, rows)
 
     def _append_logprobs(self, state: RequestState, lp: LogprobsLists) -> None:
         k = state.params.logprobs or 0
@@ -141,12 +168,14 @@ class OutputProcessor:
             state.cumulative_logprob += values[0]
 
     def _make_request_output(self, state: RequestState, finish_reason: FinishReason | None,
-                             stop_reason: int | str | None) -> RequestOutput | None:
+                             stop_reason: int | str | None,
+                             hidden_states: torch.Tensor | None = None) -> RequestOutput | None:
         finished = finish_reason is not None
         kind = state.params.output_kind
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
         completion = self._make_completion(state, finished, finish_reason, stop_reason, kind)
+        completion.hidden_states = hidden_states
         parent = state.parent
         if parent is None:
             return self._request_output(state, state.request_id, [completion], finished)

@@ -62,6 +62,10 @@ class Processor:
                                  "they have no prompt tokens to score.")
             raise ValueError("prompt_logprobs is not supported by this engine yet.")
         self._validate_params(params)
+        if params.return_hidden_states and not self.model_config.enable_return_hidden_states:
+            raise ValueError("return_hidden_states is set, but this engine does not keep "
+                             "hidden states: create it with enable_return_hidden_states=True "
+                             "(server: --enable-return-hidden-states).")
         embeds = token_ids = None
         if parsed.prompt_embeds is not None:
             embeds = self._validate_embeds(parsed.prompt_embeds)

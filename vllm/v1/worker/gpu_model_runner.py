@@ -1,8 +1,8 @@
 """The model runner: scheduler output in, sampled tokens out.
 
 `execute_model` reads as its table of contents: update states -> prepare inputs -> run the
-model -> sample -> bookkeeping. Input preparation is vectorised on CPU numpy mirrors and
-moved to the device once per step (see `compute_step_indices`).
+model -> keep stage outputs -> sample -> bookkeeping. Input preparation is vectorised on CPU
+numpy mirrors and moved to the device once per step (see `compute_step_indices`).
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ from vllm.model_executor.model_loader.loader import get_model
 from vllm.v1.attention.backends import get_attn_backend
 from vllm.v1.attention.backends.abstract import CommonAttentionMetadata
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler, SamplerOutput
 from vllm.v1.worker.encoder_runner import EncoderRunner
 from vllm.v1.worker.input_batch import CachedRequestState, InputBatch
+from vllm.v1.worker.stage_output_cache import HIDDEN_STATES, OutputSpec, StageOutputCache
 
 
 class StepIndices(NamedTuple):
@@ -68,12 +69,14 @@ class ModelInputs(NamedTuple):
     positions: torch.Tensor  # [num_tokens] int64
     attn_metadata: object
     cross_attn_metadata: object | None  # encoder/decoder models only
+    slot_mapping: np.ndarray  # [num_tokens] int64 KV slot of each token
     logits_indices: torch.Tensor  # [num_sampling_reqs] int64
     sampling_rows: np.ndarray  # [num_sampling_reqs] batch rows that sample this step
 
 
 class GPUModelRunner:
-    """Owns the model, the KV cache tensors and the persistent `InputBatch`.
+    """Owns the model, the KV cache tensors, the stage-output cache and the persistent
+    `InputBatch`.
 
     vLLM's name, but CPU-first: the same code runs on CPU (the machines we test on) and
     CUDA. Encoder/decoder models add one encoder pass per step (`EncoderRunner`) and
@@ -97,6 +100,7 @@ class GPUModelRunner:
                                       self.model_config.max_encoder_len)
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
+        self.stage_outputs = StageOutputCache(0, self.block_size, {})
         self.model: torch.nn.Module | None = None
         self.encoder_runner: EncoderRunner | None = None
 
@@ -117,6 +121,13 @@ class GPUModelRunner:
             1, self.block_size, mc.num_kv_heads, mc.head_dim)))
         return per_layer * mc.num_layers * self.dtype.itemsize
 
+    def stage_output_specs(self) -> dict[str, OutputSpec]:
+        """The per-token outputs kept beside the KV cache: the last hidden states when the
+        engine may return them (`enable_return_hidden_states`), else none."""
+        if not self.model_config.enable_return_hidden_states:
+            return {}
+        return {HIDDEN_STATES: OutputSpec(self.model_config.hidden_size, self.dtype)}
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         mc = self.model_config
         shape = self.attn_backend.get_kv_cache_shape(num_blocks, self.block_size,
@@ -125,23 +136,27 @@ class GPUModelRunner:
         # through a 0 * NaN in the attention-weighted sum.
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                           for _ in range(mc.num_layers)]
+        self.stage_outputs = StageOutputCache(num_blocks, self.block_size,
+                                              self.stage_output_specs())
 
     # ---- one step -----------------------------------------------------------------
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
+        finished_rows = self.stage_outputs.gather_finished(scheduler_output.rows_to_gather)
         if scheduler_output.total_num_scheduled_tokens == 0:
-            return EMPTY_MODEL_RUNNER_OUTPUT
+            return ModelRunnerOutput([], {}, [], hidden_states=finished_rows)
         if scheduler_output.scheduled_encoder_inputs:
             self.encoder_runner.run(scheduler_output, self.kv_caches)
         inputs = self._prepare_inputs(scheduler_output)
         with set_forward_context(inputs.attn_metadata, self.kv_caches,
                                  inputs.cross_attn_metadata):
             hidden_states = self.model(inputs.input_ids, inputs.positions, inputs.inputs_embeds)
+        self.stage_outputs.write(inputs.slot_mapping, hidden_states=hidden_states)
         logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
         sampler_output = self.sampler(logits, self._sampling_metadata(inputs.sampling_rows))
-        return self._bookkeep(inputs.sampling_rows, sampler_output)
+        return self._bookkeep(inputs.sampling_rows, sampler_output, finished_rows)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
@@ -232,6 +247,7 @@ class GPUModelRunner:
             positions=torch.from_numpy(idx.positions).to(self.device),
             attn_metadata=attn_metadata,
             cross_attn_metadata=cross_attn_metadata,
+            slot_mapping=slot_mapping,
             logits_indices=torch.from_numpy(logits_indices.astype(np.int64)).to(self.device),
             sampling_rows=sampling_rows,
         )
@@ -341,7 +357,8 @@ class GPUModelRunner:
         md.frequency_penalty = torch.from_numpy(b.frequency_penalty[rows]).to(self.device)
         md.repetition_penalty = torch.from_numpy(b.repetition_penalty[rows]).to(self.device)
 
-    def _bookkeep(self, rows: np.ndarray, sampler_output: SamplerOutput) -> ModelRunnerOutput:
+    def _bookkeep(self, rows: np.ndarray, sampler_output: SamplerOutput,
+                  finished_rows: dict[str, torch.Tensor] | None = None) -> ModelRunnerOutput:
         b = self.input_batch
         req_ids = list(b.req_ids_in_order)
         sampled_token_ids: list[list[int]] = [[] for _ in req_ids]
@@ -359,7 +376,8 @@ class GPUModelRunner:
                 token_ids[row], values[row], ranks[row] = lp.token_ids[i], lp.logprobs[i], \
                     lp.ranks[i]
             logprobs = type(lp)(token_ids, values, ranks)
-        return ModelRunnerOutput(req_ids, dict(b.req_id_to_index), sampled_token_ids, logprobs)
+        return ModelRunnerOutput(req_ids, dict(b.req_id_to_index), sampled_token_ids, logprobs,
+                                 finished_rows or {})
 
 
 def _tensor_if(array: np.ndarray, condition, device: torch.device) -> torch.Tensor | None:

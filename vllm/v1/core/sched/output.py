@@ -58,6 +58,17 @@ class CachedRequestData:
 
 
 @dataclass(slots=True)
+class RowsToGather:
+    """A finished request whose per-token outputs the runner reads from its stage-output
+    cache this step. The scheduler keeps the request's blocks until then, so no other
+    request can have overwritten them."""
+
+    req_id: str
+    block_ids: list[int]  # every block the request holds, in position order
+    num_rows: int  # positions [0, num_rows): all whose hidden state was computed
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: CachedRequestData
@@ -70,3 +81,4 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)
     # Requests whose encoder runs this step, writing their new cross-attention blocks.
     scheduled_encoder_inputs: list[str] = field(default_factory=list)
+    rows_to_gather: list[RowsToGather] = field(default_factory=list)

@@ -8,8 +8,19 @@ from dataclasses import dataclass, field
 from vllm.config import CacheConfig, SchedulerConfig
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import make_block_hasher
-from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from vllm.v1.core.sched.output import (
+    CachedRequestData,
+    NewRequestData,
+    RowsToGather,
+    SchedulerOutput,
+)
+from vllm.v1.engine import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    SchedulerStats,
+)
 from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
@@ -39,6 +50,10 @@ class Scheduler:
     Encoder/decoder requests run their encoder in the step that first schedules them (or
     re-schedules them after a preemption), unless their cross-attention blocks are still
     cached; encoder inputs are never split and count against their own per-step budget.
+
+    A finished request that asked for its hidden states keeps its blocks for one more step:
+    the runner reads its rows from the stage-output cache through them (`rows_to_gather`),
+    and its final output leaves with those rows. Only then do the blocks go back.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
@@ -53,6 +68,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished_req_ids: list[str] = []
+        # Finished, blocks still held, final output waiting for the rows: req_id -> output.
+        self.held_for_rows: dict[str, EngineCoreOutput] = {}
         self.num_preemptions = 0
 
     # ---- requests in and out -------------------------------------------------------
@@ -66,29 +83,66 @@ class Scheduler:
         self.waiting.append(request)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
-        """Ends requests from outside (abort, stop string); unknown ids are ignored."""
+        """Ends requests from outside: an abort, or a stop string the front end matched
+        (FINISHED_STOPPED; a request that asked for its hidden states still returns them).
+        Unknown ids are ignored."""
         for req_id in request_ids:
             request = self.requests.get(req_id)
-            if request is None or request.is_finished():
+            if request is None:
+                continue
+            if req_id in self.held_for_rows:  # already finished, rows not yet read
+                if status == RequestStatus.FINISHED_ABORTED:
+                    del self.held_for_rows[req_id]
+                    self._release(request)
+                continue
+            if status == RequestStatus.FINISHED_STOPPED and _wants_rows(request):
+                self._stop_with_rows(request)
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
             else:
                 self.waiting.remove(request)
             request.status = status
-            self._free_request(request)
+            self._release(request)
+            self.finished_req_ids.append(req_id)
 
-    def _free_request(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+    def _stop_with_rows(self, request: Request) -> None:
+        """Stops a request whose rows must still be returned. Running with every token but
+        the last computed (the usual case), its rows are complete: it finishes now. Else it
+        was preempted meanwhile: it runs on to its next sampled token, which recomputes
+        every row, and finishes there (the front end keeps the rows it needs)."""
+        if (request.status == RequestStatus.RUNNING
+                and request.num_computed_tokens >= request.num_tokens - 1):
+            self.running.remove(request)
+            request.status = RequestStatus.FINISHED_STOPPED
+            final = EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.STOP,
+                                     num_cached_tokens=request.num_cached_tokens or 0)
+            self._finish(request, final, [])
+        else:
+            request.stop_requested = True
+
+    def _finish(self, request: Request, final: EngineCoreOutput,
+                outputs: list[EngineCoreOutput]) -> None:
+        """Ends a request that left `running`: its final output goes to `outputs`, or, if
+        it asked for its hidden states, waits with its blocks for the runner's rows."""
         self.finished_req_ids.append(request.request_id)
+        if _wants_rows(request):
+            self.held_for_rows[request.request_id] = final
+            return
+        outputs.append(final)
+        self._release(request)
+
+    def _release(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
     def has_finished_requests(self) -> bool:
-        """Finished ids not yet delivered to the runner (it frees their state then)."""
-        return bool(self.finished_req_ids)
+        """Finished ids not yet delivered to the runner (it frees their state then), or
+        finished requests whose rows it has yet to read."""
+        return bool(self.finished_req_ids or self.held_for_rows)
 
     def has_requests(self) -> bool:
         return self.has_unfinished_requests() or self.has_finished_requests()
@@ -204,6 +258,8 @@ class Scheduler:
             cached.new_block_ids.append(step.new_block_ids[request.request_id])
             cached.num_computed_tokens.append(request.num_computed_tokens)
         finished, self.finished_req_ids = self.finished_req_ids, []
+        rows = [RowsToGather(req_id, kv.get_block_ids(req_id), self.requests[req_id].num_tokens - 1)
+                for req_id in self.held_for_rows]
         return SchedulerOutput(
             scheduled_new_reqs=new_data,
             scheduled_cached_reqs=cached,
@@ -212,14 +268,14 @@ class Scheduler:
             finished_req_ids=finished,
             preempted_req_ids=[r.request_id for r in step.preempted],
             scheduled_encoder_inputs=step.encoder_req_ids,
+            rows_to_gather=rows,
         )
 
     # ---- results ------------------------------------------------------------------
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
-        outputs: list[EngineCoreOutput] = []
-        stopped: list[Request] = []
+        outputs = self._release_held(scheduler_output, runner_output)
         logprobs = runner_output.logprobs
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
@@ -230,22 +286,40 @@ class Scheduler:
             if not new_token_ids:
                 continue  # a prefill chunk that did not reach the end of the prompt
             request.append_output_token_ids(new_token_ids)
-            if self._check_stop(request):
-                stopped.append(request)
-            outputs.append(EngineCoreOutput(
+            stopped = self._check_stop(request)
+            output = EngineCoreOutput(
                 request_id=req_id,
                 new_token_ids=new_token_ids,
                 new_logprobs=_row(logprobs, index),
                 finish_reason=request.get_finished_reason(),
                 stop_reason=request.stop_reason,
                 num_cached_tokens=request.num_cached_tokens or 0,
-            ))
-        for request in stopped:
-            self.running.remove(request)
-            self._free_request(request)
+            )
+            if stopped:
+                self.running.remove(request)
+                self._finish(request, output, outputs)
+            else:
+                outputs.append(output)
         return EngineCoreOutputs(outputs, self.make_stats())
 
+    def _release_held(self, scheduler_output: SchedulerOutput,
+                      runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """The final outputs of requests whose rows the runner read this step, rows attached
+        (passed through, never kept); their blocks go back to the pool now."""
+        outputs = []
+        for gathered in scheduler_output.rows_to_gather:
+            final = self.held_for_rows.pop(gathered.req_id, None)
+            if final is None:
+                continue
+            final.hidden_states = runner_output.hidden_states.get(gathered.req_id)
+            self._release(self.requests[gathered.req_id])
+            outputs.append(final)
+        return outputs
+
     def _check_stop(self, request: Request) -> bool:
+        if request.stop_requested:  # a stop string the front end matched earlier
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
         if (request.num_output_tokens >= request.max_tokens
                 or request.num_tokens >= self.max_model_len):
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
@@ -276,6 +350,10 @@ class Scheduler:
             prefix_cache_hits=prefix.hits,
             num_preemptions=self.num_preemptions,
         )
+
+
+def _wants_rows(request: Request) -> bool:
+    return request.sampling_params.return_hidden_states
 
 
 def _row(logprobs: LogprobsLists | None, index: int) -> LogprobsLists | None:
