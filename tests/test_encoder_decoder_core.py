@@ -1012,3 +1012,17 @@ def test_short_cross_spans_become_paged_rows_per_query_token():
     causal = TorchSDPABackend.build_metadata(common, 4, torch.device("cpu"))
     assert causal.decode_token_idx.tolist() == [0]
     assert [(s.start, s.end) for s in causal.prefills] == [(1, 4), (4, 44)]
+
+
+def test_default_encoder_budget_is_eight_whole_inputs(tiny_bart_dir):
+    from vllm.engine.arg_utils import ENCODER_INPUTS_PER_STEP, EngineArgs
+
+    config = EngineArgs(model=tiny_bart_dir, max_model_len=64).create_engine_config()
+    assert ENCODER_INPUTS_PER_STEP == 8
+    assert config.scheduler_config.max_num_encoder_input_tokens == 8 * 1024
+    explicit = EngineArgs(model=tiny_bart_dir, max_model_len=64,
+                          max_num_encoder_input_tokens=4096).create_engine_config()
+    assert explicit.scheduler_config.max_num_encoder_input_tokens == 4096
+    with pytest.raises(ValueError, match="never split"):
+        EngineArgs(model=tiny_bart_dir, max_model_len=64,
+                   max_num_encoder_input_tokens=100).create_engine_config()
