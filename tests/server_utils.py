@@ -15,6 +15,8 @@ import time
 import httpx
 import torch
 
+import vllm
+
 # The engine flags every test server shares: small, exact and quick on CPU.
 SMALL_ENGINE_ARGS = ["--dtype", "float32", "--kv-cache-memory-bytes", "64MiB",
                      "--max-model-len", "512", "--seed", "0"]
@@ -59,16 +61,27 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-class RemoteServer:
-    """`vllm serve MODEL ARGS` on 127.0.0.1:<free port>; stop() sends SIGTERM."""
+def _same_vllm_env() -> dict[str, str]:
+    """The environment with this `vllm` first on the path: the `vllm` script may belong to
+    an editable install of another checkout."""
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(vllm.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
 
-    def __init__(self, model: str, args: list[str]) -> None:
+
+class RemoteServer:
+    """`vllm serve MODEL ARGS` on 127.0.0.1:<free port>; stop() sends SIGTERM. MODEL None
+    serves what the args say (e.g. `--pipeline stages.yaml`)."""
+
+    def __init__(self, model: str | None, args: list[str]) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="vllm-serve-", suffix=".log")
-        command = [*_vllm_command(), "serve", model, "--host", "127.0.0.1",
-                   "--port", str(self.port), "--disable-uvicorn-access-log", *args]
-        self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
+        command = [*_vllm_command(), "serve", *([model] if model else []), "--host",
+                   "127.0.0.1", "--port", str(self.port), "--disable-uvicorn-access-log", *args]
+        self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=_same_vllm_env())
         try:
             self._wait_healthy()
         except BaseException:
