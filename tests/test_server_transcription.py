@@ -23,8 +23,9 @@ from tests.server_utils import RemoteServer
 from tests.wer import normalize_words
 from vllm import LLM, SamplingParams
 from vllm.entrypoints import cli
+from vllm.entrypoints.openai.serving_transcription import decode_upload
 from vllm.inputs.audio_file import split_windows
-from vllm.inputs.whisper import join_texts
+from vllm.inputs.whisper import join_texts, window_prompt
 from vllm.transformers_utils.default_model import default_whisper_model_path
 
 DATA = Path(__file__).parent / "data"
@@ -170,6 +171,23 @@ def test_formats_prompt_and_cli(client: openai.OpenAI, offline: LLM, tmp_path: P
     assert cli.main(["transcribe", str(path), "--dtype", "float32"]) == 0
     expected = offline_texts(offline, [read_clip("sun_sky.wav")])[0]
     assert capsys.readouterr().out.strip() == expected.strip()
+
+
+def test_identical_uploads_run_the_encoder_once(offline: LLM) -> None:
+    """Two uploads of the same file, decoded apart as the server does, give the same
+    features: the second request reuses the first's cross-attention blocks."""
+    data = (DATA / "call_me.wav").read_bytes()
+    prompts = []
+    for _ in range(2):
+        upload = decode_upload(data, MAX_SECONDS)
+        prompts += [window_prompt(upload.waveform, w, [50257, 50362]) for w in upload.windows]
+    runner = offline.llm_engine.engine_core.model_executor.model_runner.encoder_runner
+    offline.llm_engine.reset_prefix_cache()
+    before = runner.num_inputs_encoded
+    outputs = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=224),
+                               use_tqdm=False)
+    assert runner.num_inputs_encoded - before == 1
+    assert outputs[0].outputs[0].text == outputs[1].outputs[0].text
 
 
 def test_16_concurrent_uploads_equal_serial(client: openai.OpenAI, server: RemoteServer

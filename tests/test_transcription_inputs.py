@@ -145,10 +145,15 @@ class Multilingual:
     vocab_size = 51865
 
 
-def test_tiny_en_special_tokens(tokenizer) -> None:
-    assert WhisperTokens.from_tokenizer(tokenizer) == WhisperTokens(
-        start_of_transcript=50257, start_of_prev=50360, no_timestamps=50362,
-        timestamp_begin=50363, end_of_text=50256)
+def test_tiny_en_special_tokens(tokenizer, tiny_whisper_dir: str) -> None:
+    from vllm.transformers_utils.tokenizer import get_tokenizer
+
+    expected = WhisperTokens(start_of_transcript=50257, start_of_prev=50360,
+                             no_timestamps=50362, timestamp_begin=50363, end_of_text=50256)
+    assert WhisperTokens.from_tokenizer(tokenizer) == expected
+    assert tokenizer.convert_tokens_to_ids("<|0.00|>") == expected.timestamp_begin
+    # the same tokenizer saved in a Hugging Face directory
+    assert WhisperTokens.from_tokenizer(get_tokenizer(tiny_whisper_dir)) == expected
 
 
 def test_decoder_prompts(tokenizer) -> None:

@@ -37,9 +37,11 @@ class WhisperTokens(NamedTuple):
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any) -> WhisperTokens:
-        names = ("<|startoftranscript|>", "<|startofprev|>", "<|notimestamps|>", "<|0.00|>",
-                 "<|endoftext|>")
-        return cls(*(special_token_id(tokenizer, name) for name in names))
+        """Timestamps follow <|notimestamps|> in every Whisper vocabulary; some tokenizer
+        files leave them out, so <|0.00|> is not looked up by name."""
+        sot, prev, no_timestamps, eot = (special_token_id(tokenizer, name) for name in (
+            "<|startoftranscript|>", "<|startofprev|>", "<|notimestamps|>", "<|endoftext|>"))
+        return cls(sot, prev, no_timestamps, no_timestamps + 1, eot)
 
 
 def language_code(language: str | None, hf_config: Any) -> str | None:

@@ -72,6 +72,7 @@ class AudioLimits:
 class DecodedUpload(NamedTuple):
     waveform: np.ndarray  # [num_samples] float32, 16 kHz mono
     windows: list[AudioWindow]
+    audible: list[bool]  # per window; digital silence gets no engine request
 
     @property
     def duration(self) -> float:
@@ -92,7 +93,9 @@ class Job(NamedTuple):
 
 def decode_upload(data: bytes, max_seconds: float) -> DecodedUpload:
     waveform = decode_audio_file(data, max_seconds)
-    return DecodedUpload(waveform, split_windows(waveform))
+    windows = split_windows(waveform)
+    return DecodedUpload(waveform, windows,
+                         [not is_silent(waveform[w.start:w.end]) for w in windows])
 
 
 class OpenAIServingTranscription(OpenAIServing):
@@ -153,11 +156,10 @@ class OpenAIServingTranscription(OpenAIServing):
             timestamps=request.response_format in _TIMED_FORMATS)
         params = self._sampling_params(request, len(prompt_ids))
         request_id = random_id("trsc" if task == "transcribe" else "trsl")
-        audible = [w for w in upload.windows
-                   if not is_silent(upload.waveform[w.start:w.end])]
-        prompts = [window_prompt(upload.waveform, w, prompt_ids) for w in audible]
+        prompts = [window_prompt(upload.waveform, w, prompt_ids)
+                   for w, audible in zip(upload.windows, upload.audible) if audible]
         submitted = iter(await self.add_requests(request_id, prompts, params))
-        streams = [next(submitted) if w in audible else None for w in upload.windows]
+        streams = [next(submitted) if audible else None for audible in upload.audible]
         return Job(request_id, request, task, language or "en", upload, streams)
 
     def _check_request(self, request: TranscriptionRequest, task: Task) -> str | None:
