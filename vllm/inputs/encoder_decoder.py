@@ -63,7 +63,7 @@ def default_decoder_prompt(hf_config: Any, tokenizer: Any, is_audio_model: bool)
                          "(skip_tokenizer_init is set): pass a decoder prompt of token ids.")
     names = ["<|en|>", "<|transcribe|>"] if is_multilingual_whisper(hf_config) else []
     names.append("<|notimestamps|>")
-    return [start, *(_special_token_id(tokenizer, name) for name in names)]
+    return [start, *(special_token_id(tokenizer, name) for name in names)]
 
 
 def is_multilingual_whisper(hf_config: Any) -> bool:
@@ -71,8 +71,11 @@ def is_multilingual_whisper(hf_config: Any) -> bool:
     return hf_config.vocab_size >= 51865
 
 
-def _special_token_id(tokenizer: Any, token: str) -> int:
+def special_token_id(tokenizer: Any, token: str) -> int:
     token_id = tokenizer.convert_tokens_to_ids(token)
-    if token_id is None or token_id == getattr(tokenizer, "unk_token_id", None):
+    # Unknown tokens map to the unknown token's id (Whisper's is <|endoftext|> itself).
+    unknown = (token_id == getattr(tokenizer, "unk_token_id", None)
+               and token != getattr(tokenizer, "unk_token", None))
+    if token_id is None or unknown:
         raise ValueError(f"The tokenizer has no {token} token.")
     return token_id

@@ -3,6 +3,7 @@
     python -m vllm.entrypoints.openai.api_server MODEL --enable-prompt-embeds
     vllm serve MODEL --enable-prompt-embeds          (the same, via the CLI)
     vllm serve --pipeline stages.yaml                (a pipeline of stages, see vllm.pipeline)
+    vllm serve --task transcription                  (Whisper tiny.en: /v1/audio/*)
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ import signal
 from collections.abc import AsyncGenerator, Coroutine
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any
+from typing import Annotated, Any
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Form, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import vllm
@@ -34,10 +35,12 @@ from vllm.entrypoints.openai.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    TranscriptionRequest,
 )
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing
+from vllm.entrypoints.openai.serving_transcription import AudioLimits, OpenAIServingTranscription
 from vllm.pipeline.async_pipeline import AsyncPipeline
 from vllm.pipeline.stage import load_pipeline_spec
 from vllm.v1.engine.async_llm import AsyncLLM, EngineDeadError
@@ -53,15 +56,29 @@ class ServerState:
     metrics: PrometheusStatLogger
     completion: OpenAIServingCompletion
     chat: OpenAIServingChat
+    transcription: OpenAIServingTranscription
     base: OpenAIServing  # model checks and tokenizer for /tokenize, /detokenize
 
     @classmethod
     def create(cls, engine: AsyncLLM | AsyncPipeline, served_model_names: list[str],
-               metrics: PrometheusStatLogger) -> ServerState:
+               metrics: PrometheusStatLogger, audio_limits: AudioLimits | None = None
+               ) -> ServerState:
         return cls(engine, served_model_names, metrics,
                    OpenAIServingCompletion(engine, served_model_names),
                    OpenAIServingChat(engine, served_model_names),
+                   OpenAIServingTranscription(engine, served_model_names, audio_limits,
+                                              metrics),
                    OpenAIServing(engine, served_model_names))
+
+    @property
+    def max_request_body_bytes(self) -> int:
+        """Room for the largest request an endpoint accepts, plus its JSON or form fields.
+        An audio upload may be up to twice its limit, so that a file a little over it gets
+        the audio endpoint's 400 naming the limit rather than a bare 413."""
+        limit = self.completion.max_request_body_bytes
+        if self.transcription.is_whisper:
+            limit = max(limit, 2 * self.transcription.limits.max_file_bytes)
+        return limit + 2**20
 
 
 def error_json(message: str, err_type: str, status: int) -> JSONResponse:
@@ -147,6 +164,8 @@ def _respond(result: Any) -> Response:
         return Response(status_code=499)
     if isinstance(result, AsyncGenerator):
         return StreamingResponse(result, media_type="text/event-stream")
+    if isinstance(result, str):  # audio endpoints: response_format text, srt, vtt
+        return PlainTextResponse(result)
     return JSONResponse(result.model_dump())
 
 
@@ -179,9 +198,7 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="vLLM-compatible OpenAI API server", version=vllm.__version__)
     app.state.server = state
     _add_exception_handlers(app)
-    # Room for the largest request the completion endpoint accepts, plus its JSON.
-    app.add_middleware(BodySizeLimitMiddleware,
-                       max_bytes=state.completion.max_request_body_bytes + 2**20)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=state.max_request_body_bytes)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     _add_info_routes(app, state)
@@ -226,6 +243,18 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         return _respond(await with_cancellation(
             state.chat.create_chat_completion(request), raw_request))
 
+    @app.post("/v1/audio/transcriptions")
+    async def transcriptions(request: Annotated[TranscriptionRequest, Form()],
+                             raw_request: Request) -> Response:
+        return _respond(await with_cancellation(
+            state.transcription.create_transcription(request, "transcribe"), raw_request))
+
+    @app.post("/v1/audio/translations")
+    async def translations(request: Annotated[TranscriptionRequest, Form()],
+                           raw_request: Request) -> Response:
+        return _respond(await with_cancellation(
+            state.transcription.create_transcription(request, "translate"), raw_request))
+
 
 def _add_tokenizer_routes(app: FastAPI, state: ServerState) -> None:
     base = state.base
@@ -267,22 +296,30 @@ def _exit_on_signal(signum: int, frame: Any) -> None:
 
 async def run_server(args: argparse.Namespace) -> None:
     """Starts the engine process, serves until SIGINT/SIGTERM, then stops the engine."""
-    from vllm.entrypoints.openai.cli_serve import engine_args_from_namespace, served_names
+    from vllm.entrypoints.openai.cli_serve import (
+        audio_limits_from_namespace,
+        check_task,
+        engine_args_from_namespace,
+        served_names,
+    )
 
     # Until uvicorn takes over (and again when it hands a captured signal back), a signal
     # ends the process through SystemExit, so the `finally` below stops the engine.
     signal.signal(signal.SIGINT, _exit_on_signal)
     signal.signal(signal.SIGTERM, _exit_on_signal)
+    audio_limits = audio_limits_from_namespace(args)
     if args.pipeline:
         engine, names, metrics = _start_pipeline(args)
     else:
         engine_args = engine_args_from_namespace(args)
         vllm_config = engine_args.create_engine_config()
+        check_task(args, vllm_config.model_config)
         names = served_names(args, vllm_config.model_config.model)
         metrics = PrometheusStatLogger(names[0])
         engine = AsyncLLM(vllm_config, stat_loggers=[metrics])
     try:
-        app = build_app(ServerState.create(engine, names, metrics), args.api_key)
+        state = ServerState.create(engine, names, metrics, audio_limits)
+        app = build_app(state, args.api_key)
         config = uvicorn.Config(app, host=args.host, port=args.port,
                                 log_level=args.uvicorn_log_level,
                                 access_log=not args.disable_uvicorn_access_log,

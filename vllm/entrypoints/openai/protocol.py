@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
+from fastapi import UploadFile
 from pydantic import BaseModel, ConfigDict, Field
 
 from vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -233,6 +234,98 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatCompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# ---- /v1/audio/transcriptions, /v1/audio/translations ----------------------------------
+
+
+class TranscriptionRequest(OpenAIBaseModel):
+    """The multipart form of both audio endpoints (translations ignore `language`'s role as
+    the output language: Whisper translates into English)."""
+
+    file: UploadFile
+    model: str | None = None
+    language: str | None = None  # ISO-639-1 code of the audio's language
+    prompt: str = ""  # previous text: context and spelling for the model
+    response_format: Literal["json", "text", "verbose_json", "srt", "vtt"] = "json"
+    temperature: float = 0.0
+    timestamp_granularities: list[str] = Field(default_factory=list,
+                                               alias="timestamp_granularities[]")
+    stream: bool = False
+    # vLLM extensions
+    stream_include_usage: bool = False
+    seed: int | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    max_completion_tokens: int | None = None
+
+    def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """Raises ValueError (naming the field) for out-of-range values."""
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            seed=self.seed,
+            repetition_penalty=(1.0 if self.repetition_penalty is None
+                                else self.repetition_penalty),
+            frequency_penalty=self.frequency_penalty or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+        )
+
+
+class TranscriptionUsage(OpenAIBaseModel):
+    type: Literal["duration"] = "duration"
+    seconds: int
+
+
+class TranscriptionResponse(OpenAIBaseModel):
+    text: str
+    usage: TranscriptionUsage | None = None
+
+
+class TranscriptionSegment(OpenAIBaseModel):
+    id: int
+    seek: int  # the 10 ms mel frame where the segment's 30 s window starts
+    start: float
+    end: float
+    text: str
+    tokens: list[int]
+    temperature: float
+    avg_logprob: float
+    compression_ratio: float
+    no_speech_prob: float
+
+
+class TranscriptionResponseVerbose(OpenAIBaseModel):
+    task: Literal["transcribe", "translate"] = "transcribe"
+    language: str
+    duration: float
+    text: str
+    segments: list[TranscriptionSegment]
+    usage: TranscriptionUsage | None = None
+
+
+class TranscriptionStreamChoice(OpenAIBaseModel):
+    delta: DeltaMessage
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class TranscriptionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["transcription.chunk", "translation.chunk"] = "transcription.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[TranscriptionStreamChoice]
     usage: UsageInfo | None = None
 
 

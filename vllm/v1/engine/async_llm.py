@@ -105,8 +105,13 @@ class AsyncLLM:
         if self.errored:
             raise self.dead_error
         self.output_processor.check_request_id(request_id)
-        request, parsed = self.processor.process_inputs(request_id, prompt, params,
-                                                        arrival_time)
+        if self.processor.is_audio_model:
+            # Log-mel features take tens of milliseconds per window: off the event loop.
+            request, parsed = await asyncio.to_thread(
+                self.processor.process_inputs, request_id, prompt, params, arrival_time)
+        else:
+            request, parsed = self.processor.process_inputs(request_id, prompt, params,
+                                                            arrival_time)
         self._ensure_output_handler()
         stream = RequestStream(request_id)
         parent, requests = fan_out(request, params.n, params.output_kind)

@@ -14,6 +14,7 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 
 _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                 50.0, 60.0, 120.0, 240.0)
 FINISH_REASONS = ("stop", "length", "abort")
+AUDIO_ENDPOINTS = ("transcriptions", "translations")
 
 
 class PrometheusStatLogger:
@@ -58,6 +59,31 @@ class PrometheusStatLogger:
                              names, buckets=_E2E_BUCKETS, registry=reg).labels(*label)
         self._queries = self._hits = 0
         self._num_preemptions = 0
+        self._add_audio_metrics(model_name)
+
+    def _add_audio_metrics(self, model_name: str) -> None:
+        """Per HTTP request of the audio endpoints; each 30 s window is also an engine
+        request, counted (and its time to first token observed) by the metrics above."""
+        reg = self.registry
+        requests = Counter("vllm:audio_requests", "Audio endpoint requests, by endpoint and "
+                           "outcome (success, error).", ["model_name", "endpoint", "status"],
+                           registry=reg)
+        self.audio_requests = {(e, s): requests.labels(model_name, e, s)
+                               for e in AUDIO_ENDPOINTS for s in ("success", "error")}
+        self.audio_seconds = Counter("vllm:audio_seconds_processed",
+                                     "Seconds of audio transcribed or translated.",
+                                     ["model_name"], registry=reg).labels(model_name)
+        self.audio_latency = Histogram("vllm:audio_request_latency_seconds",
+                                       "Audio requests, arrival to last byte of the answer.",
+                                       ["model_name"], buckets=_E2E_BUCKETS,
+                                       registry=reg).labels(model_name)
+
+    def record_audio_request(self, endpoint: str, ok: bool, audio_seconds: float,
+                             latency: float) -> None:
+        self.audio_requests[endpoint, "success" if ok else "error"].inc()
+        if ok:
+            self.audio_seconds.inc(audio_seconds)
+            self.audio_latency.observe(latency)
 
     def record(self, scheduler_stats: SchedulerStats | None,
                iteration_stats: IterationStats | None) -> None:

@@ -1,0 +1,293 @@
+"""`vllm serve --task transcription` (the default Whisper tiny.en) end to end with the official
+`openai` client, against offline `LLM.generate` on the same audio.
+
+One server for the module, with an API key and small audio limits so that the limit checks
+are cheap to reach; an offline `LLM` with the same engine settings gives the expected text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import soundfile
+
+from tests.server_utils import RemoteServer
+from tests.wer import normalize_words
+from vllm import LLM, SamplingParams
+from vllm.entrypoints import cli
+from vllm.entrypoints.openai.serving_transcription import decode_upload
+from vllm.inputs.audio_file import split_windows
+from vllm.inputs.whisper import join_texts, window_prompt
+from vllm.transformers_utils.default_model import default_whisper_model_path
+
+DATA = Path(__file__).parent / "data"
+CLIPS: dict[str, str] = json.loads((DATA / "speech_clips.json").read_text())
+NAME = "whisper-tiny.en"  # the default model's served name
+API_KEY = "transcribe-key"
+RATE = 16_000
+MAX_FILE_BYTES = 4 * 2**20
+MAX_SECONDS = 120
+ENGINE_ARGS = ["--dtype", "float32", "--kv-cache-memory-bytes", "512MiB", "--seed", "0"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = RemoteServer(None, ["--task", "transcription", "--api-key", API_KEY,
+                              "--max-audio-file-size", str(MAX_FILE_BYTES),
+                              "--max-audio-seconds", str(MAX_SECONDS), *ENGINE_ARGS])
+    yield srv
+    assert srv.stop() == 0, srv.final_log
+
+
+@pytest.fixture(scope="module")
+def client(server: RemoteServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0,
+                         timeout=120)
+
+
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    return LLM(default_whisper_model_path(), dtype="float32",
+               kv_cache_memory_bytes=512 * 2**20, seed=0)
+
+
+def read_clip(name: str) -> np.ndarray:
+    samples, rate = soundfile.read(DATA / name, dtype="float32")
+    assert rate == RATE
+    return samples
+
+
+def wav_bytes(samples: np.ndarray, rate: int = RATE) -> bytes:
+    buffer = io.BytesIO()
+    soundfile.write(buffer, samples, rate, format="WAV", subtype="PCM_16")
+    return buffer.getvalue()
+
+
+def offline_texts(offline: LLM, audios: list[np.ndarray]) -> list[str]:
+    """What `vllm.LLM` gives for each window of each audio, joined per audio (one window:
+    the plain offline transcription), in one batch."""
+    windows = [split_windows(samples) for samples in audios]
+    prompts = [{"prompt": "", "multi_modal_data": {"audio": (samples[w.start:w.end], RATE)}}
+               for samples, ws in zip(audios, windows) for w in ws]
+    outputs = iter(offline.generate(prompts, SamplingParams(temperature=0, max_tokens=224),
+                                    use_tqdm=False))
+    return [join_texts([next(outputs).outputs[0].text for _ in ws]) for ws in windows]
+
+
+@pytest.fixture(scope="module")
+def long_audio(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """~34 s: the three clips three times over, 1 s of silence after each, and the
+    sentences it says, in order."""
+    silence = np.zeros(RATE, np.float32)
+    names = list(CLIPS) * 3
+    samples = np.concatenate([part for name in names for part in (read_clip(name), silence)])
+    path = tmp_path_factory.mktemp("audio") / "long.wav"
+    path.write_bytes(wav_bytes(samples))
+    return path, " ".join(CLIPS[name] for name in names)
+
+
+def transcribe(client: openai.OpenAI, data: bytes | Path, **kwargs):
+    file = data.read_bytes() if isinstance(data, Path) else data
+    return client.audio.transcriptions.create(model=NAME, file=("audio.wav", file), **kwargs)
+
+
+# ---- the endpoint against offline ----------------------------------------------------
+
+
+def test_models_health_and_api_key(server: RemoteServer, client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == [NAME]
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    wrong = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        transcribe(wrong, DATA / "call_me.wav")
+
+
+def test_clips_match_offline(client: openai.OpenAI, offline: LLM) -> None:
+    expected = offline_texts(offline, [read_clip(name) for name in CLIPS])
+    for (name, sentence), text in zip(CLIPS.items(), expected):
+        assert normalize_words(text) == normalize_words(sentence)
+        with open(DATA / name, "rb") as f:  # the plain openai-client call
+            assert client.audio.transcriptions.create(model=NAME, file=f).text == text
+
+
+def test_formats_agree(client: openai.OpenAI, offline: LLM) -> None:
+    name = "sun_sky.wav"
+    expected = offline_texts(offline, [read_clip(name)])[0]
+    assert transcribe(client, DATA / name, response_format="text").strip() == \
+        expected.strip()
+    verbose = transcribe(client, DATA / name, response_format="verbose_json")
+    assert verbose.text == expected and verbose.language == "english"
+    assert verbose.duration == pytest.approx(len(read_clip(name)) / RATE)
+    assert [s.text for s in verbose.segments] == [expected]
+    assert 0.0 == verbose.segments[0].start < verbose.segments[0].end <= verbose.duration
+    stream = transcribe(client, DATA / name, stream=True)
+    chunks = [c.choices[0]["delta"]["content"] for c in stream if c.choices]
+    assert len(chunks) > 2 and "".join(chunks) == expected
+
+
+def test_long_audio_is_split_and_joined(client: openai.OpenAI, offline: LLM,
+                                        long_audio: tuple[Path, str]) -> None:
+    path, sentences = long_audio
+    samples = read_clip(path)
+    assert len(split_windows(samples)) == 2
+    expected = offline_texts(offline, [samples])[0]
+    assert normalize_words(expected) == normalize_words(sentences)
+    assert transcribe(client, path).text == expected
+    stream = transcribe(client, path, stream=True, extra_body={"stream_include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0]["delta"]["content"] for c in chunks if c.choices) == expected
+    assert chunks[-1].usage["completion_tokens"] > 0
+    verbose = transcribe(client, path, response_format="verbose_json")
+    assert normalize_words(verbose.text) == normalize_words(sentences)
+    assert verbose.duration == pytest.approx(len(samples) / RATE)
+    starts = [s.start for s in verbose.segments]
+    assert starts == sorted(starts) and starts[0] == 0.0 and starts[-1] > 25.0
+    assert verbose.segments[-1].end <= verbose.duration + 1e-6
+
+
+def test_formats_prompt_and_cli(client: openai.OpenAI, offline: LLM, tmp_path: Path,
+                                capsys: pytest.CaptureFixture) -> None:
+    samples, sentence = read_clip("train_station.wav"), CLIPS["train_station.wav"]
+    stereo_32k = np.stack([samples, 0.5 * samples], axis=1).repeat(2, axis=0)
+    for fmt, data, rate in [("OGG", samples, RATE), ("MP3", samples, RATE),
+                            ("WAV", stereo_32k, 2 * RATE)]:
+        buffer = io.BytesIO()
+        soundfile.write(buffer, data, rate, format=fmt)
+        text = transcribe(client, buffer.getvalue()).text
+        assert normalize_words(text) == normalize_words(sentence), fmt
+    # The prompt is previous text: it changes the decoder's context, not the words heard.
+    prompted = transcribe(client, DATA / "train_station.wav", prompt="Travel plans.").text
+    assert normalize_words(prompted) == normalize_words(sentence)
+    path = tmp_path / "clip.wav"
+    path.write_bytes((DATA / "sun_sky.wav").read_bytes())
+    assert cli.main(["transcribe", str(path), "--dtype", "float32"]) == 0
+    expected = offline_texts(offline, [read_clip("sun_sky.wav")])[0]
+    assert capsys.readouterr().out.strip() == expected.strip()
+
+
+def test_identical_uploads_run_the_encoder_once(offline: LLM) -> None:
+    """Two uploads of the same file, decoded apart as the server does, give the same
+    features: the second request reuses the first's cross-attention blocks."""
+    data = (DATA / "call_me.wav").read_bytes()
+    prompts = []
+    for _ in range(2):
+        upload = decode_upload(data, MAX_SECONDS)
+        prompts += [window_prompt(upload.waveform, w, [50257, 50362]) for w in upload.windows]
+    runner = offline.llm_engine.engine_core.model_executor.model_runner.encoder_runner
+    offline.llm_engine.reset_prefix_cache()
+    before = runner.num_inputs_encoded
+    outputs = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=224),
+                               use_tqdm=False)
+    assert runner.num_inputs_encoded - before == 1
+    assert outputs[0].outputs[0].text == outputs[1].outputs[0].text
+
+
+def test_16_concurrent_uploads_equal_serial(client: openai.OpenAI, server: RemoteServer
+                                            ) -> None:
+    """Four different audios (the three clips and a quieter copy of one), each uploaded four
+    times at once: the identical uploads also share cross-attention blocks."""
+    clips = [read_clip(name) for name in CLIPS]
+    files = [wav_bytes(a) for a in [*clips, 0.5 * clips[0]]]
+    serial = [transcribe(client, f).text for f in files]
+
+    async def run() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY,
+                                      max_retries=0, timeout=300) as aclient:
+            calls = [aclient.audio.transcriptions.create(model=NAME, file=("a.wav", f))
+                     for f in files * 4]
+            return [r.text for r in await asyncio.gather(*calls)]
+
+    assert asyncio.run(run()) == serial * 4
+
+
+def test_metrics(server: RemoteServer) -> None:
+    text = httpx.get(f"{server.url}/metrics").text
+    lines = dict(line.rsplit(" ", 1) for line in text.splitlines()
+                 if line and not line.startswith("#"))
+    success = f'vllm:audio_requests_total{{endpoint="transcriptions",model_name="{NAME}",' \
+              'status="success"}'
+    assert float(lines[success]) >= 10
+    assert float(lines[f'vllm:audio_seconds_processed_total{{model_name="{NAME}"}}']) > 60
+    assert float(lines[f'vllm:time_to_first_token_seconds_count{{model_name="{NAME}"}}']) > 0
+    assert float(lines[f'vllm:audio_request_latency_seconds_count{{model_name="{NAME}"}}']) > 0
+
+
+# ---- bad input ----------------------------------------------------------------------
+
+
+def _bad_uploads(tmp_path: Path) -> dict[str, tuple[dict, dict, str]]:
+    """name -> (form fields, files, a phrase the 400's message must contain)."""
+    clip = (DATA / "call_me.wav").read_bytes()
+    too_long = wav_bytes(np.zeros((MAX_SECONDS + 30) * 8000, np.float32), 8000)
+    assert len(too_long) < MAX_FILE_BYTES
+    empty = wav_bytes(np.zeros(0, np.float32))
+    return {
+        "not audio": ({}, {"file": ("a.wav", b"hello, I am text\n" * 100)}, "decoded as audio"),
+        "empty file": ({}, {"file": ("a.wav", b"")}, "empty"),
+        "zero-length audio": ({}, {"file": ("a.wav", empty)}, "no samples"),
+        # random bytes: the size, not the content, is what is reported
+        "over the size limit": ({}, {"file": ("a.wav", os.urandom(MAX_FILE_BYTES + 1))},
+                                "--max-audio-file-size"),
+        "too long": ({}, {"file": ("a.wav", too_long)}, "--max-audio-seconds"),
+        "missing file": ({}, {}, "file"),
+        "unknown response_format": ({"response_format": "xml"}, {"file": ("a.wav", clip)},
+                                    "response_format"),
+        "other language on .en": ({"language": "fr"}, {"file": ("a.wav", clip)},
+                                  "English-only"),
+        "stream with verbose_json": ({"stream": "true", "response_format": "verbose_json"},
+                                     {"file": ("a.wav", clip)}, "stream"),
+        "word timestamps": ({"timestamp_granularities[]": "word",
+                             "response_format": "verbose_json"}, {"file": ("a.wav", clip)},
+                            "not supported"),
+    }
+
+
+def test_bad_inputs_are_400_while_serving_another(server: RemoteServer, offline: LLM,
+                                                  long_audio: tuple[Path, str],
+                                                  tmp_path: Path) -> None:
+    path, _ = long_audio
+    expected = offline_texts(offline, [read_clip(path)])[0]
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    async def run() -> tuple[str, dict[str, httpx.Response]]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120,
+                                     headers=headers) as http:
+            async def long_stream() -> str:
+                text = ""
+                async with http.stream("POST", "/v1/audio/transcriptions",
+                                       data={"model": NAME, "stream": "true"},
+                                       files={"file": ("long.wav", path.read_bytes())}
+                                       ) as response:
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: {"):
+                            text += json.loads(line[6:])["choices"][0]["delta"]["content"]
+                return text
+
+            streaming = asyncio.ensure_future(long_stream())
+            answers = {}
+            for name, (fields, files, _) in _bad_uploads(tmp_path).items():
+                answers[name] = await http.post("/v1/audio/transcriptions",
+                                                data={"model": NAME, **fields}, files=files)
+            answers["translation on .en"] = await http.post(
+                "/v1/audio/translations", data={"model": NAME},
+                files={"file": ("a.wav", (DATA / "call_me.wav").read_bytes())})
+            assert not streaming.done()  # the bad requests were answered meanwhile
+            return await streaming, answers
+
+    streamed, answers = asyncio.run(run())
+    phrases = {name: phrase for name, (_, _, phrase) in _bad_uploads(tmp_path).items()}
+    phrases["translation on .en"] = "cannot translate"
+    for name, response in answers.items():
+        assert response.status_code == 400, (name, response.text)
+        error = response.json()["error"]
+        assert error["code"] == 400 and phrases[name] in error["message"], (name, error)
+    assert streamed == expected
+    assert httpx.get(f"{server.url}/health").status_code == 200

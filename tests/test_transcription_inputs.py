@@ -1,0 +1,231 @@
+"""Audio files, 30 s windows, Whisper prompts and segments: the pieces of the transcription
+endpoint that need no model, with exact expectations."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+
+from vllm.entrypoints.openai.protocol import TranscriptionSegment
+from vllm.entrypoints.openai.serving_transcription import compression_ratio, subtitles
+from vllm.inputs.audio_file import (
+    AudioWindow,
+    decode_audio_file,
+    is_silent,
+    split_windows,
+)
+from vllm.inputs.whisper import (
+    WhisperTokens,
+    decoder_prompt,
+    join_texts,
+    language_code,
+    timed_segments,
+)
+
+DATA = Path(__file__).parent / "data"
+CLIP = DATA / "call_me.wav"
+RATE = 16_000
+
+
+def encode(samples: np.ndarray, rate: int, fmt: str, subtype: str | None = None) -> bytes:
+    buffer = io.BytesIO()
+    soundfile.write(buffer, samples, rate, format=fmt, subtype=subtype)
+    return buffer.getvalue()
+
+
+def tone(seconds: float, rate: int = RATE, freq: float = 440.0) -> np.ndarray:
+    t = np.arange(int(seconds * rate)) / rate
+    return (0.5 * np.sin(2 * np.pi * freq * t)).astype(np.float32)
+
+
+# ---- decoding -------------------------------------------------------------------------
+
+
+def test_wav_and_flac_decode_to_the_samples_soundfile_reads() -> None:
+    expected, rate = soundfile.read(CLIP, dtype="float32")
+    assert rate == RATE
+    np.testing.assert_array_equal(decode_audio_file(CLIP.read_bytes(), 60), expected)
+    flac = encode(expected, RATE, "FLAC", "PCM_16")
+    np.testing.assert_array_equal(decode_audio_file(flac, 60), expected)
+
+
+@pytest.mark.parametrize("fmt, subtype", [("OGG", "VORBIS"), ("MP3", "MPEG_LAYER_III")])
+def test_lossy_formats_decode_close_to_the_source(fmt: str, subtype: str) -> None:
+    source = tone(1.0)
+    decoded = decode_audio_file(encode(source, RATE, fmt, subtype), 60)
+    assert abs(decoded.shape[0] - source.shape[0]) < 0.1 * RATE  # codec padding at most
+    n = min(decoded.shape[0], source.shape[0])
+    assert np.abs(decoded[:n]).max() == pytest.approx(0.5, abs=0.1)
+
+
+def test_stereo_is_mixed_down_and_44k_resampled_to_16k() -> None:
+    left, right = tone(2.0, 44_100, 440.0), tone(2.0, 44_100, 440.0) * 0.0
+    stereo = np.stack([left, right], axis=1)  # [frames, channels]
+    decoded = decode_audio_file(encode(stereo, 44_100, "WAV", "FLOAT"), 60)
+    assert decoded.dtype == np.float32 and decoded.ndim == 1
+    assert decoded.shape[0] == pytest.approx(2 * RATE, abs=2)
+    # The channel mean halves the amplitude; soxr keeps the 440 Hz tone.
+    assert np.abs(decoded[RATE // 2:RATE]).max() == pytest.approx(0.25, abs=0.01)
+    spectrum = np.abs(np.fft.rfft(decoded[:RATE]))
+    assert int(np.argmax(spectrum)) == 440  # 1 Hz bins over one second
+
+
+def test_bad_files_name_their_problem() -> None:
+    with pytest.raises(ValueError, match="empty"):
+        decode_audio_file(b"", 60)
+    with pytest.raises(ValueError, match="could not be decoded as audio"):
+        decode_audio_file(b"this is a text file, not audio\n" * 10, 60)
+    with pytest.raises(ValueError, match="no samples"):
+        decode_audio_file(encode(np.zeros(0, np.float32), RATE, "WAV"), 60)
+    with pytest.raises(ValueError, match="12.0 s long, over the limit of 10 s"):
+        decode_audio_file(encode(np.zeros(12 * 8000, np.int16), 8000, "WAV"), 10)
+    nan = encode(np.full(100, np.nan, np.float32), RATE, "WAV", "FLOAT")
+    with pytest.raises(ValueError, match="non-finite"):
+        decode_audio_file(nan, 60)
+
+
+# ---- windows --------------------------------------------------------------------------
+
+
+def test_short_audio_is_one_window() -> None:
+    assert split_windows(np.ones(RATE * 30, np.float32)) == [AudioWindow(0, RATE * 30)]
+
+
+def test_long_audio_is_cut_in_the_quietest_stretch_before_each_30_s() -> None:
+    """Loud everywhere except silences at 27-28 s and 52-53 s: each cut lands at the centre
+    of the first all-silent 100 ms stretch of its search region (the last 5 s before the
+    window's end): 27.00-27.10 s -> 27.05 s; the second region starts at 27.05 + 25 =
+    52.05 s, inside the silence -> 52.05-52.15 s -> 52.10 s."""
+    audio = np.full(70 * RATE, 0.5, np.float32)
+    audio[27 * RATE:28 * RATE] = 0.0
+    audio[52 * RATE:53 * RATE] = 0.0
+    windows = split_windows(audio)
+    assert windows == [AudioWindow(0, 432_800), AudioWindow(432_800, 833_600),
+                       AudioWindow(833_600, 70 * RATE)]
+    assert all(w.seconds <= 30.0 for w in windows)
+    assert windows[1].start_seconds == 27.05
+
+
+def test_without_pauses_the_cut_stays_inside_the_window() -> None:
+    audio = tone(61.0)
+    windows = split_windows(audio)
+    assert [w.start for w in windows[1:]] == [w.end for w in windows[:-1]]
+    assert windows[-1].end == audio.shape[0]
+    assert all(0 < w.seconds <= 30.0 for w in windows)
+    assert all(w.end - w.start >= 25 * RATE for w in windows[:-1])
+
+
+def test_digital_silence_is_silent() -> None:
+    assert is_silent(np.zeros(100, np.float32))
+    assert is_silent(np.full(100, 5e-5, np.float32))
+    assert not is_silent(tone(0.1))
+
+
+# ---- Whisper prompts and segments -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from vllm.transformers_utils.default_model import default_whisper_model_path
+    from vllm.transformers_utils.tokenizer import get_tokenizer
+
+    return get_tokenizer(default_whisper_model_path())
+
+
+class EnglishOnly:
+    vocab_size = 51864
+
+
+class Multilingual:
+    vocab_size = 51865
+
+
+def test_tiny_en_special_tokens(tokenizer, tiny_whisper_dir: str) -> None:
+    from vllm.transformers_utils.tokenizer import get_tokenizer
+
+    expected = WhisperTokens(start_of_transcript=50257, start_of_prev=50360,
+                             no_timestamps=50362, timestamp_begin=50363, end_of_text=50256)
+    assert WhisperTokens.from_tokenizer(tokenizer) == expected
+    assert tokenizer.convert_tokens_to_ids("<|0.00|>") == expected.timestamp_begin
+    # the same tokenizer saved in a Hugging Face directory
+    assert WhisperTokens.from_tokenizer(get_tokenizer(tiny_whisper_dir)) == expected
+
+
+def test_decoder_prompts(tokenizer) -> None:
+    def prompt(**kwargs):
+        args = dict(language=None, task="transcribe", previous_text_ids=[],
+                    timestamps=False, max_model_len=448)
+        return decoder_prompt(tokenizer, EnglishOnly, **{**args, **kwargs})
+
+    assert prompt() == [50257, 50362]
+    assert prompt(timestamps=True) == [50257, 50363]
+    assert prompt(previous_text_ids=[11, 12, 13]) == [50360, 11, 12, 13, 50257, 50362]
+    # Whisper keeps the last max_model_len // 2 - 1 previous-text tokens.
+    long = prompt(previous_text_ids=list(range(1000)), max_model_len=10)
+    assert long == [50360, 996, 997, 998, 999, 50257, 50362]
+
+
+def test_languages() -> None:
+    assert language_code(None, EnglishOnly) is None
+    assert language_code("EN", EnglishOnly) == "en"
+    assert language_code("english", EnglishOnly) == "en"
+    assert language_code("German", Multilingual) == "de"
+    with pytest.raises(ValueError, match="English-only.*'fr'"):
+        language_code("fr", EnglishOnly)
+    with pytest.raises(ValueError, match="Unknown language 'klingon'"):
+        language_code("klingon", Multilingual)
+
+
+TOKENS = WhisperTokens(50257, 50360, 50362, 50363, 50256)
+
+
+def ts(seconds: float) -> int:
+    return TOKENS.timestamp_begin + round(seconds / 0.02)
+
+
+def test_segments_from_timestamp_tokens() -> None:
+    ids = [10, 11, ts(1.0), ts(1.2), 12, ts(2.0), 50256]
+    assert timed_segments(ids, TOKENS, 30.0, [-0.1, -0.2, 0, 0, -0.3, 0, 0]) == [
+        (0.0, 1.0, [10, 11], [-0.1, -0.2]), (1.2, 2.0, [12], [-0.3])]
+
+
+def test_unclosed_text_ends_at_the_window_end_and_times_never_go_back() -> None:
+    assert timed_segments([10, 11, 50256], TOKENS, 7.5) == [(0.0, 7.5, [10, 11], [0.0, 0.0])]
+    ids = [10, ts(3.0), ts(2.0), 11, ts(29.9)]  # backwards, then past a 12 s window
+    assert timed_segments(ids, TOKENS, 12.0) == [(0.0, 3.0, [10], [0.0]),
+                                                (3.0, 12.0, [11], [0.0])]
+
+
+def test_join_texts() -> None:
+    assert join_texts([" Hello there.", "", "General Kenobi."]) == \
+        " Hello there. General Kenobi."
+    assert join_texts([" One.", " Two."]) == " One. Two."
+    assert join_texts([]) == ""
+
+
+def test_subtitles_and_compression_ratio() -> None:
+    segments = [TranscriptionSegment(id=0, seek=0, start=0.0, end=2.5, text=" Hi there.",
+                                     tokens=[1], temperature=0.0, avg_logprob=-0.1,
+                                     compression_ratio=1.0, no_speech_prob=0.0),
+                TranscriptionSegment(id=1, seek=2650, start=3661.25, end=3662.0, text=" Bye.",
+                                     tokens=[2], temperature=0.0, avg_logprob=-0.1,
+                                     compression_ratio=1.0, no_speech_prob=0.0)]
+    assert subtitles(segments, srt=True) == (
+        "1\n00:00:00,000 --> 00:00:02,500\nHi there.\n\n"
+        "2\n01:01:01,250 --> 01:01:02,000\nBye.\n\n")
+    assert subtitles(segments, srt=False) == (
+        "WEBVTT\n\n00:00:00.000 --> 00:00:02.500\nHi there.\n\n"
+        "01:01:01.250 --> 01:01:02.000\nBye.\n\n")
+    assert subtitles([], srt=True) == "" and subtitles([], srt=False) == "WEBVTT\n\n"
+    assert compression_ratio("") == 0.0
+    assert compression_ratio("ab" * 200) > 10  # repetition compresses well
+
+
+def test_speech_clip_list_matches_files() -> None:
+    names = json.loads((DATA / "speech_clips.json").read_text())
+    assert all((DATA / name).is_file() for name in names)
