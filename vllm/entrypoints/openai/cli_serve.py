@@ -128,8 +128,9 @@ def check_task(args: argparse.Namespace, model_config: ModelConfig) -> None:
 def audio_limits_from_namespace(args: argparse.Namespace):
     from vllm.entrypoints.openai.serving_transcription import AudioLimits
 
-    if args.max_audio_file_size < 1 or not args.max_audio_seconds > 0:
-        raise ValueError("--max-audio-file-size and --max-audio-seconds must be positive.")
+    if args.max_audio_file_size < 1 or not 0 < args.max_audio_seconds < float("inf"):
+        raise ValueError("--max-audio-file-size and --max-audio-seconds must be positive "
+                         "and finite.")
     return AudioLimits(args.max_audio_file_size, args.max_audio_seconds)
 
 
