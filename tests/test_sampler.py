@@ -204,7 +204,7 @@ def test_draw_uniforms_one_per_row_from_each_seeded_generator() -> None:
     assert draw_uniforms(1, {0: generators[1]}).item() == torch.rand(1, generator=reference).item()
 
 
-def test_greedy_on_bfloat16_logits_is_the_argmax_without_upcast() -> None:
+def test_greedy_on_bfloat16_logits_is_their_argmax() -> None:
     logits = random_logits(3).to(torch.bfloat16)
     out = sampler(logits, metadata(3, temperature=0.0))
     assert out.sampled_token_ids.tolist() == logits.float().argmax(dim=-1).tolist()

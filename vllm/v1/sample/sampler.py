@@ -22,15 +22,16 @@ class Sampler(nn.Module):
     (unseeded rows share one draw from the global generator). Logprobs are those of the
     raw model output.
 
-    Logits come in the model dtype; an all-greedy step without logprobs or penalties takes
-    the argmax there (upcasting is exact, so the argmax is the same), anything else works
-    in float32.
+    Logits come in the model dtype. An all-greedy step without logprobs, min_tokens or
+    penalties only takes the argmax, after an upcast to float32: torch's bfloat16 argmax on
+    CPU is ~15x slower than upcast + float32 argmax (64 x 49152 logits, one thread: ~50 ms
+    against 3.5 ms), and upcasting is exact, so the token is the same.
     """
 
     def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         if (md.all_greedy and md.max_num_logprobs is None and not md.min_tokens_blocked
                 and md.repetition_penalty is None):
-            return SamplerOutput(logits.argmax(dim=-1), None)
+            return SamplerOutput(logits.float().argmax(dim=-1), None)
         model_logits, logits = logits, logits.float()  # a copy unless already float32
         raw_logprobs = None
         if md.max_num_logprobs is not None:
