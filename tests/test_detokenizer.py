@@ -246,3 +246,44 @@ def test_flush_is_a_no_op_when_nothing_is_held_back(tokenizer: Any) -> None:
     assert d.output_text == "café 日本"
     d.flush()
     assert d.output_text == "café 日本"
+
+
+# ---- outputs nobody streams ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_deferred_decode_equals_incremental(tokenizer: Any, text: str) -> None:
+    ids = encode(tokenizer, text) + [tokenizer.eos_token_id]
+    prompt_ids = tokenizer.encode("Tell me:")
+    incremental = IncrementalDetokenizer(tokenizer, prompt_ids, True, [], False)
+    deferred = IncrementalDetokenizer(tokenizer, prompt_ids, True, [], False, incremental=False)
+    for d in (incremental, deferred):
+        for i in range(0, len(ids), 3):
+            d.update(ids[i:i + 3], stop_terminated=i + 3 >= len(ids))
+    assert deferred.output_text == ""  # nothing decoded before the end
+    deferred.flush()
+    incremental.flush()
+    assert deferred.output_text == incremental.output_text == text
+    assert deferred.token_ids == incremental.token_ids == ids
+
+
+def test_deferred_decode_refuses_stop_strings(tokenizer: Any) -> None:
+    with pytest.raises(ValueError, match="Stop strings need incremental"):
+        IncrementalDetokenizer(tokenizer, None, True, ["x"], False, incremental=False)
+
+
+def test_output_processor_defers_only_final_only_outputs_without_stop_strings(
+        tokenizer: Any) -> None:
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+    from vllm.v1.engine.output_processor import OutputProcessor
+
+    processor = OutputProcessor(tokenizer)
+    cases = {"final": (RequestOutputKind.FINAL_ONLY, None),
+             "final-stop": (RequestOutputKind.FINAL_ONLY, ["x"]),
+             "delta": (RequestOutputKind.DELTA, None)}
+    for req_id, (kind, stop) in cases.items():
+        params = SamplingParams(stop=stop)
+        params.output_kind = kind
+        processor.add_request(req_id, None, [1, 2], 2, params)
+    modes = {r: s.detokenizer.incremental for r, s in processor.request_states.items()}
+    assert modes == {"final": False, "final-stop": True, "delta": True}

@@ -12,7 +12,14 @@ from tests.core_factories import HIDDEN, make_model_runner, make_params
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.sample.metadata import SamplingMetadata
-from vllm.v1.sample.sampler import Sampler, apply_penalties, apply_top_k_top_p, gather_logprobs
+from vllm.v1.sample.sampler import (
+    Sampler,
+    apply_penalties,
+    apply_top_k_top_p,
+    draw_uniforms,
+    gather_logprobs,
+    inverse_cdf_sample,
+)
 
 VOCAB = 32
 
@@ -48,11 +55,13 @@ def random_logits(n: int, seed: int = 0, vocab: int = VOCAB) -> torch.Tensor:
     return torch.randn(n, vocab, generator=torch.Generator().manual_seed(seed)) * 3
 
 
-def exponential_race(logits: torch.Tensor, temperature: float, seed: int) -> int:
-    """The reference draw: argmax(softmax(logits / T) / q), q ~ Exp(1) from the seed."""
+def inverse_cdf(logits: torch.Tensor, temperature: float, seed: int) -> int:
+    """The reference draw: u ~ U[0, 1) from the seed (one number), then the first token
+    whose cumulative probability under softmax(logits / T) exceeds u."""
     probs = torch.softmax(logits / temperature, dim=-1)
-    q = torch.empty_like(probs).exponential_(generator=torch.Generator().manual_seed(seed))
-    return int((probs / q).argmax())
+    u = torch.rand(1, generator=torch.Generator().manual_seed(seed)).item()
+    cdf = probs.cumsum(dim=-1)
+    return int((cdf > u * cdf[-1]).nonzero()[0])
 
 
 sampler = Sampler()
@@ -73,8 +82,8 @@ def test_greedy_rows_in_a_random_batch_are_argmax() -> None:
     md = metadata(4, temperature=[0.0, 1.0, 0.0, 1.0], seeds={1: 3, 3: 4})
     out = sampler(logits, md).sampled_token_ids.tolist()
     assert out[0] == int(logits[0].argmax()) and out[2] == int(logits[2].argmax())
-    assert out[1] == exponential_race(logits[1], 1.0, 3)
-    assert out[3] == exponential_race(logits[3], 1.0, 4)
+    assert out[1] == inverse_cdf(logits[1], 1.0, 3)
+    assert out[3] == inverse_cdf(logits[3], 1.0, 4)
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -142,7 +151,7 @@ def test_seeded_row_matches_the_reference_draw() -> None:
     logits = random_logits(1, seed=5)
     for temperature in (0.5, 1.0, 2.0):
         out = sampler(logits, metadata(1, temperature=temperature, seeds={0: 1234}))
-        assert out.sampled_token_ids.tolist() == [exponential_race(logits[0], temperature,
+        assert out.sampled_token_ids.tolist() == [inverse_cdf(logits[0], temperature,
                                                                    1234)]
 
 
@@ -164,6 +173,45 @@ def test_seeded_rows_reproduce_independent_of_batch_composition() -> None:
     assert run(4, 3, {0: 5, 1: 6}) == alone  # seeded neighbours
     assert run(2, 0, {1: 99}) == alone  # a neighbour with the same seed
     assert run(2, 1, {0: 99}) == alone
+
+
+def test_inverse_cdf_picks_with_fixed_uniforms() -> None:
+    probs = torch.tensor([[0.2, 0.0, 0.5, 0.3]] * 5)
+    u = torch.tensor([0.0, 0.1, 0.2, 0.95, 0.7])
+    # cdf [0.2, 0.2, 0.7, 1.0]: the zero-probability token 1 is never picked.
+    assert inverse_cdf_sample(probs, u).tolist() == [0, 0, 2, 3, 3]
+
+
+def test_inverse_cdf_renormalises_filtered_rows_and_never_picks_zeroed_tail() -> None:
+    probs = torch.tensor([[0.0, 0.3, 0.1, 0.0], [0.5, 0.0, 0.0, 0.0]])
+    # Row 0 totals 0.4: u 0.5 -> 0.2 -> token 1; u just below 1 -> token 2, never 3.
+    assert inverse_cdf_sample(probs, torch.tensor([0.5, 0.0])).tolist() == [1, 0]
+    almost_one = torch.tensor([1 - 2**-24, 1 - 2**-24])
+    assert inverse_cdf_sample(probs, almost_one).tolist() == [2, 0]
+
+
+def test_draw_uniforms_one_per_row_from_each_seeded_generator() -> None:
+    generators = {1: torch.Generator().manual_seed(7), 3: torch.Generator().manual_seed(8)}
+    torch.manual_seed(0)
+    u = draw_uniforms(4, generators)
+    torch.manual_seed(0)
+    unseeded = torch.rand(2)
+    assert u[[0, 2]].tolist() == unseeded.tolist()
+    assert u[1].item() == torch.rand(1, generator=torch.Generator().manual_seed(7)).item()
+    assert u[3].item() == torch.rand(1, generator=torch.Generator().manual_seed(8)).item()
+    reference = torch.Generator().manual_seed(7)
+    torch.rand(1, generator=reference)
+    assert draw_uniforms(1, {0: generators[1]}).item() == torch.rand(1, generator=reference).item()
+
+
+def test_greedy_on_bfloat16_logits_is_their_argmax() -> None:
+    logits = random_logits(3).to(torch.bfloat16)
+    out = sampler(logits, metadata(3, temperature=0.0))
+    assert out.sampled_token_ids.tolist() == logits.float().argmax(dim=-1).tolist()
+    with_logprobs = sampler(logits, metadata(3, temperature=0.0, max_num_logprobs=1))
+    assert with_logprobs.sampled_token_ids.tolist() == out.sampled_token_ids.tolist()
+    assert with_logprobs.logprobs.logprobs[0][0] == pytest.approx(
+        torch.log_softmax(logits.float(), dim=-1)[0].max().item())
 
 
 def test_unseeded_rows_follow_the_global_generator() -> None:
@@ -283,7 +331,7 @@ def test_sampler_logprobs_are_of_raw_logits_not_temperature_scaled() -> None:
     logits = random_logits(1, seed=8)
     out = sampler(logits, metadata(1, temperature=0.5, seeds={0: 3}, max_num_logprobs=0))
     token = out.sampled_token_ids.item()
-    assert token == exponential_race(logits[0], 0.5, 3)
+    assert token == inverse_cdf(logits[0], 0.5, 3)
     raw = torch.log_softmax(logits, dim=-1)[0]
     assert out.logprobs.logprobs == [[pytest.approx(raw[token].item())]]
     assert out.logprobs.ranks == [int((raw > raw[token]).sum()) + 1]
@@ -328,6 +376,27 @@ def test_runner_sampling_metadata_from_the_batch() -> None:
     assert md.repetition_penalty.tolist() == [1.5, 1.0]
     assert md.frequency_penalty.tolist() == [0.5, 0.0]
     assert md.presence_penalty.tolist() == [0.25, 0.0]
+
+
+def test_runner_caches_sampling_tensors_while_the_batch_is_unchanged() -> None:
+    runner = make_model_runner(block_size=4, max_model_len=16)
+    a = NewRequestData(req_id="a", prompt_token_ids=[1, 2], prompt_embeds=None,
+                       output_token_ids=[], sampling_params=make_params(temperature=0.5),
+                       block_ids=[1], num_computed_tokens=0)
+    b = NewRequestData(req_id="b", prompt_token_ids=[3], prompt_embeds=None,
+                       output_token_ids=[], sampling_params=make_params(temperature=0.0),
+                       block_ids=[2], num_computed_tokens=0)
+    runner._update_states(SchedulerOutput(
+        scheduled_new_reqs=[a, b], scheduled_cached_reqs=CachedRequestData(),
+        num_scheduled_tokens={"a": 2, "b": 1}, total_num_scheduled_tokens=3,
+        finished_req_ids=[]))
+    first = runner._sampling_metadata(np.array([0, 1]))
+    again = runner._sampling_metadata(np.array([0, 1]))
+    assert again.temperature is first.temperature
+    assert runner.sampling_inputs.num_rebuilds == 1
+    only_b = runner._sampling_metadata(np.array([1]))  # a chunked prefill does not sample
+    assert only_b.temperature.tolist() == [0.0] and only_b.all_greedy
+    assert runner.sampling_inputs.num_rebuilds == 2
 
 
 def test_runner_sampling_metadata_without_penalties_or_filters() -> None:

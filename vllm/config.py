@@ -6,11 +6,17 @@ each component takes the sub-config it needs.
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+
+from vllm.platforms.cpu import choose_cpu_dtype, read_cpu_flags
+
+logger = logging.getLogger(__name__)
 
 _STR_TO_DTYPE = {
     "float32": torch.float32,
@@ -26,14 +32,22 @@ _STR_TO_DTYPE = {
 PromptEmbedsBatching = Literal["mixed", "separate"]
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
-    """`auto` is bfloat16 on CPU (vLLM's CPU default) and the checkpoint's dtype elsewhere."""
+def resolve_dtype(dtype: str | torch.dtype, device: str,
+                  cpu_flags: Iterable[str] | None = None) -> torch.dtype:
+    """An explicit dtype is honoured. `auto` on CPU follows the processor
+    (`choose_cpu_dtype`: bfloat16 only where it multiplies bfloat16 natively, float32
+    elsewhere; `cpu_flags` default to this machine's), and is float16 on CUDA."""
     if isinstance(dtype, torch.dtype):
         if not dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating type, got {dtype}.")
         return dtype
     if dtype == "auto":
-        return torch.bfloat16 if device == "cpu" else torch.float16
+        if device != "cpu":
+            return torch.float16
+        choice = choose_cpu_dtype(read_cpu_flags() if cpu_flags is None else cpu_flags)
+        logger.info("dtype auto -> %s on CPU: %s.", str(choice.dtype).removeprefix("torch."),
+                    choice.reason)
+        return choice.dtype
     if dtype not in _STR_TO_DTYPE:
         raise ValueError(f"Unknown dtype {dtype!r}; choose one of auto, "
                          f"{', '.join(sorted(_STR_TO_DTYPE))}.")
@@ -54,6 +68,7 @@ class ModelConfig:
     enable_return_hidden_states: bool = False
     served_model_name: str | None = None
     skip_tokenizer_init: bool = False
+    quantization: str | None = None  # "int8": int8 linear layers (CPU)
 
     @property
     def is_gguf(self) -> bool:

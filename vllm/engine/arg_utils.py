@@ -17,6 +17,7 @@ from vllm.config import (
     default_device,
     resolve_dtype,
 )
+from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
 from vllm.transformers_utils.config import get_config, resolve_model_path
 
 # Default per-step encoder budget of encoder/decoder models, in whole longest inputs.
@@ -44,6 +45,7 @@ class EngineArgs:
     served_model_name: str | None = None
     device: str | None = None
     skip_tokenizer_init: bool = False
+    quantization: str | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -61,6 +63,15 @@ class EngineArgs:
                              f"{self.prompt_embeds_batching!r}.")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
+
+    def _check_quantization(self, device: str) -> None:
+        if self.quantization is None:
+            return
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"Unknown quantization {self.quantization!r}; choose one of "
+                             f"{', '.join(QUANTIZATION_METHODS)}.")
+        if device != "cpu":
+            raise ValueError(f"quantization={self.quantization!r} runs on CPU only.")
 
     def _max_num_batched_tokens(self, max_model_len: int) -> int:
         max_batched = self.max_num_batched_tokens
@@ -99,6 +110,7 @@ class EngineArgs:
             raise ValueError(f"max_model_len={max_model_len} is larger than the model's "
                              f"maximum number of (decoder) positions, {max_pos}.")
         self._check_knobs()
+        self._check_quantization(device)
         max_batched = self._max_num_batched_tokens(max_model_len)
         model_config = ModelConfig(
             model=model,
@@ -111,6 +123,7 @@ class EngineArgs:
             enable_return_hidden_states=self.enable_return_hidden_states,
             served_model_name=self.served_model_name,
             skip_tokenizer_init=self.skip_tokenizer_init,
+            quantization=self.quantization,
         )
         cache_config = CacheConfig(
             block_size=self.block_size,

