@@ -69,6 +69,7 @@ class ModelConfig:
     served_model_name: str | None = None
     skip_tokenizer_init: bool = False
     quantization: str | None = None  # "int8": int8 linear layers (CPU)
+    enforce_eager: bool = False  # no captured graphs
 
     @property
     def is_gguf(self) -> bool:
@@ -153,12 +154,48 @@ class DeviceConfig:
     device: str = "cpu"
 
 
+@dataclass(frozen=True, slots=True)
+class CompilationConfig:
+    """vLLM's knobs: `level` 0 runs eagerly (as `enforce_eager=True` does), 3 captures
+    graphs; `cudagraph_capture_sizes` are the padded sizes (tokens per step) captured, on
+    CPU as on CUDA. None picks `default_capture_sizes`."""
+
+    level: int = 3
+    cudagraph_capture_sizes: tuple[int, ...] | None = None
+
+    @staticmethod
+    def from_user(value: CompilationConfig | dict | int | None) -> CompilationConfig:
+        if value is None:
+            return CompilationConfig()
+        if isinstance(value, CompilationConfig):
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            return CompilationConfig(level=value)
+        if isinstance(value, dict):
+            unknown = set(value) - {"level", "mode", "cudagraph_capture_sizes"}
+            if unknown:
+                raise ValueError(f"Unknown compilation_config keys: {sorted(unknown)}; "
+                                 "known: level (or mode), cudagraph_capture_sizes.")
+            level = value.get("level", value.get("mode", 3))
+            sizes = value.get("cudagraph_capture_sizes")
+            if sizes is not None:
+                sizes = tuple(sizes)
+                if not sizes or any(not isinstance(s, int) or isinstance(s, bool) or s < 1
+                                    for s in sizes):
+                    raise ValueError("compilation_config cudagraph_capture_sizes must be a "
+                                     f"non-empty list of positive integers, got {value!r}.")
+            return CompilationConfig(level=int(level), cudagraph_capture_sizes=sizes)
+        raise ValueError(f"compilation_config must be a dict, an int level or None, "
+                         f"got {type(value).__name__}.")
+
+
 @dataclass(slots=True)
 class VllmConfig:
     model_config: ModelConfig
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
 
 
 def default_device() -> str:

@@ -10,6 +10,7 @@ import torch
 
 from vllm.config import (
     CacheConfig,
+    CompilationConfig,
     DeviceConfig,
     ModelConfig,
     SchedulerConfig,
@@ -46,6 +47,8 @@ class EngineArgs:
     device: str | None = None
     skip_tokenizer_init: bool = False
     quantization: str | None = None
+    enforce_eager: bool = False
+    compilation_config: CompilationConfig | dict | int | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -124,6 +127,7 @@ class EngineArgs:
             served_model_name=self.served_model_name,
             skip_tokenizer_init=self.skip_tokenizer_init,
             quantization=self.quantization,
+            enforce_eager=self.enforce_eager,
         )
         cache_config = CacheConfig(
             block_size=self.block_size,
@@ -141,7 +145,8 @@ class EngineArgs:
             max_num_encoder_input_tokens=self._max_num_encoder_input_tokens(
                 max_batched, model_config.max_encoder_len),
         )
-        return VllmConfig(model_config, cache_config, scheduler_config, DeviceConfig(device))
+        return VllmConfig(model_config, cache_config, scheduler_config, DeviceConfig(device),
+                          CompilationConfig.from_user(self.compilation_config))
 
 
 def max_decoder_positions(hf_config) -> int:

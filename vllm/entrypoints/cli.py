@@ -33,6 +33,8 @@ def _generate_args(parser: argparse.ArgumentParser) -> None:
                         help="default: the model's maximum (decoder) length, at most 2048")
     parser.add_argument("--chat", action="store_true",
                         help="wrap the prompt in the tokenizer's chat template")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="capture no graph (by default one, for one-token steps)")
 
 
 @subcommand("generate", _generate_args)
@@ -43,7 +45,10 @@ def _generate(args: argparse.Namespace) -> int:
     if max_model_len is None:
         max_model_len = min(2048, _max_positions(args.model))
     llm = LLM(args.model, dtype=args.dtype, max_model_len=max_model_len, seed=args.seed,
-              kv_cache_memory_bytes=256 * 1024**2, quantization=args.quantization)
+              kv_cache_memory_bytes=256 * 1024**2, quantization=args.quantization,
+              enforce_eager=args.enforce_eager,
+              # One prompt: every decode step is one token, so one graph size is enough.
+              compilation_config={"cudagraph_capture_sizes": [1]})
     prompt = args.prompt
     if args.chat:
         prompt = llm.get_tokenizer().apply_chat_template(
@@ -68,8 +73,8 @@ def _transcribe_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="auto",
-                        help="auto (bfloat16 on CPU) or float32 (faster on CPUs without "
-                             "native bfloat16)")
+                        help="auto (on CPU: bfloat16 where the processor multiplies it "
+                             "natively, else float32), float32 or bfloat16")
 
 
 @subcommand("transcribe", _transcribe_args)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 
@@ -92,6 +93,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--prompt-embeds-batching", choices=["mixed", "separate"],
                         default="mixed", help="batch embeds and token prompts together "
                         "(mixed) or in separate steps")
+    engine.add_argument("--enforce-eager", action="store_true",
+                        help="run the model eagerly: capture no graphs")
+    engine.add_argument("--compilation-config", "-O", type=compilation_config_arg,
+                        default=None, help="graph capture: a JSON object such as "
+                        "'{\"cudagraph_capture_sizes\": [1, 2, 4, 8]}', or a level (0: eager)")
     engine.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     engine.add_argument("--device", default=None, help="cpu or cuda (default: cuda if "
                         "available)")
@@ -158,7 +164,22 @@ def engine_args_from_namespace(args: argparse.Namespace) -> EngineArgs:
         served_model_name=names[0] if names else None,
         device=args.device,
         quantization=args.quantization,
+        enforce_eager=args.enforce_eager,
+        compilation_config=args.compilation_config,
     )
+
+
+def compilation_config_arg(text: str) -> dict | int:
+    """`-O 0`, or a JSON object of `CompilationConfig` fields."""
+    if text.strip().lstrip("-").isdigit():
+        return int(text)
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not a level or a JSON object: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a level or a JSON object")
+    return value
 
 
 def served_names(args: argparse.Namespace, resolved_model: str) -> list[str]:

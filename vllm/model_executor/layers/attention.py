@@ -1,12 +1,25 @@
-"""`Attention`: the layer that hands q/k/v to the step's attention backend."""
+"""`Attention`: the layer that hands q/k/v to the step's attention backend.
+
+Under `torch.compile` the call goes through one registered op, `vllm::attention`, so that
+paged attention (whose work depends on the step's metadata: prefill spans, block tables)
+is a single opaque node of the graph instead of a graph break. The op finds its layer by a
+process-wide id and reads the step's metadata from the forward context, as the eager path
+does. Tokens past the step's real ones (a graph's padding) get zero rows.
+"""
 
 from __future__ import annotations
+
+import itertools
+import weakref
 
 import torch
 from torch import nn
 
 from vllm.forward_context import get_forward_context
 from vllm.v1.attention.backends.abstract import AttentionBackend, AttentionType
+
+_layer_ids = itertools.count()
+_layers: weakref.WeakValueDictionary[int, Attention] = weakref.WeakValueDictionary()
 
 
 class Attention(nn.Module):
@@ -24,9 +37,21 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.attn_type = attn_type
         self.impl = backend.make_impl(num_heads, head_size, num_kv_heads, scale, attn_type)
+        self.output_size = num_heads * head_size
+        self.op_id = next(_layer_ids)
+        _layers[self.op_id] = self
+        # The id as a tensor: a compiled graph takes it as an input, so that one graph
+        # serves every layer of the same shape instead of one specialisation per int.
+        self.register_buffer("op_id_tensor", torch.tensor(self.op_id), persistent=False)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None = None,
                 v: torch.Tensor | None = None) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.vllm.attention(q, k, v, self.op_id_tensor)
+        return self.run(q, k, v)
+
+    def run(self, q: torch.Tensor, k: torch.Tensor | None,
+            v: torch.Tensor | None) -> torch.Tensor:
         ctx = get_forward_context()
         if self.attn_type == AttentionType.ENCODER:
             return self.impl.forward(q, k, v, None, ctx.encoder_attn_metadata)
@@ -39,3 +64,30 @@ class Attention(nn.Module):
         """Stores an encoder output's cross-attention K/V at the cross slots."""
         ctx = get_forward_context()
         self.impl.write_kv(k, v, ctx.kv_caches[self.layer_idx], slot_mapping)
+
+
+@torch.library.custom_op("vllm::attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                  op_id: torch.Tensor) -> torch.Tensor:
+    """One attention layer's computation in a compiled graph (K/V cache writes happen
+    inside, on tensors the graph never sees). Rows past the step's real tokens (padding up
+    to a captured size) are zeros."""
+    layer = _layers[int(op_id)]
+    ctx = get_forward_context()
+    metadata = (ctx.attn_metadata if layer.attn_type == AttentionType.DECODER
+                else ctx.cross_attn_metadata)
+    n = q.shape[0]
+    real = n if metadata is None or layer.attn_type == AttentionType.ENCODER \
+        else metadata.num_actual_tokens
+    if real == n:
+        return layer.run(q, k, v)
+    out = q.new_zeros(n, layer.output_size)
+    out[:real] = layer.run(q[:real], None if k is None else k[:real],
+                           None if v is None else v[:real])
+    return out
+
+
+@_attention_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+      op_id: torch.Tensor) -> torch.Tensor:
+    return q.new_empty(q.shape[0], q[0].numel())  # q: [num_tokens, num_heads, head_size]

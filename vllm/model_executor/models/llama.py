@@ -19,14 +19,18 @@ from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding, apply_r
 from vllm.v1.attention.backends.abstract import AttentionBackend
 
 
+def head_dim_of(config) -> int:
+    """`head_dim` where the config sets it (it may differ from hidden / heads)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config, layer_idx: int, backend: type[AttentionBackend],
                  qkv_bias: bool) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = (getattr(config, "head_dim", None)
-                         or config.hidden_size // config.num_attention_heads)
+        self.head_dim = head_dim_of(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = qkv_bias or getattr(config, "attention_bias", False)
@@ -76,14 +80,13 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     qkv_bias = False
+    supports_graph_capture = True
 
     def __init__(self, config, backend: type[AttentionBackend], max_model_len: int,
                  dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
-        head_dim = (getattr(config, "head_dim", None)
-                    or config.hidden_size // config.num_attention_heads)
-        self.rotary = RotaryEmbedding(config, head_dim, max_model_len, dtype)
+        self.rotary = RotaryEmbedding(config, head_dim_of(config), max_model_len, dtype)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, backend, self.qkv_bias)
@@ -99,10 +102,20 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Returns the final hidden states, [num_tokens, hidden_size]."""
-        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        cos_sin = self.rotary.lookup(positions)
+        h, cos_sin = self.prepare(input_ids, positions, inputs_embeds)
         for layer in self.layers:
             h = layer(cos_sin, h)
+        return self.finish(h)
+
+    # The forward's pieces, compiled one by one by `graph_capture` (every layer shares
+    # one graph): prepare -> layers -> finish.
+    def prepare(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        return h, self.rotary.lookup(positions)
+
+    def finish(self, h: torch.Tensor) -> torch.Tensor:
         return self.norm(h)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ numpy mirrors and moved to the device once per step (see `compute_step_indices`)
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 import numpy as np
@@ -22,9 +23,12 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler, SamplerOutput
 from vllm.v1.worker.encoder_runner import EncoderRunner
+from vllm.v1.worker.graph_capture import CompiledGraphs, default_capture_sizes
 from vllm.v1.worker.input_batch import CachedRequestState, InputBatch
 from vllm.v1.worker.sampling_inputs import SamplingInputsBuilder
 from vllm.v1.worker.stage_output_cache import HIDDEN_STATES, OutputSpec, StageOutputCache
+
+logger = logging.getLogger(__name__)
 
 
 class StepIndices(NamedTuple):
@@ -106,6 +110,7 @@ class GPUModelRunner:
         self.stage_outputs = StageOutputCache(0, self.block_size, {})
         self.model: torch.nn.Module | None = None
         self.encoder_runner: EncoderRunner | None = None
+        self.graphs: CompiledGraphs | None = None
 
     # ---- set-up -------------------------------------------------------------------
 
@@ -142,6 +147,44 @@ class GPUModelRunner:
         self.stage_outputs = StageOutputCache(num_blocks, self.block_size,
                                               self.stage_output_specs())
 
+    def capture_model(self) -> None:
+        """Captures the forward graphs (see `graph_capture`), unless eager execution is
+        asked for or the model has no graph support (encoder/decoder models run eagerly)."""
+        cc = self.vllm_config.compilation_config
+        if self.model_config.enforce_eager or cc.level == 0:
+            logger.info("Graph capture off (enforce_eager or compilation level 0): eager.")
+            return
+        if not getattr(self.model, "supports_graph_capture", False):
+            logger.info("%s runs eagerly (no graph support).", type(self.model).__name__)
+            return
+        if self.device.type != "cpu":
+            logger.info("CUDA graphs are not captured by this runner yet: eager.")
+            return
+        sc = self.scheduler_config
+        sizes = list(cc.cudagraph_capture_sizes or default_capture_sizes(
+            sc.max_num_batched_tokens, sc.max_num_seqs, self.device.type))
+        self.graphs = CompiledGraphs(self.model, sizes, self.model_config.enable_prompt_embeds,
+                                     self.model_config.hidden_size, self.dtype, self.device)
+        with torch.inference_mode():
+            self.graphs.capture(self._dummy_step)
+        for kv_cache in self.kv_caches:  # the dummy steps wrote K/V into the null block
+            kv_cache.zero_()
+
+    def _dummy_step(self, num_tokens: int, forward) -> None:
+        """Runs `forward()` under the metadata of `num_tokens` one-token requests at
+        position 0 whose K/V go to the null block's first slot."""
+        common = CommonAttentionMetadata(
+            query_start_loc=np.arange(num_tokens + 1, dtype=np.int32),
+            seq_lens=np.ones(num_tokens, dtype=np.int32),
+            num_computed_tokens=np.zeros(num_tokens, dtype=np.int32),
+            block_table=np.zeros((num_tokens, 1), dtype=np.int32),
+            slot_mapping=np.zeros(num_tokens, dtype=np.int64),
+            num_actual_tokens=num_tokens,
+        )
+        metadata = self.attn_backend.build_metadata(common, self.block_size, self.device)
+        with set_forward_context(metadata, self.kv_caches):
+            forward()
+
     # ---- one step -----------------------------------------------------------------
 
     @torch.inference_mode()
@@ -155,11 +198,20 @@ class GPUModelRunner:
         inputs = self._prepare_inputs(scheduler_output)
         with set_forward_context(inputs.attn_metadata, self.kv_caches,
                                  inputs.cross_attn_metadata):
-            hidden_states = self.model(inputs.input_ids, inputs.positions, inputs.inputs_embeds)
+            hidden_states = self._run_model(inputs)
         self.stage_outputs.write(inputs.slot_mapping, hidden_states=hidden_states)
         logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
         sampler_output = self.sampler(logits, self._sampling_metadata(inputs.sampling_rows))
         return self._bookkeep(inputs.sampling_rows, sampler_output, finished_rows)
+
+    def _run_model(self, inputs: ModelInputs) -> torch.Tensor:
+        """The one place that picks a captured graph (when one fits the step) or eager."""
+        if self.graphs is not None:
+            hidden_states = self.graphs.run(inputs.input_ids, inputs.positions,
+                                            inputs.inputs_embeds)
+            if hidden_states is not None:
+                return hidden_states
+        return self.model(inputs.input_ids, inputs.positions, inputs.inputs_embeds)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch

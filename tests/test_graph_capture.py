@@ -1,0 +1,149 @@
+"""Captured graphs (`graph_capture`): replay equals eager execution, the embeds set exists
+only with prompt embeds enabled, token-only steps replay the ids set, padding and the sizes
+with no graph, and the knobs (`enforce_eager`, `compilation_config`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.hf_reference import load_hf_model
+from vllm import LLM, SamplingParams
+from vllm.config import CompilationConfig
+from vllm.v1.worker.graph_capture import EMBEDS, IDS, default_capture_sizes
+
+SIZES = [1, 2, 4, 8]
+
+PROMPTS = [
+    "Hello world, this is",
+    "The quick brown fox jumps over the lazy dog. Once upon a time there was a robot",
+    "What is the capital of France? The capital of France is",
+    "A",
+    "One two three four five six seven",
+]
+
+
+def _llm(path: str, **kwargs) -> LLM:
+    return LLM(path, dtype="float32", kv_cache_memory_bytes=16 * 1024**2, max_model_len=256,
+               **kwargs)
+
+
+def _runner(llm: LLM):
+    return llm.llm_engine.engine_core.model_executor.model_runner
+
+
+def _params(max_tokens: int = 12) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=3)
+
+
+def _embed(path: str, ids: list[int]) -> torch.Tensor:
+    return load_hf_model(path).get_input_embeddings()(torch.tensor(ids)).detach()
+
+
+@pytest.fixture(scope="module")
+def eager(tiny_llama_dir) -> LLM:
+    return _llm(tiny_llama_dir, enable_prompt_embeds=True, enforce_eager=True)
+
+
+@pytest.fixture(scope="module")
+def graphs(tiny_llama_dir) -> LLM:
+    return _llm(tiny_llama_dir, enable_prompt_embeds=True,
+                compilation_config={"cudagraph_capture_sizes": SIZES})
+
+
+@pytest.fixture(scope="module")
+def prompts(eager, tiny_llama_dir) -> list[dict]:
+    """Token prompts and the same prompts as embeds, interleaved."""
+    tok = eager.get_tokenizer()
+    out = []
+    for i, text in enumerate(PROMPTS):
+        ids = tok.encode(text)
+        out.append({"prompt_embeds": _embed(tiny_llama_dir, ids)} if i % 2
+                   else {"prompt_token_ids": ids})
+    return out
+
+
+def _assert_same(a, b) -> None:
+    for x, y in zip(a, b, strict=True):
+        x, y = x.outputs[0], y.outputs[0]
+        assert x.token_ids == y.token_ids
+        for lx, ly in zip(x.logprobs, y.logprobs, strict=True):
+            assert lx.keys() == ly.keys()
+            for token in lx:
+                assert abs(lx[token].logprob - ly[token].logprob) < 1e-5
+
+
+def test_capture_sizes_and_sets(graphs, tiny_llama_dir) -> None:
+    runner = _runner(graphs)
+    assert runner.graphs.sizes == SIZES
+    assert runner.graphs.captured == {(kind, s) for kind in (IDS, EMBEDS) for s in SIZES}
+    no_embeds = _llm(tiny_llama_dir, compilation_config={"cudagraph_capture_sizes": [1, 4]})
+    assert _runner(no_embeds).graphs.captured == {(IDS, 1), (IDS, 4)}  # no embeds set
+    assert _runner(no_embeds).graphs.inputs_embeds is None
+    for knobs in ({"enforce_eager": True}, {"compilation_config": 0},
+                  {"compilation_config": {"level": 0}}):
+        assert _runner(_llm(tiny_llama_dir, **knobs)).graphs is None
+
+
+def test_replay_equals_eager_mixed_ids_and_embeds(graphs, eager, prompts) -> None:
+    """Five requests: prefill steps run eagerly (> 8 tokens), decode steps of 5 tokens
+    pad to 8, then 4, 2, 1 as requests finish (different max_tokens)."""
+    runner = _runner(graphs)
+    runner.graphs.replays.clear()
+    params = [_params(6 + 3 * i) for i in range(len(prompts))]
+    _assert_same(graphs.generate(prompts, params, use_tqdm=False),
+                 eager.generate(prompts, params, use_tqdm=False))
+    replays = runner.graphs.replays
+    # Decode steps carry real ids only (generated tokens), embeds prompts included.
+    assert {kind for kind, _ in replays} == {IDS}
+    assert replays[(IDS, 8)] > 0 and replays[(IDS, 1)] > 0
+
+
+def test_token_only_steps_replay_the_ids_set(graphs, eager, prompts) -> None:
+    token_prompts = prompts[0::2]
+    runner = _runner(graphs)
+    runner.graphs.replays.clear()
+    _assert_same(graphs.generate(token_prompts, _params(), use_tqdm=False),
+                 eager.generate(token_prompts, _params(), use_tqdm=False))
+    kinds = {kind for kind, _ in runner.graphs.replays}
+    assert kinds == {IDS}
+    assert runner.graphs.replays[(IDS, 4)] > 0  # three decodes padded to four
+
+
+def test_short_embeds_prefill_replays_the_embeds_set(graphs, eager, prompts,
+                                                      tiny_llama_dir) -> None:
+    """Two embeds prompts of 3 rows: their prefill step (6 tokens, embeds rows) replays
+    the embeds set at size 8; their decode steps the ids set at size 2."""
+    tok = eager.get_tokenizer()
+    short = [{"prompt_embeds": _embed(tiny_llama_dir, tok.encode(text)[:3])}
+             for text in PROMPTS[:2]]
+    runner = _runner(graphs)
+    runner.graphs.replays.clear()
+    _assert_same(graphs.generate(short, _params(), use_tqdm=False),
+                 eager.generate(short, _params(), use_tqdm=False))
+    assert runner.graphs.replays[(EMBEDS, 8)] == 1
+    assert runner.graphs.replays[(IDS, 2)] == 11
+    runner.graphs.replays.clear()
+    _assert_same(graphs.generate(prompts[:1], _params(), use_tqdm=False),
+                 eager.generate(prompts[:1], _params(), use_tqdm=False))
+    assert set(runner.graphs.replays) == {(IDS, 1)}
+
+
+def test_default_capture_sizes() -> None:
+    assert default_capture_sizes(2048, 64, "cpu") == [1, 2, 4, 8, 16, 32, 64]
+    assert default_capture_sizes(2048, 48, "cpu") == [1, 2, 4, 8, 16, 32, 48]
+    assert default_capture_sizes(2048, 3, "cpu") == [1, 2, 3]
+    assert default_capture_sizes(2048, 32, "cuda") == [1, 2, 4, 8, 16, 24, 32]
+
+
+def test_compilation_config_from_user() -> None:
+    assert CompilationConfig.from_user(None) == CompilationConfig()
+    assert CompilationConfig.from_user(0).level == 0
+    assert CompilationConfig.from_user({"cudagraph_capture_sizes": [4, 1]}
+                                       ).cudagraph_capture_sizes == (4, 1)
+    with pytest.raises(ValueError, match="Unknown compilation_config keys"):
+        CompilationConfig.from_user({"sizes": [1]})
+    with pytest.raises(ValueError, match="positive integers"):
+        CompilationConfig.from_user({"cudagraph_capture_sizes": [0]})
+    with pytest.raises(ValueError, match="must be a dict"):
+        CompilationConfig.from_user("fast")

@@ -1,0 +1,155 @@
+"""Captured forward graphs: one set fed `input_ids`, and a second fed `inputs_embeds` only
+when prompt embeds are enabled (the prompt-embeds RFC's dual graphs).
+
+A step of `n` tokens is padded up to the smallest captured size `>= n` and replays the set
+that matches its inputs: a step whose tokens are all real ids replays the ids set (the
+embedding lookup is inside the graph) even when prompt embeds are enabled, so token-only
+traffic never pays for embeds; a step with any embeds rows replays the embeds set. Steps
+larger than the largest size run eagerly.
+
+    sizes [1, 2, 4, 8]:  n=3 -> replay size 4 (one padded token), n=8 -> size 8,
+                         n=9 -> eager
+
+The inputs live in persistent buffers sized for the largest capture; the runner fills the
+first `n` rows each step and the rest stay as padding (id 0, position 0, zero embeds).
+Padded tokens write no KV (the slot mapping covers real tokens only) and attention gives
+them zero rows (see `vllm::attention`).
+
+CPU: each (set, size) is a `torch.compile` (inductor) graph of the model's forward with
+static shapes; paged attention is the registered op `vllm::attention`, so it is one node of
+the graph rather than a break, and inductor fuses the elementwise work around it (residual
+add + RMSNorm, rotary, SiLU x up). CUDA: CUDA graphs of the same forward, decode-only steps,
+with the attention metadata in persistent buffers too (see `CudaGraphs`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import functools
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+IDS = "ids"
+EMBEDS = "embeds"
+
+
+def default_capture_sizes(max_num_batched_tokens: int, max_num_seqs: int,
+                          device: str) -> list[int]:
+    """Decode-shaped sizes: 1, 2, 4, 8, then multiples of 8 (CUDA) or powers of two (CPU,
+    where each size is a compile of a few seconds) up to the number of sequences a step
+    may hold, capped by the token budget.
+
+    Example (CPU): max_num_seqs 64, budget 2048 -> [1, 2, 4, 8, 16, 32, 64].
+    """
+    limit = min(max_num_seqs, max_num_batched_tokens)
+    sizes = [s for s in (1, 2, 4) if s <= limit]
+    step = 8
+    size = 8
+    while size <= limit:
+        sizes.append(size)
+        size = size * 2 if device == "cpu" else size + step
+    if sizes[-1] != limit and device == "cpu":
+        sizes.append(limit)
+    return sizes
+
+
+class CompiledGraphs:
+    """The CPU graph sets, `(kind, size) -> captured`, and their persistent inputs.
+
+    The forward is compiled piecewise along the model's own seams (`prepare` -> each layer
+    -> `finish`): layers of one shape share one compiled graph per size (the attention
+    op's layer id is a tensor input, not a constant), so a size compiles one layer rather
+    than all of them, and the two sets differ only in their `prepare` piece (with or
+    without the embedding lookup).
+    """
+
+    def __init__(self, model: torch.nn.Module, sizes: list[int], with_embeds: bool,
+                 hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.model = model
+        self.sizes = sorted(set(sizes))
+        self.kinds = (IDS, EMBEDS) if with_embeds else (IDS,)
+        self.max_size = self.sizes[-1]
+        self.input_ids = torch.zeros(self.max_size, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(self.max_size, dtype=torch.int64, device=device)
+        self.inputs_embeds = (torch.zeros(self.max_size, hidden_size, dtype=dtype,
+                                          device=device) if with_embeds else None)
+        self.captured: set[tuple[str, int]] = set()
+        self.replays: collections.Counter[tuple[str, int]] = collections.Counter()
+        # Every size is a static-shape specialisation of the same compiled functions.
+        limit = 2 * len(self.sizes) + 4
+        dynamo_config = torch._dynamo.config
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, limit)
+        dynamo_config.accumulated_recompile_limit = max(
+            dynamo_config.accumulated_recompile_limit, 64 * limit)
+        compile_ = functools.partial(torch.compile, dynamic=False, fullgraph=True)
+        self._prepare = {IDS: compile_(_prepare_ids), EMBEDS: compile_(_prepare_embeds)}
+        self._layer = compile_(_layer)
+        self._finish = compile_(_finish)
+
+    def padded_size(self, num_tokens: int) -> int | None:
+        i = bisect.bisect_left(self.sizes, num_tokens)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def capture(self, run_dummy_step: Callable[[int, Callable[[], torch.Tensor]], None]) -> None:
+        """Compiles every (kind, size), each through one real forward: `run_dummy_step(size,
+        fn)` must call `fn()` inside a forward context of `size` real decode tokens."""
+        start = time.perf_counter()
+        for kind in self.kinds:
+            for size in reversed(self.sizes):
+                run_dummy_step(size, functools.partial(self._forward, kind, size))
+                self.captured.add((kind, size))
+        logger.info("Captured %d graph sets (%s) for sizes %s in %.1f s.", len(self.captured),
+                    " and ".join(self.kinds), self.sizes, time.perf_counter() - start)
+
+    def _forward(self, kind: str, size: int) -> torch.Tensor:
+        inputs = self.input_ids if kind == IDS else self.inputs_embeds
+        h, cos, sin = self._prepare[kind](self.model, inputs[:size], self.positions[:size])
+        for layer in self.model.layers:
+            h = self._layer(layer, cos, sin, h)
+        return self._finish(self.model, h)
+
+    def run(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+            inputs_embeds: torch.Tensor | None) -> torch.Tensor | None:
+        """The step's hidden states through a graph, or None when no graph fits (more
+        tokens than the largest size, or embeds without an embeds set)."""
+        n = positions.shape[0]
+        kind = IDS if inputs_embeds is None else EMBEDS
+        size = self.padded_size(n)
+        if size is None or (kind, size) not in self.captured:
+            return None
+        self.positions[:n].copy_(positions)
+        self.positions[n:size].zero_()
+        if kind == IDS:
+            self.input_ids[:n].copy_(input_ids)
+            self.input_ids[n:size].zero_()
+        else:
+            self.inputs_embeds[:n].copy_(inputs_embeds)
+            self.inputs_embeds[n:size].zero_()
+        self.replays[(kind, size)] += 1
+        return self._forward(kind, size)[:n]
+
+
+def _prepare_ids(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor):
+    h, (cos, sin) = model.prepare(input_ids, positions, None)
+    return h, cos, sin
+
+
+def _prepare_embeds(model: torch.nn.Module, inputs_embeds: torch.Tensor,
+                    positions: torch.Tensor):
+    h, (cos, sin) = model.prepare(None, positions, inputs_embeds)
+    return h, cos, sin
+
+
+def _layer(layer: torch.nn.Module, cos: torch.Tensor, sin: torch.Tensor,
+           h: torch.Tensor) -> torch.Tensor:
+    return layer((cos, sin), h)
+
+
+def _finish(model: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+    return model.finish(h)
