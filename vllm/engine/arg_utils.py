@@ -67,7 +67,7 @@ class EngineArgs:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
 
-    def _check_quantization(self, device: str) -> None:
+    def _check_quantization(self, device: str, model: str) -> None:
         if self.quantization is None:
             return
         if self.quantization not in QUANTIZATION_METHODS:
@@ -75,6 +75,9 @@ class EngineArgs:
                              f"{', '.join(QUANTIZATION_METHODS)}.")
         if device != "cpu":
             raise ValueError(f"quantization={self.quantization!r} runs on CPU only.")
+        if self.quantization == "gguf" and not model.endswith(".gguf"):
+            raise ValueError("quantization='gguf' keeps a GGUF file's 4-bit tensors; "
+                             f"{model!r} is not a .gguf file.")
 
     def _max_num_batched_tokens(self, max_model_len: int) -> int:
         max_batched = self.max_num_batched_tokens
@@ -113,7 +116,7 @@ class EngineArgs:
             raise ValueError(f"max_model_len={max_model_len} is larger than the model's "
                              f"maximum number of (decoder) positions, {max_pos}.")
         self._check_knobs()
-        self._check_quantization(device)
+        self._check_quantization(device, model)
         max_batched = self._max_num_batched_tokens(max_model_len)
         model_config = ModelConfig(
             model=model,

@@ -65,7 +65,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--dtype", default="auto",
                         help="auto (on CPU: bfloat16 where the processor multiplies it "
                         "natively, else float32), float32, bfloat16, float16")
-    engine.add_argument("--quantization", "-q", default=None, choices=["int8"],
+    engine.add_argument("--quantization", "-q", default=None, choices=["int8", "gguf"],
                         help="int8: int8 weights per channel, activations per token (CPU)")
     engine.add_argument("--max-model-len", type=int, default=None,
                         help="context length (default: the model's max_position_embeddings)")

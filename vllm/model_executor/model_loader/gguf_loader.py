@@ -219,6 +219,28 @@ def load_gguf_state_dict(path: str, dtype: torch.dtype) -> dict[str, torch.Tenso
     return state_dict
 
 
+def load_gguf_int4_codes(path: str) -> dict[str, Any]:
+    """HF name -> `Int4Codes` of every Q4_0 / Q4_1 tensor, rows in HF order."""
+    import gguf
+
+    from vllm.model_executor.layers.quantization.gguf_int4 import read_q4_codes
+
+    config = load_gguf_config(path)
+    codes = {}
+    for tensor in gguf.GGUFReader(path).tensors:
+        name = hf_tensor_name(tensor.name)
+        if name is None or tensor.tensor_type.name not in ("Q4_0", "Q4_1"):
+            continue
+        k = int(tensor.shape[0])
+        c = read_q4_codes(np.asarray(tensor.data), tensor.tensor_type.name, k)
+        num_heads = _rotary_heads(name, config)
+        if num_heads is not None:
+            rows = torch.arange(c.q.shape[0])[:, None]
+            c = c.permute_rows(unpermute_rotary_rows(rows, num_heads)[:, 0].numpy())
+        codes[name] = c
+    return codes
+
+
 def load_gguf_tokenizer(path: str) -> Any:
     """Return a ``transformers`` fast tokenizer built from the GGUF file's embedded vocabulary.
 

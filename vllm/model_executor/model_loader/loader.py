@@ -56,5 +56,29 @@ def get_model(model_config: ModelConfig, backend: type[AttentionBackend],
     if missing:
         raise ValueError(f"Checkpoint {model_config.model!r} lacks weights for: "
                          f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
-    model = quantize_model(model, model_config.quantization)
+    if model_config.quantization == "gguf":
+        _keep_gguf_int4(model, model_config.model)
+    else:
+        model = quantize_model(model, model_config.quantization)
     return model.eval().requires_grad_(False)
+
+
+def _keep_gguf_int4(model: nn.Module, path: str) -> None:
+    """`quantization="gguf"`: the 4-bit tensors' codes, fused like the model fuses their
+    weights (q/k/v, gate/up: concatenated along the output rows in offset order)."""
+    from vllm.model_executor.layers.quantization.gguf_int4 import Int4Codes, apply_int4_codes
+    from vllm.model_executor.model_loader.gguf_loader import load_gguf_int4_codes
+
+    fused_target = getattr(model, "fused_target", None)
+    parts: dict[str, list[tuple[int, Int4Codes]]] = {}
+    for name, codes in load_gguf_int4_codes(path).items():
+        name = name.removeprefix("model.")
+        target, offset = fused_target(name) if fused_target else (name, None)
+        parts.setdefault(target, []).append((offset or 0, codes))
+    fused = {}
+    params = dict(model.named_parameters())
+    for target, pieces in parts.items():
+        codes = Int4Codes.concat([c for _, c in sorted(pieces, key=lambda p: p[0])])
+        if target in params and codes.q.shape == tuple(params[target].shape):
+            fused[target] = codes  # every piece of the fused weight is 4-bit
+    apply_int4_codes(model, fused)

@@ -122,6 +122,10 @@ class LlamaForCausalLM(nn.Module):
         weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         return F.linear(hidden_states, weight)  # model dtype: the sampler upcasts
 
+    def fused_target(self, name: str) -> tuple[str, int | None]:
+        """(parameter name, row offset) of an HF-named weight in this model."""
+        return _fused_target(name, self)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copies Hugging Face-named tensors in, fusing q/k/v and gate/up projections.
 

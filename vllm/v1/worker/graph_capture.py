@@ -81,12 +81,13 @@ class CompiledGraphs:
                                           device=device) if with_embeds else None)
         self.captured: set[tuple[str, int]] = set()
         self.replays: collections.Counter[tuple[str, int]] = collections.Counter()
-        # Every size is a static-shape specialisation of the same compiled functions.
-        limit = 2 * len(self.sizes) + 4
+        # Every size is a static-shape specialisation of the same compiled functions, and
+        # other engines in this process (other models) add theirs: raise the limits by
+        # what this one needs.
+        need = 2 * len(self.sizes) + 4
         dynamo_config = torch._dynamo.config
-        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, limit)
-        dynamo_config.accumulated_recompile_limit = max(
-            dynamo_config.accumulated_recompile_limit, 64 * limit)
+        dynamo_config.recompile_limit += need
+        dynamo_config.accumulated_recompile_limit += 64 * need
         compile_ = functools.partial(torch.compile, dynamic=False, fullgraph=True)
         self._prepare = {IDS: compile_(_prepare_ids), EMBEDS: compile_(_prepare_embeds)}
         self._layer = compile_(_layer)

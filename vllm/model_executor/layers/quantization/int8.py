@@ -31,7 +31,7 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_METHODS = ("int8",)
+QUANTIZATION_METHODS = ("int8", "gguf")
 # Output projections to the vocabulary stay in the model dtype (see the README's drift table).
 _UNQUANTIZED = ("lm_head", "proj_out")
 
@@ -81,7 +81,7 @@ class Int8Linear(nn.Module):
 
 def quantize_model(model: nn.Module, method: str | None) -> nn.Module:
     """Replaces every `nn.Linear` but the vocabulary projection by its quantized version."""
-    if method is None:
+    if method is None or method == "gguf":  # "gguf": see gguf_int4, applied at load
         return model
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"Unknown quantization {method!r}; choose one of "
