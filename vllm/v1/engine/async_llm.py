@@ -19,7 +19,7 @@ from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from vllm.v1.engine.core_client import AsyncMPClient, EngineDeadError
-from vllm.v1.engine.llm_engine import build_front_end, fan_out
+from vllm.v1.engine.front_end import build_front_end, fan_out
 from vllm.v1.engine.output_processor import ParentRequest
 from vllm.v1.metrics.stats import IterationStats, RequestStatsTracker
 
