@@ -16,7 +16,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: SampleLogprobs | None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     # With return_hidden_states, on the final output: the last hidden state (the LM head's
     # input) of every position the model processed, the prompt and every generated token

@@ -16,9 +16,10 @@ class FinishReason(enum.IntEnum):
     STOP = 0
     LENGTH = 1
     ABORT = 2
+    ERROR = 3  # the engine failed while running this request; others went on
 
     def __str__(self) -> str:
-        return ("stop", "length", "abort")[self.value]
+        return ("stop", "length", "abort", "error")[self.value]
 
 
 @dataclass(slots=True)
