@@ -60,8 +60,10 @@ class Request:
         max_model_len: int,
         block_hasher: Callable[[Request], list[bytes]] | None = None,
         encoder_input: EncoderInput | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
+        self.cache_salt = cache_salt  # mixed into the first block's hash
         # Encoder/decoder models: the encoder's input, kept until the request finishes (a
         # preempted request whose cross blocks were evicted runs the encoder again).
         self.encoder_input = encoder_input
@@ -100,7 +102,7 @@ class Request:
                                  ) -> Request:
         return cls(request.request_id, request.prompt_token_ids, request.prompt_embeds,
                    request.sampling_params, request.eos_token_id, request.arrival_time,
-                   max_model_len, block_hasher, request.encoder_input)
+                   max_model_len, block_hasher, request.encoder_input, request.cache_salt)
 
     @property
     def all_token_ids(self) -> list[int]:
