@@ -104,7 +104,7 @@ class GPUModelRunner:
         self.stage_outputs = StageOutputCache(0, self.block_size, {})
         self.model: torch.nn.Module | None = None
         self.encoder_runner: EncoderRunner | None = None
-        # Tests only: a step whose inputs hold this token id raises (failure isolation).
+        # Tests only: a step with a request whose prompt holds this token id raises.
         fail_id = os.environ.get("VLLM_TEST_FAIL_ON_TOKEN_ID")
         self.fail_on_token_id = int(fail_id) if fail_id else None
 
@@ -154,7 +154,7 @@ class GPUModelRunner:
         if scheduler_output.scheduled_encoder_inputs:
             self.encoder_runner.run(scheduler_output, self.kv_caches)
         inputs = self._prepare_inputs(scheduler_output)
-        self._maybe_fail_for_tests(inputs)
+        self._maybe_fail_for_tests()
         with set_forward_context(inputs.attn_metadata, self.kv_caches,
                                  inputs.cross_attn_metadata):
             hidden_states = self.model(inputs.input_ids, inputs.positions, inputs.inputs_embeds)
@@ -215,9 +215,11 @@ class GPUModelRunner:
             self.input_batch.remove_request(req_id)
         self.input_batch.condense()
 
-    def _maybe_fail_for_tests(self, inputs: ModelInputs) -> None:
-        if (self.fail_on_token_id is not None and inputs.input_ids is not None
-                and bool((inputs.input_ids == self.fail_on_token_id).any())):
+    def _maybe_fail_for_tests(self) -> None:
+        batch = self.input_batch
+        if self.fail_on_token_id is not None and any(
+                self.fail_on_token_id in state.prompt_token_ids
+                for state in batch.req_states[:batch.num_reqs]):
             raise RuntimeError(f"Injected failure: token id {self.fail_on_token_id} "
                                "(VLLM_TEST_FAIL_ON_TOKEN_ID).")
 
