@@ -13,6 +13,7 @@ step, a full send queue) a few seconds after the parent died.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -23,6 +24,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
+import torch
 import zmq
 
 from vllm.config import VllmConfig
@@ -186,6 +188,7 @@ class EngineCoreProc:
         """What the engine holds now, for leak checks (`/server_info` in dev mode)."""
         state = self.engine_core.get_state()
         state["rss_bytes"] = _rss_bytes()
+        state["num_tensors"] = sum(isinstance(obj, torch.Tensor) for obj in gc.get_objects())
         return state
 
     def ping(self) -> str:
