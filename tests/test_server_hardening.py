@@ -236,8 +236,8 @@ def test_duplicate_live_request_id_refused(server: RemoteServer) -> None:
 
 def test_engine_exits_when_api_process_is_killed(tiny_llama_dir: str) -> None:
     """SIGKILL the API process while 16 long requests (n=8: 128 sequences) run: the engine
-    core, busy with a full batch, is gone within 10 s (it used to run the queued work to the end, then block
-    forever sending to the dead peer)."""
+    core, busy with a full batch, is gone within 10 s (it used to run the queued work to
+    the end, then block forever sending to the dead peer)."""
     srv = RemoteServer(tiny_llama_dir, ["--dtype", "float32", "--max-model-len", "1024",
                                         "--kv-cache-memory-bytes", "256MiB", "--seed", "0"])
     try:
