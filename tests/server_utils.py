@@ -74,14 +74,15 @@ class RemoteServer:
     """`vllm serve MODEL ARGS` on 127.0.0.1:<free port>; stop() sends SIGTERM. MODEL None
     serves what the args say (e.g. `--pipeline stages.yaml`)."""
 
-    def __init__(self, model: str | None, args: list[str]) -> None:
+    def __init__(self, model: str | None, args: list[str],
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="vllm-serve-", suffix=".log")
         command = [*_vllm_command(), "serve", *([model] if model else []), "--host",
                    "127.0.0.1", "--port", str(self.port), "--disable-uvicorn-access-log", *args]
         self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=_same_vllm_env())
+                                     env={**_same_vllm_env(), **(env or {})})
         try:
             self._wait_healthy()
         except BaseException:
@@ -103,6 +104,7 @@ class RemoteServer:
         raise TimeoutError(f"vllm serve did not become healthy:\n{self.read_log()}")
 
     def engine_core_pids(self) -> list[int]:
+        """The engine-core processes (spawned children) of the server."""
         return [p for p in child_pids(self.proc.pid) if "spawn_main" in _cmdline(p)]
 
     def read_log(self) -> str:
@@ -123,3 +125,17 @@ class RemoteServer:
             self.final_log = self.read_log()
             self.log.close()
         return self.proc.returncode
+
+
+def process_gone(pid: int) -> bool:
+    """True once `pid` has exited (a zombie waiting to be reaped counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except OSError:
+        return True
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

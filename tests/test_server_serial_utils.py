@@ -16,7 +16,7 @@ from vllm.v1.engine import (
     FinishReason,
     SchedulerStats,
 )
-from vllm.v1.engine.core_proc import UtilityCall
+from vllm.v1.engine.wire import UtilityCall
 from vllm.v1.outputs import LogprobsLists
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 

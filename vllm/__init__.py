@@ -10,11 +10,28 @@ import os
 # setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from typing import TYPE_CHECKING, Any  # noqa: E402
+
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
-from vllm.entrypoints.llm import LLM  # noqa: E402
 from vllm.outputs import CompletionOutput, RequestOutput  # noqa: E402
-from vllm.pipeline import Pipeline, Stage  # noqa: E402
 from vllm.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
+
+if TYPE_CHECKING:
+    from vllm.entrypoints.llm import LLM
+    from vllm.pipeline import Pipeline, Stage
+
+# Imported on first use: the API process of `vllm serve` needs none of them, and they load
+# the engine core (scheduler, runner, models).
+_LAZY = {"LLM": "vllm.entrypoints.llm", "Pipeline": "vllm.pipeline", "Stage": "vllm.pipeline.stage"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'vllm' has no attribute {name!r}")
+
 
 __version__ = "0.1.0"
 

@@ -16,7 +16,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: SampleLogprobs | None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     # With return_hidden_states, on the final output: the last hidden state (the LM head's
     # input) of every position the model processed, the prompt and every generated token
@@ -50,6 +50,34 @@ class RequestOutput:
         """The first sequence's hidden states (the only one when n == 1); see
         `CompletionOutput.hidden_states`."""
         return self.outputs[0].hidden_states if self.outputs else None
+
+    def add(self, next_output: RequestOutput, aggregate: bool) -> None:
+        """Folds the next output of the same request into this one (its reader fell
+        behind): with `aggregate` (DELTA outputs) each sequence's new text, tokens and
+        logprobs are appended; otherwise the newer sequence replaces the older."""
+        self.finished = next_output.finished
+        self.num_cached_tokens = next_output.num_cached_tokens
+        self.stage_outputs = next_output.stage_outputs
+        for new in next_output.outputs:
+            index = next((i for i, c in enumerate(self.outputs) if c.index == new.index), None)
+            if index is None:
+                self.outputs.append(new)
+            elif not aggregate:
+                self.outputs[index] = new
+            else:
+                _append_delta(self.outputs[index], new)
+
+
+def _append_delta(old: CompletionOutput, new: CompletionOutput) -> None:
+    old.text += new.text
+    old.token_ids = [*old.token_ids, *new.token_ids]
+    if new.logprobs is not None:
+        old.logprobs = [*(old.logprobs or []), *new.logprobs]
+    old.cumulative_logprob = new.cumulative_logprob
+    old.finish_reason = new.finish_reason
+    old.stop_reason = new.stop_reason
+    if new.hidden_states is not None:
+        old.hidden_states = new.hidden_states
 
 
 __all__ = ["CompletionOutput", "RequestOutput", "Logprob"]

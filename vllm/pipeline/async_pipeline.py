@@ -24,7 +24,7 @@ from vllm.pipeline.stage import (
     stage_engine_args,
     stage_params,
 )
-from vllm.sampling_params import SamplingParams
+from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream, StatLogger
 
 
@@ -90,7 +90,7 @@ class AsyncPipeline:
         per_stage = self._params_per_stage(params)
         first = await self.engines[0].add_request(request_id, prompt, per_stage[0],
                                                   arrival_time)
-        stream = RequestStream(request_id)
+        stream = RequestStream(request_id, params.output_kind == RequestOutputKind.DELTA)
         task = asyncio.get_running_loop().create_task(
             self._run(request_id, first, per_stage, stream))
         self._tasks[request_id] = task

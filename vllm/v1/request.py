@@ -23,6 +23,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -37,6 +38,7 @@ _FINISHED_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 
@@ -58,8 +60,10 @@ class Request:
         max_model_len: int,
         block_hasher: Callable[[Request], list[bytes]] | None = None,
         encoder_input: EncoderInput | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
+        self.cache_salt = cache_salt  # mixed into the first block's hash
         # Encoder/decoder models: the encoder's input, kept until the request finishes (a
         # preempted request whose cross blocks were evicted runs the encoder again).
         self.encoder_input = encoder_input
@@ -98,7 +102,7 @@ class Request:
                                  ) -> Request:
         return cls(request.request_id, request.prompt_token_ids, request.prompt_embeds,
                    request.sampling_params, request.eos_token_id, request.arrival_time,
-                   max_model_len, block_hasher, request.encoder_input)
+                   max_model_len, block_hasher, request.encoder_input, request.cache_salt)
 
     @property
     def all_token_ids(self) -> list[int]:

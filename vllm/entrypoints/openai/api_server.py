@@ -39,7 +39,12 @@ from vllm.entrypoints.openai.protocol import (
 )
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from vllm.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing
+from vllm.entrypoints.openai.serving_engine import (
+    MAX_CHARS_PER_TOKEN,
+    OpenAIError,
+    OpenAIServing,
+    ServingOptions,
+)
 from vllm.entrypoints.openai.serving_transcription import AudioLimits, OpenAIServingTranscription
 from vllm.pipeline.async_pipeline import AsyncPipeline
 from vllm.pipeline.stage import load_pipeline_spec
@@ -61,11 +66,11 @@ class ServerState:
 
     @classmethod
     def create(cls, engine: AsyncLLM | AsyncPipeline, served_model_names: list[str],
-               metrics: PrometheusStatLogger, audio_limits: AudioLimits | None = None
-               ) -> ServerState:
+               metrics: PrometheusStatLogger, audio_limits: AudioLimits | None = None,
+               options: ServingOptions | None = None) -> ServerState:
         return cls(engine, served_model_names, metrics,
-                   OpenAIServingCompletion(engine, served_model_names),
-                   OpenAIServingChat(engine, served_model_names),
+                   OpenAIServingCompletion(engine, served_model_names, options),
+                   OpenAIServingChat(engine, served_model_names, options),
                    OpenAIServingTranscription(engine, served_model_names, audio_limits,
                                               metrics),
                    OpenAIServing(engine, served_model_names))
@@ -84,6 +89,12 @@ class ServerState:
 def error_json(message: str, err_type: str, status: int) -> JSONResponse:
     return JSONResponse(OpenAIError(message, err_type, status).to_response().model_dump(),
                         status_code=status)
+
+
+def _dev_mode() -> bool:
+    """vLLM's VLLM_SERVER_DEV_MODE: debugging routes (`/server_info`) that expose engine
+    internals; never on a public endpoint."""
+    return os.environ.get("VLLM_SERVER_DEV_MODE", "0") not in ("", "0")
 
 
 class ApiKeyMiddleware:
@@ -172,7 +183,8 @@ def _respond(result: Any) -> Response:
 def _add_exception_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-        return JSONResponse(exc.to_response().model_dump(), status_code=exc.status_code)
+        return JSONResponse(exc.to_response().model_dump(), status_code=exc.status_code,
+                            headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -214,6 +226,16 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
             return error_json(f"The engine is not healthy: {state.engine.dead_error}",
                               "ServiceUnavailableError", HTTPStatus.SERVICE_UNAVAILABLE)
         return Response(status_code=200)
+
+    if _dev_mode():
+        @app.get("/server_info")
+        async def server_info() -> dict[str, Any]:
+            """What the engine holds now (requests, runner states, KV usage, memory) and
+            the API process's prompt-embeds bytes in flight, for leak checks."""
+            engines = getattr(state.engine, "engines", None) or [state.engine]
+            return {"engines": [await engine.engine_core.call_utility_async("get_engine_state")
+                                for engine in engines],
+                    "prompt_embeds_bytes_in_flight": state.completion.embeds_in_flight.used}
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -266,7 +288,9 @@ def _add_tokenizer_routes(app: FastAPI, state: ServerState) -> None:
         if (request.prompt is None) == (request.messages is None):
             raise OpenAIError("Give exactly one of prompt and messages.")
         if request.messages is not None:
-            text = render_chat(tokenizer, request.messages, request.add_generation_prompt)
+            text = await asyncio.to_thread(render_chat, tokenizer, request.messages,
+                                           request.add_generation_prompt, False, None, None,
+                                           MAX_CHARS_PER_TOKEN * base.max_model_len)
             add_special = bool(request.add_special_tokens)
         else:
             text = request.prompt
@@ -317,8 +341,10 @@ async def run_server(args: argparse.Namespace) -> None:
         names = served_names(args, vllm_config.model_config.model)
         metrics = PrometheusStatLogger(names[0])
         engine = AsyncLLM(vllm_config, stat_loggers=[metrics])
+    options = ServingOptions(args.max_prompt_embeds_bytes_in_flight,
+                             args.trust_request_chat_template)
     try:
-        state = ServerState.create(engine, names, metrics, audio_limits)
+        state = ServerState.create(engine, names, metrics, audio_limits, options)
         app = build_app(state, args.api_key)
         config = uvicorn.Config(app, host=args.host, port=args.port,
                                 log_level=args.uvicorn_log_level,

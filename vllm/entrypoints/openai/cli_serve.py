@@ -54,6 +54,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="serve a pipeline of stages described in this YAML file (each "
                              "stage's model and engine arguments, connectors by name) "
                              "instead of one MODEL; the engine flags below are not used")
+    server.add_argument("--max-prompt-embeds-bytes-in-flight", type=human_bytes,
+                        default=2**30, help="decoded prompt_embeds bytes all requests in "
+                        "flight may hold together; past it, embeds requests get a 503 with "
+                        "Retry-After (default: 1GiB)")
+    server.add_argument("--trust-request-chat-template", action="store_true",
+                        help="let chat requests bring their own chat_template (a template "
+                             "is code the server runs; off by default)")
     server.add_argument("--max-audio-file-size", type=human_bytes, default=25 * 2**20,
                         help="largest audio upload, e.g. 25MiB (default: 25MiB)")
     server.add_argument("--max-audio-seconds", type=float, default=1800.0,

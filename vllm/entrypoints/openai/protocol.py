@@ -47,10 +47,15 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool | None = False
 
 
+class PromptTokenUsageInfo(OpenAIBaseModel):
+    cached_tokens: int | None = None  # prompt tokens served from the prefix cache
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokenUsageInfo | None = None
 
 
 class SamplingRequest(OpenAIBaseModel):
@@ -77,6 +82,10 @@ class SamplingRequest(OpenAIBaseModel):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Requests share prefix-cache blocks only if their salts are equal (tenant isolation).
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
+    # The id of this request (default: random); refused while a live request has it.
+    request_id: str | None = Field(None, min_length=1, max_length=256)
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None,
                            prompt_logprobs: int | None = None) -> SamplingParams:
@@ -177,6 +186,8 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # Only honoured by a server started with --trust-request-chat-template.
+    chat_template: str | None = None
 
 
 class ChatMessage(OpenAIBaseModel):

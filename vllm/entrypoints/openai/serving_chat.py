@@ -1,8 +1,16 @@
-"""`POST /v1/chat/completions`: messages rendered with the tokenizer's chat template."""
+"""`POST /v1/chat/completions`: messages rendered with the tokenizer's chat template.
+
+A chat template is code the server runs, so clients do not get to supply one: a request's
+`chat_template` is honoured only behind --trust-request-chat-template, and one smuggled in
+`chat_template_kwargs` is refused. Rendering runs off the event loop on bounded input, and
+output longer than could fit the context is refused.
+"""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from vllm.entrypoints.openai.protocol import (
@@ -19,8 +27,12 @@ from vllm.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from vllm.entrypoints.openai.serving_engine import (
+    MAX_CHARS_PER_TOKEN,
     OpenAIError,
     OpenAIServing,
+    ServingOptions,
+    cached_tokens_usage,
+    raise_if_failed,
     random_id,
     sse,
     stream_error,
@@ -53,30 +65,86 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return result
 
 
+# Arguments of `apply_chat_template` itself: template variables may not override them.
+_RESERVED_TEMPLATE_KWARGS = (
+    "chat_template", "conversation", "messages", "tools", "documents", "tokenize",
+    "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "padding", "truncation", "max_length")
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """`chat_template_kwargs` as template variables; raises OpenAIError for a template
+    smuggled in (`chat_template`) or a key that would change how rendering works."""
+    kwargs = dict(kwargs or {})
+    if "chat_template" in kwargs:
+        raise OpenAIError("chat_template is not allowed in chat_template_kwargs: a chat "
+                          "template is code the server runs. Use the request's chat_template "
+                          "field, honoured only by a server started with "
+                          "--trust-request-chat-template.")
+    for key in kwargs:
+        if key in _RESERVED_TEMPLATE_KWARGS or not key.isidentifier():
+            raise OpenAIError(f"chat_template_kwargs may not set {key!r}.")
+    return kwargs
+
+
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
                 continue_final_message: bool = False,
-                chat_template_kwargs: dict[str, Any] | None = None) -> str:
-    """The prompt text the chat template makes of `messages`; raises OpenAIError."""
+                chat_template_kwargs: dict[str, Any] | None = None,
+                chat_template: str | None = None, max_chars: int | None = None) -> str:
+    """The prompt text the chat template makes of `messages`; raises OpenAIError.
+
+    With `max_chars`, the messages' text and the rendered prompt must each fit in it.
+    """
     if not messages:
         raise OpenAIError("messages must not be empty.")
     if add_generation_prompt and continue_final_message:
         raise OpenAIError("continue_final_message and add_generation_prompt cannot both be "
                           "true.")
-    kwargs = dict(chat_template_kwargs or {})
+    kwargs = check_template_kwargs(chat_template_kwargs)
     if continue_final_message:
         kwargs["continue_final_message"] = True
+    messages = normalize_messages(messages)
+    size = sum(len(m["content"]) for m in messages)
+    if max_chars is not None and size > max_chars:
+        raise OpenAIError(f"The messages hold {size} characters, more than the {max_chars} "
+                          "that could fit this model's maximum context length.")
     try:
-        return tokenizer.apply_chat_template(normalize_messages(messages), tokenize=False,
+        text = tokenizer.apply_chat_template(messages, tokenize=False,
                                              add_generation_prompt=add_generation_prompt,
-                                             **kwargs)
+                                             chat_template=chat_template, **kwargs)
     except OpenAIError:
         raise
     except Exception as e:  # jinja errors, a tokenizer without a template, bad kwargs
         raise OpenAIError(f"The chat template could not be applied: {e}") from None
+    if max_chars is not None and len(text) > max_chars:
+        raise OpenAIError(f"The chat template rendered {len(text)} characters, more than the "
+                          f"{max_chars} that could fit this model's maximum context length.")
+    return text
 
 
 class OpenAIServingChat(OpenAIServing):
     """Renders the conversation, then generates like a completion of the rendered text."""
+
+    def __init__(self, engine: Any, served_model_names: list[str],
+                 options: ServingOptions | None = None) -> None:
+        super().__init__(engine, served_model_names, options)
+        # Templates render here, off the event loop (a few threads: renders are short).
+        self._render_pool = ThreadPoolExecutor(2, thread_name_prefix="chat-template")
+
+    async def render(self, request: ChatCompletionRequest) -> str:
+        """The request's prompt text, rendered off the event loop; raises OpenAIError."""
+        tokenizer = self.require_tokenizer()
+        if request.chat_template is not None and not self.options.trust_request_chat_template:
+            raise OpenAIError("This request brings its own chat_template, but the server does "
+                              "not run templates from requests: start it with "
+                              "--trust-request-chat-template to allow them.")
+        check_template_kwargs(request.chat_template_kwargs)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._render_pool, lambda: render_chat(
+                tokenizer, request.messages, request.add_generation_prompt,
+                request.continue_final_message, request.chat_template_kwargs,
+                request.chat_template, MAX_CHARS_PER_TOKEN * self.max_model_len))
 
     async def create_chat_completion(self, request: ChatCompletionRequest
                                      ) -> ChatCompletionResponse | AsyncGenerator[str, None]:
@@ -84,9 +152,7 @@ class OpenAIServingChat(OpenAIServing):
         if request.logit_bias:
             raise OpenAIError("logit_bias is not supported.")
         num_logprobs = self._num_logprobs(request)
-        tokenizer = self.require_tokenizer()
-        text = render_chat(tokenizer, request.messages, request.add_generation_prompt,
-                           request.continue_final_message, request.chat_template_kwargs)
+        text = await self.render(request)
         token_ids = await self.tokenize(text, request.add_special_tokens)
         max_tokens = request.max_completion_tokens or request.max_tokens
         self.check_max_tokens(len(token_ids), max_tokens)
@@ -94,8 +160,10 @@ class OpenAIServingChat(OpenAIServing):
             params = request.to_sampling_params(max_tokens, num_logprobs)
         except ValueError as e:
             raise OpenAIError(str(e)) from None
-        request_id = random_id("chatcmpl")
+        request_id = random_id("chatcmpl", request.request_id)
         prompt = {"prompt": text, "prompt_token_ids": token_ids}
+        if request.cache_salt is not None:
+            prompt["cache_salt"] = request.cache_salt
         stream = (await self.add_requests(request_id, [prompt], params))[0]
         if request.stream:
             return self._stream(request, request_id, stream)
@@ -107,7 +175,8 @@ class OpenAIServingChat(OpenAIServing):
         completion_tokens = sum(len(c.token_ids) for c in output.outputs)
         usage = UsageInfo(prompt_tokens=output.num_prompt_tokens,
                           completion_tokens=completion_tokens,
-                          total_tokens=output.num_prompt_tokens + completion_tokens)
+                          total_tokens=output.num_prompt_tokens + completion_tokens,
+                          prompt_tokens_details=cached_tokens_usage([output]))
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                       usage=usage)
 
@@ -134,7 +203,9 @@ class OpenAIServingChat(OpenAIServing):
                 index=i, delta=DeltaMessage(role="assistant", content=""))
                 for i in range(request.n)])
             async for output in self.engine.iterate(stream):
+                raise_if_failed(output)
                 usage.prompt_tokens = output.num_prompt_tokens
+                usage.prompt_tokens_details = cached_tokens_usage([output])
                 for c in output.outputs:
                     usage.completion_tokens += len(c.token_ids)
                     logprobs = _chat_logprobs(c, num_logprobs)

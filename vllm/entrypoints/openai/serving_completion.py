@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from vllm.entrypoints.openai.prompt_embeds import (
+    EmbedsBytesInFlight,
+    EmbedsLease,
     decode_prompt_embeds,
     encode_tensor,
     prompt_embeds_byte_budget,
@@ -24,17 +27,23 @@ from vllm.entrypoints.openai.protocol import (
 from vllm.entrypoints.openai.serving_engine import (
     OpenAIError,
     OpenAIServing,
+    ServingOptions,
+    cached_tokens_usage,
     merge_async_iterators,
+    raise_if_failed,
     random_id,
     sse,
     stream_error,
 )
 from vllm.outputs import CompletionOutput
 from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.processor import PROMPT_LOGPROBS_WITH_EMBEDS
 from vllm.v1.outputs import SampleLogprobs
 
 # A request may carry this many maximum-size prompt_embeds (more, if they are shorter).
 _MAX_EMBEDS_PER_REQUEST = 8
+# Seconds a client refused for want of prompt-embeds room is told to wait.
+_EMBEDS_RETRY_AFTER_S = 1
 EMBEDS_DISABLED = ("prompt_embeds given, but prompt embeds are disabled: start the server "
                    "with --enable-prompt-embeds.")
 
@@ -49,8 +58,11 @@ class CompletionPrompt:
 class OpenAIServingCompletion(OpenAIServing):
     """Turns a CompletionRequest into one engine request per prompt (embeds prompts first)."""
 
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str]) -> None:
-        super().__init__(engine, served_model_names)
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str],
+                 options: ServingOptions | None = None) -> None:
+        super().__init__(engine, served_model_names, options)
+        self.embeds_in_flight = EmbedsBytesInFlight(
+            self.options.max_prompt_embeds_bytes_in_flight)
         mc = self.model_config
         self.embeds_budget = prompt_embeds_byte_budget(mc.max_model_len, mc.hidden_size)
         self.max_request_body_bytes = _MAX_EMBEDS_PER_REQUEST * self.embeds_budget * 4 // 3
@@ -59,10 +71,44 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create_completion(self, request: CompletionRequest
                                 ) -> CompletionResponse | AsyncGenerator[str, None]:
-        """The response, or an SSE generator when `request.stream`; raises OpenAIError."""
+        """The response, or an SSE generator when `request.stream`; raises OpenAIError.
+
+        The request's prompt_embeds bytes count against the server-wide cap from before
+        they are decoded until the response is done (for a stream: until it is closed, or
+        dropped unread)."""
         self.check_model(request.model)
         self._check_unsupported(request)
-        prompts = await self._make_prompts(request)
+        lease = self._reserve_embeds(request)
+        try:
+            result = await self._create_completion(request, lease)
+        except BaseException:
+            lease.release()
+            raise
+        if isinstance(result, CompletionResponse):
+            lease.release()
+            return result
+        weakref.finalize(result, lease.release)  # a stream never started is dropped unread
+        return _release_at_end(result, lease)
+
+    def _reserve_embeds(self, request: CompletionRequest) -> EmbedsLease:
+        """Reserves the decoded size of the request's prompt_embeds (3/4 of the base64,
+        once per sample: each of the n samples holds its copy in the engine core)."""
+        copies = max(1, request.n or 1)
+        num_bytes = sum(len(d) * 3 // 4 for d in _as_list(request.prompt_embeds)
+                        if isinstance(d, str)) * copies
+        limit = self.embeds_in_flight.limit
+        if num_bytes > limit:
+            raise OpenAIError(f"The prompt_embeds of this request take {num_bytes} bytes, more "
+                              f"than the server's limit of {limit} bytes in flight "
+                              "(--max-prompt-embeds-bytes-in-flight).")
+        lease = self.embeds_in_flight.reserve(num_bytes)
+        if lease is None:
+            raise _embeds_busy()
+        return lease
+
+    async def _create_completion(self, request: CompletionRequest, lease: EmbedsLease
+                                 ) -> CompletionResponse | AsyncGenerator[str, None]:
+        prompts = await self._make_prompts(request, lease)
         for prompt in prompts:
             self.check_max_tokens(prompt.num_tokens, request.max_tokens)
         try:
@@ -71,7 +117,7 @@ class OpenAIServingCompletion(OpenAIServing):
         except ValueError as e:
             raise OpenAIError(str(e)) from None
         params.return_hidden_states = request.return_hidden_states
-        request_id = random_id("cmpl")
+        request_id = random_id("cmpl", request.request_id)
         streams = await self.add_requests(request_id,
                                           [p.engine_prompt for p in prompts], params)
         if request.stream:
@@ -89,8 +135,7 @@ class OpenAIServingCompletion(OpenAIServing):
             raise OpenAIError("echo is not supported with prompt_embeds: there is no prompt "
                               "text to echo.")
         if has_embeds and request.prompt_logprobs is not None:
-            raise OpenAIError("prompt_logprobs is not supported with prompt_embeds: there "
-                              "are no prompt tokens to score.")
+            raise OpenAIError(PROMPT_LOGPROBS_WITH_EMBEDS)
         if request.echo and request.logprobs is not None:
             raise OpenAIError("echo with logprobs needs prompt logprobs, which this server "
                               "does not support.")
@@ -104,7 +149,8 @@ class OpenAIServingCompletion(OpenAIServing):
 
     # ---- prompts ----------------------------------------------------------------------
 
-    async def _make_prompts(self, request: CompletionRequest) -> list[CompletionPrompt]:
+    async def _make_prompts(self, request: CompletionRequest, lease: EmbedsLease
+                            ) -> list[CompletionPrompt]:
         embeds = _as_list(request.prompt_embeds)
         # Each of the n samples of an embeds prompt holds its own copy in the engine core.
         copies = max(1, request.n or 1)
@@ -114,16 +160,25 @@ class OpenAIServingCompletion(OpenAIServing):
                               f"characters (times n={copies}), over the limit of "
                               f"{_MAX_EMBEDS_PER_REQUEST} maximum-size prompts; split the "
                               "batch into several requests.")
-        prompts = [await self._embeds_prompt(data) for data in embeds]
-        return prompts + await self._text_prompts(request)
+        prompts = [await self._embeds_prompt(data, lease, copies) for data in embeds]
+        prompts += await self._text_prompts(request)
+        if request.cache_salt is not None:
+            for prompt in prompts:
+                prompt.engine_prompt["cache_salt"] = request.cache_salt
+        return prompts
 
-    async def _embeds_prompt(self, data: Any) -> CompletionPrompt:
+    async def _embeds_prompt(self, data: Any, lease: EmbedsLease, copies: int
+                             ) -> CompletionPrompt:
         loop = asyncio.get_running_loop()
         try:
             embeds = await loop.run_in_executor(self._decode_pool, decode_prompt_embeds, data,
                                                 self.embeds_budget)
         except ValueError as e:
             raise OpenAIError(str(e)) from None
+        # A sparse payload decodes larger than its base64 suggested.
+        extra = (embeds.numel() * embeds.element_size() - len(data) * 3 // 4) * copies
+        if extra > 0 and not lease.grow(extra):
+            raise _embeds_busy()
         num_tokens = None
         if embeds.dim() == 2 or (embeds.dim() == 3 and embeds.shape[0] == 1):
             num_tokens = embeds.shape[-2]
@@ -157,7 +212,7 @@ class OpenAIServingCompletion(OpenAIServing):
     def _response(self, request: CompletionRequest, request_id: str,
                   prompts: list[CompletionPrompt], outputs: list[Any]) -> CompletionResponse:
         choices: list[CompletionResponseChoice] = []
-        usage = UsageInfo()
+        usage = UsageInfo(prompt_tokens_details=cached_tokens_usage(outputs))
         for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
             usage.prompt_tokens += output.num_prompt_tokens
             for completion in output.outputs:
@@ -180,12 +235,14 @@ class OpenAIServingCompletion(OpenAIServing):
                       ) -> AsyncGenerator[str, None]:
         n = request.n
         text_lens = [0] * (len(prompts) * n)  # text sent so far, per choice
-        usage = UsageInfo()
+        usage = UsageInfo(prompt_tokens_details=cached_tokens_usage([]))
         iterators = [self.engine.iterate(s) for s in streams]
         try:
             async for i, output in merge_async_iterators(*iterators):
+                raise_if_failed(output)
                 if output.finished:
                     usage.prompt_tokens += output.num_prompt_tokens
+                    usage.prompt_tokens_details.cached_tokens += output.num_cached_tokens
                 for completion in output.outputs:
                     index = i * n + completion.index
                     text = completion.text
@@ -210,6 +267,23 @@ class OpenAIServingCompletion(OpenAIServing):
         except Exception as e:
             yield sse(stream_error(e))
         yield "data: [DONE]\n\n"
+
+
+def _embeds_busy() -> OpenAIError:
+    return OpenAIError("The server holds as many prompt_embeds bytes as it may "
+                       "(--max-prompt-embeds-bytes-in-flight); retry shortly.",
+                       "ServiceUnavailableError", 503,
+                       {"Retry-After": str(_EMBEDS_RETRY_AFTER_S)})
+
+
+async def _release_at_end(stream: AsyncGenerator[str, None], lease: EmbedsLease
+                          ) -> AsyncGenerator[str, None]:
+    try:
+        async for chunk in stream:
+            yield chunk
+    finally:
+        lease.release()
+        await stream.aclose()
 
 
 def _hidden_states(completion: CompletionOutput) -> str | None:

@@ -5,9 +5,15 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
-from vllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, OpenAIBaseModel
+from vllm.entrypoints.openai.protocol import (
+    ErrorInfo,
+    ErrorResponse,
+    OpenAIBaseModel,
+    PromptTokenUsageInfo,
+)
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.async_llm import AsyncLLM, RequestStream
@@ -20,15 +26,41 @@ class OpenAIError(Exception):
     """An error answered with the OpenAI error body and an HTTP status."""
 
     def __init__(self, message: str, err_type: str = "BadRequestError",
-                 status_code: int = 400) -> None:
+                 status_code: int = 400, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.err_type = err_type
         self.status_code = status_code
+        self.headers = headers  # e.g. Retry-After on a 503
 
     def to_response(self) -> ErrorResponse:
         return ErrorResponse(error=ErrorInfo(message=self.message, type=self.err_type,
                                              code=self.status_code))
+
+
+# What the client of a request the engine failed on gets (the details are in the log).
+REQUEST_FAILED = ("Internal server error: the engine failed while running this request "
+                  "(other requests were not affected).")
+
+
+@dataclass(frozen=True, slots=True)
+class ServingOptions:
+    """Server-wide limits and trust settings of the endpoint handlers."""
+
+    # Bytes of decoded prompt_embeds that requests in flight may hold together.
+    max_prompt_embeds_bytes_in_flight: int = 2**30
+    # Requests may bring their own chat template (it is code run by the server).
+    trust_request_chat_template: bool = False
+
+
+def raise_if_failed(output: RequestOutput) -> None:
+    """A sequence the engine failed on (finish_reason "error") fails its HTTP request."""
+    if any(c.finish_reason == "error" for c in output.outputs):
+        raise OpenAIError(REQUEST_FAILED, "InternalServerError", 500)
+
+
+def cached_tokens_usage(outputs: list[RequestOutput]) -> PromptTokenUsageInfo:
+    return PromptTokenUsageInfo(cached_tokens=sum(o.num_cached_tokens for o in outputs))
 
 
 def sse(payload: OpenAIBaseModel | str) -> str:
@@ -45,8 +77,9 @@ def stream_error(error: Exception) -> ErrorResponse:
     return OpenAIError(str(error), "InternalServerError", 500).to_response()
 
 
-def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def random_id(prefix: str, given: str | None = None) -> str:
+    """`{prefix}-{given}`, or a random id when the client gave none."""
+    return f"{prefix}-{given if given is not None else uuid.uuid4().hex}"
 
 
 async def merge_async_iterators(*iterators: AsyncIterator[Any]
@@ -85,8 +118,10 @@ MAX_CHARS_PER_TOKEN = 64
 class OpenAIServing:
     """Base of the endpoint handlers: model-name checks and request submission."""
 
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str]) -> None:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str],
+                 options: ServingOptions | None = None) -> None:
         self.engine = engine
+        self.options = options or ServingOptions()
         self.model_config = engine.vllm_config.model_config
         self.max_model_len = self.model_config.max_model_len
         self.served_model_names = served_model_names
@@ -163,4 +198,6 @@ class OpenAIServing:
             unfinished = [s.request_id for s in streams if not s.finished]
             if unfinished:
                 self.engine.abort_nowait(unfinished)
+        for result in results:
+            raise_if_failed(result)
         return results

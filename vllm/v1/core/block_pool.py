@@ -43,6 +43,14 @@ class BlockPool:
             block.block_hash = block_hash
             self.cached_block_hash_to_block[block_hash] = block
 
+    def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Takes blocks out of the prefix cache (their contents cannot be trusted: the
+        step that was to compute them failed). They stay allocated to their holders."""
+        for block in blocks:
+            if block.block_hash is not None \
+                    and self.cached_block_hash_to_block.get(block.block_hash) is block:
+                self._evict(block)
+
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         if num_blocks > self.get_num_free_blocks():
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool.")

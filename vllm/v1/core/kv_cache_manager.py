@@ -164,6 +164,17 @@ class KVCacheManager:
         self.block_pool.free_blocks(self.req_to_cross_blocks.pop(request.request_id, []))
         self.num_cached_blocks.pop(request.request_id, None)
 
+    def uncache_uncomputed(self, request: Request, num_computed_before: int,
+                           encoder_ran: bool) -> None:
+        """After a failed step: blocks that step was to fill (from position
+        `num_computed_before` on) and, if its encoder ran, the request's cross blocks, leave
+        the prefix cache, so no later request reuses K/V that was never written."""
+        first = num_computed_before // self.block_size
+        self.block_pool.uncache_blocks(self.req_to_blocks.get(request.request_id, [])[first:])
+        if encoder_ran:
+            self.block_pool.uncache_blocks(self.req_to_cross_blocks.get(request.request_id, []))
+        self.num_cached_blocks.pop(request.request_id, None)
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 

@@ -115,11 +115,24 @@ def cross_block_hashes(encoder_hash: bytes, num_blocks: int) -> list[BlockHash]:
             for i in range(num_blocks)]
 
 
+def chain_start(request: Request) -> BlockHash | None:
+    """The parent of a request's first block: the encoder input's hash (encoder/decoder
+    models) and the cache salt, or None for an unsalted decoder-only request."""
+    parent = request.encoder_input.content_hash if request.encoder_input is not None else None
+    if request.cache_salt is None:
+        return parent
+    salt = request.cache_salt.encode()
+    return hashlib.sha256(b"S" + len(salt).to_bytes(8, "little") + salt
+                          + (parent or b"")).digest()
+
+
 def make_block_hasher(block_size: int) -> Callable[[Request], list[BlockHash]]:
     """Returns a function giving the hashes of a request's not yet hashed full blocks.
 
     For encoder/decoder models the chain starts from the encoder input's hash, so that the
-    same decoder prompt over two different encoder inputs never shares KV.
+    same decoder prompt over two different encoder inputs never shares KV. A request's
+    `cache_salt` is mixed into the chain's start, hence into every block hash: requests with
+    different salts never share a block (nor can time each other's prefix hits).
     """
 
     def hasher(request: Request) -> list[BlockHash]:
@@ -127,10 +140,8 @@ def make_block_hasher(block_size: int) -> Callable[[Request], list[BlockHash]]:
         num_full_blocks = request.num_tokens // block_size
         if request.block_hashes:
             parent = request.block_hashes[-1]
-        elif request.encoder_input is not None:
-            parent = request.encoder_input.content_hash
         else:
-            parent = None
+            parent = chain_start(request)
         embeds = request.prompt_embeds
         num_embeds = request.num_prompt_tokens if embeds is not None else 0
         new_hashes = []

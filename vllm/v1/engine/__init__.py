@@ -16,9 +16,10 @@ class FinishReason(enum.IntEnum):
     STOP = 0
     LENGTH = 1
     ABORT = 2
+    ERROR = 3  # the engine failed while running this request; others went on
 
     def __str__(self) -> str:
-        return ("stop", "length", "abort")[self.value]
+        return ("stop", "length", "abort", "error")[self.value]
 
 
 @dataclass(slots=True)
@@ -53,6 +54,9 @@ class EngineCoreRequest:
     eos_token_id: int | None
     arrival_time: float = field(default_factory=time.monotonic)
     encoder_input: EncoderInput | None = None
+    # Tenant isolation in the prefix cache: requests share cached blocks only if their
+    # salts are equal (None is a salt of its own).
+    cache_salt: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import AsyncGenerator
@@ -16,10 +17,10 @@ from typing import Any, Protocol
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.outputs import RequestOutput
-from vllm.sampling_params import SamplingParams
+from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from vllm.v1.engine.core_client import AsyncMPClient, EngineDeadError
-from vllm.v1.engine.llm_engine import build_front_end, fan_out
+from vllm.v1.engine.front_end import build_front_end, fan_out
 from vllm.v1.engine.output_processor import ParentRequest
 from vllm.v1.metrics.stats import IterationStats, RequestStatsTracker
 
@@ -37,18 +38,37 @@ class StatLogger(Protocol):
 
 
 class RequestStream:
-    """The outputs of one user request, in order; an exception in the queue is raised."""
+    """The outputs of one user request, in order; an exception put in is raised.
 
-    def __init__(self, request_id: str) -> None:
+    Bounded: it holds at most one pending output. An output that arrives before the reader
+    took the last one is folded into it (`RequestOutput.add`: DELTA outputs concatenate,
+    others replace), so a slow reader costs at most one request's own output, never a
+    queue that grows with every step.
+    """
+
+    def __init__(self, request_id: str, delta: bool = False) -> None:
         self.request_id = request_id
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.delta = delta  # outputs are DELTA: fold by appending
+        self._pending: RequestOutput | BaseException | None = None
+        self._ready = asyncio.Event()
         self.finished = False
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self.queue.put_nowait(item)
+        pending = self._pending
+        if isinstance(pending, RequestOutput) and isinstance(item, RequestOutput):
+            pending.add(item, aggregate=self.delta)
+        elif not isinstance(pending, BaseException):  # the first error stays
+            self._pending = item
+        self._ready.set()
+
+    @property
+    def has_pending(self) -> bool:
+        return self._pending is not None
 
     async def get(self) -> RequestOutput:
-        item = await self.queue.get()
+        await self._ready.wait()
+        item, self._pending = self._pending, None
+        self._ready.clear()
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -75,6 +95,10 @@ class AsyncLLM:
         vllm_config.cache_config.num_blocks = self.engine_core.num_blocks
         self._output_handler: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
+        # Engine-core ids are `{request_id}-{n}` with n unique to this engine, so a late
+        # abort of a finished request can never reach a newer one with the same id.
+        self._submissions = itertools.count()
+        self._adding: set[str] = set()  # ids being validated (audio: off the event loop)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs,
@@ -100,20 +124,32 @@ class AsyncLLM:
 
     async def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
                           arrival_time: float | None = None) -> RequestStream:
-        """Validates and queues one prompt; raises ValueError (bad input, nothing queued)
-        or EngineDeadError."""
+        """Validates and queues one prompt; raises ValueError (bad input or an id a live
+        request has, nothing queued) or EngineDeadError."""
         if self.errored:
             raise self.dead_error
+        if request_id in self._adding:
+            raise ValueError(f"Request id {request_id!r} is already in use by a request "
+                             "that has not finished.")
         self.output_processor.check_request_id(request_id)
+        self._adding.add(request_id)
+        try:
+            return await self._add_request(request_id, prompt, params, arrival_time)
+        finally:
+            self._adding.discard(request_id)
+
+    async def _add_request(self, request_id: str, prompt: Any, params: SamplingParams,
+                           arrival_time: float | None) -> RequestStream:
+        core_id = f"{request_id}-{next(self._submissions)}"
         if self.processor.is_audio_model:
             # Log-mel features take tens of milliseconds per window: off the event loop.
             request, parsed = await asyncio.to_thread(
-                self.processor.process_inputs, request_id, prompt, params, arrival_time)
+                self.processor.process_inputs, core_id, prompt, params, arrival_time)
         else:
-            request, parsed = self.processor.process_inputs(request_id, prompt, params,
+            request, parsed = self.processor.process_inputs(core_id, prompt, params,
                                                             arrival_time)
         self._ensure_output_handler()
-        stream = RequestStream(request_id)
+        stream = RequestStream(request_id, params.output_kind == RequestOutputKind.DELTA)
         parent, requests = fan_out(request, params.n, params.output_kind)
         try:
             for index, core_request in enumerate(requests):
@@ -131,7 +167,8 @@ class AsyncLLM:
                                           parsed.prompt_token_ids, num_prompt,
                                           request.sampling_params, parent, index, queue=stream,
                                           encoder_prompt=parsed.encoder_prompt,
-                                          encoder_prompt_token_ids=parsed.encoder_prompt_token_ids)
+                                          encoder_prompt_token_ids=parsed.encoder_prompt_token_ids,
+                                          external_id=stream.request_id)
         self.stats_tracker.add(request.request_id, request.arrival_time, num_prompt)
         await self.engine_core.add_request_async(request)
 
@@ -210,7 +247,7 @@ class AsyncLLM:
 
     def _fail_all(self, error: BaseException) -> None:
         streams = {id(s.queue): s.queue for s in self.output_processor.request_states.values()}
-        self.output_processor.abort_requests(list(self.output_processor.request_states))
+        self.output_processor.abort_requests(list(self.output_processor.live_ids))
         for stream in streams.values():
             stream.put(error)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from vllm.config import VllmConfig
@@ -11,9 +13,17 @@ from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
 from vllm.v1.executor.uniproc import UniProcExecutor
 from vllm.v1.request import RequestStatus
 
+logger = logging.getLogger(__name__)
+
 
 class EngineCore:
-    """Owns the scheduler and the model executor; knows nothing of text."""
+    """Owns the scheduler and the model executor; knows nothing of text.
+
+    A step whose execution raises does not end the engine: the scheduler undoes it and
+    fails the request to blame (`Scheduler.recover_from_failed_step`), the runner forgets
+    the step's requests, and serving goes on. Only a failure the scheduler cannot
+    attribute, or one that repeats, propagates (`EngineStepError`).
+    """
 
     def __init__(self, vllm_config: VllmConfig) -> None:
         torch.manual_seed(vllm_config.model_config.seed)
@@ -51,7 +61,13 @@ class EngineCore:
         if not self.scheduler.has_requests():
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
         scheduler_output = self.scheduler.schedule()
-        model_output = self.model_executor.execute_model(scheduler_output)
+        try:
+            model_output = self.model_executor.execute_model(scheduler_output)
+        except Exception:
+            logger.exception("A step of %d request(s) failed.",
+                             len(scheduler_output.num_scheduled_tokens))
+            self.model_executor.drop_requests(list(scheduler_output.num_scheduled_tokens))
+            return self.scheduler.recover_from_failed_step(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, model_output)
 
     def has_unfinished_requests(self) -> bool:
@@ -60,6 +76,17 @@ class EngineCore:
     def has_requests(self) -> bool:
         """Unfinished requests, or finished ones whose state the runner still holds."""
         return self.scheduler.has_requests()
+
+    def get_state(self) -> dict[str, int | float]:
+        """What the scheduler and the runner hold now (leak checks)."""
+        scheduler = self.scheduler
+        return {
+            "num_requests": len(scheduler.requests),
+            "num_running_reqs": len(scheduler.running),
+            "num_waiting_reqs": len(scheduler.waiting),
+            "kv_cache_usage": scheduler.kv_cache_manager.usage,
+            **self.model_executor.get_state(),
+        }
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()

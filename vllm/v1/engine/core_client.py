@@ -1,7 +1,8 @@
 """`AsyncMPClient`: the API process's handle on an engine core running in another process.
 
 The client spawns the process (`core_proc.run_engine_core`), waits for its handshake, and
-then talks to it over two ZMQ sockets with msgpack (see `core_proc` for the framing). A
+then talks to it over two ZMQ sockets with msgpack (see `wire` for the framing). Only the
+child imports the engine (`core_proc`): this process loads neither the runner nor models. A
 reader task sorts incoming messages: step outputs go to a queue that `AsyncLLM` drains,
 utility results resolve the future of their call. The process sentinel is watched by the
 event loop, so an engine that dies (or is killed) turns into `EngineDeadError` for every
@@ -28,7 +29,7 @@ import zmq.asyncio
 
 from vllm.config import VllmConfig
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
-from vllm.v1.engine.core_proc import (
+from vllm.v1.engine.wire import (
     OUT_ENGINE_DEAD,
     OUT_OUTPUTS,
     OUT_UTILITY_RESULT,
@@ -39,11 +40,17 @@ from vllm.v1.engine.core_proc import (
     EngineDead,
     UtilityCall,
     UtilityResult,
-    run_engine_core,
 )
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 logger = logging.getLogger(__name__)
+
+
+def _engine_core_main(*args: Any) -> None:
+    """The child's entry point; importing the engine happens there, not here."""
+    from vllm.v1.engine.core_proc import run_engine_core
+
+    run_engine_core(*args)
 
 
 class EngineDeadError(RuntimeError):
@@ -83,7 +90,7 @@ class AsyncMPClient:
 
         mp = multiprocessing.get_context("spawn")
         reader, writer = mp.Pipe(duplex=False)
-        self.proc = mp.Process(target=run_engine_core, name="EngineCore",
+        self.proc = mp.Process(target=_engine_core_main, name="EngineCore",
                                args=(vllm_config, input_addr, output_addr, writer, os.getpid()))
         self._finalizer = weakref.finalize(self, _stop_process, self.proc, self.ctx, self.tmpdir)
         try:

@@ -1,25 +1,30 @@
 """The engine core in its own process: a ZMQ-fed loop around `EngineCore`.
 
-    API process (AsyncMPClient)                      engine-core process (EngineCoreProc)
-    PUSH  input  ── [ADD | ABORT | STOP | UTILITY, body, *tensor frames] ──►  PULL
-    PULL  output ◄── [OUTPUTS | UTILITY_RESULT | ENGINE_DEAD, body] ──  PUSH
+The framing of both sockets is in `vllm.v1.engine.wire`. Bodies are msgpack
+(`vllm.v1.serial_utils`); nothing on these sockets is pickled. The start-up handshake
+(ready, or the error that stopped the engine from starting) goes over a one-way
+multiprocessing pipe as msgpack bytes.
 
-Bodies are msgpack (`vllm.v1.serial_utils`); nothing on these sockets is pickled. The
-start-up handshake (ready, or the error that stopped the engine from starting) goes over
-a one-way multiprocessing pipe as msgpack bytes.
+The process never outlives the API process that started it: the loop checks its parent
+before every step (not only when idle), sends give up on a peer that is gone instead of
+blocking, and a watchdog thread ends the process if the loop itself is stuck (a long
+step, a full send queue) a few seconds after the parent died.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
+import threading
+import time
 import traceback
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
+import torch
 import zmq
 
 from vllm.config import VllmConfig
@@ -31,57 +36,73 @@ from vllm.v1.engine import (
     SchedulerStats,
 )
 from vllm.v1.engine.core import EngineCore
+from vllm.v1.engine.wire import (
+    OUT_ENGINE_DEAD,
+    OUT_OUTPUTS,
+    OUT_UTILITY_RESULT,
+    REQ_ABORT,
+    REQ_ADD,
+    REQ_STOP,
+    REQ_UTILITY,
+    EngineDead,
+    UtilityCall,
+    UtilityResult,
+)
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 logger = logging.getLogger(__name__)
 
-# First frame of every input message.
-REQ_ADD = b"\x00"
-REQ_ABORT = b"\x01"
-REQ_UTILITY = b"\x02"
-REQ_STOP = b"\x03"  # a stop string ended these requests in the API process
-# First frame of every output message.
-OUT_OUTPUTS = b"\x00"
-OUT_UTILITY_RESULT = b"\x01"
-OUT_ENGINE_DEAD = b"\x02"
-
 # How often an idle engine checks that the API process is still alive.
 _IDLE_POLL_MS = 1000
+# A send waits this long for room in the queue before checking that the peer still lives.
+_SEND_TIMEOUT_MS = 1000
+# The watchdog ends the process this long after the parent died if the loop has not.
+_WATCHDOG_GRACE_S = 3.0
 
 
-@dataclass(slots=True)
-class UtilityCall:
-    call_id: int
-    method: str
-    args: list[Any] = field(default_factory=list)
+class ParentGone(Exception):
+    """The API process that started this engine core is gone."""
 
 
-@dataclass(slots=True)
-class UtilityResult:
-    call_id: int
-    result: Any = None
-    error: str | None = None  # set when the call raised
+class ParentWatch:
+    """Is the parent still alive? Checked by the loop each step and by a watchdog thread
+    that ends the process (`os._exit`) if the loop does not notice in time."""
 
+    def __init__(self, parent_pid: int) -> None:
+        self.parent_pid = parent_pid
 
-@dataclass(slots=True)
-class EngineDead:
-    message: str
+    def alive(self) -> bool:
+        # Once the parent dies this process is re-parented, so its parent id changes.
+        return os.getppid() == self.parent_pid
+
+    def start_watchdog(self) -> None:
+        threading.Thread(target=self._watchdog, name="parent-watchdog", daemon=True).start()
+
+    def _watchdog(self) -> None:
+        while self.alive():
+            time.sleep(0.5)
+        time.sleep(_WATCHDOG_GRACE_S)
+        logger.error("The API process died and the engine loop did not stop; exiting.")
+        os._exit(1)
 
 
 class EngineCoreProc:
     """Owns one `EngineCore` and its two sockets; steps while there is work, sleeps on the
     input socket when there is none."""
 
-    UTILITY_METHODS = ("reset_prefix_cache", "get_scheduler_stats", "ping")
+    UTILITY_METHODS = ("reset_prefix_cache", "get_scheduler_stats", "get_engine_state", "ping")
 
     def __init__(self, engine_core: EngineCore, input_addr: str, output_addr: str,
                  parent_pid: int) -> None:
         self.engine_core = engine_core
-        self.parent_pid = parent_pid
+        self.parent = ParentWatch(parent_pid)
         self.ctx = zmq.Context()
         self.input_socket = self.ctx.socket(zmq.PULL)
+        self.input_socket.setsockopt(zmq.LINGER, 0)
         self.input_socket.connect(input_addr)
         self.output_socket = self.ctx.socket(zmq.PUSH)
+        self.output_socket.setsockopt(zmq.LINGER, 0)
+        self.output_socket.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
         self.output_socket.connect(output_addr)
         self.encoder = MsgpackEncoder()
         self.add_decoder = MsgpackDecoder(EngineCoreRequest)
@@ -90,27 +111,32 @@ class EngineCoreProc:
         self._last_stats: SchedulerStats | None = None
 
     def run_busy_loop(self) -> None:
-        while True:
-            # Keep stepping while finished requests remain to be dropped by the runner.
-            if not self._process_input(block=not self.engine_core.has_requests()):
-                return  # the API process is gone
-            outputs = self.engine_core.step()
-            # Stats carry per-step prefix-cache deltas, so any change must be sent.
-            if outputs.outputs or outputs.scheduler_stats != self._last_stats:
-                self._send(OUT_OUTPUTS, outputs)
-                self._last_stats = outputs.scheduler_stats
+        """Steps while there is work; returns once the API process is gone (also when it
+        dies in the middle of a full batch)."""
+        self.parent.start_watchdog()
+        try:
+            while self.parent.alive():
+                # Keep stepping while finished requests remain to be dropped by the runner.
+                self._process_input(block=not self.engine_core.has_requests())
+                outputs = self.engine_core.step()
+                # Stats carry per-step prefix-cache deltas, so any change must be sent.
+                if outputs.outputs or outputs.scheduler_stats != self._last_stats:
+                    self._send(OUT_OUTPUTS, outputs)
+                    self._last_stats = outputs.scheduler_stats
+        except ParentGone:
+            pass
+        logger.info("The API process is gone; the engine core stops.")
 
-    def _process_input(self, block: bool) -> bool:
-        """Handles every queued message; when `block`, first waits for one. Returns False
-        if the parent process died while waiting."""
+    def _process_input(self, block: bool) -> None:
+        """Handles every queued message; when `block`, first waits for one. Raises
+        ParentGone if the parent process died while waiting."""
         if block:
             while not self.input_socket.poll(_IDLE_POLL_MS):
-                if os.getppid() != self.parent_pid:
-                    return False
+                if not self.parent.alive():
+                    raise ParentGone
         while self.input_socket.poll(0):
             frames = self.input_socket.recv_multipart(copy=False)
             self._handle(frames[0].bytes, [f.buffer for f in frames[1:]])
-        return True
 
     def _handle(self, kind: bytes, body: list[memoryview]) -> None:
         if kind == REQ_ADD:
@@ -158,18 +184,42 @@ class EngineCoreProc:
             "num_preemptions": scheduler.num_preemptions,
         }
 
+    def get_engine_state(self) -> dict[str, Any]:
+        """What the engine holds now, for leak checks (`/server_info` in dev mode)."""
+        state = self.engine_core.get_state()
+        state["rss_bytes"] = _rss_bytes()
+        state["num_tensors"] = sum(isinstance(obj, torch.Tensor) for obj in gc.get_objects())
+        return state
+
     def ping(self) -> str:
         return "pong"
 
     def _send(self, kind: bytes, obj: Any) -> None:
-        self.output_socket.send_multipart([kind, *self.encoder.encode(obj)], copy=False)
+        """Sends one message; while the queue is full, waits in bounded slices and gives up
+        (ParentGone) once the API process is gone rather than blocking forever."""
+        frames = [kind, *self.encoder.encode(obj)]
+        while True:
+            try:
+                self.output_socket.send_multipart(frames, copy=False)
+                return
+            except zmq.Again:
+                if not self.parent.alive():
+                    raise ParentGone from None
 
     def send_dead(self, message: str) -> None:
-        self._send(OUT_ENGINE_DEAD, EngineDead(message))
+        try:
+            self._send(OUT_ENGINE_DEAD, EngineDead(message))
+        except ParentGone:
+            pass
 
     def close(self) -> None:
         self.engine_core.shutdown()
-        self.ctx.destroy(linger=1000)
+        self.ctx.destroy(linger=0)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def run_engine_core(vllm_config: VllmConfig, input_addr: str, output_addr: str,

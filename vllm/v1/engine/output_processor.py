@@ -18,7 +18,7 @@ from vllm.v1.outputs import Logprob, LogprobsLists
 class ParentRequest:
     """Gathers the n child sequences of one user request (n > 1)."""
 
-    request_id: str
+    request_id: str  # the engine-core id the children's ids derive from
     n: int
     output_kind: RequestOutputKind
     completions: list[CompletionOutput | None] = field(default_factory=list)
@@ -49,21 +49,31 @@ class RequestState:
     # A stop string finished it here, but it asked for its hidden states: (finish reason,
     # stop reason) until the engine core's last output for it brings the rows.
     awaiting_rows: tuple[FinishReason, int | str | None] | None = None
+    external_id: str = ""  # the id the user gave (what RequestOutput.request_id says)
 
 
 class OutputProcessor:
-    """Owns detokenizer state and stop-string matching for every live request."""
+    """Owns detokenizer state and stop-string matching for every live request.
+
+    A request has the id its user gave (external) and engine-core ids: its own, or its
+    children's when n > 1. `AsyncLLM` makes every submission's engine-core id unique, so a
+    late abort or output of a finished request can never reach a newer one with the same
+    external id. Aborts name external ids only: a child cannot be aborted on its own.
+    """
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.request_states: dict[str, RequestState] = {}
         self.parents: dict[str, ParentRequest] = {}
+        # Live external id -> its engine-core id (the request's, or its parent's).
+        self.live_ids: dict[str, str] = {}
 
     def add_request(self, request_id: str, prompt: str | None,
                     prompt_token_ids: list[int] | None, num_prompt_tokens: int,
                     params: SamplingParams, parent: ParentRequest | None = None,
                     index: int = 0, queue: Any = None, encoder_prompt: str | None = None,
-                    encoder_prompt_token_ids: list[int] | None = None) -> None:
+                    encoder_prompt_token_ids: list[int] | None = None,
+                    external_id: str | None = None) -> None:
         # Nobody sees the text before the end, and no stop string needs it: decode once.
         incremental = bool(params.stop) or params.output_kind != RequestOutputKind.FINAL_ONLY
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
@@ -76,12 +86,18 @@ class OutputProcessor:
             detok, [] if wants_logprobs else None, 0.0 if wants_logprobs else None,
             queue=queue, encoder_prompt=encoder_prompt,
             encoder_prompt_token_ids=encoder_prompt_token_ids)
+        core_id = parent.request_id if parent is not None else request_id
+        state = self.request_states[request_id]
+        state.external_id = external_id if external_id is not None else core_id
+        self.live_ids[state.external_id] = core_id
         if parent is not None:
             self.parents[parent.request_id] = parent
 
     def check_request_id(self, request_id: str) -> None:
-        if request_id in self.request_states or request_id in self.parents:
-            raise ValueError(f"Request id {request_id!r} is already in use.")
+        """Raises ValueError if a live request already has this (external) id."""
+        if request_id in self.live_ids:
+            raise ValueError(f"Request id {request_id!r} is already in use by a request "
+                             "that has not finished.")
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.request_states)
@@ -90,21 +106,19 @@ class OutputProcessor:
         return bool(self.request_states)
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
-        """Forgets requests by user or child id; returns the engine-core ids to abort."""
+        """Forgets live requests by external id; returns the engine-core ids to abort.
+        Ids of finished or unknown requests (and child ids) are ignored."""
         to_abort = []
-        for req_id in request_ids:
+        for external_id in request_ids:
+            req_id = self.live_ids.pop(external_id, None)
+            if req_id is None:
+                continue
             parent = self.parents.pop(req_id, None)
             ids = [s.request_id for s in self.request_states.values()
                    if s.parent is parent] if parent else [req_id]
-            for child_id in ids:
-                state = self.request_states.pop(child_id, None)
-                if state is None:
-                    continue
-                to_abort.append(child_id)
-                orphan = state.parent
-                if orphan is not None and not any(s.parent is orphan
-                                                  for s in self.request_states.values()):
-                    self.parents.pop(orphan.request_id, None)
+            for core_id in ids:
+                if self.request_states.pop(core_id, None) is not None:
+                    to_abort.append(core_id)
         return to_abort
 
     def process_outputs(self, outputs: EngineCoreOutputs
@@ -143,7 +157,7 @@ class OutputProcessor:
         if out.finish_reason is None and state.params.return_hidden_states:
             state.awaiting_rows = (finish_reason, stop_reason)
             return None  # the final output leaves with the rows
-        del self.request_states[out.request_id]
+        self._forget_finished(state)
         return self._make_request_output(state, finish_reason, stop_reason, out.hidden_states)
 
     def _finish_with_rows(self, state: RequestState, out: EngineCoreOutput
@@ -153,11 +167,16 @@ class OutputProcessor:
         of the tokens kept."""
         if not out.finished:
             return None
-        del self.request_states[out.request_id]
+        self._forget_finished(state)
         rows = out.hidden_states
         if rows is not None:
             rows = rows[:state.num_prompt_tokens + len(state.detokenizer.token_ids) - 1]
         return self._make_request_output(state, *state.awaiting_rows, rows)
+
+    def _forget_finished(self, state: RequestState) -> None:
+        del self.request_states[state.request_id]
+        if state.parent is None:
+            self.live_ids.pop(state.external_id, None)
 
     def _append_logprobs(self, state: RequestState, lp: LogprobsLists) -> None:
         k = state.params.logprobs or 0
@@ -181,18 +200,18 @@ class OutputProcessor:
         completion.hidden_states = hidden_states
         parent = state.parent
         if parent is None:
-            return self._request_output(state, state.request_id, [completion], finished)
+            return self._request_output(state, [completion], finished)
         parent.completions[state.index] = completion
         parent.num_finished += finished
         all_done = parent.num_finished == parent.n
         if all_done:
             self.parents.pop(parent.request_id, None)
+            self.live_ids.pop(state.external_id, None)
         if kind == RequestOutputKind.FINAL_ONLY:
             if not all_done:
                 return None
-            return self._request_output(state, parent.request_id,
-                                        list(parent.completions), True)
-        return self._request_output(state, parent.request_id, [completion], all_done)
+            return self._request_output(state, list(parent.completions), True)
+        return self._request_output(state, [completion], all_done)
 
     def _make_completion(self, state: RequestState, finished: bool,
                          finish_reason: FinishReason | None, stop_reason: int | str | None,
@@ -220,10 +239,10 @@ class OutputProcessor:
             stop_reason=stop_reason,
         )
 
-    def _request_output(self, state: RequestState, request_id: str,
-                        completions: list[CompletionOutput], finished: bool) -> RequestOutput:
+    def _request_output(self, state: RequestState, completions: list[CompletionOutput],
+                        finished: bool) -> RequestOutput:
         return RequestOutput(
-            request_id=request_id,
+            request_id=state.external_id,
             prompt=state.prompt,
             prompt_token_ids=state.prompt_token_ids,
             prompt_logprobs=None,

@@ -26,6 +26,9 @@ from vllm.v1.engine import EncoderInput, EngineCoreRequest
 MAX_LOGPROBS = 20
 # Samples per prompt; each one is a request of its own in the engine core.
 MAX_N = 128
+MAX_CACHE_SALT_CHARS = 1024
+# vLLM's wording: clients match on "not compatible with prompt embeds".
+PROMPT_LOGPROBS_WITH_EMBEDS = "prompt_logprobs is not compatible with prompt embeds."
 
 
 class Processor:
@@ -56,10 +59,14 @@ class Processor:
         else:
             _reject_encoder_inputs(prompt, self.model_config)
             parsed = parse_prompt(prompt)
+        cache_salt = _cache_salt(prompt)
+        if cache_salt is not None and encoder_input is not None:
+            # Cross blocks are cached under the encoder input's hash: salt it too.
+            encoder_input.content_hash = _content_hash(b"S", np.frombuffer(
+                cache_salt.encode() + encoder_input.content_hash, dtype=np.uint8))
         if params.prompt_logprobs is not None:
             if parsed.prompt_embeds is not None:
-                raise ValueError("prompt_logprobs is not supported for prompt_embeds prompts: "
-                                 "they have no prompt tokens to score.")
+                raise ValueError(PROMPT_LOGPROBS_WITH_EMBEDS)
             raise ValueError("prompt_logprobs is not supported by this engine yet.")
         self._validate_params(params)
         if params.return_hidden_states and not self.model_config.enable_return_hidden_states:
@@ -84,6 +91,7 @@ class Processor:
             eos_token_id=self.eos_token_id,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             encoder_input=encoder_input,
+            cache_salt=cache_salt,
         )
         return request, parsed._replace(prompt_token_ids=token_ids, prompt_embeds=embeds)
 
@@ -235,3 +243,16 @@ def _generation_config_eos_ids(model: str) -> list[int]:
     if eos is None:
         return []
     return list(eos) if isinstance(eos, list) else [eos]
+
+
+def _cache_salt(prompt: Any) -> str | None:
+    """The prompt's `cache_salt` (a non-empty string), or None."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt:
+        raise ValueError("cache_salt must be a non-empty string.")
+    if len(salt) > MAX_CACHE_SALT_CHARS:
+        raise ValueError(f"cache_salt is {len(salt)} characters long, over the limit of "
+                         f"{MAX_CACHE_SALT_CHARS}.")
+    return salt

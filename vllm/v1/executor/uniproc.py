@@ -51,6 +51,14 @@ class UniProcExecutor:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
 
+    def drop_requests(self, req_ids: list[str]) -> None:
+        self.model_runner.drop_requests(req_ids)
+
+    def get_state(self) -> dict[str, int]:
+        runner = self.model_runner
+        return {"num_runner_requests": len(runner.requests),
+                "num_batch_rows": runner.input_batch.num_reqs}
+
     def shutdown(self) -> None:
         runner = self.model_runner
         runner.kv_caches = []

@@ -9,7 +9,7 @@ from vllm.v1.engine import EngineCoreOutputs
 
 @dataclass(slots=True)
 class FinishedRequestStats:
-    finish_reason: str  # "stop" | "length" | "abort"
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
     e2e_latency: float  # seconds from arrival to the last output
     num_prompt_tokens: int
     num_generation_tokens: int

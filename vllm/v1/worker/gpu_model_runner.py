@@ -8,6 +8,7 @@ numpy mirrors and moved to the device once per step (see `compute_step_indices`)
 from __future__ import annotations
 
 import logging
+import os
 from typing import NamedTuple
 
 import numpy as np
@@ -111,6 +112,9 @@ class GPUModelRunner:
         self.model: torch.nn.Module | None = None
         self.encoder_runner: EncoderRunner | None = None
         self.graphs: CompiledGraphs | None = None
+        # Tests only: a step with a request whose prompt holds this token id raises.
+        fail_id = os.environ.get("VLLM_TEST_FAIL_ON_TOKEN_ID")
+        self.fail_on_token_id = int(fail_id) if fail_id else None
 
     # ---- set-up -------------------------------------------------------------------
 
@@ -196,6 +200,7 @@ class GPUModelRunner:
         if scheduler_output.scheduled_encoder_inputs:
             self.encoder_runner.run(scheduler_output, self.kv_caches)
         inputs = self._prepare_inputs(scheduler_output)
+        self._maybe_fail_for_tests()
         with set_forward_context(inputs.attn_metadata, self.kv_caches,
                                  inputs.cross_attn_metadata):
             hidden_states = self._run_model(inputs)
@@ -257,6 +262,21 @@ class GPUModelRunner:
         batch.condense()
         for state in to_add:
             batch.add_request(state)
+
+    def drop_requests(self, req_ids: list[str]) -> None:
+        """Forgets the batch rows of a failed step's requests (the scheduler re-sends any
+        that go on as new requests); kept states only carry their seeded generators."""
+        for req_id in req_ids:
+            self.input_batch.remove_request(req_id)
+        self.input_batch.condense()
+
+    def _maybe_fail_for_tests(self) -> None:
+        batch = self.input_batch
+        if self.fail_on_token_id is not None and any(
+                self.fail_on_token_id in state.prompt_token_ids
+                for state in batch.req_states[:batch.num_reqs]):
+            raise RuntimeError(f"Injected failure: token id {self.fail_on_token_id} "
+                               "(VLLM_TEST_FAIL_ON_TOKEN_ID).")
 
     def _make_generator(self, params) -> torch.Generator | None:
         if params.seed is None:

@@ -24,6 +24,14 @@ from vllm.v1.engine import (
 from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
+# Failures in a row, of lone requests or of batches that no lone run explains, after which
+# the engine stops trusting itself (see `Scheduler.recover_from_failed_step`).
+MAX_CONSECUTIVE_FAILURES = 3
+
+
+class EngineStepError(RuntimeError):
+    """A step failed in a way no single request explains: the engine cannot go on."""
+
 
 @dataclass(slots=True)
 class _Step:
@@ -37,6 +45,7 @@ class _Step:
     cached_reqs: list[Request] = field(default_factory=list)
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
+    only: str | None = None  # a suspect of a failed step, run alone
 
 
 class Scheduler:
@@ -54,6 +63,10 @@ class Scheduler:
     A finished request that asked for its hidden states keeps its blocks for one more step:
     the runner reads its rows from the stage-output cache through them (`rows_to_gather`),
     and its final output leaves with those rows. Only then do the blocks go back.
+
+    A step whose execution raised is undone (`recover_from_failed_step`): a lone request is
+    failed with FinishReason.ERROR; the requests of a failed batch become suspects and run
+    one at a time until each has sampled a token or failed alone.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
@@ -71,6 +84,10 @@ class Scheduler:
         # Finished, blocks still held, final output waiting for the rows: req_id -> output.
         self.held_for_rows: dict[str, EngineCoreOutput] = {}
         self.num_preemptions = 0
+        # Requests of a failed batch, each run alone until cleared or convicted.
+        self.suspects: list[str] = []
+        self.lone_failures = 0  # lone requests failed in a row
+        self.unexplained_failures = 0  # batches failed since the last batch that ran
 
     # ---- requests in and out -------------------------------------------------------
 
@@ -164,11 +181,16 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         step = _Step(budget=self.config.max_num_batched_tokens,
-                     encoder_budget=self.config.max_num_encoder_input_tokens)
-        kind = self._step_kind()
+                     encoder_budget=self.config.max_num_encoder_input_tokens,
+                     only=self._next_suspect())
+        kind = None if step.only is not None else self._step_kind()
         self._schedule_running(step, kind)
         if not step.preempted:
             self._schedule_waiting(step, kind)
+        if step.only is not None and not step.num_scheduled:
+            # The suspect waits for blocks that running requests hold: let them progress.
+            step.only = None
+            self._schedule_running(step, None)
         if kind is not None and not step.num_scheduled:
             # The oldest request's kind cannot run (it waits for blocks held by running
             # requests of the other kind): let those progress, admitting nothing new.
@@ -185,7 +207,8 @@ class Scheduler:
             request = self.running[index]
             num_new = self._num_new_tokens(request, step.budget)
             if ((kind is not None and request.is_token_prompt != kind) or num_new == 0
-                    or request.request_id in step.num_scheduled):
+                    or request.request_id in step.num_scheduled
+                    or (step.only is not None and request.request_id != step.only)):
                 index += 1
                 continue
             while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
@@ -204,7 +227,8 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if kind is not None and request.is_token_prompt != kind:
+            if ((kind is not None and request.is_token_prompt != kind)
+                    or (step.only is not None and request.request_id != step.only)):
                 skipped.append(self.waiting.popleft())
                 continue
             hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
@@ -276,6 +300,9 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
         outputs = self._release_held(scheduler_output, runner_output)
+        self.lone_failures = 0
+        if len(scheduler_output.num_scheduled_tokens) > 1:
+            self.unexplained_failures = 0
         logprobs = runner_output.logprobs
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
@@ -285,6 +312,8 @@ class Scheduler:
             new_token_ids = runner_output.sampled_token_ids[index]
             if not new_token_ids:
                 continue  # a prefill chunk that did not reach the end of the prompt
+            if req_id in self.suspects:
+                self.suspects.remove(req_id)  # it ran alone to a sampled token: cleared
             request.append_output_token_ids(new_token_ids)
             stopped = self._check_stop(request)
             output = EngineCoreOutput(
@@ -301,6 +330,69 @@ class Scheduler:
             else:
                 outputs.append(output)
         return EngineCoreOutputs(outputs, self.make_stats())
+
+    # ---- failed steps -------------------------------------------------------------
+
+    def recover_from_failed_step(self, scheduler_output: SchedulerOutput) -> EngineCoreOutputs:
+        """Undoes a step whose execution raised, blaming one request when it can.
+
+        The blocks the step was to fill leave the prefix cache (their K/V may never have
+        been written). A step of one request convicts it: it finishes with
+        FinishReason.ERROR and its blocks go back. The requests of a failed batch go back to
+        waiting with nothing computed (as if preempted) and become suspects, each then
+        scheduled alone until it samples a token (cleared) or fails alone (convicted).
+
+        Raises:
+            EngineStepError: the failure cannot be attributed (no request was scheduled),
+                or it repeats: MAX_CONSECUTIVE_FAILURES lone requests failing in a row, or
+                as many failed batches with no batch running in between.
+        """
+        # The runner may not have dropped these yet; it does so (idempotently) next step.
+        self.finished_req_ids[:0] = scheduler_output.finished_req_ids
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        scheduled = [self.requests[req_id] for req_id in num_scheduled]
+        if not scheduled:
+            raise EngineStepError("A step with no scheduled request failed.")
+        for request in scheduled:
+            req_id = request.request_id
+            self.kv_cache_manager.uncache_uncomputed(
+                request, request.num_computed_tokens - num_scheduled[req_id],
+                req_id in scheduler_output.scheduled_encoder_inputs)
+        if len(scheduled) == 1:
+            return EngineCoreOutputs([self._convict(scheduled[0])], self.make_stats())
+        self.unexplained_failures += 1
+        if self.unexplained_failures >= MAX_CONSECUTIVE_FAILURES:
+            raise EngineStepError(f"{self.unexplained_failures} batches failed in a row, "
+                                  "yet no request fails alone.")
+        for request in reversed(scheduled):  # preempting puts each at the front: keep order
+            self.running.remove(request)
+            self._preempt(request)
+        self.suspects += [r.request_id for r in scheduled if r.request_id not in self.suspects]
+        return EngineCoreOutputs([], self.make_stats())
+
+    def _convict(self, request: Request) -> EngineCoreOutput:
+        """Finishes the lone request of a failed step with FinishReason.ERROR."""
+        self.lone_failures += 1
+        self.unexplained_failures = 0
+        if self.lone_failures >= MAX_CONSECUTIVE_FAILURES:
+            raise EngineStepError(f"{self.lone_failures} requests in a row failed alone.")
+        if request.request_id in self.suspects:
+            self.suspects.remove(request.request_id)
+        self.running.remove(request)
+        request.status = RequestStatus.FINISHED_ERROR
+        self._release(request)
+        self.finished_req_ids.append(request.request_id)
+        return EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR,
+                                num_cached_tokens=request.num_cached_tokens or 0)
+
+    def _next_suspect(self) -> str | None:
+        """The suspect to run alone this step, dropping those that finished meanwhile."""
+        while self.suspects:
+            request = self.requests.get(self.suspects[0])
+            if request is not None and not request.is_finished():
+                return request.request_id
+            self.suspects.pop(0)
+        return None
 
     def _release_held(self, scheduler_output: SchedulerOutput,
                       runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
