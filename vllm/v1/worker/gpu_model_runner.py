@@ -24,7 +24,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler, SamplerOutput
 from vllm.v1.worker.encoder_runner import EncoderRunner
-from vllm.v1.worker.graph_capture import CompiledGraphs, default_capture_sizes
+from vllm.v1.worker.graph_capture import CompiledGraphs, CudaGraphs, default_capture_sizes
 from vllm.v1.worker.input_batch import CachedRequestState, InputBatch
 from vllm.v1.worker.sampling_inputs import SamplingInputsBuilder
 from vllm.v1.worker.stage_output_cache import HIDDEN_STATES, OutputSpec, StageOutputCache
@@ -78,6 +78,7 @@ class ModelInputs(NamedTuple):
     slot_mapping: np.ndarray  # [num_tokens] int64 KV slot of each token
     logits_indices: torch.Tensor  # [num_sampling_reqs] int64
     sampling_rows: np.ndarray  # [num_sampling_reqs] batch rows that sample this step
+    common: CommonAttentionMetadata  # the step's batch layout (for CUDA graph buffers)
 
 
 class GPUModelRunner:
@@ -111,7 +112,7 @@ class GPUModelRunner:
         self.stage_outputs = StageOutputCache(0, self.block_size, {})
         self.model: torch.nn.Module | None = None
         self.encoder_runner: EncoderRunner | None = None
-        self.graphs: CompiledGraphs | None = None
+        self.graphs: CompiledGraphs | CudaGraphs | None = None
         # Tests only: a step with a request whose prompt holds this token id raises.
         fail_id = os.environ.get("VLLM_TEST_FAIL_ON_TOKEN_ID")
         self.fail_on_token_id = int(fail_id) if fail_id else None
@@ -161,16 +162,23 @@ class GPUModelRunner:
         if not getattr(self.model, "supports_graph_capture", False):
             logger.info("%s runs eagerly (no graph support).", type(self.model).__name__)
             return
-        if self.device.type != "cpu":
-            logger.info("CUDA graphs are not captured by this runner yet: eager.")
-            return
         sc = self.scheduler_config
         sizes = list(cc.cudagraph_capture_sizes or default_capture_sizes(
             sc.max_num_batched_tokens, sc.max_num_seqs, self.device.type))
-        self.graphs = CompiledGraphs(self.model, sizes, self.model_config.enable_prompt_embeds,
-                                     self.model_config.hidden_size, self.dtype, self.device)
-        with torch.inference_mode():
-            self.graphs.capture(self._dummy_step)
+        mc = self.model_config
+        if self.device.type == "cuda":
+            from vllm.v1.attention.backends.torch_sdpa import TorchSDPAMetadata
+
+            self.graphs = CudaGraphs(self.model, sizes, mc.enable_prompt_embeds,
+                                     mc.hidden_size, self.dtype, self.device, self.block_size,
+                                     self.max_model_len, TorchSDPAMetadata)
+            with torch.inference_mode():
+                self.graphs.capture(self.kv_caches, set_forward_context)
+        else:
+            self.graphs = CompiledGraphs(self.model, sizes, mc.enable_prompt_embeds,
+                                         mc.hidden_size, self.dtype, self.device)
+            with torch.inference_mode():
+                self.graphs.capture(self._dummy_step)
         for kv_cache in self.kv_caches:  # the dummy steps wrote K/V into the null block
             kv_cache.zero_()
 
@@ -213,7 +221,7 @@ class GPUModelRunner:
         """The one place that picks a captured graph (when one fits the step) or eager."""
         if self.graphs is not None:
             hidden_states = self.graphs.run(inputs.input_ids, inputs.positions,
-                                            inputs.inputs_embeds)
+                                            inputs.inputs_embeds, inputs.common)
             if hidden_states is not None:
                 return hidden_states
         return self.model(inputs.input_ids, inputs.positions, inputs.inputs_embeds)
@@ -325,6 +333,7 @@ class GPUModelRunner:
             slot_mapping=slot_mapping,
             logits_indices=torch.from_numpy(logits_indices.astype(np.int64)).to(self.device),
             sampling_rows=sampling_rows,
+            common=common,
         )
 
     def _cross_attn_metadata(self, common: CommonAttentionMetadata) -> object:

@@ -116,9 +116,10 @@ class CompiledGraphs:
         return self._finish(self.model, h)
 
     def run(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-            inputs_embeds: torch.Tensor | None) -> torch.Tensor | None:
+            inputs_embeds: torch.Tensor | None, common=None) -> torch.Tensor | None:
         """The step's hidden states through a graph, or None when no graph fits (more
-        tokens than the largest size, or embeds without an embeds set)."""
+        tokens than the largest size, or embeds without an embeds set). Any batch layout
+        fits: attention is outside the compiled pieces."""
         n = positions.shape[0]
         kind = IDS if inputs_embeds is None else EMBEDS
         size = self.padded_size(n)
@@ -154,3 +155,123 @@ def _layer(layer: torch.nn.Module, cos: torch.Tensor, sin: torch.Tensor,
 
 def _finish(model: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
     return model.finish(h)
+
+
+class CudaGraphs:
+    """CUDA graph sets for decode-only steps (every request one token), the shape a CUDA
+    graph can hold: the paged attention of such a step has fixed-shape metadata.
+
+    Persistent buffers, sized for the largest capture: ids, embeds (only with prompt
+    embeds enabled), positions, slot mapping, block table `[max_size, max_blocks]`, and the
+    decode key mask built from the sequence lengths. A replay copies the step's values into
+    the first rows; padded rows are one-token sequences at the null block's first slot
+    (they write and read only that slot, so their values stay finite and no real row ever
+    reads them: real rows mask every key past their length).
+    """
+
+    def __init__(self, model: torch.nn.Module, sizes: list[int], with_embeds: bool,
+                 hidden_size: int, dtype: torch.dtype, device: torch.device,
+                 block_size: int, max_model_len: int, metadata_cls) -> None:
+        self.model = model
+        self.sizes = sorted(set(sizes))
+        self.kinds = (IDS, EMBEDS) if with_embeds else (IDS,)
+        self.max_size = self.sizes[-1]
+        self.block_size = block_size
+        self.max_blocks = -(-max_model_len // block_size)
+        self.metadata_cls = metadata_cls
+        n = self.max_size
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.inputs_embeds = (torch.zeros(n, hidden_size, dtype=dtype, device=device)
+                              if with_embeds else None)
+        self.slot_mapping = torch.zeros(n, dtype=torch.int64, device=device)
+        self.block_table = torch.zeros(n, self.max_blocks, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.int64, device=device)
+        self.key_positions = torch.arange(self.max_blocks * block_size, device=device)
+        self.decode_mask = torch.zeros(n, 1, 1, self.max_blocks * block_size,
+                                       dtype=torch.bool, device=device)
+        self.captured: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.replays: collections.Counter[tuple[str, int]] = collections.Counter()
+        self.pool = None
+
+    def padded_size(self, num_tokens: int) -> int | None:
+        i = bisect.bisect_left(self.sizes, num_tokens)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def _metadata(self, size: int):
+        return self.metadata_cls(
+            slot_mapping=self.slot_mapping[:size], num_actual_tokens=size,
+            decode_token_idx=None, decode_block_table=self.block_table[:size],
+            decode_mask=self.decode_mask[:size], decode_seq_lens=None,
+            decode_block_table_i32=None, prefills=[], decode_only=True)
+
+    def _forward(self, kind: str, size: int) -> torch.Tensor:
+        if kind == IDS:
+            return self.model(self.input_ids[:size], self.positions[:size], None)
+        return self.model(None, self.positions[:size], self.inputs_embeds[:size])
+
+    def capture(self, kv_caches: list[torch.Tensor], set_context) -> None:
+        """Captures every (kind, size), largest first so that smaller graphs reuse its
+        memory pool; `set_context(metadata, kv_caches)` is `set_forward_context`."""
+        start = time.perf_counter()
+        self._fill_padding(0)
+        for kind in self.kinds:
+            for size in reversed(self.sizes):
+                metadata = self._metadata(size)
+                with set_context(metadata, kv_caches):
+                    stream = torch.cuda.Stream()
+                    stream.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(stream):
+                        self._forward(kind, size)  # warm-up: lazy initialisations
+                    torch.cuda.current_stream().wait_stream(stream)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self.pool):
+                        out = self._forward(kind, size)
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.captured[(kind, size)] = (graph, out)
+        torch.cuda.synchronize()
+        logger.info("Captured %d CUDA graphs (%s) for sizes %s in %.1f s.", len(self.captured),
+                    " and ".join(self.kinds), self.sizes, time.perf_counter() - start)
+
+    def _fill_padding(self, n: int) -> None:
+        """Rows n.. become one-token sequences reading and writing slot 0 (null block)."""
+        self.input_ids[n:].zero_()
+        self.positions[n:].zero_()
+        if self.inputs_embeds is not None:
+            self.inputs_embeds[n:].zero_()
+        self.slot_mapping[n:].zero_()
+        self.block_table[n:].zero_()
+        self.seq_lens[n:] = 1
+        self.decode_mask[n:] = (self.key_positions < 1)[None, None, None, :]
+
+    def run(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+            inputs_embeds: torch.Tensor | None, common) -> torch.Tensor | None:
+        """Replays a graph for a decode-only step that fits, else None (eager)."""
+        n = positions.shape[0]
+        num_reqs = common.seq_lens.shape[0]
+        kind = IDS if inputs_embeds is None else EMBEDS
+        size = self.padded_size(n)
+        if size is None or num_reqs != n or (kind, size) not in self.captured:
+            return None
+        if common.block_table.shape[1] > self.max_blocks:
+            return None
+        device = self.input_ids.device
+        self._fill_padding(n)
+        self.positions[:n].copy_(positions)
+        if kind == IDS:
+            self.input_ids[:n].copy_(input_ids)
+        else:
+            self.inputs_embeds[:n].copy_(inputs_embeds)
+        self.slot_mapping[:n].copy_(torch.from_numpy(common.slot_mapping).to(device))
+        width = common.block_table.shape[1]
+        self.block_table[:n, :width].copy_(torch.from_numpy(
+            common.block_table[:n].astype('int64')).to(device))
+        self.block_table[:n, width:].zero_()
+        seq_lens = torch.from_numpy(common.seq_lens.astype('int64')).to(device)
+        self.seq_lens[:n].copy_(seq_lens)
+        self.decode_mask[:n] = (self.key_positions[None, :] < seq_lens[:, None])[:, None, None]
+        graph, out = self.captured[(kind, size)]
+        graph.replay()
+        self.replays[(kind, size)] += 1
+        return out[:n]
