@@ -75,3 +75,39 @@ def test_backend_matches_dense_reference(dtype, native, monkeypatch):
     # The new keys and values landed in their slots.
     flat_k = kv_cache[0].view(-1, KV_HEADS, HEAD_SIZE)
     assert torch.equal(flat_k[torch.from_numpy(slots)], k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_decode_kernel_long_and_odd_lengths(dtype):
+    """The kernel alone against a dense softmax: lengths across its 512-key partitions and
+    with 4-key and block tails (1, 5, 16, 17, 511, 512, 513, 1300), GQA group 3, blocks in
+    a shuffled order."""
+    ops = torch_sdpa._native_decode(torch.device("cpu"))
+    if ops is None:
+        pytest.skip("no compiler for the native kernel")
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, head_size, block = 6, 2, 64, 16
+    lens = [1, 5, 16, 17, 511, 512, 513, 1300]
+    max_blocks = -(-max(lens) // block)
+    num_blocks = sum(-(-n // block) for n in lens) + 1
+    kv = torch.randn(2, num_blocks, block, kv_heads, head_size, generator=gen).to(dtype)
+    order = torch.randperm(num_blocks - 1, generator=gen) + 1
+    table = np.zeros((len(lens), max_blocks), dtype=np.int32)
+    used = 0
+    for i, n in enumerate(lens):
+        nb = -(-n // block)
+        table[i, :nb] = order[used:used + nb].numpy()
+        used += nb
+    q = torch.randn(len(lens), heads, head_size, generator=gen).to(dtype)
+    scale = head_size ** -0.5
+    out = ops.paged_decode_attention(q, kv, torch.from_numpy(table),
+                                     torch.tensor(lens, dtype=torch.int32), scale)
+    for i, n in enumerate(lens):
+        ids = torch.from_numpy(table[i, :-(-n // block)].astype(np.int64))
+        k = kv[0][ids].reshape(-1, kv_heads, head_size)[:n].float()
+        v = kv[1][ids].reshape(-1, kv_heads, head_size)[:n].float()
+        k, v = k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1)
+        p = torch.softmax(torch.einsum("hd,thd->ht", q[i].float(), k) * scale, dim=-1)
+        ref = torch.einsum("ht,thd->hd", p, v)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert torch.allclose(out[i].float(), ref, atol=tol, rtol=tol), (n, dtype)

@@ -15,6 +15,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -123,8 +124,14 @@ void decode_attention(const T* query, const T* kv_cache, const int32_t* block_ta
 }
 
 #if defined(__AVX512F__)
-// The same computation with 16-wide float vectors: a head is head_size / 16 vectors; the
-// group's queries and accumulators stay in vector registers (or L1) across the sequence.
+// The same computation with 16-wide float vectors, shaped for memory bandwidth:
+//  - blocks are walked in order (a block's keys are contiguous rows of the cache), with no
+//    per-token division;
+//  - scores are computed four keys at a time, their four dot products reduced together;
+//  - softmax uses a vectorised exp;
+//  - a sequence is split into partitions of kPartition keys, each its own task with a
+//    local max, sum and unnormalised output, merged at the end (flash-decoding), so that
+//    one long sequence still spreads over every thread when the batch is small.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -134,7 +141,39 @@ inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// The sums of four vectors' lanes, as one 4-float vector [sum a, sum b, sum c, sum d].
+inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  // Per 128-bit lane: [a, b, c, d] partial sums.
+  const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd),
+                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(
+                                        _mm512_castps_pd(abcd), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+}
+
+// exp(x) for x <= 0 (scores minus their max): 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2,
+// p a degree-6 Taylor polynomial (relative error ~2e-7); -inf and very negative -> 0.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
 constexpr int64_t kMaxVecs = 64;  // group * head_size / 16
+constexpr int64_t kPartition = 512;  // keys per task
 
 template <typename T>
 bool decode_attention_avx512(const T* query, const T* kv_cache, const int32_t* block_table,
@@ -144,48 +183,133 @@ bool decode_attention_avx512(const T* query, const T* kv_cache, const int32_t* b
                              float scale) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t chunks = head_size / 16;
-  if (head_size % 16 != 0 || group * chunks > kMaxVecs) return false;
+  if (head_size % 16 != 0 || group * chunks > kMaxVecs || group > kMaxVecs / 4 ||
+      kPartition % block_size != 0)
+    return false;
   const int64_t token_stride = num_kv_heads * head_size;
   const T* value_cache = kv_cache + num_blocks * block_size * token_stride;
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    __m512 q[kMaxVecs], acc[kMaxVecs], row[kMaxVecs];
-    std::vector<float> scores, tmp(head_size);
+  // Tasks: (sequence, kv head, partition). part_start[s] is sequence s's first partition.
+  std::vector<int64_t> part_start(num_seqs + 1, 0);
+  for (int64_t s = 0; s < num_seqs; ++s)
+    part_start[s + 1] = part_start[s] + std::max<int64_t>(1, (seq_lens[s] + kPartition - 1) / kPartition);
+  const int64_t num_parts = part_start[num_seqs];
+  // Per (partition, kv head, group member): max score, sum of exps, unnormalised output.
+  std::vector<float> part_max(num_parts * num_heads), part_sum(num_parts * num_heads);
+  std::vector<float> part_out(num_parts * num_heads * head_size);
+  std::vector<int64_t> part_seq(num_parts);
+  for (int64_t s = 0; s < num_seqs; ++s)
+    for (int64_t p = part_start[s]; p < part_start[s + 1]; ++p) part_seq[p] = s;
+
+  at::parallel_for(0, num_parts * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    __m512 q[kMaxVecs], acc[kMaxVecs], row[4][16];
+    alignas(64) float scores[kMaxVecs / 4 * kPartition];  // group * kPartition (group <= 16)
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
-      const int64_t len = seq_lens[seq];
-      const int32_t* blocks = block_table + seq * max_blocks;
+      const int64_t part = task / num_kv_heads, kv_head = task % num_kv_heads;
+      const int64_t seq = part_seq[part];
+      const int64_t first = (part - part_start[seq]) * kPartition;
+      const int64_t len = std::min<int64_t>(seq_lens[seq] - first, kPartition);
+      const int32_t* blocks = block_table + seq * max_blocks + first / block_size;
       for (int64_t g = 0; g < group; ++g) {
         const T* src = query + (seq * num_heads + kv_head * group + g) * head_size;
-        for (int64_t c = 0; c < chunks; ++c) q[g * chunks + c] = _mm512_mul_ps(load16(src + 16 * c), vscale);
+        for (int64_t c = 0; c < chunks; ++c)
+          q[g * chunks + c] = _mm512_mul_ps(load16(src + 16 * c), vscale);
       }
-      scores.resize(group * len);
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t slot = static_cast<int64_t>(blocks[t / block_size]) * block_size + t % block_size;
-        const T* k = kv_cache + slot * token_stride + kv_head * head_size;
-        for (int64_t c = 0; c < chunks; ++c) row[c] = load16(k + 16 * c);
-        for (int64_t g = 0; g < group; ++g) {
-          __m512 dot = _mm512_mul_ps(q[g * chunks], row[0]);
-          for (int64_t c = 1; c < chunks; ++c) dot = _mm512_fmadd_ps(q[g * chunks + c], row[c], dot);
-          scores[g * len + t] = _mm512_reduce_add_ps(dot);
+      // Scores, block by block, four keys at a time.
+      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const int64_t n = std::min(block_size, len - t0);
+        const T* k_block = kv_cache + (static_cast<int64_t>(blocks[t0 / block_size]) *
+                                       block_size) * token_stride + kv_head * head_size;
+        int64_t i = 0;
+        for (; i + 4 <= n; i += 4) {
+          for (int64_t u = 0; u < 4; ++u)
+            for (int64_t c = 0; c < chunks; ++c)
+              row[u][c] = load16(k_block + (i + u) * token_stride + 16 * c);
+          for (int64_t g = 0; g < group; ++g) {
+            __m512 d[4];
+            for (int64_t u = 0; u < 4; ++u) {
+              d[u] = _mm512_mul_ps(q[g * chunks], row[u][0]);
+              for (int64_t c = 1; c < chunks; ++c)
+                d[u] = _mm512_fmadd_ps(q[g * chunks + c], row[u][c], d[u]);
+            }
+            _mm_storeu_ps(scores + g * kPartition + t0 + i, reduce4(d[0], d[1], d[2], d[3]));
+          }
+        }
+        for (; i < n; ++i) {
+          for (int64_t c = 0; c < chunks; ++c)
+            row[0][c] = load16(k_block + i * token_stride + 16 * c);
+          for (int64_t g = 0; g < group; ++g) {
+            __m512 d = _mm512_mul_ps(q[g * chunks], row[0][0]);
+            for (int64_t c = 1; c < chunks; ++c)
+              d = _mm512_fmadd_ps(q[g * chunks + c], row[0][c], d);
+            scores[g * kPartition + t0 + i] = _mm512_reduce_add_ps(d);
+          }
         }
       }
-      for (int64_t g = 0; g < group; ++g) softmax_in_place(scores.data() + g * len, len);
+      // exp(score - max) per group member, vectorised; the partition's max and sum kept.
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = scores + g * kPartition;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < len; ++t) m = std::max(m, s[t]);
+        const __m512 vm = _mm512_set1_ps(m);
+        __m512 vsum = _mm512_setzero_ps();
+        int64_t t = 0;
+        for (; t + 16 <= len; t += 16) {
+          const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), vm));
+          _mm512_storeu_ps(s + t, e);
+          vsum = _mm512_add_ps(vsum, e);
+        }
+        if (t < len) {
+          const __mmask16 mask = static_cast<__mmask16>((1u << (len - t)) - 1);
+          const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + t), vm));
+          _mm512_mask_storeu_ps(s + t, mask, e);
+          vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(mask, e));
+        }
+        const int64_t h = part * num_heads + kv_head * group + g;
+        part_max[h] = m;
+        part_sum[h] = _mm512_reduce_add_ps(vsum);
+      }
+      // Unnormalised output: sum of exp-weighted values, block by block.
       for (int64_t i = 0; i < group * chunks; ++i) acc[i] = _mm512_setzero_ps();
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t slot = static_cast<int64_t>(blocks[t / block_size]) * block_size + t % block_size;
-        const T* v = value_cache + slot * token_stride + kv_head * head_size;
-        for (int64_t c = 0; c < chunks; ++c) row[c] = load16(v + 16 * c);
-        for (int64_t g = 0; g < group; ++g) {
-          const __m512 p = _mm512_set1_ps(scores[g * len + t]);
+      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const int64_t n = std::min(block_size, len - t0);
+        const T* v_block = value_cache + (static_cast<int64_t>(blocks[t0 / block_size]) *
+                                          block_size) * token_stride + kv_head * head_size;
+        for (int64_t i = 0; i < n; ++i) {
           for (int64_t c = 0; c < chunks; ++c)
-            acc[g * chunks + c] = _mm512_fmadd_ps(p, row[c], acc[g * chunks + c]);
+            row[0][c] = load16(v_block + i * token_stride + 16 * c);
+          for (int64_t g = 0; g < group; ++g) {
+            const __m512 p = _mm512_set1_ps(scores[g * kPartition + t0 + i]);
+            for (int64_t c = 0; c < chunks; ++c)
+              acc[g * chunks + c] = _mm512_fmadd_ps(p, row[0][c], acc[g * chunks + c]);
+          }
         }
       }
       for (int64_t g = 0; g < group; ++g) {
-        for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(tmp.data() + 16 * c, acc[g * chunks + c]);
-        store_row(tmp.data(), out + (seq * num_heads + kv_head * group + g) * head_size, head_size);
+        float* dst = part_out.data() + ((part * num_heads) + kv_head * group + g) * head_size;
+        for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(dst + 16 * c, acc[g * chunks + c]);
       }
+    }
+  });
+  // Merge each sequence's partitions: out = sum_p e^(m_p - M) o_p / sum_p e^(m_p - M) l_p.
+  at::parallel_for(0, num_seqs * num_heads, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> merged(head_size);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t seq = task / num_heads, head = task % num_heads;
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t p = part_start[seq]; p < part_start[seq + 1]; ++p)
+        m = std::max(m, part_max[p * num_heads + head]);
+      std::fill(merged.begin(), merged.end(), 0.0f);
+      float total = 0.0f;
+      for (int64_t p = part_start[seq]; p < part_start[seq + 1]; ++p) {
+        const float w = std::exp(part_max[p * num_heads + head] - m);
+        total += w * part_sum[p * num_heads + head];
+        const float* o = part_out.data() + (p * num_heads + head) * head_size;
+        for (int64_t j = 0; j < head_size; ++j) merged[j] += w * o[j];
+      }
+      const float inv = 1.0f / total;
+      for (int64_t j = 0; j < head_size; ++j) merged[j] *= inv;
+      store_row(merged.data(), out + (seq * num_heads + head) * head_size, head_size);
     }
   });
   return true;
