@@ -53,6 +53,20 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x / scale).to(torch.int8), scale
 
 
+def dequantize_output(acc: torch.Tensor, x_scale: torch.Tensor, weight_scale: torch.Tensor,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """int32 accumulators [M, N] -> the model dtype, scaled per token and per channel."""
+    return (acc.float() * (x_scale * weight_scale)).to(dtype)
+
+
+# Steps that run eagerly (prefill chunks larger than the captured graphs) would otherwise
+# pay ~5 separate passes over the activations to quantize and ~3 to dequantize; compiled
+# once with a dynamic row count, each is one fused loop. Inside a captured graph, dynamo
+# inlines them into the graph being compiled.
+_quantize_fused = torch.compile(quantize_per_token, dynamic=True, fullgraph=True)
+_dequantize_fused = torch.compile(dequantize_output, dynamic=True, fullgraph=True)
+
+
 class Int8Linear(nn.Module):
     """A `nn.Linear` replacement holding int8 weights per output channel."""
 
@@ -68,9 +82,9 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        x_q, x_scale = quantize_per_token(x2)
-        y = torch._int_mm(x_q, self.weight_t).float() * (x_scale * self.weight_scale)
-        y = y.to(x.dtype)
+        x_q, x_scale = _quantize_fused(x2)
+        y = _dequantize_fused(torch._int_mm(x_q, self.weight_t), x_scale, self.weight_scale,
+                              x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
