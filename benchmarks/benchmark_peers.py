@@ -72,6 +72,8 @@ def run_ours(model: str, prompts: list[list[int]], concurrency: list[int], outpu
                             use_tqdm=False)
         results[c] = sum(len(o.outputs[0].token_ids) for o in outs) / (
             time.perf_counter() - start)
+    print(f"this engine {engine_kwargs}: " + "  ".join(f"c={c}: {v:.1f}"
+                                                       for c, v in results.items()), flush=True)
     return results
 
 
@@ -129,6 +131,8 @@ def main() -> None:
     parser.add_argument("--gguf", action=argparse.BooleanOptionalAction, default=True,
                         help="also run this engine on the GGUF file itself with "
                              "quantization=gguf (its 4-bit weights kept; bfloat16)")
+    parser.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run this engine in bfloat16 without captured graphs")
     parser.add_argument("--hf-dir", default=os.path.join(tempfile.gettempdir(),
                                                          "vllm-bench-default-hf"))
     parser.add_argument("--plot", default="peers.png")
@@ -147,6 +151,10 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         curves[f"this engine {dtype}"] = run_ours(hf_dir, prompts, concurrency,
                                                   args.output_len, dtype=dtype)
+        if args.eager and dtype == "bfloat16":
+            curves[f"this engine {dtype} eager"] = run_ours(hf_dir, prompts, concurrency,
+                                                            args.output_len, dtype=dtype,
+                                                            enforce_eager=True)
         if args.int8 and dtype == "bfloat16":
             curves[f"this engine {dtype} int8"] = run_ours(hf_dir, prompts, concurrency,
                                                            args.output_len, dtype=dtype,
@@ -169,6 +177,11 @@ def main() -> None:
         else:
             curves["llama.cpp Q4_1 GGUF"] = result
     report(curves, concurrency, args.dtypes.split(","))
+    for c in concurrency:
+        graphs, eager = (curves.get(f"this engine bfloat16{tag}", {}).get(c)
+                         for tag in ("", " eager"))
+        if graphs and eager:
+            print(f"ratio graphs / eager (bfloat16, {c} requests): {graphs / eager:.2f}x")
     plot(curves, args.plot, f"default model, {args.output_len} output tokens per request")
 
 
