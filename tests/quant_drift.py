@@ -68,7 +68,11 @@ if __name__ == "__main__":
                           ("int8 (float32 activations)", {"dtype": "float32",
                                                           "quantization": "int8"}),
                           ("int8 (bfloat16 activations)", {"dtype": "bfloat16",
-                                                           "quantization": "int8"})]:
+                                                           "quantization": "int8"}),
+                          # One request at a time: every step takes the int4 kernel.
+                          ("gguf int4 (one request)", {"dtype": "bfloat16",
+                                                       "quantization": "gguf",
+                                                       "max_num_seqs": 1})]:
         drift = measure_drift(reference, greedy_runs(path, 32, **kwargs), first_n=16)
         print(f"{label:<30} agreement@16 {drift.agreement:.2f}  mean common prefix "
               f"{drift.mean_common_prefix:.1f}/32  logprob diff max {drift.max_logprob_diff:.3f} "

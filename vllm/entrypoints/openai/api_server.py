@@ -320,7 +320,7 @@ def _exit_on_signal(signum: int, frame: Any) -> None:
 
 async def run_server(args: argparse.Namespace) -> None:
     """Starts the engine process, serves until SIGINT/SIGTERM, then stops the engine."""
-    from vllm.entrypoints.openai.cli_serve import (
+    from vllm.entrypoints.openai.serve_args import (
         audio_limits_from_namespace,
         check_task,
         engine_args_from_namespace,
@@ -381,6 +381,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    from vllm.entrypoints.openai.cli_serve import make_parser
+    from vllm.entrypoints.openai.serve_args import make_parser
 
     raise SystemExit(run(make_parser().parse_args()))

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from vllm.config import ModelConfig
+from vllm.model_executor.layers.packed_linear import can_pack, pack_linears
 from vllm.model_executor.layers.quantization import quantize_model
 from vllm.model_executor.models.registry import resolve_model_cls
 from vllm.v1.attention.backends.abstract import AttentionBackend
@@ -60,6 +61,9 @@ def get_model(model_config: ModelConfig, backend: type[AttentionBackend],
         _keep_gguf_int4(model, model_config.model)
     else:
         model = quantize_model(model, model_config.quantization)
+    if getattr(model, "supports_packed_linears", False) and can_pack(model_config.dtype,
+                                                                      device):
+        pack_linears(model)  # the linear layers left in bfloat16, vocabulary projection too
     return model.eval().requires_grad_(False)
 
 

@@ -81,6 +81,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     supports_graph_capture = True
+    supports_packed_linears = True  # every linear is called as a module (see packed_linear)
 
     def __init__(self, config, backend: type[AttentionBackend], max_model_len: int,
                  dtype: torch.dtype) -> None:
@@ -93,8 +94,9 @@ class LlamaForCausalLM(nn.Module):
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight  # one parameter, two uses
 
     def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -119,8 +121,7 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(h)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden_states, weight)  # model dtype: the sampler upcasts
+        return self.lm_head(hidden_states)  # model dtype: the sampler upcasts
 
     def fused_target(self, name: str) -> tuple[str, int | None]:
         """(parameter name, row offset) of an HF-named weight in this model."""

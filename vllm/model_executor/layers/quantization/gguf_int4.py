@@ -26,7 +26,6 @@ import logging
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -78,8 +77,7 @@ class Int4Linear(nn.Module):
             raise ValueError(f"int4 codes of shape {(n, k)} do not fit a linear layer of "
                              f"{(self.out_features, self.in_features)} (the kernel needs "
                              "in % 32 == 0 and out % 16 == 0).")
-        self.weight = linear.weight
-        self.bias = linear.bias
+        self.dense = linear  # large steps (may become a `PackedLinear` at load)
         q = torch.from_numpy(codes.q.astype(np.int32))
         self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, 1))
         scale_zero = np.stack([codes.scale.T, codes.zero.T], axis=-1)  # [K/32, N, 2]
@@ -88,10 +86,10 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > INT4_MAX_ROWS:
-            return F.linear(x, self.weight, self.bias)
+            return self.dense(x)
         y = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP,
                                               self.scale_zero).to(x.dtype)
-        return y if self.bias is None else y + self.bias
+        return y if self.dense.bias is None else y + self.dense.bias
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -1,0 +1,56 @@
+"""`PackedLinear` (oneDNN-packed bfloat16 weights): bit-identical to `nn.Linear` eagerly and
+inside a compiled graph, swapped in for every linear of a Llama model in bfloat16 on CPU
+(the tied vocabulary projection included) without changing a single token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import vllm.model_executor.model_loader.loader as loader
+from vllm import LLM, SamplingParams
+from vllm.model_executor.layers.packed_linear import PackedLinear, can_pack
+
+pytestmark = pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")),
+                                reason="no oneDNN in this torch build")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_equals_linear_for_every_row_count(bias: bool, monkeypatch) -> None:
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 64)  # a graph per size
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 80, bias=bias).to(torch.bfloat16)
+    packed = PackedLinear(linear)
+    compiled = torch.compile(packed, dynamic=False, fullgraph=True)
+    with torch.inference_mode():
+        for rows in (1, 3, 8, 64, 300):
+            x = torch.randn(rows, 96, dtype=torch.bfloat16)
+            assert torch.equal(packed(x), linear(x))
+            assert torch.equal(compiled(x), linear(x))
+
+
+def test_only_bfloat16_on_cpu_is_packed() -> None:
+    assert not can_pack(torch.float32, torch.device("cpu"))
+    assert not can_pack(torch.bfloat16, torch.device("cuda"))
+
+
+def test_packed_model_gives_the_same_tokens(tiny_llama_tied_dir, monkeypatch) -> None:
+    prompts = ["Hello world, this is", "The capital of France is", "A"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+
+    def run() -> tuple[LLM, list]:
+        llm = LLM(tiny_llama_tied_dir, dtype="bfloat16", enforce_eager=True,
+                  kv_cache_memory_bytes=16 * 1024**2, max_model_len=256)
+        return llm, llm.generate(prompts, params, use_tqdm=False)
+
+    llm, packed = run()
+    model = llm.llm_engine.engine_core.model_executor.model_runner.model
+    assert isinstance(model.lm_head, PackedLinear)
+    assert isinstance(model.layers[0].self_attn.qkv_proj, PackedLinear)
+    monkeypatch.setattr(loader, "can_pack", lambda dtype, device: False)
+    _, plain = run()
+    for a, b in zip(packed, plain, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [{t: lp.logprob for t, lp in d.items()} for d in a.outputs[0].logprobs] == \
+            [{t: lp.logprob for t, lp in d.items()} for d in b.outputs[0].logprobs]

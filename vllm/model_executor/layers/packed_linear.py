@@ -1,0 +1,85 @@
+"""`PackedLinear`: a bfloat16 `nn.Linear` on CPU whose weight is reordered once, at load,
+into oneDNN's blocked layout.
+
+`F.linear` in bfloat16 on CPU runs oneDNN's matmul but reorders the weight on every call;
+for the small steps of decoding that reorder is most of the work. With the weight packed
+once, the same kernel gives bit-identical results several times faster (one 576 x 3072
+weight, 2-core AVX512-BF16 CPU: 4 rows 397 -> 164 us, 64 rows 4.4 -> 1.8 ms; at 512 rows
+the two are equal).
+
+The packed weight is an opaque oneDNN tensor that `torch.compile` cannot take as a graph
+input (inductor only packs weights itself when a graph is frozen, which would give every
+layer its own graph), so compiled graphs call it through the registered op
+`vllm::packed_linear`, which finds the layer by a tensor id, as `vllm::attention` does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import weakref
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+_ids = itertools.count()
+_layers: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()
+
+
+def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
+    """bfloat16 on a CPU with oneDNN (float32 stays on `F.linear`: oneDNN's float32 result
+    differs from MKL's in the last bits, and parity is checked in float32)."""
+    return (dtype == torch.bfloat16 and device.type == "cpu"
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+class PackedLinear(nn.Module):
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(),
+                                                                     None)
+        self.bias = linear.bias
+        self.op_id = next(_ids)
+        _layers[self.op_id] = self
+        self.register_buffer("op_id_tensor", torch.tensor(self.op_id), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.vllm.packed_linear(x, self.bias, self.op_id_tensor,
+                                                self.out_features)
+        return self.run(x)
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none",
+                                                  [], "")
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                "oneDNN-packed")
+
+
+@torch.library.custom_op("vllm::packed_linear", mutates_args=())
+def _packed_linear_op(x: torch.Tensor, bias: torch.Tensor | None, op_id: torch.Tensor,
+                      out_features: int) -> torch.Tensor:
+    return _layers[int(op_id)].run(x)
+
+
+@_packed_linear_op.register_fake
+def _(x: torch.Tensor, bias: torch.Tensor | None, op_id: torch.Tensor,
+      out_features: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Swaps every `nn.Linear` of `model` for a `PackedLinear`; returns the count."""
+    targets = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
+    for name, linear in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, PackedLinear(linear))
+    logger.info("Packed %d bfloat16 linear layers into oneDNN's layout.", len(targets))
+    return len(targets)
