@@ -188,7 +188,7 @@ class EngineCoreProc:
         """What the engine holds now, for leak checks (`/server_info` in dev mode)."""
         state = self.engine_core.get_state()
         state["rss_bytes"] = _rss_bytes()
-        state["num_tensors"] = sum(isinstance(obj, torch.Tensor) for obj in gc.get_objects())
+        state["num_tensors"] = sum(map(_is_live_tensor, gc.get_objects()))
         return state
 
     def ping(self) -> str:
@@ -215,6 +215,14 @@ class EngineCoreProc:
     def close(self) -> None:
         self.engine_core.shutdown()
         self.ctx.destroy(linger=0)
+
+
+def _is_live_tensor(obj: Any) -> bool:
+    """isinstance, except that a dead weakref proxy (torch.compile keeps some) raises."""
+    try:
+        return isinstance(obj, torch.Tensor)
+    except ReferenceError:
+        return False
 
 
 def _rss_bytes() -> int:
