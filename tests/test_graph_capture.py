@@ -130,9 +130,10 @@ def test_short_embeds_prefill_replays_the_embeds_set(graphs, eager, prompts,
 
 
 def test_default_capture_sizes() -> None:
-    assert default_capture_sizes(2048, 64, "cpu") == [1, 2, 4, 8, 16, 32, 64]
-    assert default_capture_sizes(2048, 48, "cpu") == [1, 2, 4, 8, 16, 32, 48]
+    assert default_capture_sizes(2048, 64, "cpu") == [1, 2, 4, 8, 16]
+    assert default_capture_sizes(2048, 12, "cpu") == [1, 2, 4, 8, 12]
     assert default_capture_sizes(2048, 3, "cpu") == [1, 2, 3]
+    assert default_capture_sizes(4, 64, "cpu") == [1, 2, 4]
     assert default_capture_sizes(2048, 32, "cuda") == [1, 2, 4, 8, 16, 24, 32]
 
 
