@@ -129,6 +129,23 @@ def test_short_embeds_prefill_replays_the_embeds_set(graphs, eager, prompts,
     assert set(runner.graphs.replays) == {(IDS, 1)}
 
 
+def test_hidden_state_rows_through_graphs_match_eager(tiny_llama_dir, prompts) -> None:
+    """Returned hidden states (stage outputs) written by graph replays: the same tokens,
+    and rows equal to eager's up to float32 reassociation in the fused reductions."""
+    kwargs = dict(enable_prompt_embeds=True, enable_return_hidden_states=True)
+    graph_llm = _llm(tiny_llama_dir, compilation_config={"cudagraph_capture_sizes": SIZES},
+                     **kwargs)
+    eager_llm = _llm(tiny_llama_dir, enforce_eager=True, **kwargs)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                            return_hidden_states=True)
+    graph_out = graph_llm.generate(prompts, params, use_tqdm=False)
+    eager_out = eager_llm.generate(prompts, params, use_tqdm=False)
+    assert _runner(graph_llm).graphs.replays
+    for g, e in zip(graph_out, eager_out, strict=True):
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids
+        torch.testing.assert_close(g.hidden_states, e.hidden_states, atol=1e-4, rtol=1e-4)
+
+
 def test_default_capture_sizes() -> None:
     assert default_capture_sizes(2048, 64, "cpu") == [1, 2, 4, 8, 16]
     assert default_capture_sizes(2048, 12, "cpu") == [1, 2, 4, 8, 12]

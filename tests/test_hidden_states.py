@@ -28,6 +28,10 @@ ATOL = 1e-5
 
 
 def _llm(path: str, **kwargs) -> LLM:
+    """Eager: these rows are held to transformers' at 1e-5 absolute. Captured graphs fuse
+    the float32 RMSNorm and residual reductions in another order (up to ~1.1e-5 seen on
+    these rows); their rows are held to eager's in tests/test_graph_capture.py."""
+    kwargs.setdefault("enforce_eager", True)
     kwargs.setdefault("kv_cache_memory_bytes", 16 * 1024**2)
     kwargs.setdefault("max_model_len", 256)
     return LLM(path, dtype="float32", enable_return_hidden_states=True, **kwargs)
