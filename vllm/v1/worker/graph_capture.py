@@ -69,6 +69,15 @@ def default_capture_sizes(max_num_batched_tokens: int, max_num_seqs: int,
     return sizes
 
 
+def padded_size(sizes: list[int], num_tokens: int) -> int | None:
+    """The smallest captured size >= num_tokens, None past the largest.
+
+    Example: sizes [1, 2, 4, 8]: 3 -> 4, 8 -> 8, 9 -> None.
+    """
+    i = bisect.bisect_left(sizes, num_tokens)
+    return sizes[i] if i < len(sizes) else None
+
+
 class CompiledGraphs:
     """The CPU graph sets, `(kind, size) -> captured`, and their persistent inputs.
 
@@ -104,8 +113,7 @@ class CompiledGraphs:
         self._finish = compile_(_finish)
 
     def padded_size(self, num_tokens: int) -> int | None:
-        i = bisect.bisect_left(self.sizes, num_tokens)
-        return self.sizes[i] if i < len(self.sizes) else None
+        return padded_size(self.sizes, num_tokens)
 
     def capture(self, run_dummy_step: Callable[[int, Callable[[], torch.Tensor]], None]) -> None:
         """Compiles every (kind, size), each through one real forward: `run_dummy_step(size,
@@ -209,8 +217,7 @@ class CudaGraphs:
         self.pool = None
 
     def padded_size(self, num_tokens: int) -> int | None:
-        i = bisect.bisect_left(self.sizes, num_tokens)
-        return self.sizes[i] if i < len(self.sizes) else None
+        return padded_size(self.sizes, num_tokens)
 
     def _metadata(self, size: int):
         return self.metadata_cls(
