@@ -77,17 +77,12 @@ def test_backend_matches_dense_reference(dtype, native, monkeypatch):
     assert torch.equal(flat_k[torch.from_numpy(slots)], k)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_decode_kernel_long_and_odd_lengths(dtype):
-    """The kernel alone against a dense softmax: lengths across its 512-key partitions and
-    with 4-key and block tails (1, 5, 16, 17, 511, 512, 513, 1300), GQA group 3, blocks in
-    a shuffled order."""
+def _check_native_decode(dtype, lens, heads, kv_heads, head_size, block=16):
     ops = torch_sdpa._native_decode(torch.device("cpu"))
     if ops is None:
         pytest.skip("no compiler for the native kernel")
     gen = torch.Generator().manual_seed(0)
-    heads, kv_heads, head_size, block = 6, 2, 64, 16
-    lens = [1, 5, 16, 17, 511, 512, 513, 1300]
+    group = heads // kv_heads
     max_blocks = -(-max(lens) // block)
     num_blocks = sum(-(-n // block) for n in lens) + 1
     kv = torch.randn(2, num_blocks, block, kv_heads, head_size, generator=gen).to(dtype)
@@ -106,8 +101,32 @@ def test_native_decode_kernel_long_and_odd_lengths(dtype):
         ids = torch.from_numpy(table[i, :-(-n // block)].astype(np.int64))
         k = kv[0][ids].reshape(-1, kv_heads, head_size)[:n].float()
         v = kv[1][ids].reshape(-1, kv_heads, head_size)[:n].float()
-        k, v = k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1)
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         p = torch.softmax(torch.einsum("hd,thd->ht", q[i].float(), k) * scale, dim=-1)
         ref = torch.einsum("ht,thd->hd", p, v)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         assert torch.allclose(out[i].float(), ref, atol=tol, rtol=tol), (n, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_decode_kernel_long_and_odd_lengths(dtype):
+    """The kernel alone against a dense softmax: lengths across its 512-key partitions and
+    with 4-key and block tails (1, 5, 16, 17, 511, 512, 513, 1300), GQA group 3, blocks in
+    a shuffled order."""
+    _check_native_decode(dtype, [1, 5, 16, 17, 511, 512, 513, 1300], 6, 2, 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, head_size", [
+    (4, 4, 64),    # no GQA: tiles of one head
+    (8, 2, 64),    # group 4: one tile of 4
+    (14, 2, 64),   # group 7: seven tiles of one
+    (16, 2, 128),  # group 8, head 128: tiles of 2, 2 keys per reduction
+    (6, 3, 32),    # group 2, head 32
+    (4, 1, 16),    # one kv head, head 16
+    (4, 2, 80),    # a head size without an instantiation: the portable loop
+])
+def test_native_decode_kernel_head_shapes(dtype, heads, kv_heads, head_size):
+    """Every (head size, group) shape the kernel specialises, and one it does not, against
+    a dense softmax."""
+    _check_native_decode(dtype, [1, 3, 7, 37, 600], heads, kv_heads, head_size)

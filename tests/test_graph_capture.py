@@ -1,6 +1,7 @@
 """Captured graphs (`graph_capture`): replay equals eager execution, the embeds set exists
-only with prompt embeds enabled, token-only steps replay the ids set, padding and the sizes
-with no graph, and the knobs (`enforce_eager`, `compilation_config`)."""
+only with prompt embeds enabled, token-only steps replay the ids set, padding, steps larger
+than every static size (the CPU's `ANY` graphs), and the knobs (`enforce_eager`,
+`compilation_config`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from tests.hf_reference import load_hf_model
 from vllm import LLM, SamplingParams
 from vllm.config import CompilationConfig
-from vllm.v1.worker.graph_capture import EMBEDS, IDS, default_capture_sizes
+from vllm.v1.worker.graph_capture import ANY, EMBEDS, IDS, default_capture_sizes
 
 SIZES = [1, 2, 4, 8]
 
@@ -76,9 +77,11 @@ def _assert_same(a, b) -> None:
 def test_capture_sizes_and_sets(graphs, tiny_llama_dir) -> None:
     runner = _runner(graphs)
     assert runner.graphs.sizes == SIZES
-    assert runner.graphs.captured == {(kind, s) for kind in (IDS, EMBEDS) for s in SIZES}
+    assert runner.graphs.captured == {(kind, s) for kind in (IDS, EMBEDS)
+                                      for s in SIZES + [ANY]}
     no_embeds = _llm(tiny_llama_dir, compilation_config={"cudagraph_capture_sizes": [1, 4]})
-    assert _runner(no_embeds).graphs.captured == {(IDS, 1), (IDS, 4)}  # no embeds set
+    # No embeds set.
+    assert _runner(no_embeds).graphs.captured == {(IDS, 1), (IDS, 4), (IDS, ANY)}
     assert _runner(no_embeds).graphs.inputs_embeds is None
     for knobs in ({"enforce_eager": True}, {"compilation_config": 0},
                   {"compilation_config": {"level": 0}}):
@@ -86,8 +89,9 @@ def test_capture_sizes_and_sets(graphs, tiny_llama_dir) -> None:
 
 
 def test_replay_equals_eager_mixed_ids_and_embeds(graphs, eager, prompts) -> None:
-    """Five requests: prefill steps run eagerly (> 8 tokens), decode steps of 5 tokens
-    pad to 8, then 4, 2, 1 as requests finish (different max_tokens)."""
+    """Five requests: the prefill step (> 8 tokens, embeds rows) runs the embeds set's ANY
+    graph unpadded, decode steps of 5 tokens pad to 8, then 4, 2, 1 as requests finish
+    (different max_tokens)."""
     runner = _runner(graphs)
     runner.graphs.replays.clear()
     params = [_params(6 + 3 * i) for i in range(len(prompts))]
@@ -95,8 +99,32 @@ def test_replay_equals_eager_mixed_ids_and_embeds(graphs, eager, prompts) -> Non
                  eager.generate(prompts, params, use_tqdm=False))
     replays = runner.graphs.replays
     # Decode steps carry real ids only (generated tokens), embeds prompts included.
-    assert {kind for kind, _ in replays} == {IDS}
+    assert {kind for kind, size in replays if size != ANY} == {IDS}
     assert replays[(IDS, 8)] > 0 and replays[(IDS, 1)] > 0
+    assert replays[(EMBEDS, ANY)] == 1 and replays[(IDS, ANY)] == 0
+
+
+def test_large_steps_run_the_any_graphs(graphs, eager, prompts) -> None:
+    """Steps larger than every static size run the ANY graph of the set matching their
+    inputs, at their own size: token prefills of several requests (ids set), and embeds
+    prefills (embeds set)."""
+    runner = _runner(graphs)
+    token_prompts = prompts[0::2]
+    graphs.llm_engine.reset_prefix_cache()  # whole prefills, not earlier tests' hits
+    runner.graphs.replays.clear()
+    _assert_same(graphs.generate(token_prompts, _params(), use_tqdm=False),
+                 eager.generate(token_prompts, _params(), use_tqdm=False))
+    assert runner.graphs.replays[(IDS, ANY)] == 1 and runner.graphs.replays[(EMBEDS, ANY)] == 0
+    # Embeds prompts longer than 8 rows, one at a time.
+    embeds_prompts = [p for p in prompts[1::2] if p["prompt_embeds"].shape[0] > SIZES[-1]]
+    assert embeds_prompts
+    for prompt in embeds_prompts:
+        graphs.llm_engine.reset_prefix_cache()
+        runner.graphs.replays.clear()
+        _assert_same(graphs.generate([prompt], _params(4), use_tqdm=False),
+                     eager.generate([prompt], _params(4), use_tqdm=False))
+        assert runner.graphs.replays[(EMBEDS, ANY)] == 1
+        assert runner.graphs.replays[(IDS, 1)] == 3
 
 
 def test_token_only_steps_replay_the_ids_set(graphs, eager, prompts) -> None:
@@ -106,7 +134,7 @@ def test_token_only_steps_replay_the_ids_set(graphs, eager, prompts) -> None:
     _assert_same(graphs.generate(token_prompts, _params(), use_tqdm=False),
                  eager.generate(token_prompts, _params(), use_tqdm=False))
     kinds = {kind for kind, _ in runner.graphs.replays}
-    assert kinds == {IDS}
+    assert kinds == {IDS}  # the prefill (ANY) too
     assert runner.graphs.replays[(IDS, 4)] > 0  # three decodes padded to four
 
 
@@ -126,7 +154,8 @@ def test_short_embeds_prefill_replays_the_embeds_set(graphs, eager, prompts,
     runner.graphs.replays.clear()
     _assert_same(graphs.generate(prompts[:1], _params(), use_tqdm=False),
                  eager.generate(prompts[:1], _params(), use_tqdm=False))
-    assert set(runner.graphs.replays) == {(IDS, 1)}
+    # A token prompt: its prefill (ANY, > 8 tokens) and decodes replay the ids set only.
+    assert set(runner.graphs.replays) == {(IDS, ANY), (IDS, 1)}
 
 
 def test_hidden_state_rows_through_graphs_match_eager(tiny_llama_dir, prompts) -> None:

@@ -24,6 +24,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -125,13 +126,21 @@ void decode_attention(const T* query, const T* kv_cache, const int32_t* block_ta
 
 #if defined(__AVX512F__)
 // The same computation with 16-wide float vectors, shaped for memory bandwidth:
+//  - the head size (C vectors of 16) and a tile of GT query heads are compile-time
+//    constants, so the queries and accumulators live in registers (a runtime-shaped
+//    array of vectors is kept in memory, and on some cores a 512-bit store feeding the
+//    next token's load stalls every accumulation);
 //  - blocks are walked in order (a block's keys are contiguous rows of the cache), with no
-//    per-token division;
-//  - scores are computed four keys at a time, their four dot products reduced together;
+//    per-token division, and the next block's rows are prefetched while this one is used;
+//  - scores are computed several keys at a time, their dot products reduced together; on
+//    cores with AVX512-BF16, bfloat16 keys are multiplied as they are stored (vdpbf16ps:
+//    exact products, float32 sums), without widening them first;
 //  - softmax uses a vectorised exp;
 //  - a sequence is split into partitions of kPartition keys, each its own task with a
 //    local max, sum and unnormalised output, merged at the end (flash-decoding), so that
 //    one long sequence still spreads over every thread when the batch is small.
+// A group of query heads sharing a kv head larger than the tile runs tile by tile over the
+// same keys (the second pass reads them from cache).
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -172,8 +181,218 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-constexpr int64_t kMaxVecs = 64;  // group * head_size / 16
 constexpr int64_t kPartition = 512;  // keys per task
+
+// Prefetches `bytes` contiguous bytes from `first` into L1 (T0) or L2 (T1).
+template <int kHint, typename T>
+inline void prefetch_bytes(const T* first, int64_t bytes) {
+  const char* p = reinterpret_cast<const char*>(first);
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, static_cast<_mm_hint>(kHint));
+}
+
+// Scores of GT query heads (q: [GT, 16 * C]) against the n keys of one block row range
+// (k: the first key's row of this kv head; rows `token_stride` apart), into
+// scores[g * kPartition + i] (unscaled). Keys are taken several at a time, their dot
+// products reduced together.
+template <typename T, int GT, int C>
+inline void block_scores(const T* q_src, const T* k, int64_t n, int64_t token_stride,
+                         float* scores) {
+  constexpr int64_t D = 16 * C;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16> && C % 2 == 0) {
+    // bfloat16 pairs straight from the cache: C / 2 dot-product instructions per key.
+    constexpr int P = C / 2;
+    __m512bh q[GT][P];
+    for (int g = 0; g < GT; ++g)
+      for (int c = 0; c < P; ++c)
+        q[g][c] = (__m512bh)_mm512_loadu_si512(q_src + g * D + 32 * c);
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+      __m512bh kv[4][P];
+      for (int u = 0; u < 4; ++u)
+        for (int c = 0; c < P; ++c)
+          kv[u][c] = (__m512bh)_mm512_loadu_si512(k + (i + u) * token_stride + 32 * c);
+      for (int g = 0; g < GT; ++g) {
+        __m512 d[4];
+        for (int u = 0; u < 4; ++u) {
+          d[u] = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[g][0], kv[u][0]);
+          for (int c = 1; c < P; ++c) d[u] = _mm512_dpbf16_ps(d[u], q[g][c], kv[u][c]);
+        }
+        _mm_storeu_ps(scores + g * kPartition + i, reduce4(d[0], d[1], d[2], d[3]));
+      }
+    }
+    for (; i < n; ++i) {
+      for (int g = 0; g < GT; ++g) {
+        __m512 d = _mm512_setzero_ps();
+        for (int c = 0; c < P; ++c)
+          d = _mm512_dpbf16_ps(d, q[g][c],
+                               (__m512bh)_mm512_loadu_si512(k + i * token_stride + 32 * c));
+        scores[g * kPartition + i] = _mm512_reduce_add_ps(d);
+      }
+    }
+    return;
+  }
+#endif
+  constexpr int U = C <= 4 ? 4 : 2;  // keys per reduction: U * C key vectors in registers
+  __m512 q[GT][C];
+  for (int g = 0; g < GT; ++g)
+    for (int c = 0; c < C; ++c) q[g][c] = load16(q_src + g * D + 16 * c);
+  int64_t i = 0;
+  for (; i + U <= n; i += U) {
+    __m512 kv[U][C];
+    for (int u = 0; u < U; ++u)
+      for (int c = 0; c < C; ++c) kv[u][c] = load16(k + (i + u) * token_stride + 16 * c);
+    for (int g = 0; g < GT; ++g) {
+      __m512 d[4];
+      for (int u = 0; u < U; ++u) {
+        d[u] = _mm512_mul_ps(q[g][0], kv[u][0]);
+        for (int c = 1; c < C; ++c) d[u] = _mm512_fmadd_ps(q[g][c], kv[u][c], d[u]);
+      }
+      float* dst = scores + g * kPartition + i;
+      if constexpr (U == 4) {
+        _mm_storeu_ps(dst, reduce4(d[0], d[1], d[2], d[3]));
+      } else {
+        const __m512 zero = _mm512_setzero_ps();
+        _mm_storel_pi(reinterpret_cast<__m64*>(dst), reduce4(d[0], d[1], zero, zero));
+      }
+    }
+  }
+  for (; i < n; ++i) {
+    __m512 kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = load16(k + i * token_stride + 16 * c);
+    for (int g = 0; g < GT; ++g) {
+      __m512 d = _mm512_mul_ps(q[g][0], kv[0]);
+      for (int c = 1; c < C; ++c) d = _mm512_fmadd_ps(q[g][c], kv[c], d);
+      scores[g * kPartition + i] = _mm512_reduce_add_ps(d);
+    }
+  }
+}
+
+// scores[t] <- exp(scale * scores[t] - max) for t < len; returns (max, sum of the exps).
+inline std::pair<float, float> exp_scores(float* s, int64_t len, float scale) {
+  const __m512 vscale = _mm512_set1_ps(scale);
+  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t t = 0;
+  for (; t + 16 <= len; t += 16) {
+    const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + t), vscale);
+    _mm512_storeu_ps(s + t, x);
+    vmax = _mm512_max_ps(vmax, x);
+  }
+  const __mmask16 tail = static_cast<__mmask16>((1u << (len - t)) - 1);
+  if (t < len) {
+    const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + t), vscale);
+    _mm512_mask_storeu_ps(s + t, tail, x);
+    vmax = _mm512_mask_max_ps(vmax, tail, vmax, x);
+  }
+  const float m = _mm512_reduce_max_ps(vmax);
+  const __m512 vm = _mm512_set1_ps(m);
+  __m512 vsum = _mm512_setzero_ps();
+  for (t = 0; t + 16 <= len; t += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), vm));
+    _mm512_storeu_ps(s + t, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  if (t < len) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + t), vm));
+    _mm512_mask_storeu_ps(s + t, tail, e);
+    vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(tail, e));
+  }
+  return {m, _mm512_reduce_add_ps(vsum)};
+}
+
+// One task: every query head of one sequence over one partition of its keys (len <=
+// kPartition, starting at `blocks`). Keys are read a block at a time, whole rows (all kv
+// heads, contiguous), for every head while the block is in L1, with the next block
+// prefetched and this block's values brought into L2 for the second pass; values are then
+// summed per tile of GT heads. Writes each head's max score, sum of exps and unnormalised
+// output. `scores` holds num_heads * kPartition floats.
+template <typename T, int GT, int C>
+void attend_partition(const T* q_seq, const T* k_cache, const T* v_cache,
+                      const int32_t* blocks, int64_t len, int64_t block_size,
+                      int64_t num_kv_heads, int64_t group, float scale, float* scores,
+                      float* out_max, float* out_sum, float* out) {
+  constexpr int64_t D = 16 * C;
+  const int64_t token_stride = num_kv_heads * D;
+  const int64_t block_bytes = block_size * token_stride * static_cast<int64_t>(sizeof(T));
+  const int64_t num_heads = num_kv_heads * group;
+  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+    const int64_t n = std::min(block_size, len - t0);
+    const int64_t offset = static_cast<int64_t>(blocks[t0 / block_size]) * block_size *
+                           token_stride;
+    // The next block's keys into L1, the one after into L2, this block's values into L2.
+    if (t0 + block_size < len)
+      prefetch_bytes<_MM_HINT_T0>(k_cache + static_cast<int64_t>(blocks[t0 / block_size + 1]) *
+                                                block_size * token_stride, block_bytes);
+    if (t0 + 2 * block_size < len)
+      prefetch_bytes<_MM_HINT_T1>(k_cache + static_cast<int64_t>(blocks[t0 / block_size + 2]) *
+                                                block_size * token_stride, block_bytes);
+    prefetch_bytes<_MM_HINT_T1>(v_cache + offset, n * token_stride * sizeof(T));
+    for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head)
+      for (int64_t g0 = 0; g0 < group; g0 += GT) {
+        const int64_t head = kv_head * group + g0;
+        block_scores<T, GT, C>(q_seq + head * D, k_cache + offset + kv_head * D, n,
+                               token_stride, scores + head * kPartition + t0);
+      }
+  }
+  for (int64_t head = 0; head < num_heads; ++head) {
+    const auto [m, sum] = exp_scores(scores + head * kPartition, len, scale);
+    out_max[head] = m;
+    out_sum[head] = sum;
+  }
+  for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head)
+    for (int64_t g0 = 0; g0 < group; g0 += GT) {
+      const int64_t head = kv_head * group + g0;
+      const float* p = scores + head * kPartition;
+      __m512 acc[GT][C];
+      for (int g = 0; g < GT; ++g)
+        for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const int64_t n = std::min(block_size, len - t0);
+        const T* vb = v_cache + static_cast<int64_t>(blocks[t0 / block_size]) * block_size *
+                                    token_stride + kv_head * D;
+        for (int64_t i = 0; i < n; ++i) {
+          __m512 v[C];
+          for (int c = 0; c < C; ++c) v[c] = load16(vb + i * token_stride + 16 * c);
+          for (int g = 0; g < GT; ++g) {
+            const __m512 w = _mm512_set1_ps(p[g * kPartition + t0 + i]);
+            for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);
+          }
+        }
+      }
+      for (int g = 0; g < GT; ++g)
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + (head + g) * D + 16 * c, acc[g][c]);
+    }
+}
+
+template <typename T>
+using PartitionFn = void (*)(const T*, const T*, const T*, const int32_t*, int64_t, int64_t,
+                             int64_t, int64_t, float, float*, float*, float*, float*);
+
+// The instantiation for head_size 16 * C and the largest tile (<= 4 heads, at most 16
+// accumulator vectors) dividing the group.
+template <typename T, int C>
+PartitionFn<T> pick_tile(int64_t group) {
+  if constexpr (4 * C <= 16) {
+    if (group % 4 == 0) return attend_partition<T, 4, C>;
+  }
+  if constexpr (3 * C <= 16) {
+    if (group % 3 == 0) return attend_partition<T, 3, C>;
+  }
+  if (group % 2 == 0) return attend_partition<T, 2, C>;
+  return attend_partition<T, 1, C>;
+}
+
+// nullptr for head sizes without an instantiation (the scalar kernel runs).
+template <typename T>
+PartitionFn<T> pick_partition_fn(int64_t head_size, int64_t group) {
+  switch (head_size) {
+    case 16: return pick_tile<T, 1>(group);
+    case 32: return pick_tile<T, 2>(group);
+    case 64: return pick_tile<T, 4>(group);
+    case 128: return pick_tile<T, 8>(group);
+    default: return nullptr;
+  }
+}
 
 template <typename T>
 bool decode_attention_avx512(const T* query, const T* kv_cache, const int32_t* block_table,
@@ -182,13 +401,11 @@ bool decode_attention_avx512(const T* query, const T* kv_cache, const int32_t* b
                              int64_t num_blocks, int64_t block_size, int64_t max_blocks,
                              float scale) {
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t chunks = head_size / 16;
-  if (head_size % 16 != 0 || group * chunks > kMaxVecs || group > kMaxVecs / 4 ||
-      kPartition % block_size != 0)
-    return false;
+  const PartitionFn<T> attend = pick_partition_fn<T>(head_size, group);
+  if (attend == nullptr || kPartition % block_size != 0) return false;
   const int64_t token_stride = num_kv_heads * head_size;
   const T* value_cache = kv_cache + num_blocks * block_size * token_stride;
-  // Tasks: (sequence, kv head, partition). part_start[s] is sequence s's first partition.
+  // Tasks: (sequence, partition). part_start[s] is sequence s's first partition.
   std::vector<int64_t> part_start(num_seqs + 1, 0);
   for (int64_t s = 0; s < num_seqs; ++s)
     part_start[s + 1] = part_start[s] + std::max<int64_t>(1, (seq_lens[s] + kPartition - 1) / kPartition);
@@ -200,95 +417,17 @@ bool decode_attention_avx512(const T* query, const T* kv_cache, const int32_t* b
   for (int64_t s = 0; s < num_seqs; ++s)
     for (int64_t p = part_start[s]; p < part_start[s + 1]; ++p) part_seq[p] = s;
 
-  at::parallel_for(0, num_parts * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    __m512 q[kMaxVecs], acc[kMaxVecs], row[4][16];
-    alignas(64) float scores[kMaxVecs / 4 * kPartition];  // group * kPartition (group <= 16)
-    const __m512 vscale = _mm512_set1_ps(scale);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t part = task / num_kv_heads, kv_head = task % num_kv_heads;
+  at::parallel_for(0, num_parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(num_heads * kPartition);
+    for (int64_t part = begin; part < end; ++part) {
       const int64_t seq = part_seq[part];
       const int64_t first = (part - part_start[seq]) * kPartition;
       const int64_t len = std::min<int64_t>(seq_lens[seq] - first, kPartition);
-      const int32_t* blocks = block_table + seq * max_blocks + first / block_size;
-      for (int64_t g = 0; g < group; ++g) {
-        const T* src = query + (seq * num_heads + kv_head * group + g) * head_size;
-        for (int64_t c = 0; c < chunks; ++c)
-          q[g * chunks + c] = _mm512_mul_ps(load16(src + 16 * c), vscale);
-      }
-      // Scores, block by block, four keys at a time.
-      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const int64_t n = std::min(block_size, len - t0);
-        const T* k_block = kv_cache + (static_cast<int64_t>(blocks[t0 / block_size]) *
-                                       block_size) * token_stride + kv_head * head_size;
-        int64_t i = 0;
-        for (; i + 4 <= n; i += 4) {
-          for (int64_t u = 0; u < 4; ++u)
-            for (int64_t c = 0; c < chunks; ++c)
-              row[u][c] = load16(k_block + (i + u) * token_stride + 16 * c);
-          for (int64_t g = 0; g < group; ++g) {
-            __m512 d[4];
-            for (int64_t u = 0; u < 4; ++u) {
-              d[u] = _mm512_mul_ps(q[g * chunks], row[u][0]);
-              for (int64_t c = 1; c < chunks; ++c)
-                d[u] = _mm512_fmadd_ps(q[g * chunks + c], row[u][c], d[u]);
-            }
-            _mm_storeu_ps(scores + g * kPartition + t0 + i, reduce4(d[0], d[1], d[2], d[3]));
-          }
-        }
-        for (; i < n; ++i) {
-          for (int64_t c = 0; c < chunks; ++c)
-            row[0][c] = load16(k_block + i * token_stride + 16 * c);
-          for (int64_t g = 0; g < group; ++g) {
-            __m512 d = _mm512_mul_ps(q[g * chunks], row[0][0]);
-            for (int64_t c = 1; c < chunks; ++c)
-              d = _mm512_fmadd_ps(q[g * chunks + c], row[0][c], d);
-            scores[g * kPartition + t0 + i] = _mm512_reduce_add_ps(d);
-          }
-        }
-      }
-      // exp(score - max) per group member, vectorised; the partition's max and sum kept.
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores + g * kPartition;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < len; ++t) m = std::max(m, s[t]);
-        const __m512 vm = _mm512_set1_ps(m);
-        __m512 vsum = _mm512_setzero_ps();
-        int64_t t = 0;
-        for (; t + 16 <= len; t += 16) {
-          const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), vm));
-          _mm512_storeu_ps(s + t, e);
-          vsum = _mm512_add_ps(vsum, e);
-        }
-        if (t < len) {
-          const __mmask16 mask = static_cast<__mmask16>((1u << (len - t)) - 1);
-          const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + t), vm));
-          _mm512_mask_storeu_ps(s + t, mask, e);
-          vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(mask, e));
-        }
-        const int64_t h = part * num_heads + kv_head * group + g;
-        part_max[h] = m;
-        part_sum[h] = _mm512_reduce_add_ps(vsum);
-      }
-      // Unnormalised output: sum of exp-weighted values, block by block.
-      for (int64_t i = 0; i < group * chunks; ++i) acc[i] = _mm512_setzero_ps();
-      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const int64_t n = std::min(block_size, len - t0);
-        const T* v_block = value_cache + (static_cast<int64_t>(blocks[t0 / block_size]) *
-                                          block_size) * token_stride + kv_head * head_size;
-        for (int64_t i = 0; i < n; ++i) {
-          for (int64_t c = 0; c < chunks; ++c)
-            row[0][c] = load16(v_block + i * token_stride + 16 * c);
-          for (int64_t g = 0; g < group; ++g) {
-            const __m512 p = _mm512_set1_ps(scores[g * kPartition + t0 + i]);
-            for (int64_t c = 0; c < chunks; ++c)
-              acc[g * chunks + c] = _mm512_fmadd_ps(p, row[0][c], acc[g * chunks + c]);
-          }
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        float* dst = part_out.data() + ((part * num_heads) + kv_head * group + g) * head_size;
-        for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(dst + 16 * c, acc[g * chunks + c]);
-      }
+      const int64_t h = part * num_heads;
+      attend(query + seq * num_heads * head_size, kv_cache, value_cache,
+             block_table + seq * max_blocks + first / block_size, len, block_size,
+             num_kv_heads, group, scale, scores.data(), part_max.data() + h,
+             part_sum.data() + h, part_out.data() + h * head_size);
     }
   });
   // Merge each sequence's partitions: out = sum_p e^(m_p - M) o_p / sum_p e^(m_p - M) l_p.

@@ -5,10 +5,11 @@ A step of `n` tokens is padded up to the smallest captured size `>= n` and repla
 that matches its inputs: a step whose tokens are all real ids replays the ids set (the
 embedding lookup is inside the graph) even when prompt embeds are enabled, so token-only
 traffic never pays for embeds; a step with any embeds rows replays the embeds set. Steps
-larger than the largest size run eagerly.
+larger than the largest size run eagerly on CUDA; on CPU they run one more graph of each
+set, compiled once for any larger token count (size `ANY`), unpadded.
 
     sizes [1, 2, 4, 8]:  n=3 -> replay size 4 (one padded token), n=8 -> size 8,
-                         n=9 -> eager
+                         n=9 -> size ANY on CPU (9 rows), eager on CUDA
 
 The inputs live in persistent buffers sized for the largest capture; the runner fills the
 first `n` rows each step and the rest stay as padding (id 0, position 0, zero embeds).
@@ -39,11 +40,13 @@ logger = logging.getLogger(__name__)
 
 IDS = "ids"
 EMBEDS = "embeds"
+# The size of the CPU graphs compiled for any step larger than the largest static size.
+ANY = 0
 
 
-# Largest default capture size on CPU: measured (benchmark_peers.py, default model,
-# bfloat16), graphs beat eager by 6-11% for steps of 1 to 16 tokens and lost 3-7% at 32
-# and 64, where the matmuls dominate and inductor's kernels gain nothing.
+# Largest default static capture size on CPU: past it, steps run the graphs compiled for
+# any size (`ANY`), whose fused elementwise work is as good; a static size only saves the
+# padding and the shape checks of small steps.
 CPU_MAX_DEFAULT_CAPTURE_SIZE = 16
 
 
@@ -103,7 +106,7 @@ class CompiledGraphs:
         # Every size is a static-shape specialisation of the same compiled functions, and
         # other engines in this process (other models) add theirs: raise the limits by
         # what this one needs.
-        need = 2 * len(self.sizes) + 4
+        need = 2 * (len(self.sizes) + 1) + 4
         dynamo_config = torch._dynamo.config
         dynamo_config.recompile_limit += need
         dynamo_config.accumulated_recompile_limit += 64 * need
@@ -111,6 +114,14 @@ class CompiledGraphs:
         self._prepare = {IDS: compile_(_prepare_ids), EMBEDS: compile_(_prepare_embeds)}
         self._layer = compile_(_layer)
         self._finish = compile_(_finish)
+        # The ANY graphs: the same pieces with a symbolic token count (parameters and
+        # buffers keep their static shapes). Separate functions, so that their cache
+        # entries never mix with the static sizes'.
+        compile_any = functools.partial(torch.compile, dynamic=True, fullgraph=True)
+        self._any_prepare = {IDS: compile_any(_any_prepare_ids),
+                             EMBEDS: compile_any(_any_prepare_embeds)}
+        self._any_layer = compile_any(_any_layer)
+        self._any_finish = compile_any(_any_finish)
 
     def padded_size(self, num_tokens: int) -> int | None:
         return padded_size(self.sizes, num_tokens)
@@ -123,8 +134,18 @@ class CompiledGraphs:
             for size in reversed(self.sizes):
                 run_dummy_step(size, functools.partial(self._forward, kind, size))
                 self.captured.add((kind, size))
-        logger.info("Captured %d graph sets (%s) for sizes %s in %.1f s.", len(self.captured),
-                    " and ".join(self.kinds), self.sizes, time.perf_counter() - start)
+            # Any larger size: compiled through a step of max_size + 1 tokens (the inputs
+            # are fresh tensors, not the padded buffers).
+            n = self.max_size + 1
+            ids = torch.zeros(n, dtype=torch.int64, device=self.positions.device)
+            embeds = (None if kind == IDS else
+                      self.inputs_embeds.new_zeros(n, self.inputs_embeds.shape[1]))
+            run_dummy_step(n, functools.partial(self._forward_any, kind, ids,
+                                                torch.zeros_like(ids), embeds))
+            self.captured.add((kind, ANY))
+        logger.info("Captured %d graph sets (%s) for sizes %s and any larger size in %.1f s.",
+                    len(self.captured), " and ".join(self.kinds), self.sizes,
+                    time.perf_counter() - start)
 
     def _forward(self, kind: str, size: int) -> torch.Tensor:
         inputs = self.input_ids if kind == IDS else self.inputs_embeds
@@ -132,6 +153,14 @@ class CompiledGraphs:
         for layer in self.model.layers:
             h = self._layer(layer, cos, sin, h)
         return self._finish(self.model, h)
+
+    def _forward_any(self, kind: str, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                     inputs_embeds: torch.Tensor | None) -> torch.Tensor:
+        inputs = input_ids if kind == IDS else inputs_embeds
+        h, cos, sin = self._any_prepare[kind](self.model, inputs, positions)
+        for layer in self.model.layers:
+            h = self._any_layer(layer, cos, sin, h)
+        return self._any_finish(self.model, h)
 
     def run(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
             inputs_embeds: torch.Tensor | None, common=None) -> torch.Tensor | None:
@@ -141,7 +170,21 @@ class CompiledGraphs:
         n = positions.shape[0]
         kind = IDS if inputs_embeds is None else EMBEDS
         size = self.padded_size(n)
-        if size is None or (kind, size) not in self.captured:
+        if size is None:
+            if (kind, ANY) not in self.captured:
+                return None
+            self.replays[(kind, ANY)] += 1
+            # Unpadded, on the step's own tensors: their dtypes and layout must be the
+            # capture's, since the guards that would check them are skipped (no-ops for
+            # the runner's int64 ids/positions and contiguous model-dtype embeds).
+            positions = positions.to(torch.int64)
+            if kind == IDS:
+                input_ids = input_ids.to(torch.int64)
+            else:
+                inputs_embeds = inputs_embeds.to(self.inputs_embeds.dtype).contiguous()
+            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                return self._forward_any(kind, input_ids, positions, inputs_embeds)
+        if (kind, size) not in self.captured:
             return None
         self.positions[:n].copy_(positions)
         self.positions[n:size].zero_()
@@ -177,6 +220,24 @@ def _layer(layer: torch.nn.Module, cos: torch.Tensor, sin: torch.Tensor,
 
 def _finish(model: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
     return model.finish(h)
+
+
+def _any_prepare_ids(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor):
+    return _prepare_ids(model, input_ids, positions)
+
+
+def _any_prepare_embeds(model: torch.nn.Module, inputs_embeds: torch.Tensor,
+                        positions: torch.Tensor):
+    return _prepare_embeds(model, inputs_embeds, positions)
+
+
+def _any_layer(layer: torch.nn.Module, cos: torch.Tensor, sin: torch.Tensor,
+               h: torch.Tensor) -> torch.Tensor:
+    return _layer(layer, cos, sin, h)
+
+
+def _any_finish(model: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+    return _finish(model, h)
 
 
 class CudaGraphs:

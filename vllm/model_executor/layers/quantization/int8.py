@@ -59,7 +59,7 @@ def dequantize_output(acc: torch.Tensor, x_scale: torch.Tensor, weight_scale: to
     return (acc.float() * (x_scale * weight_scale)).to(dtype)
 
 
-# Steps that run eagerly (prefill chunks larger than the captured graphs) would otherwise
+# Steps that run eagerly (`enforce_eager`, models without graph support) would otherwise
 # pay ~5 separate passes over the activations to quantize and ~3 to dequantize; compiled
 # once with a dynamic row count, each is one fused loop. Inside a captured graph, dynamo
 # inlines them into the graph being compiled.
