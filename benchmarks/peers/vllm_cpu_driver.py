@@ -2,8 +2,10 @@
 
     VENV/bin/python vllm_cpu_driver.py MODEL TOKENIZER_DIR DTYPE OUTPUT_LEN WORKLOAD.json
 
-WORKLOAD.json: {"concurrency": [1, 64], "prompts": [[ids...], ...]}; prints one JSON line
-per concurrency: {"engine": "vllm-cpu", "concurrency": c, "tokens": n, "seconds": s}.
+WORKLOAD.json: {"concurrency": [1, 64], "prompts": [[ids...], ...], "repeats": r}; prints
+one JSON line per concurrency and repeat: {"engine": "vllm-cpu", "concurrency": c,
+"tokens": n, "seconds": s}. The prefix cache is reset before each run, as for this engine
+(the first c prompts of a run are the prompts of the smaller runs before it).
 """
 
 import json
@@ -27,12 +29,14 @@ def main() -> None:
                  SamplingParams(max_tokens=8), use_tqdm=False)
     for c in spec["concurrency"]:
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"][:c]]
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        print(json.dumps({"engine": "vllm-cpu", "dtype": dtype, "concurrency": c,
-                          "tokens": tokens, "seconds": seconds}), flush=True)
+        for _ in range(spec.get("repeats", 1)):
+            llm.reset_prefix_cache()
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            seconds = time.perf_counter() - start
+            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            print(json.dumps({"engine": "vllm-cpu", "dtype": dtype, "concurrency": c,
+                              "tokens": tokens, "seconds": seconds}), flush=True)
 
 
 if __name__ == "__main__":
