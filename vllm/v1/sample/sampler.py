@@ -28,41 +28,41 @@ class Sampler(nn.Module):
     against 3.5 ms), and upcasting is exact, so the token is the same.
     """
 
-    def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        if (md.all_greedy and md.max_num_logprobs is None and not md.min_tokens_blocked
-                and md.repetition_penalty is None):
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        if (metadata.all_greedy and metadata.max_num_logprobs is None
+                and not metadata.min_tokens_blocked and metadata.repetition_penalty is None):
             return SamplerOutput(logits.float().argmax(dim=-1), None)
         model_logits, logits = logits, logits.float()  # a copy unless already float32
         raw_logprobs = None
-        if md.max_num_logprobs is not None:
+        if metadata.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        if md.min_tokens_blocked and logits is model_logits:
+        if metadata.min_tokens_blocked and logits is model_logits:
             logits = logits.clone()  # the caller's logits stay untouched
-        for row, token_ids in md.min_tokens_blocked.items():
+        for row, token_ids in metadata.min_tokens_blocked.items():
             logits[row, token_ids] = float("-inf")
-        if md.repetition_penalty is not None:
-            logits = apply_penalties(logits, md)
-        sampled = self.sample(logits, md)
+        if metadata.repetition_penalty is not None:
+            logits = apply_penalties(logits, metadata)
+        sampled = self.sample(logits, metadata)
         logprobs = None
         if raw_logprobs is not None:
-            logprobs = gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs)
+            logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled, logprobs)
 
-    def sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         greedy = logits.argmax(dim=-1)
-        if md.all_greedy:
+        if metadata.all_greedy:
             return greedy
-        temperature = torch.where(md.temperature > 0, md.temperature, 1.0)
+        temperature = torch.where(metadata.temperature > 0, metadata.temperature, 1.0)
         logits = logits / temperature[:, None]
-        logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
         probs = logits.softmax(dim=-1, dtype=torch.float32)
-        if md.min_p is not None:
+        if metadata.min_p is not None:
             max_p = probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < md.min_p[:, None] * max_p, 0.0)
-        random = inverse_cdf_sample(probs, draw_uniforms(probs.shape[0], md.generators))
-        if md.all_random:
+            probs = probs.masked_fill(probs < metadata.min_p[:, None] * max_p, 0.0)
+        random = inverse_cdf_sample(probs, draw_uniforms(probs.shape[0], metadata.generators))
+        if metadata.all_random:
             return random
-        return torch.where(md.temperature > 0, random, greedy)
+        return torch.where(metadata.temperature > 0, random, greedy)
 
 
 def draw_uniforms(num_rows: int, generators: dict[int, torch.Generator]) -> torch.Tensor:
@@ -95,16 +95,16 @@ def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.minimum(picked, last).squeeze(-1)
 
 
-def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """Repetition penalty over prompt and output tokens (divide positive logits, multiply
     negative ones); presence and frequency penalties over output tokens (OpenAI's)."""
-    counts = md.output_token_counts
-    seen = md.prompt_token_mask | (counts > 0)
-    rep = md.repetition_penalty[:, None].expand_as(logits)
+    counts = metadata.output_token_counts
+    seen = metadata.prompt_token_mask | (counts > 0)
+    rep = metadata.repetition_penalty[:, None].expand_as(logits)
     penalized = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen, penalized, logits)
-    logits = logits - md.frequency_penalty[:, None] * counts
-    return logits - md.presence_penalty[:, None] * (counts > 0)
+    logits = logits - metadata.frequency_penalty[:, None] * counts
+    return logits - metadata.presence_penalty[:, None] * (counts > 0)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,

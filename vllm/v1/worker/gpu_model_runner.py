@@ -129,10 +129,10 @@ class GPUModelRunner:
             cpu_ops()  # build or load the native kernels now, not on the first request
 
     def get_kv_cache_block_bytes(self) -> int:
-        mc = self.model_config
+        model_config = self.model_config
         per_layer = int(np.prod(self.attn_backend.get_kv_cache_shape(
-            1, self.block_size, mc.num_kv_heads, mc.head_dim)))
-        return per_layer * mc.num_layers * self.dtype.itemsize
+            1, self.block_size, model_config.num_kv_heads, model_config.head_dim)))
+        return per_layer * model_config.num_layers * self.dtype.itemsize
 
     def stage_output_specs(self) -> dict[str, OutputSpec]:
         """The per-token outputs kept beside the KV cache: the last hidden states when the
@@ -142,41 +142,42 @@ class GPUModelRunner:
         return {HIDDEN_STATES: OutputSpec(self.model_config.hidden_size, self.dtype)}
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        mc = self.model_config
-        shape = self.attn_backend.get_kv_cache_shape(num_blocks, self.block_size,
-                                                     mc.num_kv_heads, mc.head_dim)
+        model_config = self.model_config
+        shape = self.attn_backend.get_kv_cache_shape(
+            num_blocks, self.block_size, model_config.num_kv_heads, model_config.head_dim)
         # Zeroed: padded key positions are masked, but NaN garbage would still leak
         # through a 0 * NaN in the attention-weighted sum.
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                          for _ in range(mc.num_layers)]
+                          for _ in range(model_config.num_layers)]
         self.stage_outputs = StageOutputCache(num_blocks, self.block_size,
                                               self.stage_output_specs())
 
     def capture_model(self) -> None:
         """Captures the forward graphs (see `graph_capture`), unless eager execution is
         asked for or the model has no graph support (encoder/decoder models run eagerly)."""
-        cc = self.vllm_config.compilation_config
-        if self.model_config.enforce_eager or cc.level == 0:
+        compilation = self.vllm_config.compilation_config
+        if self.model_config.enforce_eager or compilation.level == 0:
             logger.info("Graph capture off (enforce_eager or compilation level 0): eager.")
             return
         if not getattr(self.model, "supports_graph_capture", False):
             logger.info("%s runs eagerly (no graph support).", type(self.model).__name__)
             return
-        sc = self.scheduler_config
-        sizes = list(cc.cudagraph_capture_sizes or default_capture_sizes(
-            sc.max_num_batched_tokens, sc.max_num_seqs, self.device.type))
-        mc = self.model_config
+        scheduler_config = self.scheduler_config
+        sizes = list(compilation.cudagraph_capture_sizes or default_capture_sizes(
+            scheduler_config.max_num_batched_tokens, scheduler_config.max_num_seqs,
+            self.device.type))
+        model_config = self.model_config
         if self.device.type == "cuda":
             from vllm.v1.attention.backends.torch_sdpa import TorchSDPAMetadata
 
-            self.graphs = CudaGraphs(self.model, sizes, mc.enable_prompt_embeds,
-                                     mc.hidden_size, self.dtype, self.device, self.block_size,
-                                     self.max_model_len, TorchSDPAMetadata)
+            self.graphs = CudaGraphs(self.model, sizes, model_config.enable_prompt_embeds,
+                                     model_config.hidden_size, self.dtype, self.device,
+                                     self.block_size, self.max_model_len, TorchSDPAMetadata)
             with torch.inference_mode():
                 self.graphs.capture(self.kv_caches, set_forward_context)
         else:
-            self.graphs = CompiledGraphs(self.model, sizes, mc.enable_prompt_embeds,
-                                         mc.hidden_size, self.dtype, self.device)
+            self.graphs = CompiledGraphs(self.model, sizes, model_config.enable_prompt_embeds,
+                                         model_config.hidden_size, self.dtype, self.device)
             with torch.inference_mode():
                 self.graphs.capture(self._dummy_step)
         for kv_cache in self.kv_caches:  # the dummy steps wrote K/V into the null block
@@ -226,18 +227,18 @@ class GPUModelRunner:
                 return hidden_states
         return self.model(inputs.input_ids, inputs.positions, inputs.inputs_embeds)
 
-    def _update_states(self, so: SchedulerOutput) -> None:
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         batch = self.input_batch
-        for req_id in so.finished_req_ids:
+        for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
             batch.remove_request(req_id)
         # Requests not scheduled this step (preempted, or left out by the budget) leave
         # the batch but keep their state: a seeded generator continues where it was.
         for req_id in list(batch.req_id_to_index):
-            if req_id not in so.num_scheduled_tokens:
+            if req_id not in scheduler_output.num_scheduled_tokens:
                 batch.remove_request(req_id)
         to_add: list[CachedRequestState] = []
-        for new in so.scheduled_new_reqs:
+        for new in scheduler_output.scheduled_new_reqs:
             old = self.requests.get(new.req_id)
             batch.remove_request(new.req_id)
             state = CachedRequestState(
@@ -255,7 +256,7 @@ class GPUModelRunner:
             )
             self.requests[new.req_id] = state
             to_add.append(state)
-        cached = so.scheduled_cached_reqs
+        cached = scheduler_output.scheduled_cached_reqs
         for req_id, new_block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
                                                        cached.num_computed_tokens):
             state = self.requests[req_id]
@@ -293,10 +294,11 @@ class GPUModelRunner:
         generator.manual_seed(params.seed)
         return generator
 
-    def _prepare_inputs(self, so: SchedulerOutput) -> ModelInputs:
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInputs:
         batch = self.input_batch
         num_reqs = batch.num_reqs
-        num_scheduled = np.array([so.num_scheduled_tokens[r] for r in batch.req_ids_in_order],
+        scheduled = scheduler_output.num_scheduled_tokens
+        num_scheduled = np.array([scheduled[r] for r in batch.req_ids_in_order],
                                  dtype=np.int32)
         idx = compute_step_indices(num_scheduled, batch.num_computed_tokens_cpu[:num_reqs],
                                    self.max_model_len)
@@ -377,11 +379,11 @@ class GPUModelRunner:
 
     def _bookkeep(self, rows: np.ndarray, sampler_output: SamplerOutput,
                   finished_rows: dict[str, torch.Tensor] | None = None) -> ModelRunnerOutput:
-        b = self.input_batch
-        req_ids = list(b.req_ids_in_order)
+        batch = self.input_batch
+        req_ids = list(batch.req_ids_in_order)
         sampled_token_ids: list[list[int]] = [[] for _ in req_ids]
         for row, token in zip(rows.tolist(), sampler_output.sampled_token_ids.tolist()):
-            b.append_token(row, token)
+            batch.append_token(row, token)
             sampled_token_ids[row] = [token]
         logprobs = None
         if sampler_output.logprobs is not None:
@@ -394,6 +396,6 @@ class GPUModelRunner:
                 token_ids[row], values[row], ranks[row] = lp.token_ids[i], lp.logprobs[i], \
                     lp.ranks[i]
             logprobs = type(lp)(token_ids, values, ranks)
-        return ModelRunnerOutput(req_ids, dict(b.req_id_to_index), sampled_token_ids, logprobs,
-                                 finished_rows or {})
+        return ModelRunnerOutput(req_ids, dict(batch.req_id_to_index), sampled_token_ids,
+                                 logprobs, finished_rows or {})
 

@@ -18,8 +18,11 @@ CPU (`CompiledGraphs`): each (set, size) is a static-shape `torch.compile` (indu
 of the model's forward, compiled piecewise; paged attention is the registered op
 `vllm::attention`, one node of the graph rather than a break, which computes the real
 tokens only (padded tokens write no KV and get zero rows), and inductor fuses the
-elementwise work around it (residual add + RMSNorm, rotary, SiLU x up). Any step of at most
-the largest size fits, prefill chunks included.
+elementwise work around it (residual add + RMSNorm, rotary, SiLU x up). Any batch layout
+fits, prefill chunks included. The ANY graphs (same pieces, the token count symbolic) take
+the steps past the largest static size, so large prefills and wide decode steps get the
+same fusion; the static sizes save small steps the symbolic shapes' overhead and keep
+their shape checks cheap.
 
 CUDA (`CudaGraphs`): CUDA graphs of the same forward for decode-only steps, with the
 attention metadata (slot mapping, block table, key mask) in persistent buffers too.
@@ -164,9 +167,9 @@ class CompiledGraphs:
 
     def run(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
             inputs_embeds: torch.Tensor | None, common=None) -> torch.Tensor | None:
-        """The step's hidden states through a graph, or None when no graph fits (more
-        tokens than the largest size, or embeds without an embeds set). Any batch layout
-        fits: attention is outside the compiled pieces."""
+        """The step's hidden states through a graph: the padded static size, or ANY past
+        the largest; None when no graph fits (embeds without an embeds set). Any batch
+        layout fits: attention is outside the compiled pieces."""
         n = positions.shape[0]
         kind = IDS if inputs_embeds is None else EMBEDS
         size = self.padded_size(n)
