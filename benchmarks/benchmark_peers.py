@@ -5,8 +5,10 @@ and llama.cpp (`llama-cpp-python`), each in its own virtual environment outside 
         --llama-python /work/peers/llama-venv/bin/python --plot peers.png
 
 Workload as benchmark_throughput.py (seeded random prompts, ignore_eos, greedy), run at each
-concurrency (the first c prompts at once). This engine and vLLM run the same weights: the
-default GGUF dequantized into a Hugging Face directory (vLLM's CPU build has no Q4_1 kernels);
+concurrency (the first c prompts at once, prefix cache reset), `--repeats` times, the best
+kept. Every engine and setting, this one's included, runs in a process of its own. This
+engine and vLLM run the same weights: the default GGUF dequantized into a Hugging Face
+directory (vLLM's CPU build has no Q4_1 kernels);
 llama.cpp runs the GGUF file itself, one request. Prints each ratio; writes a plot of output
 tokens/s against concurrency, one line per engine and setting.
 """
@@ -19,7 +21,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -30,7 +31,6 @@ sys.path.insert(0, str(HERE.parent))
 
 from benchmark_throughput import make_workload  # noqa: E402
 
-from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.transformers_utils.default_model import default_model_path  # noqa: E402
 
 
@@ -57,26 +57,15 @@ def export_hf_dir(gguf_path: str, out_dir: str) -> str:
     return out_dir
 
 
-def run_ours(model: str, prompts: list[list[int]], concurrency: list[int], output_len: int,
-             repeats: int, **engine_kwargs) -> dict[int, float]:
-    llm = LLM(model, max_model_len=2048, max_num_seqs=max(concurrency),
-              kv_cache_memory_bytes=1024**3, **engine_kwargs)
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=8),
-                 use_tqdm=False)
-    results = {}
-    for c in concurrency:
-        for _ in range(repeats):
-            llm.llm_engine.reset_prefix_cache()
-            start = time.perf_counter()
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:c]], params,
-                                use_tqdm=False)
-            rate = sum(len(o.outputs[0].token_ids) for o in outs) / (
-                time.perf_counter() - start)
-            results[c] = max(results.get(c, 0.0), rate)
+def run_ours(model: str, workload: str, output_len: int, **engine_kwargs) -> dict[int, float]:
+    """This engine with `engine_kwargs`, in a process of its own (peers/ours_driver.py)."""
+    result = run_driver([sys.executable, str(HERE / "peers/ours_driver.py"), model,
+                         str(output_len), workload, json.dumps(engine_kwargs)])
+    if isinstance(result, str):
+        raise RuntimeError(f"this engine {engine_kwargs} failed:\n{result}")
     print(f"this engine {engine_kwargs}: " + "  ".join(f"c={c}: {v:.1f}"
-                                                       for c, v in results.items()), flush=True)
-    return results
+                                                       for c, v in result.items()), flush=True)
+    return result
 
 
 def run_driver(cmd: list[str]) -> dict[int, float] | str:
@@ -156,20 +145,17 @@ def main() -> None:
 
     curves: dict[str, dict[int, float]] = {}
     for dtype in args.dtypes.split(","):
-        curves[f"this engine {dtype}"] = run_ours(hf_dir, prompts, concurrency,
-                                                  args.output_len, args.repeats, dtype=dtype)
+        curves[f"this engine {dtype}"] = run_ours(hf_dir, workload, args.output_len,
+                                                  dtype=dtype)
         if args.eager and dtype == "bfloat16":
-            curves[f"this engine {dtype} eager"] = run_ours(hf_dir, prompts, concurrency,
-                                                            args.output_len, args.repeats,
+            curves[f"this engine {dtype} eager"] = run_ours(hf_dir, workload, args.output_len,
                                                             dtype=dtype, enforce_eager=True)
         if args.int8 and dtype == "bfloat16":
-            curves[f"this engine {dtype} int8"] = run_ours(hf_dir, prompts, concurrency,
-                                                           args.output_len, args.repeats,
+            curves[f"this engine {dtype} int8"] = run_ours(hf_dir, workload, args.output_len,
                                                            dtype=dtype, quantization="int8")
         if args.gguf and dtype == "bfloat16":
             curves[f"this engine {dtype} gguf int4"] = run_ours(
-                gguf, prompts, concurrency, args.output_len, args.repeats, dtype=dtype,
-                quantization="gguf")
+                gguf, workload, args.output_len, dtype=dtype, quantization="gguf")
         if args.vllm_cpu_python:
             result = run_driver([args.vllm_cpu_python, str(HERE / "peers/vllm_cpu_driver.py"),
                                  hf_dir, hf_dir, dtype, str(args.output_len), workload])
