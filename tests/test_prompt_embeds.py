@@ -231,6 +231,20 @@ def test_no_embeds_retained_after_many_requests(llm, tiny_llama_dir, token_ids):
     assert after <= before
 
 
+def test_finished_request_leaves_no_embeds_behind(llm, tiny_llama_dir):
+    """Once a request has finished and the engine is empty, no tensor of its prompt embeds
+    is alive (the cached sampling inputs of its last step held its state)."""
+    rows = 23  # a shape no other tensor of the engine has
+    prompt = {"prompt_embeds": _embed(tiny_llama_dir, list(range(100, 100 + rows)))}
+    hidden = prompt["prompt_embeds"].shape[1]
+    llm.generate([prompt], _greedy(2), use_tqdm=False)
+    del prompt
+    _assert_engine_empty(llm)
+    gc.collect()
+    assert not [o for o in gc.get_objects()
+                if torch.is_tensor(o) and tuple(o.shape) == (rows, hidden)]
+
+
 def test_default_model_embeds_match(default_model_path):
     llm = LLM(default_model_path, dtype="float32", max_model_len=512, enable_prompt_embeds=True,
               kv_cache_memory_bytes=32 * 1024**2)

@@ -229,6 +229,8 @@ class GPUModelRunner:
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         batch = self.input_batch
+        if scheduler_output.finished_req_ids:
+            self.sampling_inputs.forget()
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
             batch.remove_request(req_id)
@@ -275,6 +277,7 @@ class GPUModelRunner:
     def drop_requests(self, req_ids: list[str]) -> None:
         """Forgets the batch rows of a failed step's requests (the scheduler re-sends any
         that go on as new requests); kept states only carry their seeded generators."""
+        self.sampling_inputs.forget()
         for req_id in req_ids:
             self.input_batch.remove_request(req_id)
         self.input_batch.condense()

@@ -39,6 +39,11 @@ class SamplingInputsBuilder:
         self._cached: _Cached | None = None
         self.num_rebuilds = 0  # how often the cache missed (tests read it)
 
+    def forget(self) -> None:
+        """Drops the cache: called when requests finish or are dropped, whose states (and
+        their prompt embeds) the cache would otherwise keep alive until the next build."""
+        self._cached = None
+
     def build(self, rows: np.ndarray) -> SamplingMetadata:
         """rows: [num_sampling_reqs] batch rows that sample this step, in logits order."""
         batch = self.input_batch
