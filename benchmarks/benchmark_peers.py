@@ -15,15 +15,20 @@ tokens/s against concurrency, one line per engine and setting.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
-import torch
+# The environment as given, before importing this engine: `vllm` sets its own defaults
+# (GOMP_SPINCOUNT) in os.environ on import, and the peers must not inherit them.
+_GIVEN_ENV = dict(os.environ)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -69,10 +74,11 @@ def run_ours(model: str, workload: str, output_len: int, **engine_kwargs) -> dic
 
 
 def run_driver(cmd: list[str]) -> dict[int, float] | str:
-    """Runs a peer's driver from a neutral directory (so that our `vllm` does not shadow
-    theirs); returns {concurrency: best tok/s over the repeats} or the error text."""
+    """Runs a driver from a neutral directory (so that our `vllm` does not shadow a peer's)
+    in the environment this script was given; returns {concurrency: best tok/s over the
+    repeats} or the error text."""
     proc = subprocess.run(cmd, cwd=tempfile.gettempdir(), capture_output=True, text=True,
-                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+                          env={k: v for k, v in _GIVEN_ENV.items() if k != "PYTHONPATH"})
     results = {}
     for line in proc.stdout.splitlines():
         if line.startswith("{"):
