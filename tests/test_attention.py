@@ -130,3 +130,25 @@ def test_native_decode_kernel_head_shapes(dtype, heads, kv_heads, head_size):
     """Every (head size, group) shape the kernel specialises, and one it does not, against
     a dense softmax."""
     _check_native_decode(dtype, [1, 3, 7, 37, 600], heads, kv_heads, head_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_write_kv_matches_index_copy(dtype):
+    """Rows of strided key/value views (as a fused qkv output gives them) land at their
+    slots, exactly as index_copy_ puts them; rows past the slot mapping are ignored."""
+    ops = torch_sdpa._native_decode(torch.device("cpu"))
+    if ops is None:
+        pytest.skip("no compiler for the native kernel")
+    kv_heads, head_size, n = 2, 8, 5
+    qkv = torch.randn(n + 2, 3 * kv_heads * head_size, dtype=dtype)
+    key = qkv[:, kv_heads * head_size:2 * kv_heads * head_size].view(n + 2, kv_heads, head_size)
+    value = qkv[:, 2 * kv_heads * head_size:].view(n + 2, kv_heads, head_size)
+    slots = torch.tensor([17, 3, 40, 0, 63], dtype=torch.int64)
+    cache = torch.zeros(2, 4, 16, kv_heads, head_size, dtype=dtype)
+    ops.write_kv(key, value, cache, slots)
+    expected = torch.zeros_like(cache)
+    expected[0].view(-1, kv_heads, head_size).index_copy_(0, slots, key[:n])
+    expected[1].view(-1, kv_heads, head_size).index_copy_(0, slots, value[:n])
+    assert torch.equal(cache, expected)
+    with pytest.raises(RuntimeError, match="slot 64 out of range"):
+        ops.write_kv(key, value, cache, torch.tensor([64]))

@@ -11,7 +11,13 @@ import torch
 from tests.hf_reference import load_hf_model
 from vllm import LLM, SamplingParams
 from vllm.config import CompilationConfig
-from vllm.v1.worker.graph_capture import ANY, EMBEDS, IDS, default_capture_sizes
+from vllm.v1.worker.graph_capture import (
+    ANY,
+    ANY_MIN_TOKENS,
+    EMBEDS,
+    IDS,
+    default_capture_sizes,
+)
 
 SIZES = [1, 2, 4, 8]
 
@@ -156,6 +162,24 @@ def test_short_embeds_prefill_replays_the_embeds_set(graphs, eager, prompts,
                  eager.generate(prompts[:1], _params(), use_tqdm=False))
     # A token prompt: its prefill (ANY, > 8 tokens) and decodes replay the ids set only.
     assert set(runner.graphs.replays) == {(IDS, ANY), (IDS, 1)}
+
+
+def test_steps_up_to_any_min_tokens_without_a_static_size_run_eagerly(eager,
+                                                                     tiny_llama_dir) -> None:
+    """With sizes [1], a prefill of at most ANY_MIN_TOKENS tokens runs eagerly (layers may
+    switch kernels by row count up to there, which a graph of symbolic size would have to
+    guard); a longer one runs the ANY graph, compiled past ANY_MIN_TOKENS."""
+    llm = _llm(tiny_llama_dir, compilation_config={"cudagraph_capture_sizes": [1]})
+    runner = _runner(llm)
+    tok = eager.get_tokenizer()
+    short = {"prompt_token_ids": tok.encode(PROMPTS[1])[:ANY_MIN_TOKENS]}
+    long = {"prompt_token_ids": tok.encode(PROMPTS[1])}
+    assert len(long["prompt_token_ids"]) > ANY_MIN_TOKENS
+    for prompt, replays in ((short, {(IDS, 1): 4}), (long, {(IDS, ANY): 1, (IDS, 1): 4})):
+        runner.graphs.replays.clear()
+        _assert_same(llm.generate([prompt], _params(5), use_tqdm=False),
+                     eager.generate([prompt], _params(5), use_tqdm=False))
+        assert dict(runner.graphs.replays) == replays
 
 
 def test_hidden_state_rows_through_graphs_match_eager(tiny_llama_dir, prompts) -> None:

@@ -19,17 +19,19 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 
 
-def _build_signature(source: Path) -> str:
-    """Short hash of the CPU's feature flags, the source and its path: the kernels are
+def _build_signature(sources: list[Path]) -> str:
+    """Short hash of the CPU's feature flags, the sources and their paths: the kernels are
     built with -march=native, so a cached build must never be loaded on a CPU with other
-    instructions, nor shared by two checkouts (the build records the source's absolute
-    path, so two checkouts sharing one entry would keep rebuilding it for each other)."""
+    instructions, nor shared by two checkouts (the build records the sources' absolute
+    paths, so two checkouts sharing one entry would keep rebuilding it for each other)."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), "")
     except OSError:
         flags = ""
-    key = flags.encode() + source.read_bytes() + str(source.resolve()).encode()
+    key = flags.encode()
+    for source in sources:
+        key += source.read_bytes() + str(source.resolve()).encode()
     return hashlib.sha256(key).hexdigest()[:10]
 
 
@@ -37,16 +39,28 @@ def _build_signature(source: Path) -> str:
 def cpu_ops() -> ModuleType | None:
     if os.environ.get("VLLM_DISABLE_NATIVE") == "1":
         return None
-    source = _CSRC / "cpu" / "paged_attention.cpp"
-    if not source.is_file():
+    sources = sorted((_CSRC / "cpu").glob("*.cpp"))
+    if not sources:
         return None
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name=f"vllm_cpu_ops_{_build_signature(source)}", sources=[str(source)],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math",
-                                  "-fno-finite-math-only"],
-                    extra_ldflags=["-fopenmp"], verbose=False)
+        module = load(name=f"vllm_cpu_ops_{_build_signature(sources)}",
+                      sources=[str(s) for s in sources],
+                      extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math",
+                                    "-fno-finite-math-only"],
+                      extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no ninja, ...: the torch path still works
         logger.warning("Native CPU kernels unavailable (%s); using the torch fallback.", e)
         return None
+    _register_fakes()
+    return module
+
+
+def _register_fakes() -> None:
+    """Shapes of the registered operators (`torch.ops.vllm_cpu.*`) for graph tracing."""
+    import torch
+
+    @torch.library.register_fake("vllm_cpu::quant_gemv")
+    def _(x, codes, d, m, bits):
+        return x.new_empty(x.shape[0], codes.shape[0])

@@ -496,7 +496,38 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "Paged decode attention over a block-paged KV cache (CPU)");
+// Stores one step's keys and values at their cache slots: row t of `key` / `value`
+// ([num_tokens >= n, num_kv_heads, head_size], rows at any stride, each row contiguous)
+// goes to flat slot slot_mapping[t] of kv_cache[0] / kv_cache[1], for t < n =
+// slot_mapping.size(0). One memcpy per row and tensor, instead of index_copy_'s
+// per-call setup on views.
+void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache,
+              torch::Tensor slot_mapping) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(), "kv_cache: contiguous, 5-D");
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "key/value: [tokens, heads, size]");
+  TORCH_CHECK(key.scalar_type() == kv_cache.scalar_type() &&
+                  value.scalar_type() == kv_cache.scalar_type(), "dtype mismatch");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous(),
+              "slot_mapping must be contiguous int64");
+  const int64_t n = slot_mapping.size(0);
+  const int64_t row = kv_cache.size(3) * kv_cache.size(4);
+  TORCH_CHECK(key.size(1) * key.size(2) == row && key.size(0) >= n, "key/value shape ",
+              key.sizes(), " does not fit the cache");
+  for (const auto& t : {key, value}) {
+    TORCH_CHECK(t.stride(2) == 1 && t.stride(1) == t.size(2), "key/value rows must be contiguous");
+  }
+  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
+  const int64_t bytes = row * kv_cache.element_size();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  char* k_cache = static_cast<char*>(kv_cache.data_ptr());
+  char* v_cache = k_cache + num_slots * bytes;
+  const char* k = static_cast<const char*>(key.data_ptr());
+  const char* v = static_cast<const char*>(value.data_ptr());
+  const int64_t k_stride = key.stride(0) * key.element_size();
+  const int64_t v_stride = value.stride(0) * value.element_size();
+  for (int64_t t = 0; t < n; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " out of range");
+    std::memcpy(k_cache + slots[t] * bytes, k + t * k_stride, bytes);
+    std::memcpy(v_cache + slots[t] * bytes, v + t * v_stride, bytes);
+  }
 }

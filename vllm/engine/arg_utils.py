@@ -76,7 +76,7 @@ class EngineArgs:
         if device != "cpu":
             raise ValueError(f"quantization={self.quantization!r} runs on CPU only.")
         if self.quantization == "gguf" and not model.endswith(".gguf"):
-            raise ValueError("quantization='gguf' keeps a GGUF file's 4-bit tensors; "
+            raise ValueError("quantization='gguf' keeps a GGUF file's quantized tensors; "
                              f"{model!r} is not a .gguf file.")
 
     def _max_num_batched_tokens(self, max_model_len: int) -> int:

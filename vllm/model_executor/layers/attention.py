@@ -66,7 +66,13 @@ class Attention(nn.Module):
         self.impl.write_kv(k, v, ctx.kv_caches[self.layer_idx], slot_mapping)
 
 
-@torch.library.custom_op("vllm::attention", mutates_args=())
+# Registered through `torch.library.Library` rather than `torch.library.custom_op`: a call
+# costs ~3 us instead of ~9 (custom_op wraps every call in autograd and dynamo-disabling
+# layers), and a decode step makes one call per layer.
+_lib = torch.library.Library("vllm", "FRAGMENT")
+_lib.define("attention(Tensor q, Tensor? k, Tensor? v, Tensor op_id) -> Tensor")
+
+
 def _attention_op(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                   op_id: torch.Tensor) -> torch.Tensor:
     """One attention layer's computation in a compiled graph (K/V cache writes happen
@@ -87,7 +93,10 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | Non
     return out
 
 
-@_attention_op.register_fake
+_lib.impl("attention", _attention_op, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("vllm::attention", lib=_lib)
 def _(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
       op_id: torch.Tensor) -> torch.Tensor:
     return q.new_empty(q.shape[0], q[0].numel())  # q: [num_tokens, num_heads, head_size]

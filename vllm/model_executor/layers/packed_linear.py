@@ -62,13 +62,21 @@ class PackedLinear(nn.Module):
                 "oneDNN-packed")
 
 
-@torch.library.custom_op("vllm::packed_linear", mutates_args=())
+# A `torch.library.Library` op, not `custom_op`: ~3 us a call instead of ~9 (see
+# `vllm::attention`), four or five calls a layer.
+_lib = torch.library.Library("vllm", "FRAGMENT")
+_lib.define("packed_linear(Tensor x, Tensor? bias, Tensor op_id, int out_features) -> Tensor")
+
+
 def _packed_linear_op(x: torch.Tensor, bias: torch.Tensor | None, op_id: torch.Tensor,
                       out_features: int) -> torch.Tensor:
     return _layers[int(op_id)].run(x)
 
 
-@_packed_linear_op.register_fake
+_lib.impl("packed_linear", _packed_linear_op, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("vllm::packed_linear", lib=_lib)
 def _(x: torch.Tensor, bias: torch.Tensor | None, op_id: torch.Tensor,
       out_features: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], out_features)

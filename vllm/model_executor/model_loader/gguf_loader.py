@@ -219,23 +219,26 @@ def load_gguf_state_dict(path: str, dtype: torch.dtype) -> dict[str, torch.Tenso
     return state_dict
 
 
-def load_gguf_int4_codes(path: str) -> dict[str, Any]:
-    """HF name -> `Int4Codes` of every Q4_0 / Q4_1 tensor, rows in HF order."""
+def load_gguf_block_codes(path: str) -> dict[str, Any]:
+    """HF name -> `BlockCodes` of every Q4_0 / Q4_1 / Q8_0 tensor, rows in HF order."""
     import gguf
 
-    from vllm.model_executor.layers.quantization.gguf_int4 import read_q4_codes
+    from vllm.model_executor.layers.quantization.gguf_blocks import (
+        BLOCK_TYPES,
+        read_block_codes,
+    )
 
     config = load_gguf_config(path)
     codes = {}
     for tensor in gguf.GGUFReader(path).tensors:
         name = hf_tensor_name(tensor.name)
-        if name is None or tensor.tensor_type.name not in ("Q4_0", "Q4_1"):
+        if name is None or tensor.tensor_type.name not in BLOCK_TYPES:
             continue
         k = int(tensor.shape[0])
-        c = read_q4_codes(np.asarray(tensor.data), tensor.tensor_type.name, k)
+        c = read_block_codes(np.asarray(tensor.data), tensor.tensor_type.name, k)
         num_heads = _rotary_heads(name, config)
         if num_heads is not None:
-            rows = torch.arange(c.q.shape[0])[:, None]
+            rows = torch.arange(c.u.shape[0])[:, None]
             c = c.permute_rows(unpermute_rotary_rows(rows, num_heads)[:, 0].numpy())
         codes[name] = c
     return codes

@@ -58,7 +58,7 @@ def get_model(model_config: ModelConfig, backend: type[AttentionBackend],
         raise ValueError(f"Checkpoint {model_config.model!r} lacks weights for: "
                          f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
     if model_config.quantization == "gguf":
-        _keep_gguf_int4(model, model_config.model)
+        _keep_gguf_blocks(model, model_config.model)
     else:
         model = quantize_model(model, model_config.quantization)
     if getattr(model, "supports_packed_linears", False) and can_pack(model_config.dtype,
@@ -67,22 +67,29 @@ def get_model(model_config: ModelConfig, backend: type[AttentionBackend],
     return model.eval().requires_grad_(False)
 
 
-def _keep_gguf_int4(model: nn.Module, path: str) -> None:
-    """`quantization="gguf"`: the 4-bit tensors' codes, fused like the model fuses their
-    weights (q/k/v, gate/up: concatenated along the output rows in offset order)."""
-    from vllm.model_executor.layers.quantization.gguf_int4 import Int4Codes, apply_int4_codes
-    from vllm.model_executor.model_loader.gguf_loader import load_gguf_int4_codes
+def _keep_gguf_blocks(model: nn.Module, path: str) -> None:
+    """`quantization="gguf"`: the block-quantized tensors' codes, fused like the model fuses
+    their weights (q/k/v, gate/up: concatenated along the output rows in offset order); a
+    tied vocabulary projection takes the embedding's codes."""
+    from vllm.model_executor.layers.quantization.gguf_blocks import (
+        BlockCodes,
+        apply_block_codes,
+    )
+    from vllm.model_executor.model_loader.gguf_loader import load_gguf_block_codes
 
     fused_target = getattr(model, "fused_target", None)
-    parts: dict[str, list[tuple[int, Int4Codes]]] = {}
-    for name, codes in load_gguf_int4_codes(path).items():
+    parts: dict[str, list[tuple[int, BlockCodes]]] = {}
+    for name, codes in load_gguf_block_codes(path).items():
         name = name.removeprefix("model.")
         target, offset = fused_target(name) if fused_target else (name, None)
         parts.setdefault(target, []).append((offset or 0, codes))
     fused = {}
-    params = dict(model.named_parameters())
+    params = dict(model.named_parameters(remove_duplicate=False))
     for target, pieces in parts.items():
-        codes = Int4Codes.concat([c for _, c in sorted(pieces, key=lambda p: p[0])])
-        if target in params and codes.q.shape == tuple(params[target].shape):
-            fused[target] = codes  # every piece of the fused weight is 4-bit
-    apply_int4_codes(model, fused)
+        codes = BlockCodes.concat([c for _, c in sorted(pieces, key=lambda p: p[0])])
+        if codes is not None and target in params and \
+                codes.u.shape == tuple(params[target].shape):
+            fused[target] = codes  # every piece of the fused weight has codes of one width
+    if getattr(model, "tie_word_embeddings", False) and "embed_tokens.weight" in fused:
+        fused["lm_head.weight"] = fused["embed_tokens.weight"]
+    apply_block_codes(model, fused)

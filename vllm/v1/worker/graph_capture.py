@@ -6,10 +6,12 @@ that matches its inputs: a step whose tokens are all real ids replays the ids se
 embedding lookup is inside the graph) even when prompt embeds are enabled, so token-only
 traffic never pays for embeds; a step with any embeds rows replays the embeds set. Steps
 larger than the largest size run eagerly on CUDA; on CPU they run one more graph of each
-set, compiled once for any larger token count (size `ANY`), unpadded.
+set, compiled once for any token count past `ANY_MIN_TOKENS` and the largest size (size
+`ANY`), unpadded.
 
     sizes [1, 2, 4, 8]:  n=3 -> replay size 4 (one padded token), n=8 -> size 8,
                          n=9 -> size ANY on CPU (9 rows), eager on CUDA
+    sizes [1]:           n=2..8 -> eager, n=9 -> size ANY on CPU
 
 The inputs live in persistent buffers sized for the largest capture; the runner fills the
 first `n` rows each step and the rest stay as padding (id 0, position 0, zero embeds).
@@ -45,6 +47,11 @@ IDS = "ids"
 EMBEDS = "embeds"
 # The size of the CPU graphs compiled for any step larger than the largest static size.
 ANY = 0
+# ANY graphs take only steps of more than this many tokens (and more than the largest static
+# size): up to it, layers may pick their kernel by row count (GGUF's quantized kernels,
+# `gguf_blocks.MAX_ROWS`), a branch that a graph with a symbolic size would have to guard
+# on. Steps between the largest static size and this run eagerly.
+ANY_MIN_TOKENS = 8
 
 
 # Largest default static capture size on CPU: past it, steps run the graphs compiled for
@@ -100,6 +107,7 @@ class CompiledGraphs:
         self.sizes = sorted(set(sizes))
         self.kinds = (IDS, EMBEDS) if with_embeds else (IDS,)
         self.max_size = self.sizes[-1]
+        self.any_min = max(self.max_size, ANY_MIN_TOKENS)  # ANY takes steps of more tokens
         self.input_ids = torch.zeros(self.max_size, dtype=torch.int64, device=device)
         self.positions = torch.zeros(self.max_size, dtype=torch.int64, device=device)
         self.inputs_embeds = (torch.zeros(self.max_size, hidden_size, dtype=dtype,
@@ -137,9 +145,9 @@ class CompiledGraphs:
             for size in reversed(self.sizes):
                 run_dummy_step(size, functools.partial(self._forward, kind, size))
                 self.captured.add((kind, size))
-            # Any larger size: compiled through a step of max_size + 1 tokens (the inputs
+            # Any larger size: compiled through a step of any_min + 1 tokens (the inputs
             # are fresh tensors, not the padded buffers).
-            n = self.max_size + 1
+            n = self.any_min + 1
             ids = torch.zeros(n, dtype=torch.int64, device=self.positions.device)
             embeds = (None if kind == IDS else
                       self.inputs_embeds.new_zeros(n, self.inputs_embeds.shape[1]))
@@ -174,7 +182,7 @@ class CompiledGraphs:
         kind = IDS if inputs_embeds is None else EMBEDS
         size = self.padded_size(n)
         if size is None:
-            if (kind, ANY) not in self.captured:
+            if (kind, ANY) not in self.captured or n <= self.any_min:
                 return None
             self.replays[(kind, ANY)] += 1
             # Unpadded, on the step's own tensors: their dtypes and layout must be the

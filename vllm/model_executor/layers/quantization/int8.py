@@ -95,7 +95,7 @@ class Int8Linear(nn.Module):
 
 def quantize_model(model: nn.Module, method: str | None) -> nn.Module:
     """Replaces every `nn.Linear` but the vocabulary projection by its quantized version."""
-    if method is None or method == "gguf":  # "gguf": see gguf_int4, applied at load
+    if method is None or method == "gguf":  # "gguf": see gguf_blocks, applied at load
         return model
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"Unknown quantization {method!r}; choose one of "

@@ -151,6 +151,10 @@ class TorchSDPAImpl(AttentionImpl):
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
+        native = _native_decode(kv_cache.device)
+        if native is not None and key.dtype == kv_cache.dtype:
+            native.write_kv(key, value, kv_cache, slot_mapping)
+            return
         n = slot_mapping.shape[0]
         kv_cache[0].view(-1, self.num_kv_heads, self.head_size).index_copy_(
             0, slot_mapping, key[:n])

@@ -1,0 +1,33 @@
+// The CPU kernels' entry points: Python functions (pybind) for the runner's direct calls,
+// and registered operators (`torch.ops.vllm_cpu.*`) for calls from compiled graphs, which
+// reach them through the dispatcher without a Python frame per call.
+#include <torch/extension.h>
+#include <torch/library.h>
+
+torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache,
+                                     torch::Tensor block_table, torch::Tensor seq_lens,
+                                     double scale);
+void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache,
+              torch::Tensor slot_mapping);
+torch::Tensor pack_block_codes(torch::Tensor codes, int64_t bits);
+torch::Tensor quant_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m,
+                         int64_t bits);
+bool quant_gemv_available();
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "Paged decode attention over a block-paged KV cache (CPU)");
+  m.def("write_kv", &write_kv, "Stores a step's keys and values at their cache slots (CPU)");
+  m.def("pack_block_codes", &pack_block_codes,
+        "Block codes [N, Kp] uint8 -> quant_gemv's pair layout");
+  m.def("quant_gemv_available", &quant_gemv_available,
+        "Whether quant_gemv was built (AVX-512 VNNI)");
+}
+
+TORCH_LIBRARY(vllm_cpu, m) {
+  m.def("quant_gemv(Tensor x, Tensor codes, Tensor d, Tensor m, int bits) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(vllm_cpu, CPU, m) {
+  m.impl("quant_gemv", &quant_gemv);
+}

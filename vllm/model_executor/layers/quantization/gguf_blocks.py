@@ -1,0 +1,167 @@
+"""`quantization="gguf"`: a GGUF file's block-quantized tensors (Q4_0, Q4_1, Q8_0) served
+quantized instead of dequantized at load.
+
+GGUF block layouts (32 weights each, along the input dimension):
+
+    Q4_0: fp16 d, 16 bytes of nibbles            w = d * (q - 8)
+    Q4_1: fp16 d, fp16 m, 16 bytes of nibbles    w = d * q + m
+    Q8_0: fp16 d, 32 int8                        w = d * q
+    nibbles: value j < 16 is byte j's low half, value 16 + j its high half
+
+All three read as unsigned codes `u` with w = d * u + m per block (`BlockCodes`): Q4_0 has
+m = -8d, Q8_0 stores u = q + 128 with m = -128d, all exact in float16.
+
+Kernels, for steps of at most `MAX_ROWS` tokens (decode, where every weight streams from
+memory once per step and bytes are time):
+- `csrc/cpu/quant_gemv.cpp` (`torch.ops.vllm_cpu.quant_gemv`, AVX-512 VNNI) for every type:
+  activations quantized to int8 per row and block of 32, as llama.cpp does, and integer dot
+  products against the codes with the file's float16 d and m. Measured against torch's int4
+  kernel (`benchmarks/benchmark_gguf_kernels.py`): faster at 1-2 rows, equal at 4-8; the
+  Q8_0 vocabulary projection of the default model reads 30 MB a token instead of
+  bfloat16's 56.
+- without it, torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`) for the 4-bit types
+  (scale d, zero m + 8d, both rounded to bfloat16) and the dense weight for Q8_0.
+Larger steps are compute-bound, where the dense bfloat16 matmul is faster, so `GGUFLinear`
+keeps both (vLLM's GGUF path switches kernels by batch size the same way). A request's
+numerics may therefore differ slightly between small and large steps.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+GROUP = 32
+MAX_ROWS = 8  # steps of at most this many tokens take the quantized kernel
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+BLOCK_TYPES = tuple(_BLOCK_BYTES)
+
+
+class BlockCodes:
+    """One weight's codes `u` [N, K] (uint8; 0..15 for 4 bits) with per-block `d` and `m`
+    [N, K / 32] (float32): w = d * u + m."""
+
+    def __init__(self, u: np.ndarray, d: np.ndarray, m: np.ndarray, bits: int) -> None:
+        self.u, self.d, self.m, self.bits = u, d, m, bits
+
+    def permute_rows(self, rows: np.ndarray) -> BlockCodes:
+        return BlockCodes(self.u[rows], self.d[rows], self.m[rows], self.bits)
+
+    @staticmethod
+    def concat(parts: list[BlockCodes]) -> BlockCodes | None:
+        """The row-wise concatenation, or None when the parts differ in bits."""
+        if len({p.bits for p in parts}) != 1:
+            return None
+        return BlockCodes(*(np.concatenate([getattr(p, a) for p in parts])
+                            for a in ("u", "d", "m")), parts[0].bits)
+
+    def dequantize(self) -> np.ndarray:
+        n, k = self.u.shape
+        blocks = self.u.reshape(n, k // GROUP, GROUP).astype(np.float32)
+        return (blocks * self.d[..., None] + self.m[..., None]).reshape(n, k)
+
+
+def read_block_codes(data: np.ndarray, type_name: str, k: int) -> BlockCodes:
+    """Codes of a GGUF Q4_0 / Q4_1 / Q8_0 tensor from its raw bytes `data` [N, bytes per
+    row]."""
+    block_bytes = _BLOCK_BYTES[type_name]
+    rows = data.reshape(data.shape[0], k // GROUP, block_bytes)
+    d = np.ascontiguousarray(rows[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
+    if type_name == "Q8_0":
+        q = np.ascontiguousarray(rows[..., 2:]).view(np.int8).reshape(data.shape[0], k)
+        return BlockCodes((q.astype(np.int16) + 128).astype(np.uint8), d, -128 * d, 8)
+    nibbles = rows[..., block_bytes - 16:]
+    u = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(data.shape[0], k)
+    if type_name == "Q4_0":
+        return BlockCodes(u, d, -8 * d, 4)
+    m = np.ascontiguousarray(rows[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
+    return BlockCodes(u, d, m, 4)
+
+
+def _native_kernel():
+    """The `quant_gemv` op where the native CPU kernels were built with it, else None."""
+    from vllm._custom_ops import cpu_ops
+
+    ops = cpu_ops()
+    return ops if ops is not None and ops.quant_gemv_available() else None
+
+
+class GGUFLinear(nn.Module):
+    """A `nn.Linear` whose weight also lives as GGUF block codes: steps of up to `MAX_ROWS`
+    tokens take the quantized kernel, larger ones the dense weight."""
+
+    def __init__(self, linear: nn.Linear, codes: BlockCodes, native: bool = True) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        n, k = codes.u.shape
+        if (n, k) != (self.out_features, self.in_features) or k % GROUP:
+            raise ValueError(f"block codes of shape {(n, k)} do not fit a linear layer of "
+                             f"{(self.out_features, self.in_features)} (in % 32 must be 0).")
+        self.dense = linear  # large steps (may become a `PackedLinear` at load)
+        self.bits = codes.bits
+        ops = _native_kernel() if native else None
+        if ops is not None:
+            self.kernel = "quant_gemv"
+            padded = -(-k // 128) * 128  # quads of blocks; padding blocks have d = m = 0
+            u = np.zeros((n, padded), np.uint8)
+            u[:, :k] = codes.u
+            d, m = (np.pad(a, ((0, 0), (0, (padded - k) // GROUP))).astype(np.float16)
+                    for a in (codes.d, codes.m))
+            if not (np.isfinite(d).all() and np.isfinite(m).all()):
+                raise ValueError("block scales overflow float16")
+            self.register_buffer("codes", ops.pack_block_codes(torch.from_numpy(u),
+                                                               codes.bits))
+            self.register_buffer("d", torch.from_numpy(d))
+            self.register_buffer("m", torch.from_numpy(m))
+        elif codes.bits == 4 and n % 16 == 0:
+            self.kernel = "int4pack"
+            q = torch.from_numpy(codes.u.astype(np.int32))
+            self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, 1))
+            scale_zero = np.stack([codes.d.T, (codes.m + 8 * codes.d).T], axis=-1)  # [K/32, N, 2]
+            self.register_buffer("scale_zero", torch.from_numpy(
+                np.ascontiguousarray(scale_zero)).to(torch.bfloat16))
+        else:
+            raise ValueError(f"no kernel for {codes.bits}-bit block codes of shape {(n, k)} "
+                             "on this machine")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > MAX_ROWS:
+            return self.dense(x)
+        if self.kernel == "quant_gemv":
+            y = torch.ops.vllm_cpu.quant_gemv(x, self.codes, self.d, self.m, self.bits)
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP,
+                                                  self.scale_zero).to(x.dtype)
+        return y if self.dense.bias is None else y + self.dense.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"{self.bits}-bit {self.kernel} up to {MAX_ROWS} rows")
+
+
+def apply_block_codes(model: nn.Module, codes: dict[str, BlockCodes]) -> int:
+    """Swaps each linear layer whose full weight has codes (`codes` keyed by parameter
+    name, fused layers already concatenated) for a `GGUFLinear` where a kernel takes them;
+    returns the count."""
+    swapped, kernels = 0, set()
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear) or f"{name}.weight" not in codes:
+            continue
+        try:
+            layer = GGUFLinear(module, codes[f"{name}.weight"])
+        except ValueError as e:
+            logger.info("GGUF weight %s stays dense: %s", name, e)
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, layer)
+        swapped += 1
+        kernels.add(f"{layer.bits}-bit {layer.kernel}")
+    logger.info("GGUF block weights kept for %d linear layers (%s up to %d rows per step, "
+                "dense above).", swapped, ", ".join(sorted(kernels)) or "none", MAX_ROWS)
+    return swapped
