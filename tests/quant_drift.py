@@ -69,8 +69,8 @@ if __name__ == "__main__":
                                                           "quantization": "int8"}),
                           ("int8 (bfloat16 activations)", {"dtype": "bfloat16",
                                                            "quantization": "int8"}),
-                          # One request at a time: every step takes the int4 kernel.
-                          ("gguf int4 (one request)", {"dtype": "bfloat16",
+                          # One request at a time: every step takes the block kernel.
+                          ("gguf (one request)", {"dtype": "bfloat16",
                                                        "quantization": "gguf",
                                                        "max_num_seqs": 1})]:
         drift = measure_drift(reference, greedy_runs(path, 32, **kwargs), first_n=16)

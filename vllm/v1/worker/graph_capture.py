@@ -37,6 +37,7 @@ import collections
 import functools
 import logging
 import time
+import types
 from collections.abc import Callable
 
 import torch
@@ -114,25 +115,21 @@ class CompiledGraphs:
                                           device=device) if with_embeds else None)
         self.captured: set[tuple[str, int]] = set()
         self.replays: collections.Counter[tuple[str, int]] = collections.Counter()
-        # Every size is a static-shape specialisation of the same compiled functions, and
-        # other engines in this process (other models) add theirs: raise the limits by
-        # what this one needs.
-        need = 2 * (len(self.sizes) + 1) + 4
-        dynamo_config = torch._dynamo.config
-        dynamo_config.recompile_limit += need
-        dynamo_config.accumulated_recompile_limit += 64 * need
-        compile_ = functools.partial(torch.compile, dynamic=False, fullgraph=True)
-        self._prepare = {IDS: compile_(_prepare_ids), EMBEDS: compile_(_prepare_embeds)}
-        self._layer = compile_(_layer)
-        self._finish = compile_(_finish)
-        # The ANY graphs: the same pieces with a symbolic token count (parameters and
-        # buffers keep their static shapes). Separate functions, so that their cache
-        # entries never mix with the static sizes'.
-        compile_any = functools.partial(torch.compile, dynamic=True, fullgraph=True)
-        self._any_prepare = {IDS: compile_any(_any_prepare_ids),
-                             EMBEDS: compile_any(_any_prepare_embeds)}
-        self._any_layer = compile_any(_any_layer)
-        self._any_finish = compile_any(_any_finish)
+        # Each (set, size) compiles its own copies of the pieces: dynamo keeps compiled
+        # entries per code object, so every copy holds exactly one, which a replay calls
+        # without evaluating guards (with the sizes sharing one function, each call had to
+        # tell its size apart from the others': one request's step ran ~10% slower with
+        # five sizes captured than with one). The ANY copies take a symbolic token count
+        # (parameters and buffers keep their static shapes).
+        self._pieces: dict[tuple[str, int], tuple[Callable, Callable, Callable]] = {}
+        for kind in self.kinds:
+            prepare = _prepare_ids if kind == IDS else _prepare_embeds
+            for size in self.sizes + [ANY]:
+                compile_ = functools.partial(torch.compile, dynamic=size == ANY,
+                                             fullgraph=True)
+                tag = f"{kind}_{size or 'any'}"
+                self._pieces[(kind, size)] = tuple(
+                    compile_(_own_code(fn, tag)) for fn in (prepare, _layer, _finish))
 
     def padded_size(self, num_tokens: int) -> int | None:
         return padded_size(self.sizes, num_tokens)
@@ -160,18 +157,20 @@ class CompiledGraphs:
 
     def _forward(self, kind: str, size: int) -> torch.Tensor:
         inputs = self.input_ids if kind == IDS else self.inputs_embeds
-        h, cos, sin = self._prepare[kind](self.model, inputs[:size], self.positions[:size])
-        for layer in self.model.layers:
-            h = self._layer(layer, cos, sin, h)
-        return self._finish(self.model, h)
+        return self._run_pieces(kind, size, inputs[:size], self.positions[:size])
 
     def _forward_any(self, kind: str, input_ids: torch.Tensor | None, positions: torch.Tensor,
                      inputs_embeds: torch.Tensor | None) -> torch.Tensor:
         inputs = input_ids if kind == IDS else inputs_embeds
-        h, cos, sin = self._any_prepare[kind](self.model, inputs, positions)
+        return self._run_pieces(kind, ANY, inputs, positions)
+
+    def _run_pieces(self, kind: str, size: int, inputs: torch.Tensor,
+                    positions: torch.Tensor) -> torch.Tensor:
+        prepare, layer_fn, finish = self._pieces[(kind, size)]
+        h, cos, sin = prepare(self.model, inputs, positions)
         for layer in self.model.layers:
-            h = self._any_layer(layer, cos, sin, h)
-        return self._any_finish(self.model, h)
+            h = layer_fn(layer, cos, sin, h)
+        return finish(self.model, h)
 
     def run(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
             inputs_embeds: torch.Tensor | None, common=None) -> torch.Tensor | None:
@@ -206,8 +205,8 @@ class CompiledGraphs:
             self.inputs_embeds[:n].copy_(inputs_embeds)
             self.inputs_embeds[n:size].zero_()
         self.replays[(kind, size)] += 1
-        # Every graph was compiled at capture for these very modules and buffers; only the
-        # guards that tell the sizes apart need checking (~90 us a call otherwise, 32 calls
+        # Every graph was compiled at capture for these very modules and buffers, alone in
+        # its function's cache: no guard needs checking (~90 us a call otherwise, 32 calls
         # a step).
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
             return self._forward(kind, size)[:n]
@@ -233,22 +232,11 @@ def _finish(model: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
     return model.finish(h)
 
 
-def _any_prepare_ids(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor):
-    return _prepare_ids(model, input_ids, positions)
-
-
-def _any_prepare_embeds(model: torch.nn.Module, inputs_embeds: torch.Tensor,
-                        positions: torch.Tensor):
-    return _prepare_embeds(model, inputs_embeds, positions)
-
-
-def _any_layer(layer: torch.nn.Module, cos: torch.Tensor, sin: torch.Tensor,
-               h: torch.Tensor) -> torch.Tensor:
-    return _layer(layer, cos, sin, h)
-
-
-def _any_finish(model: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
-    return _finish(model, h)
+def _own_code(fn: Callable, tag: str) -> Callable:
+    """A copy of `fn` with a code object of its own (dynamo's compiled entries hang off
+    the code object)."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag}")
+    return types.FunctionType(code, fn.__globals__, code.co_name)
 
 
 class CudaGraphs:
