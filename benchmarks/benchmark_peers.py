@@ -160,7 +160,7 @@ def main() -> None:
             curves[f"this engine {dtype} int8"] = run_ours(hf_dir, workload, args.output_len,
                                                            dtype=dtype, quantization="int8")
         if args.gguf and dtype == "bfloat16":
-            curves[f"this engine {dtype} gguf int4"] = run_ours(
+            curves[f"this engine {dtype} gguf"] = run_ours(
                 gguf, workload, args.output_len, dtype=dtype, quantization="gguf")
         if args.vllm_cpu_python:
             result = run_driver([args.vllm_cpu_python, str(HERE / "peers/vllm_cpu_driver.py"),
