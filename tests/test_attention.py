@@ -29,8 +29,8 @@ def _reference(q_all, k_all, v_all, scale):
 @pytest.mark.parametrize("native", [True, False])
 def test_backend_matches_dense_reference(dtype, native, monkeypatch):
     if not native:
-        monkeypatch.setattr(torch_sdpa, "_native_decode", lambda device: None)
-    elif torch_sdpa._native_decode(torch.device("cpu")) is None:
+        monkeypatch.setattr(torch_sdpa, "_native_ops", lambda device: None)
+    elif torch_sdpa._native_ops(torch.device("cpu")) is None:
         pytest.skip("no compiler for the native kernel")
     gen = torch.Generator().manual_seed(0)
     # (already computed, scheduled now): two decodes, a fresh prefill, a continued chunk.
@@ -78,7 +78,7 @@ def test_backend_matches_dense_reference(dtype, native, monkeypatch):
 
 
 def _check_native_decode(dtype, lens, heads, kv_heads, head_size, block=16):
-    ops = torch_sdpa._native_decode(torch.device("cpu"))
+    ops = torch_sdpa._native_ops(torch.device("cpu"))
     if ops is None:
         pytest.skip("no compiler for the native kernel")
     gen = torch.Generator().manual_seed(0)
@@ -136,7 +136,7 @@ def test_native_decode_kernel_head_shapes(dtype, heads, kv_heads, head_size):
 def test_native_write_kv_matches_index_copy(dtype):
     """Rows of strided key/value views (as a fused qkv output gives them) land at their
     slots, exactly as index_copy_ puts them; rows past the slot mapping are ignored."""
-    ops = torch_sdpa._native_decode(torch.device("cpu"))
+    ops = torch_sdpa._native_ops(torch.device("cpu"))
     if ops is None:
         pytest.skip("no compiler for the native kernel")
     kv_heads, head_size, n = 2, 8, 5

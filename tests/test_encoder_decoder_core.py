@@ -799,8 +799,8 @@ def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> to
 def test_cross_attention_matches_dense_reference(plan, native, dtype, monkeypatch) -> None:
     """plan: (decoder query tokens this step, encoder length) per request."""
     if not native:
-        monkeypatch.setattr(torch_sdpa, "_native_decode", lambda device: None)
-    elif torch_sdpa._native_decode(torch.device("cpu")) is None:
+        monkeypatch.setattr(torch_sdpa, "_native_ops", lambda device: None)
+    elif torch_sdpa._native_ops(torch.device("cpu")) is None:
         pytest.skip("no compiler for the native kernel")
     gen = torch.Generator().manual_seed(0)
     scale = HEAD_SIZE**-0.5

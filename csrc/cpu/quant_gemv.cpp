@@ -274,7 +274,7 @@ torch::Tensor quant_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor d, 
 #if defined(VLLM_QUANT_GEMV)
   auto run = [&](auto* type_tag) {
     using T = std::remove_pointer_t<decltype(type_tag)>;
-    QuantizedRows q;
+    static thread_local QuantizedRows q;  // kept between calls: no allocation per call
     quantize_rows<T>(x.data_ptr<T>(), rows, k, kp, &q);
     const auto* dp = d.data_ptr<at::Half>();
     const auto* mp = m.data_ptr<at::Half>();

@@ -34,7 +34,7 @@ from vllm.v1.attention.backends.abstract import (
 )
 
 
-def _native_decode(device: torch.device):
+def _native_ops(device: torch.device):
     """The native CPU kernels module, or None (other devices, or no compiler)."""
     if device.type != "cpu":
         return None
@@ -99,7 +99,7 @@ class TorchSDPABackend(AttentionBackend):
         if token_rows.size:
             decode_idx = torch.from_numpy(token_idx.astype(np.int64)).to(device)
             max_blocks = cdiv(int(seq_lens[token_rows].max()), block_size)
-        if token_rows.size and _native_decode(device) is not None:
+        if token_rows.size and _native_ops(device) is not None:
             decode_table_i32 = torch.from_numpy(
                 np.ascontiguousarray(common.block_table[token_rows, :max_blocks])).to(device)
             decode_seq_lens = torch.from_numpy(
@@ -151,7 +151,7 @@ class TorchSDPAImpl(AttentionImpl):
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-        native = _native_decode(kv_cache.device)
+        native = _native_ops(kv_cache.device)
         if native is not None and key.dtype == kv_cache.dtype:
             native.write_kv(key, value, kv_cache, slot_mapping)
             return
@@ -184,7 +184,7 @@ class TorchSDPAImpl(AttentionImpl):
                 metadata: TorchSDPAMetadata) -> torch.Tensor:
         q = query if metadata.decode_only else query[metadata.decode_token_idx]
         if metadata.decode_seq_lens is not None:
-            return _native_decode(q.device).paged_decode_attention(
+            return _native_ops(q.device).paged_decode_attention(
                 q.contiguous(), kv_cache, metadata.decode_block_table_i32,
                 metadata.decode_seq_lens, self.scale)
         table = metadata.decode_block_table
