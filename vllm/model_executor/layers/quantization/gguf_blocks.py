@@ -16,7 +16,7 @@ memory once per step and bytes are time):
 - `csrc/cpu/quant_gemv.cpp` (`torch.ops.vllm_cpu.quant_gemv`, AVX-512 VNNI) for every type:
   activations quantized to int8 per row and block of 32, as llama.cpp does, and integer dot
   products against the codes with the file's float16 d and m. Measured against torch's int4
-  kernel (`benchmarks/benchmark_gguf_kernels.py`): 1.4-1.55x at 1-8 rows; the
+  kernel (`benchmarks/benchmark_gguf_kernels.py`): 1.1-1.55x at 1-8 rows over runs; the
   Q8_0 vocabulary projection of the default model reads 30 MB a token instead of
   bfloat16's 56.
 - without it, torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`) for the 4-bit types
