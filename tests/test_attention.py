@@ -152,3 +152,92 @@ def test_native_write_kv_matches_index_copy(dtype):
     assert torch.equal(cache, expected)
     with pytest.raises(RuntimeError, match="slot 64 out of range"):
         ops.write_kv(key, value, cache, torch.tensor([64]))
+
+
+def _check_native_prefill(dtype, plan, heads, kv_heads, head_size, block, causal=True):
+    """`plan`: (queries, keys) per chunk, the queries being the last of the keys' positions.
+    The kernel against a dense softmax in float64, with q a strided view of a fused qkv
+    output, blocks shuffled, and rows outside the chunks left as they were."""
+    ops = torch_sdpa._native_ops(torch.device("cpu"))
+    if ops is None:
+        pytest.skip("no compiler for the native kernel")
+    gen = torch.Generator().manual_seed(0)
+    group = heads // kv_heads
+    num_blocks = sum(-(-keys // block) for _, keys in plan) + 1
+    kv = torch.randn(2, num_blocks, block, kv_heads, head_size, generator=gen).to(dtype)
+    order = torch.randperm(num_blocks - 1, generator=gen) + 1
+    max_blocks = max(-(-keys // block) for _, keys in plan) + 1  # one spare column
+    table = torch.zeros(len(plan), max_blocks, dtype=torch.int32)
+    used = 0
+    for i, (_, keys) in enumerate(plan):
+        nb = -(-keys // block)
+        table[i, :nb] = order[used:used + nb]
+        used += nb
+    # Chunk i's queries start at 2 + its offset: rows 0-1 and the last stay untouched.
+    lens = [n for n, _ in plan]
+    starts = [2 + sum(lens[:i]) for i in range(len(plan))]
+    total = 3 + sum(lens)
+    qkv = torch.randn(total, heads + 2 * kv_heads, head_size, generator=gen).to(dtype)
+    q = qkv[:, :heads]
+    out = torch.full((total, heads, head_size), 7.0, dtype=dtype)
+    scale = head_size ** -0.5
+    ran = ops.paged_prefill_attention(
+        q, kv, table, torch.tensor(starts, dtype=torch.int32),
+        torch.tensor(lens, dtype=torch.int32),
+        torch.tensor([keys for _, keys in plan], dtype=torch.int32), out, scale, causal)
+    assert ran
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for i, (n, keys) in enumerate(plan):
+        ids = table[i, :-(-keys // block)].long()
+        k = kv[0][ids].reshape(-1, kv_heads, head_size)[:keys].double()
+        v = kv[1][ids].reshape(-1, kv_heads, head_size)[:keys].double()
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[starts[i]:starts[i] + n].double(), k) * scale
+        if causal:
+            q_pos = torch.arange(keys - n, keys)[:, None]
+            scores = scores.masked_fill(torch.arange(keys)[None, :] > q_pos, float("-inf"))
+        ref = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+        torch.testing.assert_close(out[starts[i]:starts[i] + n].double(), ref, atol=tol,
+                                   rtol=tol)
+    untouched = torch.cat([out[:2], out[-1:]])
+    assert torch.equal(untouched, torch.full_like(untouched, 7.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, head_size", [
+    (9, 3, 64),    # the default model: group 3
+    (4, 4, 64),    # no GQA
+    (8, 1, 128),   # group 8, head 128
+    (6, 3, 32),
+    (14, 2, 16),   # group 7, head 16
+    (4, 2, 80),    # a head size of 5 vectors
+])
+@pytest.mark.parametrize("block", [16, 8, 32])
+def test_native_prefill_kernel(dtype, heads, kv_heads, head_size, block):
+    """Fresh prompts (7, 40 tokens), chunks continuing a cache (5 after 25, 33 after 67),
+    a one-token chunk; tiles of 16 queries with tails, key chunks of 16 with tails."""
+    _check_native_prefill(dtype, [(7, 7), (40, 40), (5, 30), (1, 17), (33, 100)], heads,
+                          kv_heads, head_size, block)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_prefill_kernel_non_causal(dtype):
+    """Cross-attention chunks: every query sees all of its sequence's keys."""
+    _check_native_prefill(dtype, [(20, 20), (3, 50), (17, 6)], 6, 2, 64, 16, causal=False)
+
+
+def test_native_prefill_kernel_declines_unsupported_shapes():
+    """Head sizes that are not a multiple of 16 and groups past 8 are left to the
+    portable path: the kernel returns False and writes nothing."""
+    ops = torch_sdpa._native_ops(torch.device("cpu"))
+    if ops is None:
+        pytest.skip("no compiler for the native kernel")
+    one = torch.ones(1, dtype=torch.int32)
+    for heads, kv_heads, head_size in [(4, 2, 24), (9, 1, 64)]:
+        q = torch.randn(4, heads, head_size)
+        kv = torch.randn(2, 2, 4, kv_heads, head_size)
+        out = torch.zeros_like(q)
+        assert not ops.paged_prefill_attention(q, kv, torch.ones(1, 1, dtype=torch.int32),
+                                               torch.zeros(1, dtype=torch.int32), one * 4,
+                                               one * 4, out, 1.0, True)
+        assert not out.any()

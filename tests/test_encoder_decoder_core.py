@@ -1006,7 +1006,7 @@ def test_short_cross_spans_become_paged_rows_per_query_token():
     table = (md.decode_block_table_i32 if md.decode_block_table_i32 is not None
              else md.decode_block_table)
     assert table.tolist() == [[1, 2, 0], [3, 4, 5], [3, 4, 5], [3, 4, 5]]
-    assert [(s.start, s.end, s.seq_len, s.mask) for s in md.prefills] == [(4, 44, 6, None)]
+    assert [(s.start, s.end, s.computed, s.seq_len) for s in md.prefills] == [(4, 44, 0, 6)]
     assert md.prefills[0].block_ids.tolist() == [6, 7]
     assert not md.decode_only
     causal = TorchSDPABackend.build_metadata(common, 4, torch.device("cpu"))

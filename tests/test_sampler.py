@@ -18,6 +18,7 @@ from vllm.v1.sample.sampler import (
     apply_top_k_top_p,
     draw_uniforms,
     gather_logprobs,
+    greedy_tokens,
     inverse_cdf_sample,
 )
 
@@ -84,6 +85,27 @@ def test_greedy_rows_in_a_random_batch_are_argmax() -> None:
     assert out[0] == int(logits[0].argmax()) and out[2] == int(logits[2].argmax())
     assert out[1] == inverse_cdf(logits[1], 1.0, 3)
     assert out[3] == inverse_cdf(logits[3], 1.0, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [1, 5, 16, 33, 49152])
+def test_greedy_tokens_match_torch_argmax(dtype, vocab) -> None:
+    """The native row argmax (on CPU) answers as torch.argmax: the first of tied maxima,
+    the first NaN of a row that has one, -inf rows; vocabularies shorter than a vector
+    and with a vector tail; rows of a strided view."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(8, vocab + 3, generator=gen) * 3).to(dtype)
+    logits[1] = logits[1].round().clamp(-2, 2)  # many ties at the maximum
+    logits[2, -1] = logits[2, 0] = logits[2].max() + 1  # tie: first index wins
+    logits[3] = float("-inf")
+    logits[4, vocab // 2] = float("nan")
+    logits[5, -1] = float("nan")
+    logits[5, 0] = float("nan")
+    logits[6] = 0.0
+    view = logits[:, 1:vocab + 1]  # rows vocab long, a row stride of vocab + 3
+    expected = view.float().argmax(dim=-1)
+    assert greedy_tokens(view).tolist() == expected.tolist()
+    assert greedy_tokens(logits).tolist() == logits.float().argmax(dim=-1).tolist()
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -20,10 +20,11 @@ _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 
 
 def _build_signature(sources: list[Path]) -> str:
-    """Short hash of the CPU's feature flags, the sources and their paths: the kernels are
-    built with -march=native, so a cached build must never be loaded on a CPU with other
-    instructions, nor shared by two checkouts (the build records the sources' absolute
-    paths, so two checkouts sharing one entry would keep rebuilding it for each other)."""
+    """Short hash of the CPU's feature flags, the sources (headers included) and their
+    paths: the kernels are built with -march=native, so a cached build must never be
+    loaded on a CPU with other instructions, nor shared by two checkouts (the build
+    records the sources' absolute paths, so two checkouts sharing one entry would keep
+    rebuilding it for each other)."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), "")
@@ -42,10 +43,11 @@ def cpu_ops() -> ModuleType | None:
     sources = sorted((_CSRC / "cpu").glob("*.cpp"))
     if not sources:
         return None
+    headers = sorted((_CSRC / "cpu").glob("*.h"))
     try:
         from torch.utils.cpp_extension import load
 
-        module = load(name=f"vllm_cpu_ops_{_build_signature(sources)}",
+        module = load(name=f"vllm_cpu_ops_{_build_signature(sources + headers)}",
                       sources=[str(s) for s in sources],
                       extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math",
                                     "-fno-finite-math-only"],

@@ -7,8 +7,13 @@
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache,
                                      torch::Tensor block_table, torch::Tensor seq_lens,
                                      double scale);
+bool paged_prefill_attention(torch::Tensor query, torch::Tensor kv_cache,
+                             torch::Tensor block_table, torch::Tensor query_start,
+                             torch::Tensor query_len, torch::Tensor seq_lens, torch::Tensor out,
+                             double scale, bool causal);
 void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache,
               torch::Tensor slot_mapping);
+torch::Tensor argmax_rows(torch::Tensor logits);
 torch::Tensor pack_block_codes(torch::Tensor codes, int64_t bits);
 torch::Tensor quant_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m,
                          int64_t bits);
@@ -17,7 +22,10 @@ bool quant_gemv_available();
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Paged decode attention over a block-paged KV cache (CPU)");
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "Paged prefill attention of every prompt chunk of a step (CPU); false if unsupported");
   m.def("write_kv", &write_kv, "Stores a step's keys and values at their cache slots (CPU)");
+  m.def("argmax_rows", &argmax_rows, "Row-wise argmax, as torch.argmax(dim=-1) (CPU)");
   m.def("pack_block_codes", &pack_block_codes,
         "Block codes [N, Kp] uint8 -> quant_gemv's pair layout");
   m.def("quant_gemv_available", &quant_gemv_available,

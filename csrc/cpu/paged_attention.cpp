@@ -17,9 +17,7 @@
 
 #include <algorithm>
 #include <cmath>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "vec.h"
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -28,6 +26,11 @@
 #include <vector>
 
 namespace {
+
+#if defined(__AVX512F__)
+using vllm_cpu::exp16;
+using vllm_cpu::load16;
+#endif
 
 inline void load_row(const float* src, float* dst, int64_t n) {
   std::memcpy(dst, src, n * sizeof(float));
@@ -141,15 +144,6 @@ void decode_attention(const T* query, const T* kv_cache, const int32_t* block_ta
 //    one long sequence still spreads over every thread when the batch is small.
 // A group of query heads sharing a kv head larger than the tile runs tile by tile over the
 // same keys (the second pass reads them from cache).
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 load16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
 // The sums of four vectors' lanes, as one 4-float vector [sum a, sum b, sum c, sum d].
 inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
   const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
@@ -161,24 +155,6 @@ inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
                                     _mm256_castpd_ps(_mm512_extractf64x4_pd(
                                         _mm512_castps_pd(abcd), 1)));
   return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
-}
-
-// exp(x) for x <= 0 (scores minus their max): 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2,
-// p a degree-6 Taylor polynomial (relative error ~2e-7); -inf and very negative -> 0.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
 }
 
 constexpr int64_t kPartition = 512;  // keys per task

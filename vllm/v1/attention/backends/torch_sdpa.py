@@ -7,8 +7,11 @@ Decode requests (one query token) are computed together: on CPU by the native pa
 kernel (`csrc/cpu/paged_attention.cpp`, reading blocks in place), otherwise by gathering
 their blocks into a padded `[num_decodes, max_blocks * block_size]` key range masked by
 sequence length.
-Prefill chunks are computed one request at a time; a chunk with nothing computed before it
-attends to its own keys with a causal mask and never reads the cache.
+Prefill chunks (prompts, chunked prefill, prompts after a prefix hit) are computed on CPU
+all at once by the native prefill kernel (`csrc/cpu/prefill_attention.cpp`), which reads
+every key from the cache (the step's own keys are written first); otherwise one request
+at a time by torch SDPA, where a chunk with nothing computed before it attends to its own
+keys with a causal mask and never reads the cache.
 
 Encoder/decoder models add two kinds (`AttentionType`): ENCODER attention is bidirectional
 within each encoder input and touches no cache; ENCODER_DECODER (cross) attention is built
@@ -49,12 +52,25 @@ _MAX_PAGED_CROSS_QUERY = 16
 
 @dataclass(slots=True)
 class PrefillSpan:
+    """One prompt chunk, for the portable path (torch SDPA, one call per chunk)."""
     start: int  # first token of the chunk in the batch
     end: int
-    # Only for chunks continuing earlier tokens (chunked prefill, prefix hit):
-    block_ids: torch.Tensor | None  # [num_blocks] int64
+    computed: int  # tokens before the chunk (chunked prefill, prefix hit)
     seq_len: int
-    mask: torch.Tensor | None  # [query_len, seq_len] bool, True = attend
+    # The cache blocks it reads: None for a causal chunk with nothing before it, which
+    # attends to its own keys only.
+    block_ids: np.ndarray | None  # [num_blocks]
+
+
+@dataclass(slots=True)
+class NativePrefill:
+    """Every prompt chunk of the step, for the native kernel (one call per layer), which
+    reads all keys from the cache: rows of the block table, where each chunk's queries
+    start in the batch, how many there are, and the keys its sequence holds."""
+    block_table: torch.Tensor  # [num_chunks, max_blocks] int32
+    query_start: torch.Tensor  # [num_chunks] int32
+    query_len: torch.Tensor  # [num_chunks] int32
+    seq_lens: torch.Tensor  # [num_chunks] int32
 
 
 @dataclass(slots=True)
@@ -67,6 +83,7 @@ class TorchSDPAMetadata:
     decode_seq_lens: torch.Tensor | None  # [num_decodes] int32 (native kernel)
     decode_block_table_i32: torch.Tensor | None  # [num_decodes, max_blocks] int32 (native)
     prefills: list[PrefillSpan]
+    prefill_native: NativePrefill | None  # the same chunks, where the native kernel runs
     decode_only: bool  # every token is a decode, in order: no scatter of results needed
 
 
@@ -112,25 +129,27 @@ class TorchSDPABackend(AttentionBackend):
             key_pos = np.arange(max_blocks * block_size)
             decode_mask = torch.from_numpy(key_pos[None, :] < seq_lens[token_rows][:, None]
                                            )[:, None, None, :].to(device)
+        prefill_rows = np.flatnonzero(query_lens > max_paged)
         prefills = []
-        for i in np.flatnonzero(query_lens > max_paged):
-            start, end = int(qsl[i]), int(qsl[i + 1])
+        for i in prefill_rows:
             computed, seq_len = int(common.num_computed_tokens[i]), int(seq_lens[i])
-            block_ids = mask = None
-            if computed > 0 or not causal:
-                num_blocks = cdiv(seq_len, block_size)
-                block_ids = torch.from_numpy(
-                    common.block_table[i, :num_blocks].astype(np.int64)).to(device)
-            if computed > 0 and causal:
-                # Query row r sits at position computed + r and sees keys 0..computed + r.
-                q_pos = computed + np.arange(end - start)
-                mask = torch.from_numpy(np.arange(seq_len)[None, :] <= q_pos[:, None])
-                mask = mask.to(device)
-            prefills.append(PrefillSpan(start, end, block_ids, seq_len, mask))
+            block_ids = (common.block_table[i, :cdiv(seq_len, block_size)]
+                         if computed > 0 or not causal else None)
+            prefills.append(PrefillSpan(int(qsl[i]), int(qsl[i + 1]), computed, seq_len,
+                                        block_ids))
+        prefill_native = None
+        if prefill_rows.size and _native_ops(device) is not None:
+            max_blocks = cdiv(int(seq_lens[prefill_rows].max()), block_size)
+            prefill_native = NativePrefill(
+                torch.from_numpy(np.ascontiguousarray(
+                    common.block_table[prefill_rows, :max_blocks], dtype=np.int32)),
+                torch.from_numpy(qsl[prefill_rows].astype(np.int32)),
+                torch.from_numpy(query_lens[prefill_rows].astype(np.int32)),
+                torch.from_numpy(seq_lens[prefill_rows].astype(np.int32)))
         slot_mapping = torch.from_numpy(common.slot_mapping).to(device)
         return TorchSDPAMetadata(slot_mapping, common.num_actual_tokens, decode_idx,
                                  decode_table, decode_mask, decode_seq_lens, decode_table_i32,
-                                 prefills,
+                                 prefills, prefill_native,
                                  decode_only=token_rows.size == common.num_actual_tokens)
 
     @staticmethod
@@ -176,9 +195,23 @@ class TorchSDPAImpl(AttentionImpl):
                           device=query.device)
         if metadata.decode_token_idx is not None:
             out[metadata.decode_token_idx] = self._decode(query, kv_cache, metadata)
-        for span in metadata.prefills:
-            out[span.start:span.end] = self._prefill(query, key, value, kv_cache, span)
+        if metadata.prefills and not self._native_prefill(query, kv_cache, metadata, out):
+            for span in metadata.prefills:
+                out[span.start:span.end] = self._prefill(query, key, value, kv_cache, span)
         return out.view(num_tokens, self.num_heads * self.head_size)
+
+    def _native_prefill(self, query: torch.Tensor, kv_cache: torch.Tensor,
+                        metadata: TorchSDPAMetadata, out: torch.Tensor) -> bool:
+        """Every prompt chunk in one native call, keys and values read from the cache
+        (this step's were written first); False where the kernel does not run."""
+        spans = metadata.prefill_native
+        if spans is None or query.dtype != kv_cache.dtype:
+            return False
+        if query.stride(-1) != 1 or query.stride(1) != self.head_size:
+            query = query.contiguous()
+        return _native_ops(query.device).paged_prefill_attention(
+            query, kv_cache, spans.block_table, spans.query_start, spans.query_len,
+            spans.seq_lens, out, self.scale, self.attn_type == AttentionType.DECODER)
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: TorchSDPAMetadata) -> torch.Tensor:
@@ -231,10 +264,17 @@ class TorchSDPAImpl(AttentionImpl):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
                                                enable_gqa=self.group > 1)
         else:
-            k = kv_cache[0][span.block_ids].view(-1, self.num_kv_heads, self.head_size)
-            v = kv_cache[1][span.block_ids].view(-1, self.num_kv_heads, self.head_size)
+            ids = torch.from_numpy(span.block_ids.astype(np.int64)).to(query.device)
+            k = kv_cache[0][ids].view(-1, self.num_kv_heads, self.head_size)
+            v = kv_cache[1][ids].view(-1, self.num_kv_heads, self.head_size)
             k = k[:span.seq_len].transpose(0, 1)[None]
             v = v[:span.seq_len].transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, scale=self.scale,
+            mask = None
+            if self.attn_type == AttentionType.DECODER:
+                # Query row r sits at position computed + r and sees keys 0..computed + r.
+                q_pos = span.computed + np.arange(span.end - span.start)
+                mask = torch.from_numpy(np.arange(span.seq_len)[None, :] <= q_pos[:, None])
+                mask = mask.to(query.device)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
                                                enable_gqa=self.group > 1)
         return o[0].transpose(0, 1)

@@ -1,0 +1,317 @@
+// Paged prefill attention for the CPU: the query tokens of every prompt chunk in a step,
+// against keys and values read in place from the block-paged cache (written for this
+// step's tokens before the call), all chunks in one call.
+//
+// Layouts:
+//   query        [num_tokens, num_heads, head_size]  (rows at any stride, each contiguous)
+//   kv_cache     [2, num_blocks, block_size, num_kv_heads, head_size]   (K then V)
+//   block_table  [num_spans, max_blocks] int32
+//   query_start, query_len, seq_lens  [num_spans] int32: span s's queries are tokens
+//                query_start[s] .. + query_len[s], the last query_len[s] of its seq_lens[s]
+//                positions (causal: query i sees keys 0 .. seq_len - query_len + i);
+//                non-causal (cross-attention) queries see all seq_lens[s] keys
+//   out          [num_tokens, num_heads, head_size] contiguous; only the spans' rows are
+//                written
+//
+// A task is one span's tile of up to 16 query tokens times the `group` query heads that
+// share one kv head: 16 * group rows, held transposed so that the rows are the vector
+// lanes (row r = token * group + head in group). Keys come 16 at a time:
+//   scores  S^T[key][rows] = sum_d K[key][d] * Q^T[d][rows]    (a broadcast key element
+//           times a vector of rows: no horizontal sums)
+//   softmax online, per lane: running max and sum, the output rescaled when the max grows
+//   output  O^T[d][rows] += sum_key P^T[key][rows] * V[key][d]
+// all in float32. Tasks are taken longest first from a shared counter, since a causal
+// tile near a prompt's end reads many more keys than one near its start.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "vec.h"
+
+namespace {
+
+#if defined(__AVX512F__)
+using vllm_cpu::exp16;
+using vllm_cpu::load16;
+
+constexpr int64_t kTile = 16;   // query tokens per task
+constexpr int64_t kChunk = 16;  // keys per step
+
+inline void load_row_f32(const float* src, float* dst, int64_t n) {
+  for (int64_t d = 0; d < n; d += 16) _mm512_storeu_ps(dst + d, load16(src + d));
+}
+inline void load_row_f32(const at::BFloat16* src, float* dst, int64_t n) {
+  for (int64_t d = 0; d < n; d += 16) _mm512_storeu_ps(dst + d, load16(src + d));
+}
+inline void load_row_f32(const at::Half* src, float* dst, int64_t n) {
+  for (int64_t d = 0; d < n; d += 16) _mm512_storeu_ps(dst + d, load16(src + d));
+}
+
+struct Tile {
+  int64_t span, kv_head, first;  // first: the tile's first query, within the span
+  int64_t keys;                  // keys it reads (its cost)
+};
+
+// Per-thread scratch, in floats: Q^T and O^T [head_size][rows], S^T/P^T [kChunk][rows],
+// keys and values of one chunk [kChunk][head_size].
+struct Scratch {
+  std::vector<float> q, o, s, k, v;
+  Scratch(int64_t rows, int64_t head_size)
+      : q(head_size * rows), o(head_size * rows), s(kChunk * rows),
+        k(kChunk * head_size, 0.0f), v(kChunk * head_size, 0.0f) {}
+};
+
+// One tile; RV = rows / 16 = the group size (16 tokens of `group` heads each).
+template <typename T, int RV>
+void attend_tile(const T* query, int64_t q_stride, const T* k_cache, const T* v_cache,
+                 const int32_t* blocks, int64_t block_size, int64_t num_kv_heads,
+                 int64_t head_size, int64_t kv_head, int64_t q_token, int64_t nq,
+                 int64_t pos0, int64_t keys, bool causal, float scale, T* out,
+                 Scratch& w) {
+  constexpr int64_t R = 16 * RV;
+  constexpr int64_t group = RV;
+  const int64_t D = head_size;
+  const int64_t token_stride = num_kv_heads * D;
+  // Keys per score pass and head dims per output pass, sized to ~24 accumulators.
+  constexpr int KU = RV <= 3 ? 8 : (RV <= 6 ? 4 : 2);
+  constexpr int DB = RV <= 1 ? 16 : (RV <= 3 ? 8 : (RV <= 6 ? 4 : 2));
+
+  // Q^T, pre-scaled; lanes past the tile's tokens hold zeros.
+  float* qt = w.q.data();
+  std::fill(w.q.begin(), w.q.end(), 0.0f);
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t g = 0; g < group; ++g) {
+      const T* src = query + (q_token + i) * q_stride + (kv_head * group + g) * D;
+      const int64_t r = i * group + g;
+      for (int64_t d = 0; d < D; ++d) qt[d * R + r] = static_cast<float>(src[d]) * scale;
+    }
+  // Each lane's query position; lanes past the tile see every key (their rows are zero
+  // and never written out), so no lane's running max stays -inf.
+  __m512i pos[RV];
+  for (int v = 0; v < RV; ++v) {
+    alignas(64) int32_t p[16];
+    for (int l = 0; l < 16; ++l) {
+      const int64_t i = (16 * v + l) / group;
+      p[l] = i < nq ? static_cast<int32_t>(pos0 + i) : std::numeric_limits<int32_t>::max();
+    }
+    pos[v] = _mm512_load_si512(p);
+  }
+  __m512 m[RV], l[RV];
+  for (int v = 0; v < RV; ++v) {
+    m[v] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    l[v] = _mm512_setzero_ps();
+  }
+  float* ot = w.o.data();
+  std::fill(w.o.begin(), w.o.end(), 0.0f);
+  float* st = w.s.data();
+  float* kf = w.k.data();
+  float* vf = w.v.data();
+
+  for (int64_t c0 = 0; c0 < keys; c0 += kChunk) {
+    const int64_t nk = std::min(kChunk, keys - c0);
+    for (int64_t j = 0; j < nk; ++j) {
+      const int64_t t = c0 + j;
+      const int64_t slot = static_cast<int64_t>(blocks[t / block_size]) * block_size +
+                           t % block_size;
+      load_row_f32(k_cache + slot * token_stride + kv_head * D, kf + j * D, D);
+      load_row_f32(v_cache + slot * token_stride + kv_head * D, vf + j * D, D);
+    }
+    if (nk < kChunk) std::fill(kf + nk * D, kf + kChunk * D, 0.0f);
+
+    // Scores, KU keys at a time.
+    for (int64_t j0 = 0; j0 < kChunk; j0 += KU) {
+      __m512 acc[KU][RV];
+      for (int u = 0; u < KU; ++u)
+        for (int v = 0; v < RV; ++v) acc[u][v] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; ++d) {
+        __m512 qv[RV];
+        for (int v = 0; v < RV; ++v) qv[v] = _mm512_loadu_ps(qt + d * R + 16 * v);
+        for (int u = 0; u < KU; ++u) {
+          const __m512 kb = _mm512_set1_ps(kf[(j0 + u) * D + d]);
+          for (int v = 0; v < RV; ++v) acc[u][v] = _mm512_fmadd_ps(kb, qv[v], acc[u][v]);
+        }
+      }
+      for (int u = 0; u < KU; ++u)
+        for (int v = 0; v < RV; ++v) _mm512_storeu_ps(st + (j0 + u) * R + 16 * v, acc[u][v]);
+    }
+
+    // Online softmax per lane; P^T overwrites S^T (masked keys get exact zeros).
+    __m512 corr[RV];
+    for (int v = 0; v < RV; ++v) {
+      __mmask16 valid[kChunk];
+      __m512 cmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int64_t j = 0; j < nk; ++j) {
+        valid[j] = causal ? _mm512_cmpge_epi32_mask(pos[v], _mm512_set1_epi32(
+                                static_cast<int32_t>(c0 + j)))
+                          : static_cast<__mmask16>(0xFFFF);
+        cmax = _mm512_mask_max_ps(cmax, valid[j], cmax, _mm512_loadu_ps(st + j * R + 16 * v));
+      }
+      const __m512 m_new = _mm512_max_ps(m[v], cmax);
+      corr[v] = exp16(_mm512_sub_ps(m[v], m_new));
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t j = 0; j < nk; ++j) {
+        const __m512 p = _mm512_maskz_mov_ps(
+            valid[j], exp16(_mm512_sub_ps(_mm512_loadu_ps(st + j * R + 16 * v), m_new)));
+        _mm512_storeu_ps(st + j * R + 16 * v, p);
+        sum = _mm512_add_ps(sum, p);
+      }
+      l[v] = _mm512_fmadd_ps(l[v], corr[v], sum);
+      m[v] = m_new;
+    }
+
+    // O^T = O^T * corr + P^T V, DB head dims at a time.
+    for (int64_t d0 = 0; d0 < D; d0 += DB) {
+      __m512 acc[DB][RV];
+      for (int e = 0; e < DB; ++e)
+        for (int v = 0; v < RV; ++v)
+          acc[e][v] = _mm512_mul_ps(_mm512_loadu_ps(ot + (d0 + e) * R + 16 * v), corr[v]);
+      for (int64_t j = 0; j < nk; ++j) {
+        __m512 p[RV];
+        for (int v = 0; v < RV; ++v) p[v] = _mm512_loadu_ps(st + j * R + 16 * v);
+        for (int e = 0; e < DB; ++e) {
+          const __m512 vb = _mm512_set1_ps(vf[j * D + d0 + e]);
+          for (int v = 0; v < RV; ++v) acc[e][v] = _mm512_fmadd_ps(p[v], vb, acc[e][v]);
+        }
+      }
+      for (int e = 0; e < DB; ++e)
+        for (int v = 0; v < RV; ++v) _mm512_storeu_ps(ot + (d0 + e) * R + 16 * v, acc[e][v]);
+    }
+  }
+
+  alignas(64) float inv[R];
+  for (int v = 0; v < RV; ++v)
+    _mm512_store_ps(inv + 16 * v, _mm512_div_ps(_mm512_set1_ps(1.0f), l[v]));
+  const int64_t num_heads = num_kv_heads * group;
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t r = i * group + g;
+      T* dst = out + ((q_token + i) * num_heads + kv_head * group + g) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(ot[d * R + r] * inv[r]);
+    }
+}
+
+template <typename T>
+using TileFn = void (*)(const T*, int64_t, const T*, const T*, const int32_t*, int64_t,
+                        int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool,
+                        float, T*, Scratch&);
+
+template <typename T>
+TileFn<T> pick_tile_fn(int64_t group) {
+  switch (group) {
+    case 1: return attend_tile<T, 1>;
+    case 2: return attend_tile<T, 2>;
+    case 3: return attend_tile<T, 3>;
+    case 4: return attend_tile<T, 4>;
+    case 5: return attend_tile<T, 5>;
+    case 6: return attend_tile<T, 6>;
+    case 7: return attend_tile<T, 7>;
+    case 8: return attend_tile<T, 8>;
+    default: return nullptr;
+  }
+}
+
+template <typename T>
+bool prefill_attention(const torch::Tensor& query, const torch::Tensor& kv_cache,
+                       const int32_t* block_table, int64_t max_blocks,
+                       const int32_t* query_start, const int32_t* query_len,
+                       const int32_t* seq_lens, int64_t num_spans, torch::Tensor& out,
+                       float scale, bool causal) {
+  const int64_t num_heads = query.size(1), head_size = query.size(2);
+  const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
+  const int64_t num_kv_heads = kv_cache.size(3);
+  const int64_t group = num_heads / num_kv_heads;
+  const TileFn<T> attend = pick_tile_fn<T>(group);
+  if (attend == nullptr || head_size % 16 != 0) return false;
+
+  std::vector<Tile> tiles;
+  for (int64_t s = 0; s < num_spans; ++s) {
+    const int64_t n = query_len[s], past = seq_lens[s] - query_len[s];
+    for (int64_t first = 0; first < n; first += kTile) {
+      const int64_t keys = causal ? past + std::min(first + kTile, n) : seq_lens[s];
+      for (int64_t h = 0; h < num_kv_heads; ++h) tiles.push_back({s, h, first, keys});
+    }
+  }
+  std::stable_sort(tiles.begin(), tiles.end(),
+                   [](const Tile& a, const Tile& b) { return a.keys > b.keys; });
+
+  const T* q = query.data_ptr<T>();
+  const T* k_cache = kv_cache.data_ptr<T>();
+  const T* v_cache = k_cache + num_blocks * block_size * num_kv_heads * head_size;
+  T* o = out.data_ptr<T>();
+  const int64_t q_stride = query.stride(0);
+  std::atomic<int64_t> next{0};
+  const int64_t num_tiles = static_cast<int64_t>(tiles.size());
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    Scratch w(16 * group, head_size);
+    for (int64_t i = next++; i < num_tiles; i = next++) {
+      const Tile& t = tiles[i];
+      const int64_t nq = std::min(kTile, static_cast<int64_t>(query_len[t.span]) - t.first);
+      const int64_t pos0 = seq_lens[t.span] - query_len[t.span] + t.first;
+      attend(q, q_stride, k_cache, v_cache, block_table + t.span * max_blocks, block_size,
+             num_kv_heads, head_size, t.kv_head, query_start[t.span] + t.first, nq, pos0,
+             t.keys, causal, scale, o, w);
+    }
+  });
+  return true;
+}
+#endif
+
+}  // namespace
+
+// Writes the spans' rows of `out`; returns false (nothing written) where the kernel has no
+// instantiation (no AVX-512, a head size not a multiple of 16, more than 8 query heads per
+// kv head): the caller then takes its portable path.
+bool paged_prefill_attention(torch::Tensor query, torch::Tensor kv_cache,
+                             torch::Tensor block_table, torch::Tensor query_start,
+                             torch::Tensor query_len, torch::Tensor seq_lens, torch::Tensor out,
+                             double scale, bool causal) {
+  TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && out.dim() == 3, "bad ranks");
+  TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2),
+              "query rows must be contiguous");
+  TORCH_CHECK(kv_cache.is_contiguous() && out.is_contiguous(), "kv_cache/out must be contiguous");
+  TORCH_CHECK(out.sizes() == query.sizes(), "out must have the query's shape");
+  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() &&
+                  out.scalar_type() == kv_cache.scalar_type(), "dtype mismatch");
+  for (const auto& t : {block_table, query_start, query_len, seq_lens})
+    TORCH_CHECK(t.scalar_type() == torch::kInt32 && t.is_contiguous(),
+                "span metadata must be contiguous int32");
+  const int64_t num_spans = query_start.size(0);
+  TORCH_CHECK(query_len.size(0) == num_spans && seq_lens.size(0) == num_spans &&
+                  block_table.dim() == 2 && block_table.size(0) == num_spans, "bad span shapes");
+  TORCH_CHECK(kv_cache.size(4) == query.size(2) && query.size(1) % kv_cache.size(3) == 0,
+              "bad head shapes");
+  const int32_t* qs = query_start.data_ptr<int32_t>();
+  const int32_t* ql = query_len.data_ptr<int32_t>();
+  const int32_t* sl = seq_lens.data_ptr<int32_t>();
+  const int64_t max_blocks = block_table.size(1), block_size = kv_cache.size(2);
+  for (int64_t s = 0; s < num_spans; ++s) {
+    TORCH_CHECK(ql[s] >= 1 && sl[s] >= (causal ? ql[s] : 1) && qs[s] >= 0 &&
+                    qs[s] + ql[s] <= query.size(0), "span ", s, " out of range");
+    TORCH_CHECK((sl[s] + block_size - 1) / block_size <= max_blocks, "span ", s,
+                " has more keys than its block table row holds");
+  }
+#if defined(__AVX512F__)
+  const float sc = static_cast<float>(scale);
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  switch (query.scalar_type()) {
+    case torch::kFloat32:
+      return prefill_attention<float>(query, kv_cache, table, max_blocks, qs, ql, sl,
+                                      num_spans, out, sc, causal);
+    case torch::kBFloat16:
+      return prefill_attention<at::BFloat16>(query, kv_cache, table, max_blocks, qs, ql, sl,
+                                             num_spans, out, sc, causal);
+    case torch::kFloat16:
+      return prefill_attention<at::Half>(query, kv_cache, table, max_blocks, qs, ql, sl,
+                                         num_spans, out, sc, causal);
+    default:
+      return false;
+  }
+#else
+  return false;
+#endif
+}
