@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include "vec.h"
 #include <cstdint>
@@ -393,9 +394,21 @@ bool decode_attention_avx512(const T* query, const T* kv_cache, const int32_t* b
   for (int64_t s = 0; s < num_seqs; ++s)
     for (int64_t p = part_start[s]; p < part_start[s + 1]; ++p) part_seq[p] = s;
 
-  at::parallel_for(0, num_parts, 1, [&](int64_t begin, int64_t end) {
+  // Partitions are taken longest first from a shared counter: an even split of the
+  // sequences left one thread waiting for the other on batches of mixed lengths.
+  std::vector<int64_t> order(num_parts);
+  for (int64_t p = 0; p < num_parts; ++p) order[p] = p;
+  auto part_len = [&](int64_t p) {
+    const int64_t s = part_seq[p];
+    return std::min<int64_t>(seq_lens[s] - (p - part_start[s]) * kPartition, kPartition);
+  };
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return part_len(a) > part_len(b); });
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> scores(num_heads * kPartition);
-    for (int64_t part = begin; part < end; ++part) {
+    for (int64_t i = next++; i < num_parts; i = next++) {
+      const int64_t part = order[i];
       const int64_t seq = part_seq[part];
       const int64_t first = (part - part_start[seq]) * kPartition;
       const int64_t len = std::min<int64_t>(seq_lens[seq] - first, kPartition);
