@@ -154,6 +154,11 @@ def test_native_write_kv_matches_index_copy(dtype):
         ops.write_kv(key, value, cache, torch.tensor([64]))
 
 
+def _cpu_has(flag: str) -> bool:
+    with open("/proc/cpuinfo") as f:
+        return flag in next((line for line in f if line.startswith("flags")), "").split()
+
+
 def _check_native_prefill(dtype, plan, heads, kv_heads, head_size, block, causal=True):
     """`plan`: (queries, keys) per chunk, the queries being the last of the keys' positions.
     The kernel against a dense softmax in float64, with q a strided view of a fused qkv
@@ -185,7 +190,9 @@ def _check_native_prefill(dtype, plan, heads, kv_heads, head_size, block, causal
         q, kv, table, torch.tensor(starts, dtype=torch.int32),
         torch.tensor(lens, dtype=torch.int32),
         torch.tensor([keys for _, keys in plan], dtype=torch.int32), out, scale, causal)
-    assert ran
+    if not ran:  # the kernel is AVX-512 only; elsewhere the backend takes torch SDPA
+        assert not _cpu_has("avx512f")
+        pytest.skip("no AVX-512: the native prefill kernel declines")
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for i, (n, keys) in enumerate(plan):
         ids = table[i, :-(-keys // block)].long()

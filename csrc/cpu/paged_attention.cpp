@@ -405,7 +405,10 @@ bool decode_attention_avx512(const T* query, const T* kv_cache, const int32_t* b
   std::stable_sort(order.begin(), order.end(),
                    [&](int64_t a, int64_t b) { return part_len(a) > part_len(b); });
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+  // One worker per thread, no more than there are partitions: a single partition (one
+  // short sequence) runs inline, without waking a thread that would find nothing to do.
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_parts);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> scores(num_heads * kPartition);
     for (int64_t i = next++; i < num_parts; i = next++) {
       const int64_t part = order[i];

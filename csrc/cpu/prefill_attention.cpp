@@ -246,7 +246,8 @@ bool prefill_attention(const torch::Tensor& query, const torch::Tensor& kv_cache
   const int64_t q_stride = query.stride(0);
   std::atomic<int64_t> next{0};
   const int64_t num_tiles = static_cast<int64_t>(tiles.size());
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_tiles);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Scratch w(16 * group, head_size);
     for (int64_t i = next++; i < num_tiles; i = next++) {
       const Tile& t = tiles[i];
