@@ -118,6 +118,8 @@ def main() -> None:
                         help="also measure one request's decode speed (vs transformers "
                              "with --compare-hf)")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
 
     def make_llm(policy: str, enable_prompt_embeds: bool = True) -> LLM:
         return LLM(args.model, dtype=args.dtype, max_model_len=2048,
@@ -179,8 +181,8 @@ def main() -> None:
         hf = report("transformers generate", *run_hf(model_path, token_ids, args.output_len,
                                                      llm.llm_engine.vllm_config.model_config.dtype,
                                                      args.hf_batch_size))
-        first = next(iter(results.values()))
-        print(f"ratio vllm / transformers (throughput): {first / hf:.2f}x")
+        ours = results.get("vllm ids", next(iter(results.values())))
+        print(f"ratio vllm / transformers (throughput): {ours / hf:.2f}x")
     if args.single:
         one = token_ids[:1]
         single = report("vllm single request", *run_engine(llm, to_prompts(llm, one, "ids"),

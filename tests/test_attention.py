@@ -26,12 +26,16 @@ def _reference(q_all, k_all, v_all, scale):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("native", ["all", "decode", "none"])
 def test_backend_matches_dense_reference(dtype, native, monkeypatch):
-    if not native:
+    """native: every native kernel; the decode kernel only (the prefill kernel declining,
+    as for shapes it has no instantiation for); none (torch only)."""
+    if native == "none":
         monkeypatch.setattr(torch_sdpa, "_native_ops", lambda device: None)
     elif torch_sdpa._native_ops(torch.device("cpu")) is None:
         pytest.skip("no compiler for the native kernel")
+    if native == "decode":
+        monkeypatch.setattr(torch_sdpa.TorchSDPAImpl, "_native_prefill", lambda *a: False)
     gen = torch.Generator().manual_seed(0)
     # (already computed, scheduled now): two decodes, a fresh prefill, a continued chunk.
     plan = [(9, 1), (30, 1), (0, 7), (8, 5)]
@@ -66,6 +70,9 @@ def test_backend_matches_dense_reference(dtype, native, monkeypatch):
     metadata = TorchSDPABackend.build_metadata(common, BLOCK_SIZE, torch.device("cpu"))
     impl = TorchSDPABackend.make_impl(HEADS, HEAD_SIZE, KV_HEADS, scale)
     out = impl.forward(q, k, v, kv_cache, metadata).view(-1, HEADS, HEAD_SIZE)
+    # A second layer on the same metadata (the torch path reuses its per-chunk tensors).
+    assert torch.equal(impl.forward(q, k, v, kv_cache, metadata).view(-1, HEADS, HEAD_SIZE),
+                       out)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     for i, (c, _) in enumerate(plan):
         qq, kk, vv = (t.to(dtype) for t in seqs[i])
@@ -213,6 +220,8 @@ def _check_native_prefill(dtype, plan, heads, kv_heads, head_size, block, causal
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads, kv_heads, head_size", [
     (9, 3, 64),    # the default model: group 3
+    (8, 2, 64),    # group 4 (Llama-3-8B's ratio)
+    (10, 2, 32),   # group 5
     (4, 4, 64),    # no GQA
     (8, 1, 128),   # group 8, head 128
     (6, 3, 32),
@@ -225,6 +234,10 @@ def test_native_prefill_kernel(dtype, heads, kv_heads, head_size, block):
     a one-token chunk; tiles of 16 queries with tails, key chunks of 16 with tails."""
     _check_native_prefill(dtype, [(7, 7), (40, 40), (5, 30), (1, 17), (33, 100)], heads,
                           kv_heads, head_size, block)
+
+
+def test_native_prefill_kernel_float16():
+    _check_native_prefill(torch.float16, [(7, 7), (40, 40), (5, 30)], 9, 3, 64, 16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -97,6 +97,7 @@ def test_greedy_tokens_match_torch_argmax(dtype, vocab) -> None:
     logits = (torch.randn(8, vocab + 3, generator=gen) * 3).to(dtype)
     logits[1] = logits[1].round().clamp(-2, 2)  # many ties at the maximum
     logits[2, -1] = logits[2, 0] = logits[2].max() + 1  # tie: first index wins
+    logits[7, vocab] = logits[7, 1] = logits[7].max() + 1  # the same, inside the view
     logits[3] = float("-inf")
     logits[4, vocab // 2] = float("nan")
     logits[5, -1] = float("nan")

@@ -68,7 +68,8 @@ class Sampler(nn.Module):
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """argmax over the vocabulary of each row [n, vocab] -> [n] int64 (first maximum)."""
-    if logits.device.type == "cpu" and logits.stride(-1) == 1:
+    if (logits.device.type == "cpu" and logits.dim() == 2 and logits.stride(-1) == 1
+            and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)):
         from vllm._custom_ops import cpu_ops
 
         ops = cpu_ops()

@@ -60,6 +60,9 @@ class PrefillSpan:
     # The cache blocks it reads: None for a causal chunk with nothing before it, which
     # attends to its own keys only.
     block_ids: np.ndarray | None  # [num_blocks]
+    # Built by the first layer that computes the chunk, reused by the others.
+    block_ids_tensor: torch.Tensor | None = None
+    mask: torch.Tensor | None = None  # [query_len, seq_len] bool, True = attend
 
 
 @dataclass(slots=True)
@@ -133,7 +136,7 @@ class TorchSDPABackend(AttentionBackend):
         prefills = []
         for i in prefill_rows:
             computed, seq_len = int(common.num_computed_tokens[i]), int(seq_lens[i])
-            block_ids = (common.block_table[i, :cdiv(seq_len, block_size)]
+            block_ids = (common.block_table[i, :cdiv(seq_len, block_size)].copy()
                          if computed > 0 or not causal else None)
             prefills.append(PrefillSpan(int(qsl[i]), int(qsl[i + 1]), computed, seq_len,
                                         block_ids))
@@ -264,17 +267,19 @@ class TorchSDPAImpl(AttentionImpl):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
                                                enable_gqa=self.group > 1)
         else:
-            ids = torch.from_numpy(span.block_ids.astype(np.int64)).to(query.device)
+            if span.block_ids_tensor is None:
+                span.block_ids_tensor = torch.from_numpy(
+                    span.block_ids.astype(np.int64)).to(query.device)
+                if self.attn_type == AttentionType.DECODER:
+                    # Query row r sits at position computed + r and sees keys 0..computed + r.
+                    q_pos = span.computed + np.arange(span.end - span.start)
+                    span.mask = torch.from_numpy(
+                        np.arange(span.seq_len)[None, :] <= q_pos[:, None]).to(query.device)
+            ids = span.block_ids_tensor
             k = kv_cache[0][ids].view(-1, self.num_kv_heads, self.head_size)
             v = kv_cache[1][ids].view(-1, self.num_kv_heads, self.head_size)
             k = k[:span.seq_len].transpose(0, 1)[None]
             v = v[:span.seq_len].transpose(0, 1)[None]
-            mask = None
-            if self.attn_type == AttentionType.DECODER:
-                # Query row r sits at position computed + r and sees keys 0..computed + r.
-                q_pos = span.computed + np.arange(span.end - span.start)
-                mask = torch.from_numpy(np.arange(span.seq_len)[None, :] <= q_pos[:, None])
-                mask = mask.to(query.device)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, scale=self.scale,
                                                enable_gqa=self.group > 1)
         return o[0].transpose(0, 1)
