@@ -59,6 +59,11 @@ def cpu_ops() -> ModuleType | None:
     return module
 
 
+def native_ops(device) -> ModuleType | None:
+    """The native kernels for tensors on `device` (a `torch.device`): CPU only."""
+    return cpu_ops() if device.type == "cpu" else None
+
+
 def _register_fakes() -> None:
     """Shapes of the registered operators (`torch.ops.vllm_cpu.*`) for graph tracing."""
     import torch

@@ -16,15 +16,16 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include "vec.h"
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#include "tasks.h"
+#include "vec.h"
 
 namespace {
 
@@ -394,8 +395,8 @@ bool decode_attention_avx512(const T* query, const T* kv_cache, const int32_t* b
   for (int64_t s = 0; s < num_seqs; ++s)
     for (int64_t p = part_start[s]; p < part_start[s + 1]; ++p) part_seq[p] = s;
 
-  // Partitions are taken longest first from a shared counter: an even split of the
-  // sequences left one thread waiting for the other on batches of mixed lengths.
+  // Partitions longest first (an even split of the sequences left one thread waiting
+  // for the other on batches of mixed lengths).
   std::vector<int64_t> order(num_parts);
   for (int64_t p = 0; p < num_parts; ++p) order[p] = p;
   auto part_len = [&](int64_t p) {
@@ -404,24 +405,19 @@ bool decode_attention_avx512(const T* query, const T* kv_cache, const int32_t* b
   };
   std::stable_sort(order.begin(), order.end(),
                    [&](int64_t a, int64_t b) { return part_len(a) > part_len(b); });
-  std::atomic<int64_t> next{0};
-  // One worker per thread, no more than there are partitions: a single partition (one
-  // short sequence) runs inline, without waking a thread that would find nothing to do.
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_parts);
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    std::vector<float> scores(num_heads * kPartition);
-    for (int64_t i = next++; i < num_parts; i = next++) {
-      const int64_t part = order[i];
-      const int64_t seq = part_seq[part];
-      const int64_t first = (part - part_start[seq]) * kPartition;
-      const int64_t len = std::min<int64_t>(seq_lens[seq] - first, kPartition);
-      const int64_t h = part * num_heads;
-      attend(query + seq * num_heads * head_size, kv_cache, value_cache,
-             block_table + seq * max_blocks + first / block_size, len, block_size,
-             num_kv_heads, group, scale, scores.data(), part_max.data() + h,
-             part_sum.data() + h, part_out.data() + h * head_size);
-    }
-  });
+  vllm_cpu::run_tasks(
+      num_parts, [&] { return std::vector<float>(num_heads * kPartition); },
+      [&](std::vector<float>& scores, int64_t i) {
+        const int64_t part = order[i];
+        const int64_t seq = part_seq[part];
+        const int64_t first = (part - part_start[seq]) * kPartition;
+        const int64_t len = std::min<int64_t>(seq_lens[seq] - first, kPartition);
+        const int64_t h = part * num_heads;
+        attend(query + seq * num_heads * head_size, kv_cache, value_cache,
+               block_table + seq * max_blocks + first / block_size, len, block_size,
+               num_kv_heads, group, scale, scores.data(), part_max.data() + h,
+               part_sum.data() + h, part_out.data() + h * head_size);
+      });
   // Merge each sequence's partitions: out = sum_p e^(m_p - M) o_p / sum_p e^(m_p - M) l_p.
   at::parallel_for(0, num_seqs * num_heads, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> merged(head_size);

@@ -20,17 +20,17 @@
 //           times a vector of rows: no horizontal sums)
 //   softmax online, per lane: running max and sum, the output rescaled when the max grows
 //   output  O^T[d][rows] += sum_key P^T[key][rows] * V[key][d]
-// all in float32. Tasks are taken longest first from a shared counter, since a causal
-// tile near a prompt's end reads many more keys than one near its start.
+// all in float32. Tiles run longest first (`run_tasks`), since a causal tile near a
+// prompt's end reads many more keys than one near its start.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <limits>
 #include <vector>
 
+#include "tasks.h"
 #include "vec.h"
 
 namespace {
@@ -42,13 +42,9 @@ using vllm_cpu::load16;
 constexpr int64_t kTile = 16;   // query tokens per task
 constexpr int64_t kChunk = 16;  // keys per step
 
-inline void load_row_f32(const float* src, float* dst, int64_t n) {
-  for (int64_t d = 0; d < n; d += 16) _mm512_storeu_ps(dst + d, load16(src + d));
-}
-inline void load_row_f32(const at::BFloat16* src, float* dst, int64_t n) {
-  for (int64_t d = 0; d < n; d += 16) _mm512_storeu_ps(dst + d, load16(src + d));
-}
-inline void load_row_f32(const at::Half* src, float* dst, int64_t n) {
+// n (a multiple of 16) values of the cache's dtype -> float32.
+template <typename T>
+inline void load_row_f32(const T* src, float* dst, int64_t n) {
   for (int64_t d = 0; d < n; d += 16) _mm512_storeu_ps(dst + d, load16(src + d));
 }
 
@@ -244,20 +240,16 @@ bool prefill_attention(const torch::Tensor& query, const torch::Tensor& kv_cache
   const T* v_cache = k_cache + num_blocks * block_size * num_kv_heads * head_size;
   T* o = out.data_ptr<T>();
   const int64_t q_stride = query.stride(0);
-  std::atomic<int64_t> next{0};
-  const int64_t num_tiles = static_cast<int64_t>(tiles.size());
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_tiles);
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    Scratch w(16 * group, head_size);
-    for (int64_t i = next++; i < num_tiles; i = next++) {
-      const Tile& t = tiles[i];
-      const int64_t nq = std::min(kTile, static_cast<int64_t>(query_len[t.span]) - t.first);
-      const int64_t pos0 = seq_lens[t.span] - query_len[t.span] + t.first;
-      attend(q, q_stride, k_cache, v_cache, block_table + t.span * max_blocks, block_size,
-             num_kv_heads, head_size, t.kv_head, query_start[t.span] + t.first, nq, pos0,
-             t.keys, causal, scale, o, w);
-    }
-  });
+  vllm_cpu::run_tasks(
+      static_cast<int64_t>(tiles.size()), [&] { return Scratch(16 * group, head_size); },
+      [&](Scratch& w, int64_t i) {
+        const Tile& t = tiles[i];
+        const int64_t nq = std::min(kTile, static_cast<int64_t>(query_len[t.span]) - t.first);
+        const int64_t pos0 = seq_lens[t.span] - query_len[t.span] + t.first;
+        attend(q, q_stride, k_cache, v_cache, block_table + t.span * max_blocks, block_size,
+               num_kv_heads, head_size, t.kv_head, query_start[t.span] + t.first, nq, pos0,
+               t.keys, causal, scale, o, w);
+      });
   return true;
 }
 #endif

@@ -7,6 +7,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from vllm._custom_ops import native_ops
 from vllm.v1.outputs import LogprobsLists
 from vllm.v1.sample.metadata import SamplingMetadata
 
@@ -68,11 +69,9 @@ class Sampler(nn.Module):
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """argmax over the vocabulary of each row [n, vocab] -> [n] int64 (first maximum)."""
-    if (logits.device.type == "cpu" and logits.dim() == 2 and logits.stride(-1) == 1
+    if (logits.dim() == 2 and logits.stride(-1) == 1
             and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)):
-        from vllm._custom_ops import cpu_ops
-
-        ops = cpu_ops()
+        ops = native_ops(logits.device)
         if ops is not None:
             return ops.argmax_rows(logits)
     return logits.float().argmax(dim=-1)

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from vllm._custom_ops import native_ops as _native_ops  # a module seam tests patch
 from vllm.utils import cdiv
 from vllm.v1.attention.backends.abstract import (
     AttentionBackend,
@@ -35,16 +36,6 @@ from vllm.v1.attention.backends.abstract import (
     CommonAttentionMetadata,
     EncoderAttentionMetadata,
 )
-
-
-def _native_ops(device: torch.device):
-    """The native CPU kernels module, or None (other devices, or no compiler)."""
-    if device.type != "cpu":
-        return None
-    from vllm._custom_ops import cpu_ops
-
-    return cpu_ops()
-
 
 # Longest cross-attention query span computed by the paged decode path (see build_metadata).
 _MAX_PAGED_CROSS_QUERY = 16
