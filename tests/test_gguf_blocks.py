@@ -67,12 +67,14 @@ def _random_codes(n: int, k: int, bits: int, seed: int = 0) -> BlockCodes:
 
 def _quantized_rows_reference(x: torch.Tensor, codes: BlockCodes) -> torch.Tensor:
     """x quantized per row and block of 32 to int8 (absmax / 127, round half to even),
-    times the dequantized weight, in float64: what the kernel computes."""
+    times the dequantized weight, in float64: what the kernel computes. The codes come from
+    the kernel's own float32 arithmetic (x * (127 / amax), both float32): a float64 product
+    rounds differently where it lands next to a half, one code apart."""
     rows, k = x.shape
-    blocks = x.double().view(rows, k // 32, 32)
+    blocks = x.float().view(rows, k // 32, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
-    q = torch.round(blocks * (127 / amax.float()).double()).nan_to_num(0)
-    xq = (q * (amax.float() / 127).double()).view(rows, k)
+    q = torch.round(blocks * (127 / amax)).nan_to_num(0).double()
+    xq = (q * (amax / 127).double()).view(rows, k)
     return xq @ torch.from_numpy(codes.dequantize()).double().T
 
 
@@ -84,8 +86,9 @@ def test_quant_gemv_equals_the_quantized_rows_reference(bits: int, k: int) -> No
     codes = _random_codes(n, k, bits)
     layer = GGUFLinear(nn.Linear(k, n, bias=False), codes)
     assert layer.kernel == "quant_gemv"
+    gen = torch.Generator().manual_seed(k * bits)
     for rows in range(1, MAX_ROWS + 1):
-        x = torch.randn(rows, k)
+        x = torch.randn(rows, k, generator=gen)
         got = layer(x)
         assert got.dtype == torch.float32 and got.shape == (rows, n)
         ref = _quantized_rows_reference(x, codes)
