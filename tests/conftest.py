@@ -2,10 +2,49 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+import torch._dynamo.config
+import torch._inductor.config
 
 from tests.model_factory import make_tiny_bart, make_tiny_model, make_tiny_whisper
 from vllm.transformers_utils.default_model import default_model_path as _default_model_path
+
+
+def _global_state() -> dict[str, object]:
+    """What a test could change for every test after it: torch's compiler configs, its
+    default dtype and thread count, grad mode, and the process environment."""
+    return {
+        "torch._dynamo.config": torch._dynamo.config.get_config_copy(),
+        "torch._inductor.config": torch._inductor.config.get_config_copy(),
+        "default dtype": torch.get_default_dtype(),
+        "threads": torch.get_num_threads(),
+        "grad enabled": torch.is_grad_enabled(),
+        "os.environ": {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"},
+    }
+
+
+@pytest.fixture(autouse=True)
+def _leaves_no_global_state():
+    """Fails a test that leaves global state behind (the suite must pass in any order):
+    patch torch's configs with `torch._dynamo.config.patch(...)`, the environment with
+    `monkeypatch.setenv`, never by assigning module attributes."""
+    before = _global_state()
+    yield
+    after = _global_state()
+    changed = []
+    for name, value in before.items():
+        if after[name] == value:
+            continue
+        if isinstance(value, dict):
+            keys = sorted(k for k in value.keys() | after[name].keys()  # type: ignore[union-attr]
+                          if value.get(k) != after[name].get(k))  # type: ignore[union-attr]
+            changed.append(f"{name}: {', '.join(map(str, keys))}")
+        else:
+            changed.append(f"{name}: {value!r} -> {after[name]!r}")
+    assert not changed, "the test left global state changed: " + "; ".join(changed)
 
 
 @pytest.fixture(scope="session")

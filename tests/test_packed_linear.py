@@ -17,8 +17,8 @@ pytestmark = pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_equals_linear_for_every_row_count(bias: bool, monkeypatch) -> None:
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 64)  # a graph per size
+@torch._dynamo.config.patch(recompile_limit=64)  # a graph per size
+def test_packed_equals_linear_for_every_row_count(bias: bool) -> None:
     torch.manual_seed(0)
     linear = nn.Linear(96, 80, bias=bias).to(torch.bfloat16)
     packed = PackedLinear(linear)
