@@ -11,7 +11,7 @@ import torch
 from tests.core_factories import HIDDEN, make_model_runner, make_params
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.sample.metadata import Penalties, SamplingMetadata
 from vllm.v1.sample.sampler import (
     Sampler,
     apply_penalties,
@@ -42,11 +42,7 @@ def metadata(n: int, *, temperature: float | list[float] = 1.0,
         min_p=torch.tensor(min_p, dtype=torch.float32) if min_p is not None else None,
         generators={row: torch.Generator().manual_seed(seed)
                     for row, seed in (seeds or {}).items()},
-        presence_penalty=None,
-        frequency_penalty=None,
-        repetition_penalty=None,
-        output_token_counts=None,
-        prompt_token_mask=None,
+        penalties=None,
         min_tokens_blocked=min_tokens_blocked or {},
         max_num_logprobs=max_num_logprobs,
     )
@@ -258,55 +254,52 @@ def test_min_tokens_blocks_stop_tokens() -> None:
 # ---- penalties ------------------------------------------------------------------------------
 
 
-def penalty_metadata(n: int, rep: list[float], freq: list[float], pres: list[float],
-                     counts: list[list[int]], prompt: list[list[bool]]) -> SamplingMetadata:
-    md = metadata(n, temperature=0.0)
-    md.repetition_penalty = torch.tensor(rep)
-    md.frequency_penalty = torch.tensor(freq)
-    md.presence_penalty = torch.tensor(pres)
-    md.output_token_counts = torch.tensor(counts, dtype=torch.int32)
-    md.prompt_token_mask = torch.tensor(prompt)
-    return md
+def make_penalties(rep: list[float], freq: list[float], pres: list[float],
+                   counts: list[list[int]], prompt: list[list[bool]]) -> Penalties:
+    return Penalties(presence=torch.tensor(pres), frequency=torch.tensor(freq),
+                     repetition=torch.tensor(rep),
+                     output_token_counts=torch.tensor(counts, dtype=torch.int32),
+                     prompt_token_mask=torch.tensor(prompt))
 
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits() -> None:
     logits = torch.tensor([[2.0, -2.0, 3.0, -1.0, 4.0]])
     # Token 0 and 1 in the prompt, 2 and 3 in the output, 4 never seen.
-    md = penalty_metadata(1, [2.0], [0.0], [0.0], [[0, 0, 1, 3, 0]],
-                          [[True, True, False, False, False]])
-    assert apply_penalties(logits, md).tolist() == [[1.0, -4.0, 1.5, -2.0, 4.0]]
+    penalties = make_penalties([2.0], [0.0], [0.0], [[0, 0, 1, 3, 0]],
+                               [[True, True, False, False, False]])
+    assert apply_penalties(logits, penalties).tolist() == [[1.0, -4.0, 1.5, -2.0, 4.0]]
 
 
 def test_frequency_penalty_subtracts_count_times_penalty_on_outputs_only() -> None:
     logits = torch.tensor([[2.0, -2.0, 3.0, -1.0, 4.0]])
-    md = penalty_metadata(1, [1.0], [0.5], [0.0], [[0, 0, 1, 3, 0]],
-                          [[True, True, False, False, False]])
-    assert apply_penalties(logits, md).tolist() == [[2.0, -2.0, 2.5, -2.5, 4.0]]
+    penalties = make_penalties([1.0], [0.5], [0.0], [[0, 0, 1, 3, 0]],
+                               [[True, True, False, False, False]])
+    assert apply_penalties(logits, penalties).tolist() == [[2.0, -2.0, 2.5, -2.5, 4.0]]
 
 
 def test_presence_penalty_subtracts_once_per_output_token() -> None:
     logits = torch.tensor([[2.0, -2.0, 3.0, -1.0, 4.0]])
-    md = penalty_metadata(1, [1.0], [0.0], [0.25], [[0, 0, 1, 3, 0]],
-                          [[True, True, False, False, False]])
-    assert apply_penalties(logits, md).tolist() == [[2.0, -2.0, 2.75, -1.25, 4.0]]
+    penalties = make_penalties([1.0], [0.0], [0.25], [[0, 0, 1, 3, 0]],
+                               [[True, True, False, False, False]])
+    assert apply_penalties(logits, penalties).tolist() == [[2.0, -2.0, 2.75, -1.25, 4.0]]
 
 
 def test_all_penalties_per_row() -> None:
     logits = torch.tensor([[2.0, -2.0, 3.0, -1.0], [2.0, -2.0, 3.0, -1.0]])
-    md = penalty_metadata(2, [2.0, 1.0], [0.5, 0.0], [0.25, 1.0],
-                          [[0, 2, 1, 0], [0, 0, 0, 2]],
-                          [[True, False, False, False], [False, False, False, False]])
+    penalties = make_penalties([2.0, 1.0], [0.5, 0.0], [0.25, 1.0],
+                               [[0, 2, 1, 0], [0, 0, 0, 2]],
+                               [[True, False, False, False], [False, False, False, False]])
     # Row 0: token 0 prompt -> 1.0; token 1 (count 2) -> -4 - 1.0 - 0.25; token 2
     # (count 1) -> 1.5 - 0.5 - 0.25; token 3 unseen. Row 1: presence only on token 3.
-    assert apply_penalties(logits, md).tolist() == [[1.0, -5.25, 0.75, -1.0],
-                                                    [2.0, -2.0, 3.0, -2.0]]
+    assert apply_penalties(logits, penalties).tolist() == [[1.0, -5.25, 0.75, -1.0],
+                                                           [2.0, -2.0, 3.0, -2.0]]
 
 
 def test_penalties_change_the_greedy_choice_but_not_the_logprobs() -> None:
     logits = torch.tensor([[3.0, 2.0, 0.0, -1.0]])
-    md = penalty_metadata(1, [2.0], [0.0], [0.0], [[1, 0, 0, 0]],
-                          [[False, False, False, False]])
-    md.max_num_logprobs = 0
+    md = metadata(1, temperature=0.0, max_num_logprobs=0)
+    md.penalties = make_penalties([2.0], [0.0], [0.0], [[1, 0, 0, 0]],
+                                  [[False, False, False, False]])
     out = sampler(logits, md)
     assert out.sampled_token_ids.tolist() == [1]  # 3.0 / 2 = 1.5 < 2.0
     expected = torch.log_softmax(logits, dim=-1)[0, 1].item()
@@ -392,13 +385,15 @@ def test_runner_sampling_metadata_from_the_batch() -> None:
     assert md.max_num_logprobs is None
     counts = torch.zeros(2, vocab, dtype=torch.int32)
     counts[0, 5], counts[0, 3], counts[1, 4] = 2, 1, 1
-    assert torch.equal(md.output_token_counts, counts)
+    penalties = md.penalties
+    assert penalties is not None
+    assert torch.equal(penalties.output_token_counts, counts)
     mask = torch.zeros(2, vocab, dtype=torch.bool)
     mask[0, 1] = mask[0, 3] = True
-    assert torch.equal(md.prompt_token_mask, mask)
-    assert md.repetition_penalty.tolist() == [1.5, 1.0]
-    assert md.frequency_penalty.tolist() == [0.5, 0.0]
-    assert md.presence_penalty.tolist() == [0.25, 0.0]
+    assert torch.equal(penalties.prompt_token_mask, mask)
+    assert penalties.repetition.tolist() == [1.5, 1.0]
+    assert penalties.frequency.tolist() == [0.5, 0.0]
+    assert penalties.presence.tolist() == [0.25, 0.0]
 
 
 def test_runner_caches_sampling_tensors_while_the_batch_is_unchanged() -> None:
@@ -435,7 +430,7 @@ def test_runner_sampling_metadata_without_penalties_or_filters() -> None:
     md = runner._sampling_metadata(np.array([0]))
     assert (md.all_greedy, md.all_random) == (True, False)
     assert md.top_k is None and md.top_p is None and md.min_p is None
-    assert md.repetition_penalty is None and md.output_token_counts is None
+    assert md.penalties is None
     assert md.generators == {} and md.min_tokens_blocked == {}
     assert md.max_num_logprobs == 3
 

@@ -147,7 +147,8 @@ def make_block_hasher(block_size: int) -> Callable[[Request], list[BlockHash]]:
         new_hashes = []
         for i in range(start_block, num_full_blocks):
             start, end = i * block_size, (i + 1) * block_size
-            rows = embeds[start:min(end, num_embeds)] if start < num_embeds else None
+            rows = (embeds[start:min(end, num_embeds)]
+                    if embeds is not None and start < num_embeds else None)
             tokens = request.all_token_ids[max(start, num_embeds):end]
             parent = hash_block(parent, tokens, rows)
             new_hashes.append(parent)

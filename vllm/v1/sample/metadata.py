@@ -8,6 +8,18 @@ import torch
 
 
 @dataclass(slots=True)
+class Penalties:
+    """The penalty inputs of a step's sampling rows: all present, or none (no row uses
+    any penalty; `SamplingMetadata.penalties` is None)."""
+
+    presence: torch.Tensor  # [n] float32
+    frequency: torch.Tensor  # [n] float32
+    repetition: torch.Tensor  # [n] float32
+    output_token_counts: torch.Tensor  # [n, vocab] int32
+    prompt_token_mask: torch.Tensor  # [n, vocab] bool
+
+
+@dataclass(slots=True)
 class SamplingMetadata:
     """Rows are the requests that sample this step, in logits order."""
 
@@ -18,12 +30,7 @@ class SamplingMetadata:
     top_k: torch.Tensor | None  # [n] int64
     min_p: torch.Tensor | None  # [n] float32
     generators: dict[int, torch.Generator]  # row -> per-request seeded generator
-    # Penalties (None when no row uses any).
-    presence_penalty: torch.Tensor | None  # [n] float32
-    frequency_penalty: torch.Tensor | None  # [n] float32
-    repetition_penalty: torch.Tensor | None  # [n] float32
-    output_token_counts: torch.Tensor | None  # [n, vocab] int32
-    prompt_token_mask: torch.Tensor | None  # [n, vocab] bool
+    penalties: Penalties | None  # None when no row uses any
     # Rows still below min_tokens, with the token ids they must not produce yet.
     min_tokens_blocked: dict[int, list[int]]
     max_num_logprobs: int | None  # None: no row wants logprobs

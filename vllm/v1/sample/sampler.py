@@ -9,7 +9,7 @@ from torch import nn
 
 from vllm._custom_ops import native_ops
 from vllm.v1.outputs import LogprobsLists
-from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.sample.metadata import Penalties, SamplingMetadata
 
 
 class SamplerOutput(NamedTuple):
@@ -32,22 +32,23 @@ class Sampler(nn.Module):
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         if (metadata.all_greedy and metadata.max_num_logprobs is None
-                and not metadata.min_tokens_blocked and metadata.repetition_penalty is None):
+                and not metadata.min_tokens_blocked and metadata.penalties is None):
             return SamplerOutput(greedy_tokens(logits), None)
         model_logits, logits = logits, logits.float()  # a copy unless already float32
+        num_logprobs = metadata.max_num_logprobs
         raw_logprobs = None
-        if metadata.max_num_logprobs is not None:
+        if num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         if metadata.min_tokens_blocked and logits is model_logits:
             logits = logits.clone()  # the caller's logits stay untouched
         for row, token_ids in metadata.min_tokens_blocked.items():
             logits[row, token_ids] = float("-inf")
-        if metadata.repetition_penalty is not None:
-            logits = apply_penalties(logits, metadata)
+        if metadata.penalties is not None:
+            logits = apply_penalties(logits, metadata.penalties)
         sampled = self.sample(logits, metadata)
         logprobs = None
-        if raw_logprobs is not None:
-            logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
+        if raw_logprobs is not None and num_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, sampled, num_logprobs)
         return SamplerOutput(sampled, logprobs)
 
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -107,16 +108,16 @@ def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.minimum(picked, last).squeeze(-1)
 
 
-def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
     """Repetition penalty over prompt and output tokens (divide positive logits, multiply
     negative ones); presence and frequency penalties over output tokens (OpenAI's)."""
-    counts = metadata.output_token_counts
-    seen = metadata.prompt_token_mask | (counts > 0)
-    rep = metadata.repetition_penalty[:, None].expand_as(logits)
+    counts = penalties.output_token_counts
+    seen = penalties.prompt_token_mask | (counts > 0)
+    rep = penalties.repetition[:, None].expand_as(logits)
     penalized = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen, penalized, logits)
-    logits = logits - metadata.frequency_penalty[:, None] * counts
-    return logits - metadata.presence_penalty[:, None] * (counts > 0)
+    logits = logits - penalties.frequency[:, None] * counts
+    return logits - penalties.presence[:, None] * (counts > 0)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,

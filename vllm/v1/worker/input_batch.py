@@ -81,6 +81,12 @@ class InputBatch:
         self._block_tables = [t for t in (self.block_table, self.cross_block_table)
                               if t is not None]
 
+    def state(self, row: int) -> CachedRequestState:
+        """The request state of an occupied row (`0..num_reqs-1` after `condense`)."""
+        state = self.req_states[row]
+        assert state is not None, f"batch row {row} holds no request"
+        return state
+
     def add_request(self, state: CachedRequestState) -> int:
         row = self.num_reqs
         assert row < self.max_num_reqs
@@ -145,6 +151,7 @@ class InputBatch:
 
     def _move_row(self, src: int, dst: int) -> None:
         req_id = self.req_ids[src]
+        assert req_id is not None  # condense moves occupied rows only
         self.req_ids[dst], self.req_ids[src] = req_id, None
         self.req_states[dst], self.req_states[src] = self.req_states[src], None
         self.req_id_to_index[req_id] = dst
@@ -161,8 +168,7 @@ class InputBatch:
             self.token_ids_cpu[row, pos] = token_id
             self.is_token_ids[row, pos] = True
         self.num_tokens[row] = pos + 1
-        state = self.req_states[row]
-        state.output_token_ids.append(token_id)
+        self.state(row).output_token_ids.append(token_id)
 
     @property
     def req_ids_in_order(self) -> list[str]:

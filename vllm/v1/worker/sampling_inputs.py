@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.sample.metadata import Penalties, SamplingMetadata
 from vllm.v1.worker.input_batch import InputBatch
 
 
@@ -47,7 +47,7 @@ class SamplingInputsBuilder:
     def build(self, rows: np.ndarray) -> SamplingMetadata:
         """rows: [num_sampling_reqs] batch rows that sample this step, in logits order."""
         batch = self.input_batch
-        states = tuple(batch.req_states[row] for row in rows.tolist())
+        states = tuple(batch.state(row) for row in rows.tolist())
         key = tuple(map(id, states))
         cached = self._cached
         if cached is None or cached.key != key:
@@ -58,49 +58,49 @@ class SamplingInputsBuilder:
                            min_tokens_blocked=self._min_tokens_blocked(rows)
                            if cached.any_min_tokens else {})
         if cached.any_penalties:
-            self._add_penalty_inputs(metadata, rows)
+            metadata.penalties = self._penalties(rows)
         return metadata
 
     def _build_static(self, rows: np.ndarray, key: tuple[int, ...], states: tuple) -> _Cached:
         self.num_rebuilds += 1
-        b = self.input_batch
-        greedy = b.temperature[rows] < 1e-5
-        top_k, top_p, min_p = b.top_k[rows], b.top_p[rows], b.min_p[rows]
-        generators = {i: b.req_states[row].generator for i, row in enumerate(rows.tolist())
-                      if b.req_states[row].generator is not None}
-        num_logprobs = b.num_logprobs[rows]
+        batch = self.input_batch
+        greedy = batch.temperature[rows] < 1e-5
+        top_k, top_p, min_p = batch.top_k[rows], batch.top_p[rows], batch.min_p[rows]
+        generators: dict[int, torch.Generator] = {}
+        for i, row in enumerate(rows.tolist()):
+            generator = batch.state(row).generator
+            if generator is not None:
+                generators[i] = generator
+        num_logprobs = batch.num_logprobs[rows]
         metadata = SamplingMetadata(
-            temperature=torch.from_numpy(b.temperature[rows]).to(self.device),
+            temperature=torch.from_numpy(batch.temperature[rows]).to(self.device),
             all_greedy=bool(greedy.all()),
             all_random=not bool(greedy.any()),
             top_p=_tensor_if(top_p, (top_p < 1.0).any(), self.device),
-            top_k=_tensor_if(top_k.astype(np.int64), (top_k < b.vocab_size).any(),
+            top_k=_tensor_if(top_k.astype(np.int64), (top_k < batch.vocab_size).any(),
                              self.device),
             min_p=_tensor_if(min_p, (min_p > 0.0).any(), self.device),
             generators=generators,
-            presence_penalty=None,
-            frequency_penalty=None,
-            repetition_penalty=None,
-            output_token_counts=None,
-            prompt_token_mask=None,
+            penalties=None,
             min_tokens_blocked={},
             max_num_logprobs=int(num_logprobs.max()) if (num_logprobs >= 0).any() else None,
         )
-        any_penalties = bool((b.presence_penalty[rows] != 0).any()
-                             or (b.frequency_penalty[rows] != 0).any()
-                             or (b.repetition_penalty[rows] != 1).any())
-        return _Cached(key, states, metadata, bool((b.min_tokens[rows] > 0).any()), any_penalties)
+        any_penalties = bool((batch.presence_penalty[rows] != 0).any()
+                             or (batch.frequency_penalty[rows] != 0).any()
+                             or (batch.repetition_penalty[rows] != 1).any())
+        any_min_tokens = bool((batch.min_tokens[rows] > 0).any())
+        return _Cached(key, states, metadata, any_min_tokens, any_penalties)
 
     def _min_tokens_blocked(self, rows: np.ndarray) -> dict[int, list[int]]:
         """Rows still below min_tokens -> the stop ids (and EOS) they must not sample."""
-        b = self.input_batch
+        batch = self.input_batch
         blocked_rows: dict[int, list[int]] = {}
         for i, row in enumerate(rows.tolist()):
-            state = b.req_states[row]
-            if len(state.output_token_ids) >= b.min_tokens[row]:
+            state = batch.state(row)
+            if len(state.output_token_ids) >= batch.min_tokens[row]:
                 continue
             params = state.sampling_params
-            blocked = list(params.stop_token_ids)
+            blocked = list(params.stop_token_ids or ())  # a list once constructed
             if not params.ignore_eos:
                 blocked += params.all_stop_token_ids
                 if params.eos_token_id is not None:
@@ -109,30 +109,31 @@ class SamplingInputsBuilder:
                 blocked_rows[i] = blocked
         return blocked_rows
 
-    def _add_penalty_inputs(self, metadata: SamplingMetadata, rows: np.ndarray) -> None:
-        """Per-row token counts over the vocabulary, from the token-id table.
+    def _penalties(self, rows: np.ndarray) -> Penalties:
+        """The rows' penalties, and their token counts over the vocabulary from the
+        token-id table.
 
         Output tokens are positions [num_prompt, num_tokens); prompt tokens are positions
         [0, num_prompt) that hold real ids (embeds positions are not tokens).
         """
-        b = self.input_batch
-        max_len = min(int(b.num_tokens[rows].max()), self.max_model_len)
-        tokens = torch.from_numpy(b.token_ids_cpu[rows, :max_len].astype(np.int64))
+        batch = self.input_batch
+        max_len = min(int(batch.num_tokens[rows].max()), self.max_model_len)
+        tokens = torch.from_numpy(batch.token_ids_cpu[rows, :max_len].astype(np.int64))
         pos = np.arange(max_len)[None, :]
-        is_output = pos >= b.num_prompt_tokens[rows][:, None]
-        is_output &= pos < b.num_tokens[rows][:, None]
-        is_prompt = (pos < b.num_prompt_tokens[rows][:, None]) & b.is_token_ids[rows, :max_len]
-        counts = torch.zeros(len(rows), b.vocab_size, dtype=torch.int32)
+        is_output = pos >= batch.num_prompt_tokens[rows][:, None]
+        is_output &= pos < batch.num_tokens[rows][:, None]
+        is_prompt = pos < batch.num_prompt_tokens[rows][:, None]
+        is_prompt &= batch.is_token_ids[rows, :max_len]
+        counts = torch.zeros(len(rows), batch.vocab_size, dtype=torch.int32)
         counts.scatter_add_(1, tokens, torch.from_numpy(is_output.astype(np.int32)))
-        prompt_mask = torch.zeros(len(rows), b.vocab_size, dtype=torch.int32)
+        prompt_mask = torch.zeros(len(rows), batch.vocab_size, dtype=torch.int32)
         prompt_mask.scatter_add_(1, tokens, torch.from_numpy(is_prompt.astype(np.int32)))
-        metadata.output_token_counts = counts.to(self.device)
-        metadata.prompt_token_mask = (prompt_mask > 0).to(self.device)
-        metadata.presence_penalty = torch.from_numpy(b.presence_penalty[rows]).to(self.device)
-        metadata.frequency_penalty = torch.from_numpy(b.frequency_penalty[rows]).to(
-            self.device)
-        metadata.repetition_penalty = torch.from_numpy(b.repetition_penalty[rows]).to(
-            self.device)
+        return Penalties(
+            presence=torch.from_numpy(batch.presence_penalty[rows]).to(self.device),
+            frequency=torch.from_numpy(batch.frequency_penalty[rows]).to(self.device),
+            repetition=torch.from_numpy(batch.repetition_penalty[rows]).to(self.device),
+            output_token_counts=counts.to(self.device),
+            prompt_token_mask=(prompt_mask > 0).to(self.device))
 
 
 def _tensor_if(array: np.ndarray, condition, device: torch.device) -> torch.Tensor | None:

@@ -426,7 +426,7 @@ class Scheduler:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = None if token == request.eos_token_id else token
             return True
-        if token in params.stop_token_ids:
+        if token in (params.stop_token_ids or ()):  # a list once constructed
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = token
             return True
