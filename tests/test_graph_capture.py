@@ -88,7 +88,7 @@ def test_capture_sizes_and_sets(graphs, tiny_llama_dir) -> None:
     no_embeds = _llm(tiny_llama_dir, compilation_config={"cudagraph_capture_sizes": [1, 4]})
     # No embeds set.
     assert _runner(no_embeds).graphs.captured == {(IDS, 1), (IDS, 4), (IDS, ANY)}
-    assert _runner(no_embeds).graphs.inputs_embeds is None
+    assert EMBEDS not in _runner(no_embeds).graphs.inputs
     for knobs in ({"enforce_eager": True}, {"compilation_config": 0},
                   {"compilation_config": {"level": 0}}):
         assert _runner(_llm(tiny_llama_dir, **knobs)).graphs is None

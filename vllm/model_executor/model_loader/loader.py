@@ -13,6 +13,7 @@ from torch import nn
 from vllm.config import ModelConfig
 from vllm.model_executor.layers.packed_linear import can_pack, pack_linears
 from vllm.model_executor.layers.quantization import quantize_model
+from vllm.model_executor.models.interfaces import VllmModel
 from vllm.model_executor.models.registry import resolve_model_cls
 from vllm.v1.attention.backends.abstract import AttentionBackend
 
@@ -42,7 +43,7 @@ def iterate_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tens
 
 
 def get_model(model_config: ModelConfig, backend: type[AttentionBackend],
-              device: torch.device) -> nn.Module:
+              device: torch.device) -> VllmModel:
     model_cls = resolve_model_cls(model_config.architecture)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(model_config.dtype)
@@ -60,7 +61,7 @@ def get_model(model_config: ModelConfig, backend: type[AttentionBackend],
     if model_config.quantization == "gguf":
         _keep_gguf_blocks(model, model_config.model)
     else:
-        model = quantize_model(model, model_config.quantization)
+        quantize_model(model, model_config.quantization)
     if getattr(model, "supports_packed_linears", False) and can_pack(model_config.dtype,
                                                                       device):
         pack_linears(model)  # the linear layers left in bfloat16, vocabulary projection too

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +84,8 @@ class _BartStack(nn.Module):
 
 
 class BartForConditionalGeneration(nn.Module):
+    final_logits_bias: torch.Tensor  # [1, vocab_size] buffer
+
     def __init__(self, config, backend: type[AttentionBackend], max_model_len: int,
                  dtype: torch.dtype) -> None:
         super().__init__()
@@ -108,18 +111,22 @@ class BartForConditionalGeneration(nn.Module):
                 ids = torch.tensor(item.token_ids, dtype=torch.long, device=device)
                 embeds.append(self.get_input_embeddings(ids))
             else:
+                assert item.features is not None  # exactly one of the two is set
                 embeds.append(item.features.to(device=device, dtype=self.shared.weight.dtype))
         positions = torch.cat([torch.arange(e.shape[0], device=device) for e in embeds])
         return self.encoder(torch.cat(embeds), positions)
 
     def cross_attention_layers(self) -> list[CrossAttention]:
-        return [layer.encoder_attn for layer in self.decoder.layers]
+        layers = cast("Iterable[BartDecoderLayer]", self.decoder.layers)  # ModuleList: untyped
+        return [layer.encoder_attn for layer in layers]
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Decoder hidden states of the scheduled tokens, [num_tokens, d_model]."""
-        embeds = self.get_input_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
-        return self.decoder(embeds, positions)
+        if inputs_embeds is None:
+            assert input_ids is not None  # the runner passes ids or embeds
+            inputs_embeds = self.get_input_embeddings(input_ids)
+        return self.decoder(inputs_embeds, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         weight = self.shared.weight if self.tie_word_embeddings else self.lm_head.weight

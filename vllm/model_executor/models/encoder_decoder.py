@@ -107,7 +107,7 @@ def load_fused_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
     Returns:
         The names of the parameters and buffers that were loaded.
     """
-    targets = dict(model.named_parameters())
+    targets: dict[str, torch.Tensor] = dict(model.named_parameters())
     targets.update(model.named_buffers())
     loaded: set[str] = set()
     for name, tensor in weights:

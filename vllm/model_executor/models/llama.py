@@ -8,6 +8,7 @@ from the forward context.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -171,11 +172,12 @@ def _fused_target(name: str, model: LlamaForCausalLM) -> tuple[str, int | None]:
     if len(parts) < 3 or parts[-2] not in _FUSED:
         return name, None
     fused, index = _FUSED[parts[-2]]
+    layer = cast(LlamaDecoderLayer, model.layers[0])  # nn.ModuleList items are untyped
     if fused == "qkv_proj":
-        attn = model.layers[0].self_attn
+        attn = layer.self_attn
         offset = (0, attn.q_size, attn.q_size + attn.kv_size)[index]
     else:
-        offset = index * model.layers[0].mlp.intermediate_size
+        offset = index * layer.mlp.intermediate_size
     return ".".join([*parts[:-2], fused, parts[-1]]), offset
 
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from torch import nn
-
 from vllm.model_executor.models.bart import BartForConditionalGeneration
 from vllm.model_executor.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 from vllm.model_executor.models.whisper import WhisperForConditionalGeneration
 
-_MODELS: dict[str, type[nn.Module]] = {
+# Each takes (hf_config, backend, max_model_len, dtype) and loads checkpoint tensors with
+# `load_weights(weights) -> names loaded`.
+ModelClass = type[LlamaForCausalLM | BartForConditionalGeneration
+                  | WhisperForConditionalGeneration]
+
+_MODELS: dict[str, ModelClass] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
@@ -21,7 +24,7 @@ def get_supported_archs() -> list[str]:
     return list(_MODELS)
 
 
-def resolve_model_cls(architecture: str) -> type[nn.Module]:
+def resolve_model_cls(architecture: str) -> ModelClass:
     if architecture not in _MODELS:
         raise ValueError(f"Model architecture {architecture!r} is not supported. "
                          f"Supported architectures: {', '.join(_MODELS)}.")

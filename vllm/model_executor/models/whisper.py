@@ -9,6 +9,7 @@ its output projection tied to the token embeddings.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -119,17 +120,24 @@ class WhisperForConditionalGeneration(nn.Module):
         """Encoder outputs of several audio windows, concatenated: [batch * 1500, d_model].
         Every input is a full window ([num_mel_bins, 3000]), so they batch as one."""
         weight = self.encoder.conv1.weight
-        features = torch.stack([item.features for item in inputs])
+        windows = []
+        for item in inputs:
+            assert item.features is not None  # Whisper's encoder input is always audio
+            windows.append(item.features)
+        features = torch.stack(windows)
         return self.encoder(features.to(device=weight.device, dtype=weight.dtype))
 
     def cross_attention_layers(self) -> list[CrossAttention]:
-        return [layer.encoder_attn for layer in self.decoder.layers]
+        layers = cast("Iterable[WhisperDecoderLayer]", self.decoder.layers)  # ModuleList: untyped
+        return [layer.encoder_attn for layer in layers]
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Decoder hidden states of the scheduled tokens, [num_tokens, d_model]."""
-        embeds = self.get_input_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
-        return self.decoder(embeds, positions)
+        if inputs_embeds is None:
+            assert input_ids is not None  # the runner passes ids or embeds
+            inputs_embeds = self.get_input_embeddings(input_ids)
+        return self.decoder(inputs_embeds, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         weight = (self.decoder.embed_tokens.weight if self.tie_word_embeddings

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from vllm.forward_context import set_forward_context
+from vllm.model_executor.models.interfaces import EncoderDecoderModel
 from vllm.v1.attention.backends.abstract import EncoderAttentionMetadata
 from vllm.v1.core.sched.output import SchedulerOutput
 
@@ -40,7 +41,8 @@ def compute_cross_slot_mapping(cross_block_ids: list[list[int]], encoder_lens: l
 class EncoderRunner:
     """Runs the encoder for a step's new encoder inputs and fills their cross blocks."""
 
-    def __init__(self, model: torch.nn.Module, block_size: int, device: torch.device) -> None:
+    def __init__(self, model: EncoderDecoderModel, block_size: int,
+                 device: torch.device) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -52,7 +54,10 @@ class EncoderRunner:
         new_reqs = [r for r in scheduler_output.scheduled_new_reqs if r.req_id in wanted]
         if not new_reqs:
             return
-        inputs = [r.encoder_input for r in new_reqs]
+        inputs = []
+        for r in new_reqs:
+            assert r.encoder_input is not None  # requests of an encoder/decoder model
+            inputs.append(r.encoder_input)
         self.num_inputs_encoded += len(inputs)
         lens = [item.num_tokens for item in inputs]
         slot_mapping = torch.from_numpy(compute_cross_slot_mapping(

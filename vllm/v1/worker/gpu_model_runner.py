@@ -17,6 +17,11 @@ import torch
 from vllm.config import VllmConfig
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.model_loader.loader import get_model
+from vllm.model_executor.models.interfaces import (
+    VllmModel,
+    is_encoder_decoder,
+    supports_graph_capture,
+)
 from vllm.v1.attention.backends import get_attn_backend
 from vllm.v1.attention.backends.abstract import CommonAttentionMetadata
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -110,7 +115,7 @@ class GPUModelRunner:
                                                      self.max_model_len)
         self.kv_caches: list[torch.Tensor] = []
         self.stage_outputs = StageOutputCache(0, self.block_size, {})
-        self.model: torch.nn.Module | None = None
+        self.model: VllmModel | None = None
         self.encoder_runner: EncoderRunner | None = None
         self.graphs: CompiledGraphs | CudaGraphs | None = None
         # Tests only: a step with a request whose prompt holds this token id raises.
@@ -120,9 +125,12 @@ class GPUModelRunner:
     # ---- set-up -------------------------------------------------------------------
 
     def load_model(self) -> None:
-        self.model = get_model(self.model_config, self.attn_backend, self.device)
+        self.model = model = get_model(self.model_config, self.attn_backend, self.device)
         if self.is_encoder_decoder:
-            self.encoder_runner = EncoderRunner(self.model, self.block_size, self.device)
+            if not is_encoder_decoder(model):
+                raise TypeError(f"{type(model).__name__} is configured as an encoder/decoder "
+                                "model but has no encode() / cross_attention_layers().")
+            self.encoder_runner = EncoderRunner(model, self.block_size, self.device)
         if self.device.type == "cpu":
             from vllm._custom_ops import cpu_ops
 
@@ -159,8 +167,10 @@ class GPUModelRunner:
         if self.model_config.enforce_eager or compilation.level == 0:
             logger.info("Graph capture off (enforce_eager or compilation level 0): eager.")
             return
-        if not getattr(self.model, "supports_graph_capture", False):
-            logger.info("%s runs eagerly (no graph support).", type(self.model).__name__)
+        model = self.model
+        assert model is not None, "load_model() first"
+        if not supports_graph_capture(model):
+            logger.info("%s runs eagerly (no graph support).", type(model).__name__)
             return
         scheduler_config = self.scheduler_config
         sizes = list(compilation.cudagraph_capture_sizes or default_capture_sizes(
@@ -168,15 +178,13 @@ class GPUModelRunner:
             self.device.type))
         model_config = self.model_config
         if self.device.type == "cuda":
-            from vllm.v1.attention.backends.torch_sdpa import TorchSDPAMetadata
-
-            self.graphs = CudaGraphs(self.model, sizes, model_config.enable_prompt_embeds,
+            self.graphs = CudaGraphs(model, sizes, model_config.enable_prompt_embeds,
                                      model_config.hidden_size, self.dtype, self.device,
-                                     self.block_size, self.max_model_len, TorchSDPAMetadata)
+                                     self.block_size, self.max_model_len, self.attn_backend)
             with torch.inference_mode():
                 self.graphs.capture(self.kv_caches, set_forward_context)
         else:
-            self.graphs = CompiledGraphs(self.model, sizes, model_config.enable_prompt_embeds,
+            self.graphs = CompiledGraphs(model, sizes, model_config.enable_prompt_embeds,
                                          model_config.hidden_size, self.dtype, self.device)
             with torch.inference_mode():
                 self.graphs.capture(self._dummy_step)
@@ -206,26 +214,29 @@ class GPUModelRunner:
         finished_rows = self.stage_outputs.gather_finished(scheduler_output.rows_to_gather)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], {}, [], hidden_states=finished_rows)
+        model = self.model
+        assert model is not None, "load_model() first"
         if scheduler_output.scheduled_encoder_inputs:
+            assert self.encoder_runner is not None  # only encoder/decoder models have them
             self.encoder_runner.run(scheduler_output, self.kv_caches)
         inputs = self._prepare_inputs(scheduler_output)
         self._maybe_fail_for_tests()
         with set_forward_context(inputs.attn_metadata, self.kv_caches,
                                  inputs.cross_attn_metadata):
-            hidden_states = self._run_model(inputs)
+            hidden_states = self._run_model(model, inputs)
         self.stage_outputs.write(inputs.slot_mapping, hidden_states=hidden_states)
-        logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
+        logits = model.compute_logits(hidden_states[inputs.logits_indices])
         sampler_output = self.sampler(logits, self._sampling_metadata(inputs.sampling_rows))
         return self._bookkeep(inputs.sampling_rows, sampler_output, finished_rows)
 
-    def _run_model(self, inputs: ModelInputs) -> torch.Tensor:
+    def _run_model(self, model: VllmModel, inputs: ModelInputs) -> torch.Tensor:
         """The one place that picks a captured graph (when one fits the step) or eager."""
         if self.graphs is not None:
             hidden_states = self.graphs.run(inputs.input_ids, inputs.positions,
                                             inputs.inputs_embeds, inputs.common)
             if hidden_states is not None:
                 return hidden_states
-        return self.model(inputs.input_ids, inputs.positions, inputs.inputs_embeds)
+        return model(inputs.input_ids, inputs.positions, inputs.inputs_embeds)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         batch = self.input_batch
@@ -285,8 +296,8 @@ class GPUModelRunner:
     def _maybe_fail_for_tests(self) -> None:
         batch = self.input_batch
         if self.fail_on_token_id is not None and any(
-                self.fail_on_token_id in state.prompt_token_ids
-                for state in batch.req_states[:batch.num_reqs]):
+                self.fail_on_token_id in batch.state(row).prompt_token_ids
+                for row in range(batch.num_reqs)):
             raise RuntimeError(f"Injected failure: token id {self.fail_on_token_id} "
                                "(VLLM_TEST_FAIL_ON_TOKEN_ID).")
 
@@ -346,6 +357,7 @@ class GPUModelRunner:
         blocks: the same query layout, with encoder lengths as sequence lengths."""
         batch = self.input_batch
         num_reqs = batch.num_reqs
+        assert batch.cross_block_table is not None  # an encoder/decoder model's batch
         cross = CommonAttentionMetadata(
             query_start_loc=common.query_start_loc,
             seq_lens=batch.num_encoder_tokens[:num_reqs].copy(),
@@ -365,11 +377,13 @@ class GPUModelRunner:
         Example: a request with 4 embeds rows E0..E3 and one generated token t4, computed 2,
         scheduled 3 (positions 2, 3, 4): is_token [F, F, T] -> rows [E2, E3, embed(t4)].
         """
+        assert self.model is not None, "load_model() first"
         embeds = self.model.get_input_embeddings(input_ids)
         rows = []
         qsl = idx.query_start_loc
         for row in np.unique(idx.req_indices[~is_token]):
-            state = self.input_batch.req_states[row]
+            state = self.input_batch.state(row)
+            assert state.prompt_embeds is not None  # positions not tokens are embeds rows
             start = int(idx.positions[qsl[row]])
             end = min(start + int(qsl[row + 1] - qsl[row]), state.num_prompt_tokens)
             rows.append(state.prompt_embeds[start:end])

@@ -42,6 +42,9 @@ from collections.abc import Callable
 
 import torch
 
+from vllm.model_executor.models.interfaces import GraphModel
+from vllm.v1.attention.backends.abstract import AttentionBackend
+
 logger = logging.getLogger(__name__)
 
 IDS = "ids"
@@ -102,17 +105,19 @@ class CompiledGraphs:
     without the embedding lookup).
     """
 
-    def __init__(self, model: torch.nn.Module, sizes: list[int], with_embeds: bool,
+    def __init__(self, model: GraphModel, sizes: list[int], with_embeds: bool,
                  hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
         self.model = model
         self.sizes = sorted(set(sizes))
         self.kinds = (IDS, EMBEDS) if with_embeds else (IDS,)
         self.max_size = self.sizes[-1]
         self.any_min = max(self.max_size, ANY_MIN_TOKENS)  # ANY takes steps of more tokens
-        self.input_ids = torch.zeros(self.max_size, dtype=torch.int64, device=device)
         self.positions = torch.zeros(self.max_size, dtype=torch.int64, device=device)
-        self.inputs_embeds = (torch.zeros(self.max_size, hidden_size, dtype=dtype,
-                                          device=device) if with_embeds else None)
+        # Each set's input buffer: ids, or embeds rows.
+        self.inputs = {IDS: torch.zeros(self.max_size, dtype=torch.int64, device=device)}
+        if with_embeds:
+            self.inputs[EMBEDS] = torch.zeros(self.max_size, hidden_size, dtype=dtype,
+                                              device=device)
         self.captured: set[tuple[str, int]] = set()
         self.replays: collections.Counter[tuple[str, int]] = collections.Counter()
         # Each (set, size) compiles its own copies of the pieces: dynamo keeps compiled
@@ -128,8 +133,9 @@ class CompiledGraphs:
                 compile_ = functools.partial(torch.compile, dynamic=size == ANY,
                                              fullgraph=True)
                 tag = f"{kind}_{size or 'any'}"
-                self._pieces[(kind, size)] = tuple(
-                    compile_(_own_code(fn, tag)) for fn in (prepare, _layer, _finish))
+                self._pieces[(kind, size)] = (compile_(_own_code(prepare, tag)),
+                                              compile_(_own_code(_layer, tag)),
+                                              compile_(_own_code(_finish, tag)))
 
     def padded_size(self, num_tokens: int) -> int | None:
         return padded_size(self.sizes, num_tokens)
@@ -145,24 +151,18 @@ class CompiledGraphs:
             # Any larger size: compiled through a step of any_min + 1 tokens (the inputs
             # are fresh tensors, not the padded buffers).
             n = self.any_min + 1
-            ids = torch.zeros(n, dtype=torch.int64, device=self.positions.device)
-            embeds = (None if kind == IDS else
-                      self.inputs_embeds.new_zeros(n, self.inputs_embeds.shape[1]))
-            run_dummy_step(n, functools.partial(self._forward_any, kind, ids,
-                                                torch.zeros_like(ids), embeds))
+            buffer = self.inputs[kind]
+            inputs = buffer.new_zeros(n, *buffer.shape[1:])
+            positions = torch.zeros(n, dtype=torch.int64, device=self.positions.device)
+            run_dummy_step(n, functools.partial(self._run_pieces, kind, ANY, inputs,
+                                                positions))
             self.captured.add((kind, ANY))
         logger.info("Captured %d graph sets (%s) for sizes %s and any larger size in %.1f s.",
                     len(self.captured), " and ".join(self.kinds), self.sizes,
                     time.perf_counter() - start)
 
     def _forward(self, kind: str, size: int) -> torch.Tensor:
-        inputs = self.input_ids if kind == IDS else self.inputs_embeds
-        return self._run_pieces(kind, size, inputs[:size], self.positions[:size])
-
-    def _forward_any(self, kind: str, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                     inputs_embeds: torch.Tensor | None) -> torch.Tensor:
-        inputs = input_ids if kind == IDS else inputs_embeds
-        return self._run_pieces(kind, ANY, inputs, positions)
+        return self._run_pieces(kind, size, self.inputs[kind][:size], self.positions[:size])
 
     def _run_pieces(self, kind: str, size: int, inputs: torch.Tensor,
                     positions: torch.Tensor) -> torch.Tensor:
@@ -178,8 +178,11 @@ class CompiledGraphs:
         the largest; None when no graph fits (embeds without an embeds set). Any batch
         layout fits: attention is outside the compiled pieces."""
         n = positions.shape[0]
-        kind = IDS if inputs_embeds is None else EMBEDS
+        kind, inputs = _step_inputs(input_ids, inputs_embeds)
         size = self.padded_size(n)
+        buffer = self.inputs.get(kind)
+        if buffer is None:
+            return None
         if size is None:
             if (kind, ANY) not in self.captured or n <= self.any_min:
                 return None
@@ -187,23 +190,15 @@ class CompiledGraphs:
             # Unpadded, on the step's own tensors: their dtypes and layout must be the
             # capture's, since the guards that would check them are skipped (no-ops for
             # the runner's int64 ids/positions and contiguous model-dtype embeds).
-            positions = positions.to(torch.int64)
-            if kind == IDS:
-                input_ids = input_ids.to(torch.int64)
-            else:
-                inputs_embeds = inputs_embeds.to(self.inputs_embeds.dtype).contiguous()
             with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                return self._forward_any(kind, input_ids, positions, inputs_embeds)
+                return self._run_pieces(kind, ANY, inputs.to(buffer.dtype).contiguous(),
+                                        positions.to(torch.int64))
         if (kind, size) not in self.captured:
             return None
         self.positions[:n].copy_(positions)
         self.positions[n:size].zero_()
-        if kind == IDS:
-            self.input_ids[:n].copy_(input_ids)
-            self.input_ids[n:size].zero_()
-        else:
-            self.inputs_embeds[:n].copy_(inputs_embeds)
-            self.inputs_embeds[n:size].zero_()
+        buffer[:n].copy_(inputs)
+        buffer[n:size].zero_()
         self.replays[(kind, size)] += 1
         # Every graph was compiled at capture for these very modules and buffers, alone in
         # its function's cache: no guard needs checking (~90 us a call otherwise, 32 calls
@@ -212,12 +207,21 @@ class CompiledGraphs:
             return self._forward(kind, size)[:n]
 
 
-def _prepare_ids(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor):
+def _step_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None
+                 ) -> tuple[str, torch.Tensor]:
+    """The set a step replays, and its inputs: embeds rows if it has any, else ids."""
+    if inputs_embeds is not None:
+        return EMBEDS, inputs_embeds
+    assert input_ids is not None, "a step needs ids or embeds"
+    return IDS, input_ids
+
+
+def _prepare_ids(model: GraphModel, input_ids: torch.Tensor, positions: torch.Tensor):
     h, (cos, sin) = model.prepare(input_ids, positions, None)
     return h, cos, sin
 
 
-def _prepare_embeds(model: torch.nn.Module, inputs_embeds: torch.Tensor,
+def _prepare_embeds(model: GraphModel, inputs_embeds: torch.Tensor,
                     positions: torch.Tensor):
     h, (cos, sin) = model.prepare(None, positions, inputs_embeds)
     return h, cos, sin
@@ -228,7 +232,7 @@ def _layer(layer: torch.nn.Module, cos: torch.Tensor, sin: torch.Tensor,
     return layer((cos, sin), h)
 
 
-def _finish(model: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+def _finish(model: GraphModel, h: torch.Tensor) -> torch.Tensor:
     return model.finish(h)
 
 
@@ -251,21 +255,22 @@ class CudaGraphs:
     reads them: real rows mask every key past their length).
     """
 
-    def __init__(self, model: torch.nn.Module, sizes: list[int], with_embeds: bool,
+    def __init__(self, model: GraphModel, sizes: list[int], with_embeds: bool,
                  hidden_size: int, dtype: torch.dtype, device: torch.device,
-                 block_size: int, max_model_len: int, metadata_cls) -> None:
+                 block_size: int, max_model_len: int,
+                 attn_backend: type[AttentionBackend]) -> None:
         self.model = model
         self.sizes = sorted(set(sizes))
         self.kinds = (IDS, EMBEDS) if with_embeds else (IDS,)
         self.max_size = self.sizes[-1]
         self.block_size = block_size
         self.max_blocks = -(-max_model_len // block_size)
-        self.metadata_cls = metadata_cls
+        self.attn_backend = attn_backend
         n = self.max_size
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.inputs_embeds = (torch.zeros(n, hidden_size, dtype=dtype, device=device)
-                              if with_embeds else None)
+        self.inputs = {IDS: torch.zeros(n, dtype=torch.int64, device=device)}
+        if with_embeds:
+            self.inputs[EMBEDS] = torch.zeros(n, hidden_size, dtype=dtype, device=device)
         self.slot_mapping = torch.zeros(n, dtype=torch.int64, device=device)
         self.block_table = torch.zeros(n, self.max_blocks, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int64, device=device)
@@ -279,17 +284,15 @@ class CudaGraphs:
     def padded_size(self, num_tokens: int) -> int | None:
         return padded_size(self.sizes, num_tokens)
 
-    def _metadata(self, size: int):
-        return self.metadata_cls(
-            slot_mapping=self.slot_mapping[:size], num_actual_tokens=size,
-            decode_token_idx=None, decode_block_table=self.block_table[:size],
-            decode_mask=self.decode_mask[:size], decode_seq_lens=None,
-            decode_block_table_i32=None, prefills=[], decode_only=True)
+    def _metadata(self, size: int) -> object:
+        return self.attn_backend.build_graph_decode_metadata(
+            self.slot_mapping[:size], self.block_table[:size], self.decode_mask[:size])
 
     def _forward(self, kind: str, size: int) -> torch.Tensor:
+        inputs = self.inputs[kind][:size]
         if kind == IDS:
-            return self.model(self.input_ids[:size], self.positions[:size], None)
-        return self.model(None, self.positions[:size], self.inputs_embeds[:size])
+            return self.model(inputs, self.positions[:size], None)
+        return self.model(None, self.positions[:size], inputs)
 
     def capture(self, kv_caches: list[torch.Tensor], set_context) -> None:
         """Captures every (kind, size), largest first so that smaller graphs reuse its
@@ -317,10 +320,9 @@ class CudaGraphs:
 
     def _fill_padding(self, n: int) -> None:
         """Rows n.. become one-token sequences reading and writing slot 0 (null block)."""
-        self.input_ids[n:].zero_()
         self.positions[n:].zero_()
-        if self.inputs_embeds is not None:
-            self.inputs_embeds[n:].zero_()
+        for buffer in self.inputs.values():
+            buffer[n:].zero_()
         self.slot_mapping[n:].zero_()
         self.block_table[n:].zero_()
         self.seq_lens[n:] = 1
@@ -331,19 +333,16 @@ class CudaGraphs:
         """Replays a graph for a decode-only step that fits, else None (eager)."""
         n = positions.shape[0]
         num_reqs = common.seq_lens.shape[0]
-        kind = IDS if inputs_embeds is None else EMBEDS
+        kind, inputs = _step_inputs(input_ids, inputs_embeds)
         size = self.padded_size(n)
         if size is None or num_reqs != n or (kind, size) not in self.captured:
             return None
         if common.block_table.shape[1] > self.max_blocks:
             return None
-        device = self.input_ids.device
+        device = self.positions.device
         self._fill_padding(n)
         self.positions[:n].copy_(positions)
-        if kind == IDS:
-            self.input_ids[:n].copy_(input_ids)
-        else:
-            self.inputs_embeds[:n].copy_(inputs_embeds)
+        self.inputs[kind][:n].copy_(inputs)
         self.slot_mapping[:n].copy_(torch.from_numpy(common.slot_mapping).to(device))
         width = common.block_table.shape[1]
         self.block_table[:n, :width].copy_(torch.from_numpy(

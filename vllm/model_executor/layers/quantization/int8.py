@@ -70,6 +70,9 @@ _dequantize_fused = torch.compile(dequantize_output, dynamic=True, fullgraph=Tru
 class Int8Linear(nn.Module):
     """A `nn.Linear` replacement holding int8 weights per output channel."""
 
+    weight_t: torch.Tensor  # [K, N] int8 buffer
+    weight_scale: torch.Tensor  # [N] float32 buffer
+
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -83,8 +86,9 @@ class Int8Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         x_q, x_scale = _quantize_fused(x2)
-        y = _dequantize_fused(torch._int_mm(x_q, self.weight_t), x_scale, self.weight_scale,
-                              x.dtype)
+        # torch exports `_int_mm` at run time; its stubs do not list it.
+        acc = torch._int_mm(x_q, self.weight_t)  # pyright: ignore[reportPrivateImportUsage]
+        y = _dequantize_fused(acc, x_scale, self.weight_scale, x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
@@ -93,10 +97,11 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
 
 
-def quantize_model(model: nn.Module, method: str | None) -> nn.Module:
-    """Replaces every `nn.Linear` but the vocabulary projection by its quantized version."""
+def quantize_model(model: nn.Module, method: str | None) -> int:
+    """Replaces every `nn.Linear` but the vocabulary projection by its quantized version,
+    in place; returns the count."""
     if method is None or method == "gguf":  # "gguf": see gguf_blocks, applied at load
-        return model
+        return 0
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"Unknown quantization {method!r}; choose one of "
                          f"{', '.join(QUANTIZATION_METHODS)}.")
@@ -109,4 +114,4 @@ def quantize_model(model: nn.Module, method: str | None) -> nn.Module:
         setattr(parent, child, Int8Linear(linear))
     logger.info("Quantized %d linear layers to int8 (per-channel weights, per-token "
                 "activations).", len(targets))
-    return model
+    return len(targets)

@@ -77,6 +77,15 @@ class AttentionBackend(ABC):
 
     @staticmethod
     @abstractmethod
+    def build_graph_decode_metadata(slot_mapping: torch.Tensor, block_table: torch.Tensor,
+                                    decode_mask: torch.Tensor) -> object:
+        """Metadata of a captured decode-only step (CUDA graphs): one token per row, in
+        views of persistent buffers that every replay refills in place: `slot_mapping`
+        `[n]`, `block_table` `[n, max_blocks]` int64, `decode_mask`
+        `[n, 1, 1, max_blocks * block_size]` bool (True = attend)."""
+
+    @staticmethod
+    @abstractmethod
     def make_impl(num_heads: int, head_size: int, num_kv_heads: int, scale: float,
                   attn_type: AttentionType = AttentionType.DECODER) -> AttentionImpl:
         ...

@@ -110,19 +110,20 @@ class TorchSDPABackend(AttentionBackend):
         if token_rows.size:
             decode_idx = torch.from_numpy(token_idx.astype(np.int64)).to(device)
             max_blocks = cdiv(int(seq_lens[token_rows].max()), block_size)
-        if token_rows.size and _native_ops(device) is not None:
-            decode_table_i32 = torch.from_numpy(
-                np.ascontiguousarray(common.block_table[token_rows, :max_blocks])).to(device)
-            decode_seq_lens = torch.from_numpy(
-                seq_lens[token_rows].astype(np.int32)).to(device)
-        elif token_rows.size:
-            # e.g. seq_lens [55, 146] with block size 16 -> 10 blocks each; the mask keeps
-            # keys 0..54 of row 0 and 0..145 of row 1.
-            decode_table = torch.from_numpy(
-                common.block_table[token_rows, :max_blocks].astype(np.int64)).to(device)
-            key_pos = np.arange(max_blocks * block_size)
-            decode_mask = torch.from_numpy(key_pos[None, :] < seq_lens[token_rows][:, None]
-                                           )[:, None, None, :].to(device)
+            if _native_ops(device) is not None:
+                decode_table_i32 = torch.from_numpy(np.ascontiguousarray(
+                    common.block_table[token_rows, :max_blocks])).to(device)
+                decode_seq_lens = torch.from_numpy(
+                    seq_lens[token_rows].astype(np.int32)).to(device)
+            else:
+                # e.g. seq_lens [55, 146] with block size 16 -> 10 blocks each; the mask
+                # keeps keys 0..54 of row 0 and 0..145 of row 1.
+                decode_table = torch.from_numpy(
+                    common.block_table[token_rows, :max_blocks].astype(np.int64)).to(device)
+                key_pos = np.arange(max_blocks * block_size)
+                decode_mask = torch.from_numpy(
+                    key_pos[None, :] < seq_lens[token_rows][:, None])[:, None, None, :].to(
+                    device)
         prefill_rows = np.flatnonzero(query_lens > max_paged)
         prefills = []
         for i in prefill_rows:
@@ -145,6 +146,17 @@ class TorchSDPABackend(AttentionBackend):
                                  decode_table, decode_mask, decode_seq_lens, decode_table_i32,
                                  prefills, prefill_native,
                                  decode_only=token_rows.size == common.num_actual_tokens)
+
+    @staticmethod
+    def build_graph_decode_metadata(slot_mapping: torch.Tensor, block_table: torch.Tensor,
+                                    decode_mask: torch.Tensor) -> TorchSDPAMetadata:
+        # The masked gather path: the native kernel is CPU-only, and a captured graph
+        # holds no prefill chunks.
+        return TorchSDPAMetadata(
+            slot_mapping=slot_mapping, num_actual_tokens=slot_mapping.shape[0],
+            decode_token_idx=None, decode_block_table=block_table, decode_mask=decode_mask,
+            decode_seq_lens=None, decode_block_table_i32=None, prefills=[],
+            prefill_native=None, decode_only=True)
 
     @staticmethod
     def make_impl(num_heads: int, head_size: int, num_kv_heads: int, scale: float,
@@ -176,11 +188,16 @@ class TorchSDPAImpl(AttentionImpl):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor | None,
                 value: torch.Tensor | None, kv_cache: torch.Tensor | None,
-                metadata) -> torch.Tensor:
+                metadata: object) -> torch.Tensor:
         if self.attn_type == AttentionType.ENCODER:
+            # Encoder attention: the step's own keys, no cache.
+            assert isinstance(metadata, EncoderAttentionMetadata)
+            assert key is not None and value is not None
             return self._encoder(query, key, value, metadata)
+        assert isinstance(metadata, TorchSDPAMetadata) and kv_cache is not None
         num_tokens = query.shape[0]
         if self.attn_type == AttentionType.DECODER:
+            assert key is not None and value is not None  # cross-attention alone has none
             self.write_kv(key, value, kv_cache, metadata.slot_mapping)
 
         if metadata.decode_only:
@@ -199,11 +216,12 @@ class TorchSDPAImpl(AttentionImpl):
         """Every prompt chunk in one native call, keys and values read from the cache
         (this step's were written first); False where the kernel does not run."""
         spans = metadata.prefill_native
-        if spans is None or query.dtype != kv_cache.dtype:
+        native = _native_ops(query.device)
+        if spans is None or native is None or query.dtype != kv_cache.dtype:
             return False
         if query.stride(-1) != 1 or query.stride(1) != self.head_size:
             query = query.contiguous()
-        return _native_ops(query.device).paged_prefill_attention(
+        return native.paged_prefill_attention(
             query, kv_cache, spans.block_table, spans.query_start, spans.query_len,
             spans.seq_lens, out, self.scale, self.attn_type == AttentionType.DECODER)
 
@@ -211,10 +229,14 @@ class TorchSDPAImpl(AttentionImpl):
                 metadata: TorchSDPAMetadata) -> torch.Tensor:
         q = query if metadata.decode_only else query[metadata.decode_token_idx]
         if metadata.decode_seq_lens is not None:
-            return _native_ops(q.device).paged_decode_attention(
+            # Built only where the native kernels load (build_metadata).
+            native = _native_ops(q.device)
+            assert native is not None
+            return native.paged_decode_attention(
                 q.contiguous(), kv_cache, metadata.decode_block_table_i32,
                 metadata.decode_seq_lens, self.scale)
         table = metadata.decode_block_table
+        assert table is not None  # the masked gather path's table
         n = table.shape[0]
         # Queries of one KV head's group share every key, so the group folds into the
         # query-length axis: q [n, kv_heads, group, d] against k [n, kv_heads, len, d].
@@ -253,6 +275,9 @@ class TorchSDPAImpl(AttentionImpl):
         # 4-D [1, heads, len, d] inputs: the 3-D form takes a slower kernel on CPU.
         q = query[span.start:span.end].transpose(0, 1)[None]
         if span.block_ids is None:
+            # A causal chunk with nothing before it: its own keys (cross-attention spans,
+            # which have no keys of their own, always read blocks).
+            assert key is not None and value is not None
             k = key[span.start:span.end].transpose(0, 1)[None]
             v = value[span.start:span.end].transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
