@@ -55,6 +55,7 @@ def cpu_ops() -> ModuleType | None:
     except Exception as e:  # no compiler, no ninja, ...: the torch path still works
         logger.warning("Native CPU kernels unavailable (%s); using the torch fallback.", e)
         return None
+    assert isinstance(module, ModuleType)  # is_python_module=True (the default): a module
     _register_fakes()
     return module
 

@@ -61,6 +61,8 @@ class SamplingParams:
         self._verify()
 
     def _verify(self) -> None:
+        assert isinstance(self.stop, list) and self.stop_token_ids is not None  # __post_init__
+
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"{name} {why}, got {getattr(self, name)!r}.")
 

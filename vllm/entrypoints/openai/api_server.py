@@ -232,7 +232,8 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
         async def server_info() -> dict[str, Any]:
             """What the engine holds now (requests, runner states, KV usage, memory) and
             the API process's prompt-embeds bytes in flight, for leak checks."""
-            engines = getattr(state.engine, "engines", None) or [state.engine]
+            served = state.engine
+            engines = served.engines if isinstance(served, AsyncPipeline) else [served]
             return {"engines": [await engine.engine_core.call_utility_async("get_engine_state")
                                 for engine in engines],
                     "prompt_embeds_bytes_in_flight": state.completion.embeds_in_flight.used}
@@ -293,6 +294,7 @@ def _add_tokenizer_routes(app: FastAPI, state: ServerState) -> None:
                                            MAX_CHARS_PER_TOKEN * base.max_model_len)
             add_special = bool(request.add_special_tokens)
         else:
+            assert request.prompt is not None  # exactly one of prompt and messages is given
             text = request.prompt
             add_special = request.add_special_tokens is not False
         ids = await base.tokenize(text, add_special)

@@ -30,6 +30,7 @@ from vllm.entrypoints.openai.serving_engine import (
     MAX_CHARS_PER_TOKEN,
     OpenAIError,
     OpenAIServing,
+    ServedEngine,
     ServingOptions,
     cached_tokens_usage,
     raise_if_failed,
@@ -125,7 +126,7 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_p
 class OpenAIServingChat(OpenAIServing):
     """Renders the conversation, then generates like a completion of the rendered text."""
 
-    def __init__(self, engine: Any, served_model_names: list[str],
+    def __init__(self, engine: ServedEngine, served_model_names: list[str],
                  options: ServingOptions | None = None) -> None:
         super().__init__(engine, served_model_names, options)
         # Templates render here, off the event loop (a few threads: renders are short).
@@ -230,7 +231,7 @@ def _chat_logprobs(completion: CompletionOutput, num: int | None
     for token_id, entry in zip(completion.token_ids, completion.logprobs, strict=False):
         sampled = entry[token_id]
         ranked = sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= num),
-                        key=lambda lp: lp.rank)
+                        key=lambda lp: lp.rank or 0)
         content.append(ChatCompletionLogProbsContent(
             token=sampled.decoded_token or "", logprob=sampled.logprob,
             bytes=list((sampled.decoded_token or "").encode()),

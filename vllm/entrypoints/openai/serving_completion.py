@@ -7,7 +7,7 @@ import weakref
 from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from vllm.entrypoints.openai.prompt_embeds import (
     EmbedsBytesInFlight,
@@ -22,11 +22,13 @@ from vllm.entrypoints.openai.protocol import (
     CompletionResponse,
     CompletionResponseChoice,
     CompletionStreamResponse,
+    PromptTokenUsageInfo,
     UsageInfo,
 )
 from vllm.entrypoints.openai.serving_engine import (
     OpenAIError,
     OpenAIServing,
+    ServedEngine,
     ServingOptions,
     cached_tokens_usage,
     merge_async_iterators,
@@ -36,7 +38,6 @@ from vllm.entrypoints.openai.serving_engine import (
     stream_error,
 )
 from vllm.outputs import CompletionOutput
-from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.processor import PROMPT_LOGPROBS_WITH_EMBEDS
 from vllm.v1.outputs import SampleLogprobs
 
@@ -58,7 +59,7 @@ class CompletionPrompt:
 class OpenAIServingCompletion(OpenAIServing):
     """Turns a CompletionRequest into one engine request per prompt (embeds prompts first)."""
 
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str],
+    def __init__(self, engine: ServedEngine, served_model_names: list[str],
                  options: ServingOptions | None = None) -> None:
         super().__init__(engine, served_model_names, options)
         self.embeds_in_flight = EmbedsBytesInFlight(
@@ -194,7 +195,8 @@ class OpenAIServingCompletion(OpenAIServing):
         if not prompt:
             raise OpenAIError("prompt is empty.")
         result = []
-        for item in prompt:
+        # Texts or token-id lists: a bare text or id list was wrapped above.
+        for item in cast("list[str | list[int]]", prompt):
             if isinstance(item, str):
                 ids = await self.tokenize(item, request.add_special_tokens)
                 result.append(CompletionPrompt({"prompt": item, "prompt_token_ids": ids}, item,
@@ -235,14 +237,15 @@ class OpenAIServingCompletion(OpenAIServing):
                       ) -> AsyncGenerator[str, None]:
         n = request.n
         text_lens = [0] * (len(prompts) * n)  # text sent so far, per choice
-        usage = UsageInfo(prompt_tokens_details=cached_tokens_usage([]))
+        usage = UsageInfo()
+        cached_tokens = 0  # of the finished prompts, served from the prefix cache
         iterators = [self.engine.iterate(s) for s in streams]
         try:
             async for i, output in merge_async_iterators(*iterators):
                 raise_if_failed(output)
                 if output.finished:
                     usage.prompt_tokens += output.num_prompt_tokens
-                    usage.prompt_tokens_details.cached_tokens += output.num_cached_tokens
+                    cached_tokens += output.num_cached_tokens
                 for completion in output.outputs:
                     index = i * n + completion.index
                     text = completion.text
@@ -262,6 +265,7 @@ class OpenAIServingCompletion(OpenAIServing):
                             hidden_states=_hidden_states(completion))]))
             if request.include_usage_in_stream:
                 usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+                usage.prompt_tokens_details = PromptTokenUsageInfo(cached_tokens=cached_tokens)
                 yield sse(CompletionStreamResponse(id=request_id, model=self.model_name,
                                                    choices=[], usage=usage))
         except Exception as e:

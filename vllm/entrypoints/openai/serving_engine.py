@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +15,7 @@ from vllm.entrypoints.openai.protocol import (
     PromptTokenUsageInfo,
 )
 from vllm.outputs import RequestOutput
+from vllm.pipeline.async_pipeline import AsyncPipeline
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.async_llm import AsyncLLM, RequestStream
 
@@ -37,6 +38,9 @@ class OpenAIError(Exception):
         return ErrorResponse(error=ErrorInfo(message=self.message, type=self.err_type,
                                              code=self.status_code))
 
+
+# What the handlers serve: one engine, or a pipeline of them (it answers the same calls).
+ServedEngine = AsyncLLM | AsyncPipeline
 
 # What the client of a request the engine failed on gets (the details are in the log).
 REQUEST_FAILED = ("Internal server error: the engine failed while running this request "
@@ -82,7 +86,7 @@ def random_id(prefix: str, given: str | None = None) -> str:
     return f"{prefix}-{given if given is not None else uuid.uuid4().hex}"
 
 
-async def merge_async_iterators(*iterators: AsyncIterator[Any]
+async def merge_async_iterators(*iterators: AsyncGenerator[Any, None]
                                 ) -> AsyncGenerator[tuple[int, Any], None]:
     """Yields (iterator index, item) from all iterators as items arrive.
 
@@ -118,7 +122,7 @@ MAX_CHARS_PER_TOKEN = 64
 class OpenAIServing:
     """Base of the endpoint handlers: model-name checks and request submission."""
 
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str],
+    def __init__(self, engine: ServedEngine, served_model_names: list[str],
                  options: ServingOptions | None = None) -> None:
         self.engine = engine
         self.options = options or ServingOptions()
@@ -193,6 +197,7 @@ class OpenAIServing:
                 last = None
                 async for output in self.engine.iterate(stream):
                     last = output
+                assert last is not None  # a stream yields until its finished output
                 results.append(last)
         finally:
             unfinished = [s.request_id for s in streams if not s.finished]

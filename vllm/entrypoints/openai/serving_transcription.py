@@ -38,6 +38,7 @@ from vllm.entrypoints.openai.protocol import (
 from vllm.entrypoints.openai.serving_engine import (
     OpenAIError,
     OpenAIServing,
+    ServedEngine,
     random_id,
     sse,
     stream_error,
@@ -55,7 +56,7 @@ from vllm.inputs.whisper import (
     window_prompt,
 )
 from vllm.outputs import RequestOutput
-from vllm.v1.engine.async_llm import AsyncLLM, RequestStream
+from vllm.v1.engine.async_llm import RequestStream
 
 Task = Literal["transcribe", "translate"]
 _ENDPOINTS = {"transcribe": "transcriptions", "translate": "translations"}
@@ -101,7 +102,7 @@ def decode_upload(data: bytes, max_seconds: float) -> DecodedUpload:
 class OpenAIServingTranscription(OpenAIServing):
     """Audio uploads -> Whisper requests on the shared engine; answers in OpenAI's formats."""
 
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str],
+    def __init__(self, engine: ServedEngine, served_model_names: list[str],
                  limits: AudioLimits | None = None, metrics: Any = None) -> None:
         super().__init__(engine, served_model_names)
         self.limits = limits or AudioLimits()
@@ -236,12 +237,14 @@ class OpenAIServingTranscription(OpenAIServing):
     def _segments(self, job: Job, outputs: list[RequestOutput | None]
                   ) -> list[TranscriptionSegment]:
         segments: list[TranscriptionSegment] = []
+        tokens = self.tokens
+        assert tokens is not None  # _check_request refused the request otherwise
         for window, output in zip(job.upload.windows, outputs):
             if output is None:
                 continue
             completion = output.outputs[0]
             logprobs = _sampled_logprobs(completion.token_ids, completion.logprobs)
-            for seg in timed_segments(completion.token_ids, self.tokens, window.seconds,
+            for seg in timed_segments(completion.token_ids, tokens, window.seconds,
                                       logprobs):
                 text = self.tokenizer.decode(seg.token_ids)
                 segments.append(TranscriptionSegment(

@@ -16,6 +16,9 @@ def _inv_freq_and_scaling(config) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
+    cos: torch.Tensor  # [max_positions, head_dim] buffer, scaled, model dtype
+    sin: torch.Tensor  # [max_positions, head_dim] buffer, scaled, model dtype
+
     def __init__(self, config, head_dim: int, max_positions: int, dtype: torch.dtype) -> None:
         super().__init__()
         inv_freq, scaling = _inv_freq_and_scaling(config)

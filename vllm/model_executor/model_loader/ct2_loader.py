@@ -110,10 +110,15 @@ class Ct2Model:
             scale = scale.reshape(-1, *([1] * (value.dim() - 1)))
         return value / scale
 
-    def scalar(self, name: str, default: int | float | None = None) -> int | float | None:
-        """The value of a rank-0 variable, or ``default`` when the file lacks it."""
+    def scalar(self, name: str, default: int | float | None = None) -> int | float:
+        """The value of a rank-0 variable, or ``default`` when the file lacks it (an error
+        when there is no default)."""
         value = self.variables.get(name)
-        return default if value is None else value.item()
+        if value is not None:
+            return value.item()
+        if default is None:
+            raise ValueError(f"CTranslate2 Whisper file lacks variable {name!r}.")
+        return default
 
 
 class _ByteReader:
@@ -439,7 +444,12 @@ def load_ct2_tokenizer(path: str) -> Any:
     ends with; those are added from ``vocabulary.txt`` so every model id decodes (Whisper's
     ``decode`` strips timestamp text unless asked for it).
     """
-    from transformers import AddedToken, WhisperTokenizerFast
+    # transformers 5 maps the Fast name to `WhisperTokenizer` at run time (4.x defines it);
+    # its stubs do not list it.
+    from transformers import (
+        AddedToken,
+        WhisperTokenizerFast,  # pyright: ignore[reportAttributeAccessIssue]
+    )
 
     tokenizer_file = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(tokenizer_file):

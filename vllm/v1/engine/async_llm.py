@@ -69,6 +69,7 @@ class RequestStream:
         await self._ready.wait()
         item, self._pending = self._pending, None
         self._ready.clear()
+        assert item is not None  # `put` sets the event only with an item pending
         if isinstance(item, BaseException):
             self.finished = True
             raise item

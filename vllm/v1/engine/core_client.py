@@ -188,6 +188,7 @@ class AsyncMPClient:
             self._set_dead(f"Reading engine-core outputs failed: {type(e).__name__}: {e}")
 
     def _dispatch(self, kind: bytes, body: list) -> None:
+        assert self.outputs_queue is not None  # the reader runs once started
         if kind == OUT_OUTPUTS:
             self.outputs_queue.put_nowait(self.outputs_decoder.decode(body))
         elif kind == OUT_UTILITY_RESULT:
@@ -209,6 +210,7 @@ class AsyncMPClient:
     async def get_output_async(self) -> EngineCoreOutputs:
         """The next step's outputs; raises `EngineDeadError` once the engine is gone."""
         self._ensure_started()
+        assert self.outputs_queue is not None
         item = await self.outputs_queue.get()
         if isinstance(item, Exception):
             self.outputs_queue.put_nowait(item)  # every later call fails the same way
@@ -237,6 +239,7 @@ class AsyncMPClient:
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
         self._ensure_started()
+        assert self._loop is not None
         call_id = next(self._call_ids)
         future = self._loop.create_future()
         self._pending_calls[call_id] = future

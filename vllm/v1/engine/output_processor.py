@@ -75,6 +75,7 @@ class OutputProcessor:
                     encoder_prompt_token_ids: list[int] | None = None,
                     external_id: str | None = None) -> None:
         # Nobody sees the text before the end, and no stop string needs it: decode once.
+        assert isinstance(params.stop, list)  # SamplingParams.__post_init__ made it one
         incremental = bool(params.stop) or params.output_kind != RequestOutputKind.FINAL_ONLY
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
                                        params.skip_special_tokens, params.stop,
@@ -132,7 +133,7 @@ class OutputProcessor:
             if state is None:
                 continue  # aborted meanwhile
             if state.awaiting_rows is not None:
-                request_output = self._finish_with_rows(state, out)
+                request_output = self._finish_with_rows(state, out, state.awaiting_rows)
             else:
                 request_output = self._process_output(state, out, reqs_to_stop)
             if request_output is not None:
@@ -160,7 +161,8 @@ class OutputProcessor:
         self._forget_finished(state)
         return self._make_request_output(state, finish_reason, stop_reason, out.hidden_states)
 
-    def _finish_with_rows(self, state: RequestState, out: EngineCoreOutput
+    def _finish_with_rows(self, state: RequestState, out: EngineCoreOutput,
+                          awaiting_rows: tuple[FinishReason, int | str | None]
                           ) -> RequestOutput | None:
         """The core's outputs for a request a stop string already finished here: tokens it
         made meanwhile are dropped; its last output brings the rows, cut to the positions
@@ -171,7 +173,7 @@ class OutputProcessor:
         rows = out.hidden_states
         if rows is not None:
             rows = rows[:state.num_prompt_tokens + len(state.detokenizer.token_ids) - 1]
-        return self._make_request_output(state, *state.awaiting_rows, rows)
+        return self._make_request_output(state, *awaiting_rows, rows)
 
     def _forget_finished(self, state: RequestState) -> None:
         del self.request_states[state.request_id]
@@ -179,6 +181,8 @@ class OutputProcessor:
             self.live_ids.pop(state.external_id, None)
 
     def _append_logprobs(self, state: RequestState, lp: LogprobsLists) -> None:
+        # Both are set when logprobs were asked for (the only states this is called for).
+        assert state.logprobs is not None and state.cumulative_logprob is not None
         k = state.params.logprobs or 0
         detok = state.detokenizer
         for token_ids, values, rank in zip(lp.token_ids, lp.logprobs, lp.ranks):
@@ -210,7 +214,9 @@ class OutputProcessor:
         if kind == RequestOutputKind.FINAL_ONLY:
             if not all_done:
                 return None
-            return self._request_output(state, list(parent.completions), True)
+            # Every child wrote its completion when it finished.
+            completions = [c for c in parent.completions if c is not None]
+            return self._request_output(state, completions, True)
         return self._request_output(state, [completion], all_done)
 
     def _make_completion(self, state: RequestState, finished: bool,

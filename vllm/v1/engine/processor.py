@@ -112,9 +112,8 @@ class Processor:
                 raise ValueError("The decoder prompt of an encoder/decoder model cannot be "
                                  "prompt_embeds; pass embeds as the encoder prompt.")
             decoder_text = decoder.prompt
-            decoder_ids = (decoder.prompt_token_ids if decoder.prompt_token_ids is not None
-                           else self._encode_text(decoder.prompt, add_special_tokens=False))
-            decoder_ids = with_decoder_start(decoder_ids, config.decoder_start_token_id)
+            decoder_ids = with_decoder_start(self._tokenize(decoder, add_special_tokens=False),
+                                             config.decoder_start_token_id)
         parsed = ParsedPrompt(decoder_text, decoder_ids, None, encoder_text,
                               encoder_input.token_ids)
         return parsed, encoder_input
@@ -135,8 +134,7 @@ class Processor:
             return EncoderInput(None, embeds, embeds.shape[0],
                                 _content_hash(b"E", embeds.view(-1).view(torch.uint8)
                                               .numpy())), None
-        token_ids = (parsed.prompt_token_ids if parsed.prompt_token_ids is not None
-                     else self._encode_text(parsed.prompt))
+        token_ids = self._tokenize(parsed)
         self._validate_token_ids(token_ids, mc.max_encoder_len, "encoder prompt")
         ids_bytes = np.asarray(token_ids, dtype=np.int64)
         return EncoderInput(token_ids, None, len(token_ids),
@@ -172,7 +170,7 @@ class Processor:
         if params.top_k > vocab:
             raise ValueError(f"top_k must be at most the vocabulary size {vocab}, "
                              f"got {params.top_k}.")
-        bad = [t for t in params.stop_token_ids if t >= vocab]
+        bad = [t for t in params.stop_token_ids or [] if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids {bad} are out of the vocabulary (size {vocab}).")
         if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
@@ -185,10 +183,12 @@ class Processor:
         if params.seed is not None and not 0 <= params.seed <= 2**63 - 1 - params.n:
             raise ValueError(f"seed must be in [0, 2**63 - 1 - n], got {params.seed}.")
 
-    def _tokenize(self, parsed: ParsedPrompt) -> list[int]:
+    def _tokenize(self, parsed: ParsedPrompt, add_special_tokens: bool = True) -> list[int]:
+        """The ids of a prompt without embeds: its own, or its text's."""
         if parsed.prompt_token_ids is not None:
             return parsed.prompt_token_ids
-        return self._encode_text(parsed.prompt)
+        assert parsed.prompt is not None  # parse_prompt: no embeds and no ids -> a text
+        return self._encode_text(parsed.prompt, add_special_tokens)
 
     def _encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:

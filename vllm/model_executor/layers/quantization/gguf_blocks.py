@@ -57,8 +57,8 @@ class BlockCodes:
         """The row-wise concatenation, or None when the parts differ in bits."""
         if len({p.bits for p in parts}) != 1:
             return None
-        return BlockCodes(*(np.concatenate([getattr(p, a) for p in parts])
-                            for a in ("u", "d", "m")), parts[0].bits)
+        u, d, m = (np.concatenate([getattr(p, a) for p in parts]) for a in ("u", "d", "m"))
+        return BlockCodes(u, d, m, parts[0].bits)
 
     def dequantize(self) -> np.ndarray:
         n, k = self.u.shape
@@ -95,6 +95,14 @@ class GGUFLinear(nn.Module):
     """A `nn.Linear` whose weight also lives as GGUF block codes: steps of up to `MAX_ROWS`
     tokens take the quantized kernel, larger ones the dense weight."""
 
+    # Buffers of the "quant_gemv" kernel: packed `codes`, float16 scales `d` and `m`.
+    codes: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+    # Buffers of the "int4pack" kernel: `packed` codes, `scale_zero` [K/32, N, 2] bfloat16.
+    packed: torch.Tensor
+    scale_zero: torch.Tensor
+
     def __init__(self, linear: nn.Linear, codes: BlockCodes, native: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -121,7 +129,10 @@ class GGUFLinear(nn.Module):
         elif codes.bits == 4 and n % 16 == 0:
             self.kernel = "int4pack"
             q = torch.from_numpy(codes.u.astype(np.int32))
-            self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, 1))
+            # The aten op behind `torch._convert_weight_to_int4pack_for_cpu`, which torch's
+            # stubs do not export.
+            self.register_buffer("packed",
+                                 torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
             scale_zero = np.stack([codes.d.T, (codes.m + 8 * codes.d).T], axis=-1)  # [K/32, N, 2]
             self.register_buffer("scale_zero", torch.from_numpy(
                 np.ascontiguousarray(scale_zero)).to(torch.bfloat16))
@@ -135,8 +146,9 @@ class GGUFLinear(nn.Module):
         if self.kernel == "quant_gemv":
             y = torch.ops.vllm_cpu.quant_gemv(x, self.codes, self.d, self.m, self.bits)
         else:
-            y = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP,
-                                                  self.scale_zero).to(x.dtype)
+            # torch exports this private op at run time; its stubs do not list it.
+            y = torch._weight_int4pack_mm_for_cpu(  # pyright: ignore[reportPrivateImportUsage]
+                x.to(torch.bfloat16), self.packed, GROUP, self.scale_zero).to(x.dtype)
         return y if self.dense.bias is None else y + self.dense.bias
 
     def extra_repr(self) -> str:
