@@ -11,11 +11,14 @@ import torch
 from tests.hf_reference import load_hf_model
 from vllm import LLM, SamplingParams
 from vllm.config import CompilationConfig
+from vllm.forward_context import set_forward_context
+from vllm.v1.attention.backends import torch_sdpa
 from vllm.v1.worker.graph_capture import (
     ANY,
     ANY_MIN_TOKENS,
     EMBEDS,
     IDS,
+    CudaGraphs,
     default_capture_sizes,
 )
 
@@ -218,6 +221,49 @@ def test_compilation_config_from_user() -> None:
         CompilationConfig.from_user({"cudagraph_capture_sizes": [0]})
     with pytest.raises(ValueError, match="must be a dict"):
         CompilationConfig.from_user("fast")
+
+
+# ---- CUDA graphs' data path, on CPU ------------------------------------------------
+
+
+class _EagerReplay(CudaGraphs):
+    """`CudaGraphs` with the eager forward in place of capture and replay: every step runs
+    on the persistent buffers and the graph metadata that `run` staged (padding rows
+    included), which is all a captured graph reads. Runs wherever the backend does."""
+
+    def capture(self, kv_caches, set_context) -> None:
+        self.kv_caches, self.set_context = kv_caches, set_context
+        self.captured = {(kind, size): None for kind in self.kinds for size in self.sizes}
+
+    def _replay(self, kind: str, size: int) -> torch.Tensor:
+        with self.set_context(self._metadata(size), self.kv_caches):
+            return self._forward(kind, size)
+
+
+def test_cuda_graph_buffers_and_metadata_equal_eager(tiny_llama_dir, eager, prompts,
+                                                     monkeypatch) -> None:
+    """What a CUDA graph replay computes from, run eagerly on CPU: decode steps staged into
+    the padded buffers with the backend's graph decode metadata (the torch gather path:
+    the native kernels are CPU-only) give eager's greedy tokens and logprobs; ids steps
+    and embeds steps (one-row embeds prompts) alike."""
+    monkeypatch.setattr(torch_sdpa, "_native_ops", lambda device: None)  # CUDA's path
+    llm = _llm(tiny_llama_dir, enable_prompt_embeds=True, enforce_eager=True)
+    runner = _runner(llm)
+    model_config = runner.model_config
+    runner.graphs = _EagerReplay(runner.model, SIZES, True, model_config.hidden_size,
+                                 runner.dtype, runner.device, runner.block_size,
+                                 runner.max_model_len, runner.attn_backend)
+    runner.graphs.capture(runner.kv_caches, set_forward_context)
+    tok = eager.get_tokenizer()
+    one_row = [{"prompt_embeds": _embed(tiny_llama_dir, tok.encode(text)[:1])}
+               for text in PROMPTS[:2]]
+    for batch in (prompts, one_row):
+        params = [_params(6 + 3 * i) for i in range(len(batch))]
+        _assert_same(llm.generate(batch, params, use_tqdm=False),
+                     eager.generate(batch, params, use_tqdm=False))
+    replays = runner.graphs.replays
+    assert replays[(IDS, 8)] > 0 and replays[(IDS, 1)] > 0  # 5 requests padded to 8
+    assert replays[(EMBEDS, 2)] == 1  # the two one-row embeds prefills
 
 
 # ---- CUDA graphs: only where CUDA is present (never on CPU CI) ----------------------
