@@ -102,6 +102,7 @@ def test_rows_match_transformers_without_prefix_cache(baseline, tiny_qwen2_dir):
 
 
 def test_prefix_hit_returns_cached_and_new_rows(llm, tiny_llama_dir, baseline):
+    llm.llm_engine.reset_prefix_cache()  # the module's engine: other tests ran PROMPTS
     first = llm.generate(PROMPTS[:1], _params(12), use_tqdm=False)
     assert first[0].num_cached_tokens == 0
     # The second prompt shares the first's opening blocks; the first, run again, hits

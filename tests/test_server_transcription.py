@@ -208,16 +208,33 @@ def test_16_concurrent_uploads_equal_serial(client: openai.OpenAI, server: Remot
     assert asyncio.run(run()) == serial * 4
 
 
-def test_metrics(server: RemoteServer) -> None:
+def _metrics(server: RemoteServer) -> dict[str, float]:
     text = httpx.get(f"{server.url}/metrics").text
-    lines = dict(line.rsplit(" ", 1) for line in text.splitlines()
-                 if line and not line.startswith("#"))
+    return {name: float(value) for name, value in (
+        line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))}
+
+
+def test_metrics(server: RemoteServer, client: openai.OpenAI) -> None:
+    """The audio metrics grow by exactly this test's requests (the server is shared with
+    the module's other tests, which may run before or after it)."""
+    clips = [read_clip(name) for name in CLIPS]
+    before = _metrics(server)
+    for samples in clips:
+        transcribe(client, wav_bytes(samples))
+    after = _metrics(server)
+
+    def grew(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
     success = f'vllm:audio_requests_total{{endpoint="transcriptions",model_name="{NAME}",' \
               'status="success"}'
-    assert float(lines[success]) >= 10
-    assert float(lines[f'vllm:audio_seconds_processed_total{{model_name="{NAME}"}}']) > 60
-    assert float(lines[f'vllm:time_to_first_token_seconds_count{{model_name="{NAME}"}}']) > 0
-    assert float(lines[f'vllm:audio_request_latency_seconds_count{{model_name="{NAME}"}}']) > 0
+    assert grew(success) == len(clips)
+    assert grew(f'vllm:audio_seconds_processed_total{{model_name="{NAME}"}}') == \
+        pytest.approx(sum(len(samples) for samples in clips) / RATE, rel=1e-4)
+    # One engine request per clip (each is shorter than a 30 s window).
+    assert grew(f'vllm:time_to_first_token_seconds_count{{model_name="{NAME}"}}') == len(clips)
+    assert grew(f'vllm:audio_request_latency_seconds_count{{model_name="{NAME}"}}') == \
+        len(clips)
 
 
 # ---- bad input ----------------------------------------------------------------------
