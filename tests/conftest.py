@@ -22,8 +22,15 @@ def _global_state() -> dict[str, object]:
         "default dtype": torch.get_default_dtype(),
         "threads": torch.get_num_threads(),
         "grad enabled": torch.is_grad_enabled(),
-        "os.environ": {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"},
+        "os.environ": {k: v for k, v in os.environ.items() if not _torch_or_pytest_own(k)},
     }
+
+
+def _torch_or_pytest_own(name: str) -> bool:
+    """Environment variables the tools set for themselves, not tests: pytest's current test,
+    and inductor's private handshake with the libraries it compiles (set when the process
+    first loads one, whichever test that is)."""
+    return name == "PYTEST_CURRENT_TEST" or name.startswith("_TORCHINDUCTOR_")
 
 
 @pytest.fixture(autouse=True)

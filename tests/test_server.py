@@ -248,7 +248,11 @@ def test_chat_plain_and_streamed(client, offline, tiny_llama_dir) -> None:
     assert len(content) == 5 and all(len(c.top_logprobs) == 2 for c in content)
 
 
-def test_metrics_parse(server: RemoteServer) -> None:
+def test_metrics_parse(server: RemoteServer, client: openai.OpenAI,
+                       tiny_llama_dir: str) -> None:
+    # A request of its own, so that the counters below have counted something whatever
+    # ran before.
+    client.completions.create(model=tiny_llama_dir, prompt="hi", max_tokens=2)
     text = httpx.get(f"{server.url}/metrics").text
     families = {f.name: f for f in text_string_to_metric_families(text)}
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",

@@ -1,5 +1,5 @@
-"""`vllm serve` with an API key, a served model name and prompt embeds off; then the engine
-process is killed and the server must report it (the last test of the module)."""
+"""`vllm serve` with an API key, a served model name and prompt embeds off; and a server of
+its own whose engine process is killed, which must report it."""
 
 from __future__ import annotations
 
@@ -18,18 +18,33 @@ API_KEY = "test-secret"
 NAME = "tiny-qwen"
 
 
-@pytest.fixture(scope="module")
-def server(tiny_qwen2_dir: str):
-    srv = RemoteServer(tiny_qwen2_dir, ["--api-key", API_KEY, "--served-model-name", NAME,
-                                        "--no-enable-prefix-caching", *SMALL_ENGINE_ARGS])
+def _server(path: str):
+    srv = RemoteServer(path, ["--api-key", API_KEY, "--served-model-name", NAME,
+                              "--no-enable-prefix-caching", *SMALL_ENGINE_ARGS])
     yield srv
     assert srv.stop() == 0, srv.final_log  # clean exit even with the engine dead
 
 
-@pytest.fixture(scope="module")
-def client(server: RemoteServer) -> openai.OpenAI:
+def _client(server: RemoteServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0,
                          timeout=60)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen2_dir: str):
+    yield from _server(tiny_qwen2_dir)
+
+
+@pytest.fixture(scope="module")
+def client(server: RemoteServer) -> openai.OpenAI:
+    return _client(server)
+
+
+@pytest.fixture
+def doomed_server(tiny_qwen2_dir: str):
+    """A server of the one test that kills its engine (the module's stays alive for the
+    others, whatever order they run in)."""
+    yield from _server(tiny_qwen2_dir)
 
 
 def test_api_key_required_on_v1(server: RemoteServer, client: openai.OpenAI) -> None:
@@ -69,9 +84,10 @@ def _running(server: RemoteServer) -> float:
     return 0.0
 
 
-def test_engine_death_is_reported(server: RemoteServer, client: openai.OpenAI) -> None:
+def test_engine_death_is_reported(doomed_server: RemoteServer) -> None:
     """Kill the engine-core process: the request in flight and later ones fail with 500
     instead of hanging, and /health turns non-200."""
+    server, client = doomed_server, _client(doomed_server)
     pids = server.engine_core_pids()
     assert len(pids) == 1
     in_flight: dict[str, object] = {}
