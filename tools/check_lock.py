@@ -1,4 +1,4 @@
-"""Checks a dependency lock (requirements.lock) against pyproject.toml; run by `make lock`
+"""Checks a dependency lock (constraints.txt) against pyproject.toml; run by `make lock`
 and by the test suite. Standard library only: it runs before anything is installed.
 
     python tools/check_lock.py [LOCK] [--pyproject PATH]
@@ -83,7 +83,7 @@ def problems(lock_text: str, pyproject: dict) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("lock", nargs="?", default=str(ROOT / "requirements.lock"))
+    parser.add_argument("lock", nargs="?", default=str(ROOT / "constraints.txt"))
     parser.add_argument("--pyproject", default=str(ROOT / "pyproject.toml"))
     args = parser.parse_args(argv)
     pyproject = tomllib.loads(Path(args.pyproject).read_text())
