@@ -127,6 +127,19 @@ class RemoteServer:
         return self.proc.returncode
 
 
+def scrape_metrics(server: RemoteServer) -> dict[str, float]:
+    """The server's /metrics samples: `name{labels}` as printed -> value."""
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return {name: float(value) for name, value in (
+        line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))}
+
+
+def requests_running(server: RemoteServer) -> float:
+    """`vllm:num_requests_running` (0 before the engine has reported a step)."""
+    return next((value for name, value in scrape_metrics(server).items()
+                 if name.startswith("vllm:num_requests_running{")), 0.0)
+
+
 def process_gone(pid: int) -> bool:
     """True once `pid` has exited (a zombie waiting to be reaped counts as gone)."""
     try:

@@ -12,7 +12,12 @@ import httpx
 import openai
 import pytest
 
-from tests.server_utils import SMALL_ENGINE_ARGS, RemoteServer, encode_tensor
+from tests.server_utils import (
+    SMALL_ENGINE_ARGS,
+    RemoteServer,
+    encode_tensor,
+    requests_running,
+)
 
 API_KEY = "test-secret"
 NAME = "tiny-qwen"
@@ -77,13 +82,6 @@ def test_prompt_embeds_flag_off_is_400(client: openai.OpenAI) -> None:
     assert "--enable-prompt-embeds" in str(info.value)
 
 
-def _running(server: RemoteServer) -> float:
-    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
-        if line.startswith("vllm:num_requests_running{"):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
 def test_engine_death_is_reported(doomed_server: RemoteServer) -> None:
     """Kill the engine-core process: the request in flight and later ones fail with 500
     instead of hanging, and /health turns non-200."""
@@ -102,7 +100,7 @@ def test_engine_death_is_reported(doomed_server: RemoteServer) -> None:
     thread = threading.Thread(target=long_request)
     thread.start()
     for _ in range(200):  # bounded: until the request is running (at most ~10 s)
-        if _running(server) > 0:
+        if requests_running(server) > 0:
             break
         time.sleep(0.05)
     os.kill(pids[0], signal.SIGKILL)

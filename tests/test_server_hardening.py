@@ -24,6 +24,7 @@ from tests.server_utils import (
     RemoteServer,
     encode_tensor,
     process_gone,
+    requests_running,
     rss_bytes,
 )
 
@@ -257,9 +258,9 @@ def test_engine_exits_when_api_process_is_killed(tiny_llama_dir: str) -> None:
         for thread in threads:
             thread.start()
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and _running(srv) < 128:
+        while time.monotonic() < deadline and requests_running(srv) < 128:
             time.sleep(0.1)
-        assert _running(srv) == 128
+        assert requests_running(srv) == 128
         os.kill(srv.proc.pid, signal.SIGKILL)
         killed_at = time.monotonic()
         while not process_gone(engine_pid) and time.monotonic() - killed_at < 10:
@@ -269,10 +270,3 @@ def test_engine_exits_when_api_process_is_killed(tiny_llama_dir: str) -> None:
         srv.stop()
         if not process_gone(engine_pid):
             os.kill(engine_pid, signal.SIGKILL)
-
-
-def _running(server: RemoteServer) -> float:
-    for line in httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("vllm:num_requests_running{"):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0

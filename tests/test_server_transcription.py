@@ -19,7 +19,7 @@ import openai
 import pytest
 import soundfile
 
-from tests.server_utils import RemoteServer
+from tests.server_utils import RemoteServer, scrape_metrics
 from tests.wer import normalize_words
 from vllm import LLM, SamplingParams
 from vllm.entrypoints import cli
@@ -208,20 +208,14 @@ def test_16_concurrent_uploads_equal_serial(client: openai.OpenAI, server: Remot
     assert asyncio.run(run()) == serial * 4
 
 
-def _metrics(server: RemoteServer) -> dict[str, float]:
-    text = httpx.get(f"{server.url}/metrics").text
-    return {name: float(value) for name, value in (
-        line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))}
-
-
 def test_metrics(server: RemoteServer, client: openai.OpenAI) -> None:
     """The audio metrics grow by exactly this test's requests (the server is shared with
     the module's other tests, which may run before or after it)."""
     clips = [read_clip(name) for name in CLIPS]
-    before = _metrics(server)
+    before = scrape_metrics(server)
     for samples in clips:
         transcribe(client, wav_bytes(samples))
-    after = _metrics(server)
+    after = scrape_metrics(server)
 
     def grew(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
