@@ -70,6 +70,9 @@ class ModelConfig:
     skip_tokenizer_init: bool = False
     quantization: str | None = None  # "int8": int8 linear layers (CPU)
     enforce_eager: bool = False  # no captured graphs
+    # A registered attention backend (`vllm.v1.attention.backends`); None: the default, or
+    # the environment's `VLLM_ATTENTION_BACKEND`.
+    attention_backend: str | None = None
 
     @property
     def is_gguf(self) -> bool:
@@ -154,6 +157,30 @@ class DeviceConfig:
     device: str = "cpu"
 
 
+DistributedExecutorBackend = Literal["uni", "mp", "ray"]
+EXECUTOR_BACKENDS: tuple[str, ...] = ("uni", "mp", "ray")
+
+
+@dataclass(slots=True)
+class ParallelConfig:
+    """vLLM's names. `tensor_parallel_size` ranks shard every model (one process each
+    unless `uni`); `data_parallel_size` engine cores sit behind one API server, each with
+    its own ranks. `distributed_executor_backend` None picks `uni` for one rank, `mp` for
+    more (`ray` is the way across machines)."""
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: DistributedExecutorBackend = "uni"
+    # Where rank 0 listens for the others' torch.distributed rendezvous (set by the
+    # executor when it starts the ranks).
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+
 @dataclass(frozen=True, slots=True)
 class CompilationConfig:
     """vLLM's knobs: `level` 0 runs eagerly (as `enforce_eager=True` does), 3 captures
@@ -196,6 +223,7 @@ class VllmConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 def default_device() -> str:

@@ -10,8 +10,10 @@ import torch
 
 from vllm.config import (
     CacheConfig,
+    EXECUTOR_BACKENDS,
     CompilationConfig,
     DeviceConfig,
+    ParallelConfig,
     ModelConfig,
     SchedulerConfig,
     VllmConfig,
@@ -49,6 +51,10 @@ class EngineArgs:
     quantization: str | None = None
     enforce_eager: bool = False
     compilation_config: CompilationConfig | dict | int | None = None
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    attention_backend: str | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -78,6 +84,36 @@ class EngineArgs:
         if self.quantization == "gguf" and not model.endswith(".gguf"):
             raise ValueError("quantization='gguf' keeps a GGUF file's quantized tensors; "
                              f"{model!r} is not a .gguf file.")
+
+    def _parallel_config(self, hf_config, device: str) -> ParallelConfig:
+        """Sizes and backend checked against the model and the machine before anything
+        starts: a head count the ranks cannot split, more CPU ranks than cores, or an
+        executor backend that is unknown or not installed is an error naming the numbers."""
+        from vllm.distributed.utils import check_cpu_ranks, check_tp_divisibility
+
+        tp, dp = self.tensor_parallel_size, self.data_parallel_size
+        for name, value in (("tensor_parallel_size", tp), ("data_parallel_size", dp)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        backend = self.distributed_executor_backend or ("uni" if tp == 1 else "mp")
+        if backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"Unknown distributed_executor_backend {backend!r}; choose one "
+                             f"of {', '.join(EXECUTOR_BACKENDS)}.")
+        if backend == "uni" and tp > 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one rank in this "
+                             f"process; tensor_parallel_size={tp} needs 'mp' or 'ray'.")
+        if backend == "ray":
+            import importlib.util
+
+            if importlib.util.find_spec("ray") is None:
+                raise ValueError("distributed_executor_backend='ray' needs Ray, which is not "
+                                 "installed here: pip install 'ray[default]' (or use 'mp' "
+                                 "on one machine).")
+        check_tp_divisibility(hf_config, tp)
+        if device == "cpu" and backend != "ray":  # Ray ranks may sit on other machines
+            check_cpu_ranks(tp * dp)
+        return ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp,
+                              distributed_executor_backend=backend)  # type: ignore[arg-type]
 
     def _max_num_batched_tokens(self, max_model_len: int) -> int:
         max_batched = self.max_num_batched_tokens
@@ -117,6 +153,11 @@ class EngineArgs:
                              f"maximum number of (decoder) positions, {max_pos}.")
         self._check_knobs()
         self._check_quantization(device, model)
+        parallel_config = self._parallel_config(hf_config, device)
+        if self.attention_backend is not None:
+            from vllm.v1.attention.backends import get_attn_backend
+
+            get_attn_backend(self.attention_backend)  # an unknown name fails here
         max_batched = self._max_num_batched_tokens(max_model_len)
         model_config = ModelConfig(
             model=model,
@@ -131,6 +172,7 @@ class EngineArgs:
             skip_tokenizer_init=self.skip_tokenizer_init,
             quantization=self.quantization,
             enforce_eager=self.enforce_eager,
+            attention_backend=self.attention_backend,
         )
         cache_config = CacheConfig(
             block_size=self.block_size,
@@ -149,7 +191,8 @@ class EngineArgs:
                 max_batched, model_config.max_encoder_len),
         )
         return VllmConfig(model_config, cache_config, scheduler_config, DeviceConfig(device),
-                          CompilationConfig.from_user(self.compilation_config))
+                          CompilationConfig.from_user(self.compilation_config),
+                          parallel_config)
 
 
 def max_decoder_positions(hf_config) -> int:
