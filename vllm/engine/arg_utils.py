@@ -9,12 +9,12 @@ from typing import Any
 import torch
 
 from vllm.config import (
-    CacheConfig,
     EXECUTOR_BACKENDS,
+    CacheConfig,
     CompilationConfig,
     DeviceConfig,
-    ParallelConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     VllmConfig,
     default_device,
