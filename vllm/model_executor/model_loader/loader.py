@@ -4,18 +4,20 @@ directory (converted to Hugging Face names at load)."""
 from __future__ import annotations
 
 import glob
+import logging
 import os
 from collections.abc import Iterator
 
 import torch
-from torch import nn
 
 from vllm.config import ModelConfig
-from vllm.model_executor.layers.packed_linear import can_pack, pack_linears
-from vllm.model_executor.layers.quantization import quantize_model
+from vllm.model_executor.layers.packed_linear import can_pack
+from vllm.model_executor.model_loader.weight_utils import process_weights_after_loading
 from vllm.model_executor.models.interfaces import VllmModel
 from vllm.model_executor.models.registry import resolve_model_cls
 from vllm.v1.attention.backends.abstract import AttentionBackend
+
+logger = logging.getLogger(__name__)
 
 
 def iterate_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
@@ -59,38 +61,12 @@ def get_model(model_config: ModelConfig, backend: type[AttentionBackend],
         raise ValueError(f"Checkpoint {model_config.model!r} lacks weights for: "
                          f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
     if model_config.quantization == "gguf":
-        _keep_gguf_blocks(model, model_config.model)
-    else:
-        quantize_model(model, model_config.quantization)
-    if getattr(model, "supports_packed_linears", False) and can_pack(model_config.dtype,
-                                                                      device):
-        pack_linears(model)  # the linear layers left in bfloat16, vocabulary projection too
+        from vllm.model_executor.model_loader.gguf_loader import load_gguf_block_codes
+
+        # The block-quantized tensors' codes, sliced and fused like their weights.
+        model.load_weights(load_gguf_block_codes(model_config.model).items())
+    counts = process_weights_after_loading(model, model_config.quantization,
+                                           pack=can_pack(model_config.dtype, device))
+    logger.info("Linear layers by kernel: %s.",
+                ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
     return model.eval().requires_grad_(False)
-
-
-def _keep_gguf_blocks(model: nn.Module, path: str) -> None:
-    """`quantization="gguf"`: the block-quantized tensors' codes, fused like the model fuses
-    their weights (q/k/v, gate/up: concatenated along the output rows in offset order); a
-    tied vocabulary projection takes the embedding's codes."""
-    from vllm.model_executor.layers.quantization.gguf_blocks import (
-        BlockCodes,
-        apply_block_codes,
-    )
-    from vllm.model_executor.model_loader.gguf_loader import load_gguf_block_codes
-
-    fused_target = getattr(model, "fused_target", None)
-    parts: dict[str, list[tuple[int, BlockCodes]]] = {}
-    for name, codes in load_gguf_block_codes(path).items():
-        name = name.removeprefix("model.")
-        target, offset = fused_target(name) if fused_target else (name, None)
-        parts.setdefault(target, []).append((offset or 0, codes))
-    fused = {}
-    params = dict(model.named_parameters(remove_duplicate=False))
-    for target, pieces in parts.items():
-        codes = BlockCodes.concat([c for _, c in sorted(pieces, key=lambda p: p[0])])
-        if codes is not None and target in params and \
-                codes.u.shape == tuple(params[target].shape):
-            fused[target] = codes  # every piece of the fused weight has codes of one width
-    if getattr(model, "tie_word_embeddings", False) and "embed_tokens.weight" in fused:
-        fused["lm_head.weight"] = fused["embed_tokens.weight"]
-    apply_block_codes(model, fused)

@@ -8,7 +8,6 @@ from the forward context.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +15,17 @@ from torch import nn
 
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding, apply_rotary
+from vllm.model_executor.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+)
+from vllm.model_executor.model_loader.weight_utils import load_weights
 from vllm.v1.attention.backends.abstract import AttentionBackend
 
 
@@ -29,15 +38,17 @@ class LlamaAttention(nn.Module):
     def __init__(self, config, layer_idx: int, backend: type[AttentionBackend],
                  qkv_bias: bool) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
         self.head_dim = head_dim_of(config)
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
         bias = qkv_bias or getattr(config, "attention_bias", False)
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size,
-                                bias=getattr(config, "attention_bias", False))
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, total_heads,
+                                          total_kv_heads, bias=bias)
+        # This rank's heads (all of them with one rank).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size,
+                                        bias=getattr(config, "attention_bias", False))
         self.attn = Attention(backend, layer_idx, self.num_heads, self.head_dim,
                               self.num_kv_heads, self.head_dim**-0.5)
 
@@ -55,9 +66,10 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2,
+                                                       bias=False)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False)
+        self.intermediate_size = self.gate_up_proj.out_features // 2  # this rank's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -82,22 +94,26 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     supports_graph_capture = True
-    supports_packed_linears = True  # every linear is called as a module (see packed_linear)
+    # checkpoint projections -> the fused layer holding them, in order (`load_weights`)
+    packed_modules_mapping = {
+        "qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")],
+        "gate_up_proj": [("gate_proj", 0), ("up_proj", 1)],
+    }
 
     def __init__(self, config, backend: type[AttentionBackend], max_model_len: int,
                  dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
         self.rotary = RotaryEmbedding(config, head_dim_of(config), max_model_len, dtype)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, backend, self.qkv_bias)
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight  # one parameter, two uses
+        self.lm_head = ParallelLMHead(
+            config.vocab_size, config.hidden_size,
+            tied_to=self.embed_tokens if self.tie_word_embeddings else None)
 
     def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -122,63 +138,15 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(h)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states)  # model dtype: the sampler upcasts
-
-    def fused_target(self, name: str) -> tuple[str, int | None]:
-        """(parameter name, row offset) of an HF-named weight in this model."""
-        return _fused_target(name, self)
+        return self.lm_head.compute_logits(hidden_states)  # model dtype: the sampler upcasts
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copies Hugging Face-named tensors in, fusing q/k/v and gate/up projections.
-
-        Returns the names of the parameters that were loaded.
-        """
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            name = name.removeprefix("model.")
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue
-            target, offset = _fused_target(name, self)
-            if target not in params:
-                raise ValueError(f"Checkpoint tensor {name!r} has no place in the model.")
-            param = params[target]
-            with torch.no_grad():
-                if offset is None:
-                    if param.shape != tensor.shape:
-                        raise ValueError(f"Shape of {name!r} is {tuple(tensor.shape)}, "
-                                         f"expected {tuple(param.shape)}.")
-                    param.copy_(tensor)
-                else:
-                    param[offset:offset + tensor.shape[0]].copy_(tensor)
-            loaded.add(target)
-        return loaded
-
-
-_FUSED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-
-
-def _fused_target(name: str, model: LlamaForCausalLM) -> tuple[str, int | None]:
-    """Maps a checkpoint name to (parameter name, row offset in the fused parameter)."""
-    parts = name.split(".")
-    if len(parts) < 3 or parts[-2] not in _FUSED:
-        return name, None
-    fused, index = _FUSED[parts[-2]]
-    layer = cast(LlamaDecoderLayer, model.layers[0])  # nn.ModuleList items are untyped
-    if fused == "qkv_proj":
-        attn = layer.self_attn
-        offset = (0, attn.q_size, attn.q_size + attn.kv_size)[index]
-    else:
-        offset = index * layer.mlp.intermediate_size
-    return ".".join([*parts[:-2], fused, parts[-1]]), offset
+        """Hugging Face-named tensors in (q/k/v and gate/up into their fused layers, each
+        rank its slice); returns the names of the parameters loaded."""
+        skip = ["rotary_emb.inv_freq"]
+        if self.tie_word_embeddings:
+            skip.append("lm_head.weight")
+        return load_weights(self, weights, skip=skip)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -52,6 +52,28 @@ class BlockCodes:
     def permute_rows(self, rows: np.ndarray) -> BlockCodes:
         return BlockCodes(self.u[rows], self.d[rows], self.m[rows], self.bits)
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.u.shape  # type: ignore[return-value]
+
+    def narrow(self, dim: int, start: int, length: int) -> BlockCodes:
+        """Rows (dim 0) or columns (dim 1, whole blocks only) [start, start + length), as
+        a tensor-parallel rank keeps them."""
+        if dim == 0:
+            rows = slice(start, start + length)
+            return BlockCodes(self.u[rows], self.d[rows], self.m[rows], self.bits)
+        if start % GROUP or length % GROUP:
+            raise ValueError(f"columns {start}..{start + length} split a block of {GROUP}")
+        blocks = slice(start // GROUP, (start + length) // GROUP)
+        return BlockCodes(self.u[:, start:start + length], self.d[:, blocks],
+                          self.m[:, blocks], self.bits)
+
+    def pad_rows(self, num_rows: int) -> BlockCodes:
+        """Zero rows (d = m = 0: weights 0) up to `num_rows` (a padded vocabulary)."""
+        extra = num_rows - self.u.shape[0]
+        u, d, m = (np.pad(a, ((0, extra), (0, 0))) for a in (self.u, self.d, self.m))
+        return BlockCodes(u, d, m, self.bits)
+
     @staticmethod
     def concat(parts: list[BlockCodes]) -> BlockCodes | None:
         """The row-wise concatenation, or None when the parts differ in bits."""
@@ -103,14 +125,16 @@ class GGUFLinear(nn.Module):
     packed: torch.Tensor
     scale_zero: torch.Tensor
 
-    def __init__(self, linear: nn.Linear, codes: BlockCodes, native: bool = True) -> None:
+    def __init__(self, linear, codes: BlockCodes, native: bool = True,
+                 dense: nn.Module | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         n, k = codes.u.shape
         if (n, k) != (self.out_features, self.in_features) or k % GROUP:
             raise ValueError(f"block codes of shape {(n, k)} do not fit a linear layer of "
                              f"{(self.out_features, self.in_features)} (in % 32 must be 0).")
-        self.dense = linear  # large steps (may become a `PackedLinear` at load)
+        # Large steps: `dense` (a parallel layer passes its dense kernel), else `linear`.
+        self.dense = dense if dense is not None else linear
         self.bits = codes.bits
         ops = _native_kernel() if native else None
         if ops is not None:

@@ -1,0 +1,125 @@
+"""The vocabulary embedding and the LM head, split by vocabulary across ranks.
+
+The vocabulary is padded to a multiple of the rank count (padding rows are zeros); rank r
+keeps token ids [r * V/tp, (r+1) * V/tp). The embedding looks up the ids it holds, zeros
+the others and all-reduces (each id is found on exactly one rank); the LM head multiplies
+by its rows and all-gathers the logits, cut back to the real vocabulary, so every rank
+samples from the same full logits.
+
+Example: vocabulary 10, 4 ranks -> padded 12, 3 ids a rank; rank 1 holds ids 3, 4, 5.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm.distributed import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
+from vllm.model_executor.layers.linear import LinearBase, set_weight_loader
+from vllm.utils import cdiv
+
+
+class VocabShard:
+    """Which rows of a vocabulary of `num_embeddings` this rank keeps."""
+
+    def __init__(self, num_embeddings: int) -> None:
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
+        self.num_embeddings = num_embeddings
+        self.per_rank = cdiv(num_embeddings, self.tp_size)
+        self.start = self.tp_rank * self.per_rank
+        # Rows of this rank in the real vocabulary (the last rank's may not all be).
+        self.num_real = max(0, min(self.per_rank, num_embeddings - self.start))
+
+    def rows(self, loaded, shard_id: int | str | None = None):
+        """This rank's rows of a full [vocab, ...] tensor (or block codes)."""
+        if shard_id is not None:
+            raise ValueError(f"a fused part ({shard_id!r}) for a vocabulary table")
+        if loaded.shape[0] != self.num_embeddings:
+            raise ValueError(f"vocabulary of {loaded.shape[0]} rows, expected "
+                             f"{self.num_embeddings}")
+        return loaded.narrow(0, self.start, self.num_real)
+
+    def load(self, param: torch.Tensor, loaded: torch.Tensor,
+             shard_id: int | str | None = None) -> None:
+        """Copies this rank's rows in; padding rows are zeros."""
+        piece = self.rows(loaded, shard_id)
+        if tuple(piece.shape[1:]) != tuple(param.shape[1:]):
+            raise ValueError(f"shape {tuple(loaded.shape)}, expected "
+                             f"{(self.num_embeddings, *param.shape[1:])}")
+        with torch.no_grad():
+            param[:self.num_real].copy_(piece)
+            param[self.num_real:].zero_()
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.vocab = VocabShard(num_embeddings)
+        self.tp_size = self.vocab.tp_size
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.weight = set_weight_loader(
+            nn.Parameter(torch.zeros(self.vocab.per_rank, embedding_dim), requires_grad=False),
+            self.vocab.load)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab.start
+        outside = (local < 0) | (local >= self.vocab.per_rank)
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return tensor_model_parallel_all_reduce(rows.masked_fill(outside.unsqueeze(-1), 0))
+
+    def extra_repr(self) -> str:
+        v = self.vocab
+        return (f"{self.num_embeddings}, {self.embedding_dim}, ids {v.start}.."
+                f"{v.start + v.per_rank} on rank {v.tp_rank}/{v.tp_size}")
+
+
+class ParallelLMHead(LinearBase):
+    """The projection to the vocabulary, split by vocabulary rows like the embedding (and
+    sharing its weight when tied). `compute_logits` returns the full logits on every rank;
+    int8 never applies (see the README's drift table); GGUF codes and packing do."""
+
+    quantizable = False
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False,
+                 tied_to: VocabParallelEmbedding | None = None) -> None:
+        self.vocab = VocabShard(num_embeddings)
+        super().__init__(embedding_dim, self.vocab.per_rank, bias)
+        self.num_embeddings = num_embeddings
+        if tied_to is not None:
+            self.weight = tied_to.weight  # one parameter, two uses
+
+    def shard(self, loaded, shard_id, is_bias):
+        return 0, self.vocab.rows(loaded, shard_id)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: int | str | None = None) -> None:
+        if param.dim() == 1:  # a bias [vocab]
+            self.vocab.load(param.unsqueeze(1), loaded.unsqueeze(1), shard_id)
+        else:
+            self.vocab.load(param, loaded, shard_id)
+
+    def add_block_codes(self, codes, shard_id) -> None:
+        piece = self.vocab.rows(codes, shard_id)
+        if self.vocab.num_real < self.vocab.per_rank:
+            piece = piece.pad_rows(self.vocab.per_rank)
+        self._codes.append((0, piece))
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] -> [n, vocabulary]: this rank's columns, gathered from every rank."""
+        logits = self.linear(hidden_states, self.bias)
+        if self.tp_size > 1:
+            logits = tensor_model_parallel_all_gather(logits, dim=-1)
+        return logits[..., :self.num_embeddings]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.compute_logits(x)

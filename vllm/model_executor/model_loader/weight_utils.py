@@ -1,0 +1,95 @@
+"""The one weight-loading path of every model.
+
+A checkpoint tensor's name (Hugging Face's) finds its parameter through the model's
+`packed_modules_mapping`, which names the fused layers and the checkpoint projections they
+hold (`qkv_proj` <- `q_proj` "q", `k_proj` "k", `v_proj` "v"); the parameter's own
+`weight_loader` then copies the part this tensor-parallel rank keeps. GGUF block codes
+(`BlockCodes`) take the same path to the linear layers using that weight (a tied LM head
+included), which slice them exactly as their weights.
+
+Example: "model.layers.3.self_attn.k_proj.weight" -> "layers.3.self_attn.qkv_proj.weight",
+part "k": on 2 ranks over 4 KV heads, rank 1 copies heads 2-3 after its query rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from vllm.model_executor.layers.linear import LinearBase, default_weight_loader
+
+# fused module name -> [(checkpoint module name, part id)]
+PackedModulesMapping = Mapping[str, Sequence[tuple[str, int | str]]]
+
+
+def resolve_name(name: str, mapping: PackedModulesMapping,
+                 rename: Mapping[str, str | None]) -> tuple[str, int | str | None] | None:
+    """(parameter name, fused part or None) of a checkpoint name; None to skip it."""
+    name = name.removeprefix("model.")
+    if name in rename:
+        renamed = rename[name]
+        if renamed is None:
+            return None
+        name = renamed
+    dotted = f".{name}"
+    for fused, parts in mapping.items():
+        for part, shard_id in parts:
+            if f".{part}." in dotted:
+                return dotted.replace(f".{part}.", f".{fused}.", 1)[1:], shard_id
+    return name, None
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any]], *,
+                 skip: Sequence[str] = (), rename: Mapping[str, str | None] | None = None
+                 ) -> set[str]:
+    """Loads checkpoint tensors (or GGUF block codes) into `model`; returns the names of
+    the parameters and buffers filled. A name containing one of `skip` is left out;
+    `rename` maps names (after the `model.` prefix is stripped) first, None to skip."""
+    from vllm.model_executor.layers.quantization.gguf_blocks import BlockCodes
+
+    mapping: PackedModulesMapping = getattr(model, "packed_modules_mapping", {})
+    targets: dict[str, torch.Tensor] = dict(model.named_parameters())
+    targets.update(model.named_buffers())
+    users: dict[int, list[LinearBase]] = {}  # parameter -> the linear layers multiplying by it
+    for module in model.modules():
+        if isinstance(module, LinearBase) and module.weight is not None:
+            users.setdefault(id(module.weight), []).append(module)
+    loaded: set[str] = set()
+    for name, value in weights:
+        if any(s in name for s in skip):
+            continue
+        resolved = resolve_name(name, mapping, rename or {})
+        if resolved is None:
+            continue
+        target, shard_id = resolved
+        if target not in targets:
+            if isinstance(value, BlockCodes):
+                continue  # codes of a weight the model does not keep (a skipped copy)
+            raise ValueError(f"Checkpoint tensor {name!r} has no place in the model.")
+        param = targets[target]
+        try:
+            if isinstance(value, BlockCodes):
+                for layer in users.get(id(param), []):
+                    layer.add_block_codes(value, shard_id)
+                continue
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            loader(param, value, shard_id)
+        except ValueError as e:
+            raise ValueError(f"Checkpoint tensor {name!r}: {e}.") from None
+        loaded.add(target)
+    return loaded
+
+
+def process_weights_after_loading(model: nn.Module, quantization: str | None,
+                                  pack: bool) -> dict[str, int]:
+    """Every linear layer picks how it multiplies (see `LinearBase`); returns the count of
+    layers per kernel."""
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            kernel = module.process_weights_after_loading(quantization, pack)
+            counts[kernel] = counts.get(kernel, 0) + 1
+    return counts
