@@ -46,8 +46,8 @@ def test_packed_model_gives_the_same_tokens(tiny_llama_tied_dir, monkeypatch) ->
 
     llm, packed = run()
     model = llm.llm_engine.engine_core.model_executor.model_runner.model
-    assert isinstance(model.lm_head, PackedLinear)
-    assert isinstance(model.layers[0].self_attn.qkv_proj, PackedLinear)
+    assert isinstance(model.lm_head.kernel, PackedLinear)
+    assert isinstance(model.layers[0].self_attn.qkv_proj.kernel, PackedLinear)
     monkeypatch.setattr(loader, "can_pack", lambda dtype, device: False)
     _, plain = run()
     for a, b in zip(packed, plain, strict=True):

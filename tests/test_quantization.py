@@ -9,7 +9,7 @@ from torch import nn
 
 from tests.quant_drift import greedy_runs, measure_drift
 from vllm.engine.arg_utils import EngineArgs
-from vllm.model_executor.layers.quantization import Int8Linear, quantize_model
+from vllm.model_executor.layers.quantization import Int8Linear
 from vllm.model_executor.layers.quantization.int8 import (
     quantize_per_channel,
     quantize_per_token,
@@ -42,15 +42,19 @@ def test_int8_linear_is_close_to_the_float_linear_and_batch_independent() -> Non
         assert torch.equal(quantized(x[i:i + 1]), y[i:i + 1])
 
 
-def test_quantize_model_keeps_the_vocabulary_projection() -> None:
-    model = nn.Module()
-    model.layers = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))])
-    model.lm_head = nn.Linear(8, 16)
-    quantize_model(model, "int8")
-    assert [type(m) for m in model.layers[0]] == [Int8Linear, nn.ReLU, Int8Linear]
-    assert type(model.lm_head) is nn.Linear
-    with pytest.raises(ValueError, match="Unknown quantization 'int4'"):
-        quantize_model(model, "int4")
+def test_int8_applies_to_every_linear_layer_but_the_vocabulary_projection(
+        tiny_llama_dir) -> None:
+    from vllm import LLM
+    from vllm.model_executor.layers.linear import LinearBase
+
+    llm = LLM(tiny_llama_dir, dtype="float32", quantization="int8", enforce_eager=True,
+              kv_cache_memory_bytes=8 * 1024**2, max_model_len=64)
+    model = llm.llm_engine.engine_core.model_executor.model_runner.model
+    kernels = {name: type(m.kernel) for name, m in model.named_modules()
+               if isinstance(m, LinearBase)}
+    assert kernels.pop("lm_head") is type(None)
+    assert kernels and set(kernels.values()) == {Int8Linear}
+    assert model.layers[0].self_attn.qkv_proj.weight is None  # the int8 copy replaced it
 
 
 def test_engine_args_check_quantization(tiny_llama_dir) -> None:

@@ -110,6 +110,11 @@ class ModelConfig:
             return cfg.decoder_attention_heads
         return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
 
+    def get_num_kv_heads(self, tensor_parallel_size: int) -> int:
+        """KV heads one tensor-parallel rank holds (a replicated one where the ranks
+        outnumber them)."""
+        return max(1, self.num_kv_heads // tensor_parallel_size)
+
     @property
     def head_dim(self) -> int:
         cfg = self.hf_config

@@ -45,14 +45,13 @@ class GroupCoordinator:
         self.rank = rank
         self.rank_in_group = ranks.index(rank) if rank in ranks else 0
         self.name = name
-        self.device_group = None
-        self.cpu_group = None
+        self.device_group: dist.ProcessGroup | None = None
+        self.cpu_group: dist.ProcessGroup | None = None
         self.fast_all_reduce: AllReducer | None = None
         if self.world_size > 1:
-            self.device_group = dist.new_group(ranks, backend=backend,
-                                               timeout=COLLECTIVE_TIMEOUT)
+            self.device_group = _new_group(ranks, backend)
             self.cpu_group = (self.device_group if backend == "gloo" else
-                              dist.new_group(ranks, backend="gloo", timeout=COLLECTIVE_TIMEOUT))
+                              _new_group(ranks, "gloo"))
         _GROUPS[name] = self
 
     @property
@@ -95,6 +94,12 @@ class GroupCoordinator:
             self.fast_all_reduce.close()
             self.fast_all_reduce = None
         _GROUPS.pop(self.name, None)
+
+
+def _new_group(ranks: list[int], backend: str) -> dist.ProcessGroup:
+    group = dist.new_group(ranks, backend=backend, timeout=COLLECTIVE_TIMEOUT)
+    assert isinstance(group, dist.ProcessGroup)  # this rank is in `ranks`
+    return group
 
 
 _GROUPS: dict[str, GroupCoordinator] = {}

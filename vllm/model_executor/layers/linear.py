@@ -188,7 +188,8 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(input_size, divide(output_size, tp, "output size"), bias)
         self.output_size = output_size
 
-    def shard(self, loaded, shard_id, is_bias):
+    def shard(self, loaded: Narrowable, shard_id: int | str | None, is_bias: bool
+              ) -> tuple[int, Any]:
         if shard_id is not None:
             raise ValueError(f"a fused part ({shard_id!r}) for an unfused layer")
         size = self.out_features
@@ -205,7 +206,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         for size in output_sizes:
             divide(size, self.tp_size, "fused part size")
 
-    def shard(self, loaded, shard_id, is_bias):
+    def shard(self, loaded: Narrowable, shard_id: int | str | None, is_bias: bool
+              ) -> tuple[int, Any]:
         if not isinstance(shard_id, int):
             raise ValueError(f"a fused layer of {len(self.output_sizes)} parts needs the "
                              f"part's index, got {shard_id!r}")
@@ -238,7 +240,8 @@ class QKVParallelLinear(ColumnParallelLinear):
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_size
 
-    def shard(self, loaded, shard_id, is_bias):
+    def shard(self, loaded: Narrowable, shard_id: int | str | None, is_bias: bool
+              ) -> tuple[int, Any]:
         if shard_id == "q":
             return 0, loaded.narrow(0, self.tp_rank * self.q_size, self.q_size)
         if shard_id in ("k", "v"):
@@ -258,7 +261,8 @@ class RowParallelLinear(LinearBase):
         super().__init__(divide(input_size, tp, "input size"), output_size, bias)
         self.input_size = input_size
 
-    def shard(self, loaded, shard_id, is_bias):
+    def shard(self, loaded: Narrowable, shard_id: int | str | None, is_bias: bool
+              ) -> tuple[int, Any]:
         if shard_id is not None:
             raise ValueError(f"a fused part ({shard_id!r}) for an unfused layer")
         if is_bias:

@@ -37,7 +37,10 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 class PackedLinear(nn.Module):
-    def __init__(self, linear: nn.Linear) -> None:
+    """A linear layer's kernel: its weight in oneDNN's layout (built from anything with
+    `nn.Linear`'s weight, bias and sizes)."""
+
+    def __init__(self, linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(),
@@ -80,14 +83,3 @@ _lib.impl("packed_linear", _packed_linear_op, "CompositeExplicitAutograd")
 def _(x: torch.Tensor, bias: torch.Tensor | None, op_id: torch.Tensor,
       out_features: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], out_features)
-
-
-def pack_linears(model: nn.Module) -> int:
-    """Swaps every `nn.Linear` of `model` for a `PackedLinear`; returns the count."""
-    targets = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
-    for name, linear in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, PackedLinear(linear))
-    logger.info("Packed %d bfloat16 linear layers into oneDNN's layout.", len(targets))
-    return len(targets)

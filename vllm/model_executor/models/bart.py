@@ -13,14 +13,19 @@ from collections.abc import Iterable
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+from vllm.model_executor.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+)
+from vllm.model_executor.model_loader.weight_utils import load_weights
 from vllm.model_executor.models.encoder_decoder import (
+    PACKED_MODULES_MAPPING,
     CrossAttention,
     SelfAttention,
     activation_fn,
-    load_fused_weights,
 )
 from vllm.v1.attention.backends.abstract import AttentionBackend, AttentionType
 from vllm.v1.engine import EncoderInput
@@ -36,8 +41,8 @@ class BartEncoderLayer(nn.Module):
         self.self_attn = SelfAttention(d, config.encoder_attention_heads, backend, layer_idx,
                                        AttentionType.ENCODER)
         self.self_attn_layer_norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, config.encoder_ffn_dim)
-        self.fc2 = nn.Linear(config.encoder_ffn_dim, d)
+        self.fc1 = ColumnParallelLinear(d, config.encoder_ffn_dim)
+        self.fc2 = RowParallelLinear(config.encoder_ffn_dim, d)
         self.act = activation_fn(config.activation_function)
         self.final_layer_norm = nn.LayerNorm(d)
 
@@ -54,8 +59,8 @@ class BartDecoderLayer(nn.Module):
         self.self_attn_layer_norm = nn.LayerNorm(d)
         self.encoder_attn = CrossAttention(d, heads, backend, layer_idx)
         self.encoder_attn_layer_norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, config.decoder_ffn_dim)
-        self.fc2 = nn.Linear(config.decoder_ffn_dim, d)
+        self.fc1 = ColumnParallelLinear(d, config.decoder_ffn_dim)
+        self.fc2 = RowParallelLinear(config.decoder_ffn_dim, d)
         self.act = activation_fn(config.activation_function)
         self.final_layer_norm = nn.LayerNorm(d)
 
@@ -85,18 +90,19 @@ class _BartStack(nn.Module):
 
 class BartForConditionalGeneration(nn.Module):
     final_logits_bias: torch.Tensor  # [1, vocab_size] buffer
+    packed_modules_mapping = PACKED_MODULES_MAPPING
 
     def __init__(self, config, backend: type[AttentionBackend], max_model_len: int,
                  dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
         self.embed_scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
-        self.shared = nn.Embedding(config.vocab_size, config.d_model)
+        self.shared = VocabParallelEmbedding(config.vocab_size, config.d_model)
         self.encoder = _BartStack(config, backend, config.encoder_layers, BartEncoderLayer)
         self.decoder = _BartStack(config, backend, config.decoder_layers, BartDecoderLayer)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.d_model,
+                                      tied_to=self.shared if self.tie_word_embeddings else None)
         self.register_buffer("final_logits_bias", torch.zeros(1, config.vocab_size))
 
     def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -129,8 +135,7 @@ class BartForConditionalGeneration(nn.Module):
         return self.decoder(inputs_embeds, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        weight = self.shared.weight if self.tie_word_embeddings else self.lm_head.weight
-        return (F.linear(hidden_states, weight) + self.final_logits_bias).float()
+        return (self.lm_head.compute_logits(hidden_states) + self.final_logits_bias).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         # The encoder's and decoder's embed_tokens are the shared table under other names.
@@ -138,4 +143,4 @@ class BartForConditionalGeneration(nn.Module):
                                          "decoder.embed_tokens.weight": "shared.weight"}
         if self.tie_word_embeddings:
             rename["lm_head.weight"] = None
-        return load_fused_weights(self, weights, rename)
+        return load_weights(self, weights, rename=rename)

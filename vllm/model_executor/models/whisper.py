@@ -15,11 +15,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+from vllm.model_executor.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+)
+from vllm.model_executor.model_loader.weight_utils import load_weights
 from vllm.model_executor.models.encoder_decoder import (
+    PACKED_MODULES_MAPPING,
     CrossAttention,
     SelfAttention,
     activation_fn,
-    load_fused_weights,
 )
 from vllm.v1.attention.backends.abstract import AttentionBackend, AttentionType
 from vllm.v1.engine import EncoderInput
@@ -36,8 +42,8 @@ class WhisperEncoderLayer(nn.Module):
         self.self_attn = SelfAttention(d, config.encoder_attention_heads, backend, layer_idx,
                                        AttentionType.ENCODER)
         self.final_layer_norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, config.encoder_ffn_dim)
-        self.fc2 = nn.Linear(config.encoder_ffn_dim, d)
+        self.fc1 = ColumnParallelLinear(d, config.encoder_ffn_dim)
+        self.fc2 = RowParallelLinear(config.encoder_ffn_dim, d)
         self.act = activation_fn(config.activation_function)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -54,8 +60,8 @@ class WhisperDecoderLayer(nn.Module):
         self.encoder_attn_layer_norm = nn.LayerNorm(d)
         self.encoder_attn = CrossAttention(d, heads, backend, layer_idx)
         self.final_layer_norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, config.decoder_ffn_dim)
-        self.fc2 = nn.Linear(config.decoder_ffn_dim, d)
+        self.fc1 = ColumnParallelLinear(d, config.decoder_ffn_dim)
+        self.fc2 = RowParallelLinear(config.decoder_ffn_dim, d)
         self.act = activation_fn(config.activation_function)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -89,7 +95,7 @@ class WhisperDecoder(nn.Module):
     def __init__(self, config, backend: type[AttentionBackend]) -> None:
         super().__init__()
         d = config.d_model
-        self.embed_tokens = nn.Embedding(config.vocab_size, d)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, d)
         self.embed_positions = nn.Embedding(config.max_target_positions, d)
         self.layers = nn.ModuleList(WhisperDecoderLayer(config, backend, i)
                                     for i in range(config.decoder_layers))
@@ -103,6 +109,8 @@ class WhisperDecoder(nn.Module):
 
 
 class WhisperForConditionalGeneration(nn.Module):
+    packed_modules_mapping = PACKED_MODULES_MAPPING
+
     def __init__(self, config, backend: type[AttentionBackend], max_model_len: int,
                  dtype: torch.dtype) -> None:
         super().__init__()
@@ -110,8 +118,9 @@ class WhisperForConditionalGeneration(nn.Module):
         self.encoder = WhisperEncoder(config, backend)
         self.decoder = WhisperDecoder(config, backend)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        if not self.tie_word_embeddings:
-            self.proj_out = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.proj_out = ParallelLMHead(
+            config.vocab_size, config.d_model,
+            tied_to=self.decoder.embed_tokens if self.tie_word_embeddings else None)
 
     def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.decoder.embed_tokens(input_ids)
@@ -140,12 +149,10 @@ class WhisperForConditionalGeneration(nn.Module):
         return self.decoder(inputs_embeds, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        weight = (self.decoder.embed_tokens.weight if self.tie_word_embeddings
-                  else self.proj_out.weight)
-        return F.linear(hidden_states, weight).float()
+        return self.proj_out.compute_logits(hidden_states).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         rename: dict[str, str | None] = {}
         if self.tie_word_embeddings:
             rename["proj_out.weight"] = None
-        return load_fused_weights(self, weights, rename)
+        return load_weights(self, weights, rename=rename)

@@ -10,7 +10,7 @@ from vllm.config import VllmConfig
 from vllm.utils import cdiv
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
-from vllm.v1.executor.uniproc import UniProcExecutor
+from vllm.v1.executor.abstract import Executor, ExecutorDeadError
 from vllm.v1.request import RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ class EngineCore:
     def __init__(self, vllm_config: VllmConfig) -> None:
         torch.manual_seed(vllm_config.model_config.seed)
         self.vllm_config = vllm_config
-        self.model_executor = UniProcExecutor(vllm_config)
+        self.model_executor = Executor.get_class(vllm_config.parallel_config)(vllm_config)
         cache = vllm_config.cache_config
         num_blocks = self.model_executor.determine_num_blocks()
         max_len = vllm_config.model_config.max_model_len
@@ -63,6 +63,8 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         try:
             model_output = self.model_executor.execute_model(scheduler_output)
+        except ExecutorDeadError:
+            raise  # a worker is gone: no request is to blame
         except Exception:
             logger.exception("A step of %d request(s) failed.",
                              len(scheduler_output.num_scheduled_tokens))

@@ -104,6 +104,8 @@ class GPUModelRunner:
         self.dtype = self.model_config.dtype
         self.max_model_len = self.model_config.max_model_len
         self.block_size = self.cache_config.block_size
+        self.num_kv_heads = self.model_config.get_num_kv_heads(  # this rank's
+            vllm_config.parallel_config.tensor_parallel_size)
         self.attn_backend = get_attn_backend()
         self.requests: dict[str, CachedRequestState] = {}
         self.is_encoder_decoder = self.model_config.is_encoder_decoder
@@ -139,7 +141,7 @@ class GPUModelRunner:
     def get_kv_cache_block_bytes(self) -> int:
         model_config = self.model_config
         per_layer = int(np.prod(self.attn_backend.get_kv_cache_shape(
-            1, self.block_size, model_config.num_kv_heads, model_config.head_dim)))
+            1, self.block_size, self.num_kv_heads, model_config.head_dim)))
         return per_layer * model_config.num_layers * self.dtype.itemsize
 
     def stage_output_specs(self) -> dict[str, OutputSpec]:
@@ -152,7 +154,7 @@ class GPUModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         model_config = self.model_config
         shape = self.attn_backend.get_kv_cache_shape(
-            num_blocks, self.block_size, model_config.num_kv_heads, model_config.head_dim)
+            num_blocks, self.block_size, self.num_kv_heads, model_config.head_dim)
         # Zeroed: padded key positions are masked, but NaN garbage would still leak
         # through a 0 * NaN in the attention-weighted sum.
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)

@@ -173,31 +173,9 @@ class GGUFLinear(nn.Module):
             # torch exports this private op at run time; its stubs do not list it.
             y = torch._weight_int4pack_mm_for_cpu(  # pyright: ignore[reportPrivateImportUsage]
                 x.to(torch.bfloat16), self.packed, GROUP, self.scale_zero).to(x.dtype)
-        return y if self.dense.bias is None else y + self.dense.bias
+        bias = self.dense.bias
+        return y if bias is None else y + bias  # pyright: ignore[reportOperatorIssue]
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"{self.bits}-bit {self.kernel} up to {MAX_ROWS} rows")
-
-
-def apply_block_codes(model: nn.Module, codes: dict[str, BlockCodes]) -> int:
-    """Swaps each linear layer whose full weight has codes (`codes` keyed by parameter
-    name, fused layers already concatenated) for a `GGUFLinear` where a kernel takes them;
-    returns the count."""
-    swapped, kernels = 0, set()
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear) or f"{name}.weight" not in codes:
-            continue
-        try:
-            layer = GGUFLinear(module, codes[f"{name}.weight"])
-        except ValueError as e:
-            logger.info("GGUF weight %s stays dense: %s", name, e)
-            continue
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, layer)
-        swapped += 1
-        kernels.add(f"{layer.bits}-bit {layer.kernel}")
-    logger.info("GGUF block weights kept for %d linear layers (%s up to %d rows per step, "
-                "dense above).", swapped, ", ".join(sorted(kernels)) or "none", MAX_ROWS)
-    return swapped

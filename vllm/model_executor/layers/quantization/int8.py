@@ -32,8 +32,6 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 QUANTIZATION_METHODS = ("int8", "gguf")
-# Output projections to the vocabulary stay in the model dtype (see the README's drift table).
-_UNQUANTIZED = ("lm_head", "proj_out")
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,12 +66,14 @@ _dequantize_fused = torch.compile(dequantize_output, dynamic=True, fullgraph=Tru
 
 
 class Int8Linear(nn.Module):
-    """A `nn.Linear` replacement holding int8 weights per output channel."""
+    """int8 weights per output channel: a linear layer's kernel under `quantization="int8"`
+    (every layer but the vocabulary projection, which stays in the model dtype: see the
+    README's drift table). Built from anything with `nn.Linear`'s weight, bias and sizes."""
 
     weight_t: torch.Tensor  # [K, N] int8 buffer
     weight_scale: torch.Tensor  # [N] float32 buffer
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         q, scale = quantize_per_channel(linear.weight.data)
@@ -95,23 +95,3 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
-
-
-def quantize_model(model: nn.Module, method: str | None) -> int:
-    """Replaces every `nn.Linear` but the vocabulary projection by its quantized version,
-    in place; returns the count."""
-    if method is None or method == "gguf":  # "gguf": see gguf_blocks, applied at load
-        return 0
-    if method not in QUANTIZATION_METHODS:
-        raise ValueError(f"Unknown quantization {method!r}; choose one of "
-                         f"{', '.join(QUANTIZATION_METHODS)}.")
-    targets = [(name, module) for name, module in model.named_modules()
-               if isinstance(module, nn.Linear)
-               and name.rsplit(".", 1)[-1] not in _UNQUANTIZED]
-    for name, linear in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Int8Linear(linear))
-    logger.info("Quantized %d linear layers to int8 (per-channel weights, per-token "
-                "activations).", len(targets))
-    return len(targets)
