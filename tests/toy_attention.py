@@ -6,7 +6,8 @@ Every query token is one row: it gathers its request's cache blocks (`block_tabl
 `[max_blocks * block_size]` keys) and attends to the first `key_limit` of them. Causal
 self-attention: position + 1 keys; cross-attention (`causal=False`): every encoder key.
 
-    qsl [0, 1, 4], computed [5, 0], seq_lens [6, 3] (a decode, then a 3-token prompt):
+    A decode, then a 3-token prompt: query_start_loc [0, 1, 4], computed [5, 0],
+    seq_lens [6, 3]:
         token rows      0  1  2  3
         request         0  1  1  1
         key_limit       6  1  2  3
@@ -63,11 +64,12 @@ class ToyBackend(AttentionBackend):
     def build_metadata(common: CommonAttentionMetadata, block_size: int,
                        device: torch.device, causal: bool = True) -> ToyMetadata:
         ToyBackend.calls["build_metadata"] += 1
-        qsl = common.query_start_loc
+        starts = common.query_start_loc
         n = common.num_actual_tokens
-        req = np.repeat(np.arange(qsl.shape[0] - 1), np.diff(qsl))  # [num_tokens]
+        req = np.repeat(np.arange(starts.shape[0] - 1), np.diff(starts))  # [num_tokens]
         if causal:
-            key_limit = common.num_computed_tokens[req] + np.arange(n) - qsl[req] + 1
+            # position = computed + the token's offset in its request; keys 0..position
+            key_limit = common.num_computed_tokens[req] + np.arange(n) - starts[req] + 1
         else:
             key_limit = common.seq_lens[req]
         max_blocks = cdiv(int(common.seq_lens.max()), block_size)

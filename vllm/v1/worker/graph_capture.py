@@ -180,7 +180,8 @@ class CompiledGraphs:
         return finish(self.model, h)
 
     def run(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-            inputs_embeds: torch.Tensor | None, common=None) -> torch.Tensor | None:
+            inputs_embeds: torch.Tensor | None,
+            common: CommonAttentionMetadata | None = None) -> torch.Tensor | None:
         """The step's hidden states through a graph: the padded static size, or ANY past
         the largest; None when no graph fits (embeds without an embeds set). Any batch
         layout fits: attention is outside the compiled pieces."""

@@ -101,19 +101,19 @@ class TorchSDPABackend(AttentionBackend):
     @staticmethod
     def build_metadata(common: CommonAttentionMetadata, block_size: int,
                        device: torch.device, causal: bool = True) -> TorchSDPAMetadata:
-        qsl, seq_lens = common.query_start_loc, common.seq_lens
-        query_lens = np.diff(qsl)
+        starts, seq_lens = common.query_start_loc, common.seq_lens
+        query_lens = np.diff(starts)
         # Tokens computed as paged decode queries, one per kernel row: single-token rows,
         # and for cross-attention (where every query of a row sees the same keys) rows of
         # up to _MAX_PAGED_CROSS_QUERY tokens, such as Whisper's decoder prompts, so that
         # the cross blocks are read in place rather than gathered.
-        # e.g. non-causal, query_lens [1, 3, 40], qsl [0, 1, 4, 44]: rows 0 and 1 ->
+        # e.g. non-causal, query_lens [1, 3, 40], starts [0, 1, 4, 44]: rows 0 and 1 ->
         # token_rows [0, 1, 1, 1], token_idx [0, 1, 2, 3]; row 2 is a prefill span.
         max_paged = 1 if causal else _MAX_PAGED_CROSS_QUERY
         paged_rows = np.flatnonzero(query_lens <= max_paged)
         row_lens = query_lens[paged_rows]
         token_rows = np.repeat(paged_rows, row_lens)
-        token_idx = qsl[token_rows] + np.arange(token_rows.size) - np.repeat(
+        token_idx = starts[token_rows] + np.arange(token_rows.size) - np.repeat(
             np.cumsum(row_lens) - row_lens, row_lens)
         decode_idx = decode_table = decode_mask = decode_seq_lens = decode_table_i32 = None
         if token_rows.size:
@@ -139,7 +139,7 @@ class TorchSDPABackend(AttentionBackend):
             computed, seq_len = int(common.num_computed_tokens[i]), int(seq_lens[i])
             block_ids = (common.block_table[i, :cdiv(seq_len, block_size)].copy()
                          if computed > 0 or not causal else None)
-            prefills.append(PrefillSpan(int(qsl[i]), int(qsl[i + 1]), computed, seq_len,
+            prefills.append(PrefillSpan(int(starts[i]), int(starts[i + 1]), computed, seq_len,
                                         block_ids))
         prefill_native = None
         if prefill_rows.size and _native_ops(device) is not None:
@@ -147,7 +147,7 @@ class TorchSDPABackend(AttentionBackend):
             prefill_native = NativePrefill(
                 torch.from_numpy(np.ascontiguousarray(
                     common.block_table[prefill_rows, :max_blocks], dtype=np.int32)),
-                torch.from_numpy(qsl[prefill_rows].astype(np.int32)),
+                torch.from_numpy(starts[prefill_rows].astype(np.int32)),
                 torch.from_numpy(query_lens[prefill_rows].astype(np.int32)),
                 torch.from_numpy(seq_lens[prefill_rows].astype(np.int32)))
         slot_mapping = torch.from_numpy(common.slot_mapping).to(device)
@@ -283,9 +283,9 @@ class TorchSDPAImpl(AttentionImpl):
         # Queries of one KV head's group share every key, so the group folds into the
         # query-length axis: q [n, kv_heads, group, d] against k [n, kv_heads, len, d].
         q = q.view(n, self.num_kv_heads, self.group, self.head_size)
-        kv = kv_cache.index_select(1, table.view(-1)).view(2, n, -1, self.num_kv_heads,
-                                                            self.head_size)
-        k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)
+        gathered = kv_cache.index_select(1, table.view(-1)).view(
+            2, n, -1, self.num_kv_heads, self.head_size)
+        k, v = gathered[0].transpose(1, 2), gathered[1].transpose(1, 2)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=metadata.decode_mask,
                                            scale=self.scale)
         return o.reshape(n, self.num_heads, self.head_size)
