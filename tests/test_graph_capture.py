@@ -5,20 +5,23 @@ than every static size (the CPU's `ANY` graphs), and the knobs (`enforce_eager`,
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
+from tests.graph_doubles import EagerCudaGraphs
 from tests.hf_reference import load_hf_model
 from vllm import LLM, SamplingParams
 from vllm.config import CompilationConfig
 from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backends import torch_sdpa
+from vllm.v1.attention.backends.abstract import CommonAttentionMetadata
+from vllm.v1.attention.backends.torch_sdpa import TorchSDPABackend, TorchSDPAMetadata
 from vllm.v1.worker.graph_capture import (
     ANY,
     ANY_MIN_TOKENS,
     EMBEDS,
     IDS,
-    CudaGraphs,
     default_capture_sizes,
 )
 
@@ -226,34 +229,23 @@ def test_compilation_config_from_user() -> None:
 # ---- CUDA graphs' data path, on CPU ------------------------------------------------
 
 
-class _EagerReplay(CudaGraphs):
-    """`CudaGraphs` with the eager forward in place of capture and replay: every step runs
-    on the persistent buffers and the graph metadata that `run` staged (padding rows
-    included), which is all a captured graph reads. Runs wherever the backend does."""
-
-    def capture(self, kv_caches, set_context) -> None:
-        self.kv_caches, self.set_context = kv_caches, set_context
-        self.captured = {(kind, size): None for kind in self.kinds for size in self.sizes}
-
-    def _replay(self, kind: str, size: int) -> torch.Tensor:
-        with self.set_context(self._metadata(size), self.kv_caches):
-            return self._forward(kind, size)
-
-
 def test_cuda_graph_buffers_and_metadata_equal_eager(tiny_llama_dir, eager, prompts,
                                                      monkeypatch) -> None:
     """What a CUDA graph replay computes from, run eagerly on CPU: decode steps staged into
-    the padded buffers with the backend's graph decode metadata (the torch gather path:
-    the native kernels are CPU-only) give eager's greedy tokens and logprobs; ids steps
-    and embeds steps (one-row embeds prompts) alike."""
+    the padded buffers by the backend's `prepare_replay` and read through the metadata
+    captured once per size (the torch gather path: the native kernels are CPU-only) give
+    eager's greedy tokens and logprobs; ids steps and embeds steps (one-row embeds
+    prompts) alike."""
     monkeypatch.setattr(torch_sdpa, "_native_ops", lambda device: None)  # CUDA's path
     llm = _llm(tiny_llama_dir, enable_prompt_embeds=True, enforce_eager=True)
     runner = _runner(llm)
     model_config = runner.model_config
-    runner.graphs = _EagerReplay(runner.model, SIZES, True, model_config.hidden_size,
-                                 runner.dtype, runner.device, runner.block_size,
-                                 runner.max_model_len, runner.attn_backend)
+    runner.graphs = EagerCudaGraphs(runner.model, SIZES, True, model_config.hidden_size,
+                                    runner.dtype, runner.device, runner.block_size,
+                                    runner.max_model_len, runner.attn_backend)
     runner.graphs.capture(runner.kv_caches, set_forward_context)
+    for kv_cache in runner.kv_caches:  # as capture_model does after the capture forwards
+        kv_cache.zero_()
     tok = eager.get_tokenizer()
     one_row = [{"prompt_embeds": _embed(tiny_llama_dir, tok.encode(text)[:1])}
                for text in PROMPTS[:2]]
@@ -264,6 +256,77 @@ def test_cuda_graph_buffers_and_metadata_equal_eager(tiny_llama_dir, eager, prom
     replays = runner.graphs.replays
     assert replays[(IDS, 8)] > 0 and replays[(IDS, 1)] > 0  # 5 requests padded to 8
     assert replays[(EMBEDS, 2)] == 1  # the two one-row embeds prefills
+
+
+def test_torch_sdpa_graph_hooks_stage_the_eager_metadata(monkeypatch) -> None:
+    """The CUDA path's attention buffers, built on CPU through the backend's hooks: the
+    metadata captured for 4 rows (views of the buffers) holds, after `prepare_replay` of a
+    3-request decode step, eager `build_metadata`'s slot mapping, block table and key mask
+    in its first rows (zero-padded past the step's widest sequence) and a padding row at
+    the null block, whatever an earlier replay staged; attention through it equals eager
+    attention on the real rows."""
+    monkeypatch.setattr(torch_sdpa, "_native_ops", lambda device: None)  # CUDA's path
+    block_size, max_blocks, cpu = 4, 8, torch.device("cpu")
+    backend = TorchSDPABackend
+    buffers = backend.init_graph_buffers(8, max_blocks, block_size, cpu)
+    graph = backend.capture_metadata(buffers, 4)
+    assert isinstance(graph, TorchSDPAMetadata)
+    assert graph.decode_only and graph.num_actual_tokens == 4 and not graph.prefills
+    # At capture every row is padding: the eager metadata of 4 padding decodes, widened.
+    padding = backend.build_metadata(CommonAttentionMetadata.padding_decodes(4), block_size,
+                                     cpu)
+    _assert_graph_rows_equal(graph, padding, rows=4)
+
+    def decode_step(seq_lens: list[int], block_ids: list[list[int]]):
+        table = np.zeros((len(seq_lens), max_blocks), dtype=np.int32)
+        for row, ids in enumerate(block_ids):
+            table[row, :len(ids)] = ids
+        pos = np.array(seq_lens) - 1  # each request's one token
+        return CommonAttentionMetadata(
+            query_start_loc=np.arange(len(seq_lens) + 1, dtype=np.int32),
+            seq_lens=np.array(seq_lens, dtype=np.int32),
+            num_computed_tokens=pos.astype(np.int32),
+            block_table=table,
+            slot_mapping=(table[np.arange(len(pos)), pos // block_size].astype(np.int64)
+                          * block_size + pos % block_size),
+            num_actual_tokens=len(seq_lens))
+
+    # An earlier 4-request step fills every row; then 3 requests of 3, 9 and 18 tokens:
+    # slots 7*4+2=30, 5*4+0=20, 8*4+1=33; eager tables are cdiv(18, 4) = 5 blocks wide.
+    backend.prepare_replay(buffers, decode_step([30, 30, 30, 30], [list(range(1, 9))] * 4), 4)
+    step = decode_step([3, 9, 18], [[7], [2, 11, 5], [1, 3, 4, 6, 8]])
+    assert step.slot_mapping.tolist() == [30, 20, 33]
+    backend.prepare_replay(buffers, step, 4)
+    eager = backend.build_metadata(step, block_size, cpu)
+    _assert_graph_rows_equal(graph, eager, rows=3)
+    assert graph.slot_mapping[3] == 0 and not graph.decode_block_table[3].any()
+    assert graph.decode_mask[3].flatten().nonzero().flatten().tolist() == [0]
+
+    heads, kv_heads, head_size = 4, 2, 8
+    impl = backend.make_impl(heads, head_size, kv_heads, head_size**-0.5)
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.randn(2, 16, block_size, kv_heads, head_size, generator=gen)
+    q = torch.randn(4, heads, head_size, generator=gen)
+    k, v = (torch.randn(4, kv_heads, head_size, generator=gen) for _ in range(2))
+    out_graph = impl.forward(q, k, v, cache.clone(), graph)
+    out_eager = impl.forward(q[:3], k[:3], v[:3], cache.clone(), eager)
+    torch.testing.assert_close(out_graph[:3], out_eager)
+
+
+def _assert_graph_rows_equal(graph: TorchSDPAMetadata, eager: TorchSDPAMetadata,
+                             rows: int) -> None:
+    """The first `rows` of graph metadata equal the eager decode metadata, which is as wide
+    as the step's longest sequence; the graph's columns past it are zero / masked."""
+    assert eager.decode_only and eager.decode_block_table is not None
+    assert eager.decode_mask is not None
+    assert graph.decode_block_table is not None and graph.decode_mask is not None
+    width = eager.decode_block_table.shape[1]
+    keys = eager.decode_mask.shape[-1]
+    assert torch.equal(graph.slot_mapping[:rows], eager.slot_mapping)
+    assert torch.equal(graph.decode_block_table[:rows, :width], eager.decode_block_table)
+    assert not graph.decode_block_table[:rows, width:].any()
+    assert torch.equal(graph.decode_mask[:rows, ..., :keys], eager.decode_mask)
+    assert not graph.decode_mask[:rows, ..., keys:].any()
 
 
 # ---- CUDA graphs: only where CUDA is present (never on CPU CI) ----------------------

@@ -106,7 +106,8 @@ class GPUModelRunner:
         self.block_size = self.cache_config.block_size
         self.num_kv_heads = self.model_config.get_num_kv_heads(  # this rank's
             vllm_config.parallel_config.tensor_parallel_size)
-        self.attn_backend = get_attn_backend()
+        # By name: `attention_backend`, else `VLLM_ATTENTION_BACKEND`, else the default.
+        self.attn_backend = get_attn_backend(self.model_config.attention_backend)
         self.requests: dict[str, CachedRequestState] = {}
         self.is_encoder_decoder = self.model_config.is_encoder_decoder
         self.input_batch = InputBatch(self.scheduler_config.max_num_seqs, self.max_model_len,
@@ -196,14 +197,7 @@ class GPUModelRunner:
     def _dummy_step(self, num_tokens: int, forward) -> None:
         """Runs `forward()` under the metadata of `num_tokens` one-token requests at
         position 0 whose K/V go to the null block's first slot."""
-        common = CommonAttentionMetadata(
-            query_start_loc=np.arange(num_tokens + 1, dtype=np.int32),
-            seq_lens=np.ones(num_tokens, dtype=np.int32),
-            num_computed_tokens=np.zeros(num_tokens, dtype=np.int32),
-            block_table=np.zeros((num_tokens, 1), dtype=np.int32),
-            slot_mapping=np.zeros(num_tokens, dtype=np.int64),
-            num_actual_tokens=num_tokens,
-        )
+        common = CommonAttentionMetadata.padding_decodes(num_tokens)
         metadata = self.attn_backend.build_metadata(common, self.block_size, self.device)
         with set_forward_context(metadata, self.kv_caches):
             forward()

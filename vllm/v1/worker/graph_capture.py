@@ -26,8 +26,15 @@ the steps past the largest static size, so large prefills and wide decode steps 
 same fusion; the static sizes save small steps the symbolic shapes' overhead and keep
 their shape checks cheap.
 
-CUDA (`CudaGraphs`): CUDA graphs of the same forward for decode-only steps, with the
-attention metadata (slot mapping, block table, key mask) in persistent buffers too.
+CPU graphs need no attention buffers: the attention op reads the step's metadata from the
+forward context when it runs, so each step's `build_metadata` output (any layout, its own
+tensors) serves, and capture's dummy steps are ordinary steps (`padding_decodes`).
+
+CUDA (`CudaGraphs`): CUDA graphs of the same forward for decode-only steps. A CUDA graph
+bakes in the addresses of everything it reads, attention metadata included, so that
+metadata lives in persistent buffers the backend owns, behind three hooks (see
+`AttentionBackend`): `init_graph_buffers` once, `capture_metadata` per captured size,
+`prepare_replay` per replayed step. This module never builds a backend's metadata.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ from collections.abc import Callable
 import torch
 
 from vllm.model_executor.models.interfaces import GraphModel
-from vllm.v1.attention.backends.abstract import AttentionBackend
+from vllm.v1.attention.backends.abstract import AttentionBackend, CommonAttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +180,8 @@ class CompiledGraphs:
         return finish(self.model, h)
 
     def run(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-            inputs_embeds: torch.Tensor | None, common=None) -> torch.Tensor | None:
+            inputs_embeds: torch.Tensor | None,
+            common: CommonAttentionMetadata | None = None) -> torch.Tensor | None:
         """The step's hidden states through a graph: the padded static size, or ANY past
         the largest; None when no graph fits (embeds without an embeds set). Any batch
         layout fits: attention is outside the compiled pieces."""
@@ -248,11 +256,11 @@ class CudaGraphs:
     graph can hold: the paged attention of such a step has fixed-shape metadata.
 
     Persistent buffers, sized for the largest capture: ids, embeds (only with prompt
-    embeds enabled), positions, slot mapping, block table `[max_size, max_blocks]`, and the
-    decode key mask built from the sequence lengths. A replay copies the step's values into
-    the first rows; padded rows are one-token sequences at the null block's first slot
-    (they write and read only that slot, so their values stay finite and no real row ever
-    reads them: real rows mask every key past their length).
+    embeds enabled) and positions here; the attention metadata in the backend's graph
+    buffers (`AttentionBackend.init_graph_buffers`), which this class holds without
+    reading. A replay copies the step's values into the first rows; padded rows are
+    one-token sequences at the null block's first slot (they write and read only that
+    slot, so their values stay finite and no real row ever reads them).
     """
 
     def __init__(self, model: GraphModel, sizes: list[int], with_embeds: bool,
@@ -263,7 +271,6 @@ class CudaGraphs:
         self.sizes = sorted(set(sizes))
         self.kinds = (IDS, EMBEDS) if with_embeds else (IDS,)
         self.max_size = self.sizes[-1]
-        self.block_size = block_size
         self.max_blocks = -(-max_model_len // block_size)
         self.attn_backend = attn_backend
         n = self.max_size
@@ -271,12 +278,8 @@ class CudaGraphs:
         self.inputs = {IDS: torch.zeros(n, dtype=torch.int64, device=device)}
         if with_embeds:
             self.inputs[EMBEDS] = torch.zeros(n, hidden_size, dtype=dtype, device=device)
-        self.slot_mapping = torch.zeros(n, dtype=torch.int64, device=device)
-        self.block_table = torch.zeros(n, self.max_blocks, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(n, dtype=torch.int64, device=device)
-        self.key_positions = torch.arange(self.max_blocks * block_size, device=device)
-        self.decode_mask = torch.zeros(n, 1, 1, self.max_blocks * block_size,
-                                       dtype=torch.bool, device=device)
+        self.attn_buffers = attn_backend.init_graph_buffers(n, self.max_blocks, block_size,
+                                                            device)
         self.captured: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays: collections.Counter[tuple[str, int]] = collections.Counter()
         self.pool = None
@@ -285,8 +288,8 @@ class CudaGraphs:
         return padded_size(self.sizes, num_tokens)
 
     def _metadata(self, size: int) -> object:
-        return self.attn_backend.build_graph_decode_metadata(
-            self.slot_mapping[:size], self.block_table[:size], self.decode_mask[:size])
+        """The attention metadata graphs of `size` rows read: views of the buffers."""
+        return self.attn_backend.capture_metadata(self.attn_buffers, size)
 
     def _forward(self, kind: str, size: int) -> torch.Tensor:
         inputs = self.inputs[kind][:size]
@@ -296,40 +299,36 @@ class CudaGraphs:
 
     def capture(self, kv_caches: list[torch.Tensor], set_context) -> None:
         """Captures every (kind, size), largest first so that smaller graphs reuse its
-        memory pool; `set_context(metadata, kv_caches)` is `set_forward_context`."""
+        memory pool, under the backend's capture metadata; `set_context(metadata,
+        kv_caches)` is `set_forward_context`. Every buffer row is padding (as
+        `init_graph_buffers` left the attention's)."""
         start = time.perf_counter()
-        self._fill_padding(0)
         for kind in self.kinds:
             for size in reversed(self.sizes):
-                metadata = self._metadata(size)
-                with set_context(metadata, kv_caches):
-                    stream = torch.cuda.Stream()
-                    stream.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(stream):
-                        self._forward(kind, size)  # warm-up: lazy initialisations
-                    torch.cuda.current_stream().wait_stream(stream)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=self.pool):
-                        out = self._forward(kind, size)
-                if self.pool is None:
-                    self.pool = graph.pool()
-                self.captured[(kind, size)] = (graph, out)
-        torch.cuda.synchronize()
+                with set_context(self._metadata(size), kv_caches):
+                    self.captured[(kind, size)] = self._capture_graph(kind, size)
         logger.info("Captured %d CUDA graphs (%s) for sizes %s in %.1f s.", len(self.captured),
                     " and ".join(self.kinds), self.sizes, time.perf_counter() - start)
 
-    def _fill_padding(self, n: int) -> None:
-        """Rows n.. become one-token sequences reading and writing slot 0 (null block)."""
-        self.positions[n:].zero_()
-        for buffer in self.inputs.values():
-            buffer[n:].zero_()
-        self.slot_mapping[n:].zero_()
-        self.block_table[n:].zero_()
-        self.seq_lens[n:] = 1
-        self.decode_mask[n:] = (self.key_positions < 1)[None, None, None, :]
+    def _capture_graph(self, kind: str, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """One CUDA graph of the forward under the forward context now set, and its output
+        tensor: capture's only CUDA work (tests substitute an eager forward)."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._forward(kind, size)  # warm-up: lazy initialisations
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self._forward(kind, size)
+        if self.pool is None:
+            self.pool = graph.pool()
+        torch.cuda.synchronize()
+        return graph, out
 
     def run(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-            inputs_embeds: torch.Tensor | None, common) -> torch.Tensor | None:
+            inputs_embeds: torch.Tensor | None,
+            common: CommonAttentionMetadata) -> torch.Tensor | None:
         """Replays a graph for a decode-only step that fits, else None (eager)."""
         n = positions.shape[0]
         num_reqs = common.seq_lens.shape[0]
@@ -339,24 +338,18 @@ class CudaGraphs:
             return None
         if common.block_table.shape[1] > self.max_blocks:
             return None
-        device = self.positions.device
-        self._fill_padding(n)
         self.positions[:n].copy_(positions)
+        self.positions[n:size].zero_()
         self.inputs[kind][:n].copy_(inputs)
-        self.slot_mapping[:n].copy_(torch.from_numpy(common.slot_mapping).to(device))
-        width = common.block_table.shape[1]
-        self.block_table[:n, :width].copy_(torch.from_numpy(
-            common.block_table[:n].astype('int64')).to(device))
-        self.block_table[:n, width:].zero_()
-        seq_lens = torch.from_numpy(common.seq_lens.astype('int64')).to(device)
-        self.seq_lens[:n].copy_(seq_lens)
-        self.decode_mask[:n] = (self.key_positions[None, :] < seq_lens[:, None])[:, None, None]
+        self.inputs[kind][n:size].zero_()
+        self.attn_backend.prepare_replay(self.attn_buffers, common, size)
         self.replays[(kind, size)] += 1
         return self._replay(kind, size)[:n]
 
     def _replay(self, kind: str, size: int) -> torch.Tensor:
-        """The captured graph's output for the step now in the buffers (all `size` rows;
-        tests substitute the eager forward on the same buffers and metadata)."""
+        """The captured graph's output for the step now in the buffers (all `size` rows):
+        a replay's only CUDA work (tests substitute the eager forward on the same buffers
+        and capture metadata)."""
         graph, out = self.captured[(kind, size)]
         graph.replay()
         return out

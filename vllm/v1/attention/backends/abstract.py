@@ -1,4 +1,6 @@
-"""The attention backend interface: metadata built once per step, one impl per layer."""
+"""The attention backend interface: metadata built once per step, one impl per layer, and
+the persistent metadata that captured CUDA graphs read (graph buffers, capture metadata,
+replay preparation)."""
 
 from __future__ import annotations
 
@@ -55,9 +57,28 @@ class CommonAttentionMetadata:
     slot_mapping: np.ndarray  # [num_tokens] int64
     num_actual_tokens: int
 
+    @classmethod
+    def padding_decodes(cls, num_tokens: int) -> CommonAttentionMetadata:
+        """`num_tokens` one-token requests at position 0 whose K/V go to the null block's
+        first slot: the layout of graph padding rows and of capture's dummy steps."""
+        return cls(
+            query_start_loc=np.arange(num_tokens + 1, dtype=np.int32),
+            seq_lens=np.ones(num_tokens, dtype=np.int32),
+            num_computed_tokens=np.zeros(num_tokens, dtype=np.int32),
+            block_table=np.zeros((num_tokens, 1), dtype=np.int32),
+            slot_mapping=np.zeros(num_tokens, dtype=np.int64),
+            num_actual_tokens=num_tokens,
+        )
+
 
 class AttentionBackend(ABC):
-    """A way of computing paged attention; registered by name in `backends/__init__.py`."""
+    """A way of computing paged attention, registered by name (`register_attn_backend` in
+    `backends/__init__.py`) and chosen by `attention_backend` / `VLLM_ATTENTION_BACKEND`.
+
+    Eager steps and CPU graphs (`CompiledGraphs`, where attention is an opaque op outside
+    the compiled pieces) read `build_metadata`'s per-step metadata; CUDA graphs, which
+    bake tensor addresses in, read the backend's graph buffers through the graph hooks.
+    """
 
     name: str
 
@@ -77,18 +98,41 @@ class AttentionBackend(ABC):
 
     @staticmethod
     @abstractmethod
-    def build_graph_decode_metadata(slot_mapping: torch.Tensor, block_table: torch.Tensor,
-                                    decode_mask: torch.Tensor) -> object:
-        """Metadata of a captured decode-only step (CUDA graphs): one token per row, in
-        views of persistent buffers that every replay refills in place: `slot_mapping`
-        `[n]`, `block_table` `[n, max_blocks]` int64, `decode_mask`
-        `[n, 1, 1, max_blocks * block_size]` bool (True = attend)."""
+    def make_impl(num_heads: int, head_size: int, num_kv_heads: int, scale: float,
+                  attn_type: AttentionType = AttentionType.DECODER) -> AttentionImpl:
+        """The computation of one layer; a backend without `attn_type` raises
+        NotImplementedError naming it (at model construction, not at the first step)."""
+
+    # ---- graph capture: the metadata a captured graph reads lives in buffers the
+    # backend owns; `CudaGraphs` holds them opaquely and calls only these three hooks.
+    #
+    #   init_graph_buffers(max_num_tokens, ...)   once: every row padding
+    #   capture_metadata(buffers, size)           per captured size: views of rows [:size]
+    #   prepare_replay(buffers, common, size)     per replayed step: rows [:n] the step's,
+    #                                             rows [n:size] padding
 
     @staticmethod
     @abstractmethod
-    def make_impl(num_heads: int, head_size: int, num_kv_heads: int, scale: float,
-                  attn_type: AttentionType = AttentionType.DECODER) -> AttentionImpl:
-        ...
+    def init_graph_buffers(max_num_tokens: int, max_blocks_per_seq: int, block_size: int,
+                           device: torch.device) -> object:
+        """Persistent metadata for captured decode-only steps of up to `max_num_tokens`
+        one-token requests, each reading at most `max_blocks_per_seq` blocks. Every row
+        starts as padding: the layout of `CommonAttentionMetadata.padding_decodes`, a
+        one-token sequence at the null block's first slot."""
+
+    @staticmethod
+    @abstractmethod
+    def capture_metadata(buffers: object, num_tokens: int) -> object:
+        """The metadata a graph of `num_tokens` decode rows is captured with: views of the
+        first rows of `buffers`, so that each replay reads what `prepare_replay` staged."""
+
+    @staticmethod
+    @abstractmethod
+    def prepare_replay(buffers: object, common: CommonAttentionMetadata,
+                       num_tokens: int) -> None:
+        """Stages a decode-only step (one token per request, `common.block_table` at most
+        `max_blocks_per_seq` wide) into `buffers`, in place, for the graph of `num_tokens
+        >= common.num_actual_tokens` rows: rows past the step's tokens become padding."""
 
 
 class AttentionImpl(ABC):

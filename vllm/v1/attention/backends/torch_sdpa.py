@@ -81,6 +81,15 @@ class TorchSDPAMetadata:
     decode_only: bool  # every token is a decode, in order: no scatter of results needed
 
 
+@dataclass(slots=True)
+class TorchSDPAGraphBuffers:
+    """The persistent metadata of captured decode steps; row r is request r's one token."""
+    slot_mapping: torch.Tensor  # [max_tokens] int64
+    block_table: torch.Tensor  # [max_tokens, max_blocks] int64
+    key_positions: torch.Tensor  # [max_blocks * block_size] int64: 0, 1, 2, ...
+    decode_mask: torch.Tensor  # [max_tokens, 1, 1, max_blocks * block_size] bool
+
+
 class TorchSDPABackend(AttentionBackend):
     name = "TORCH_SDPA"
 
@@ -92,19 +101,19 @@ class TorchSDPABackend(AttentionBackend):
     @staticmethod
     def build_metadata(common: CommonAttentionMetadata, block_size: int,
                        device: torch.device, causal: bool = True) -> TorchSDPAMetadata:
-        qsl, seq_lens = common.query_start_loc, common.seq_lens
-        query_lens = np.diff(qsl)
+        starts, seq_lens = common.query_start_loc, common.seq_lens
+        query_lens = np.diff(starts)
         # Tokens computed as paged decode queries, one per kernel row: single-token rows,
         # and for cross-attention (where every query of a row sees the same keys) rows of
         # up to _MAX_PAGED_CROSS_QUERY tokens, such as Whisper's decoder prompts, so that
         # the cross blocks are read in place rather than gathered.
-        # e.g. non-causal, query_lens [1, 3, 40], qsl [0, 1, 4, 44]: rows 0 and 1 ->
+        # e.g. non-causal, query_lens [1, 3, 40], starts [0, 1, 4, 44]: rows 0 and 1 ->
         # token_rows [0, 1, 1, 1], token_idx [0, 1, 2, 3]; row 2 is a prefill span.
         max_paged = 1 if causal else _MAX_PAGED_CROSS_QUERY
         paged_rows = np.flatnonzero(query_lens <= max_paged)
         row_lens = query_lens[paged_rows]
         token_rows = np.repeat(paged_rows, row_lens)
-        token_idx = qsl[token_rows] + np.arange(token_rows.size) - np.repeat(
+        token_idx = starts[token_rows] + np.arange(token_rows.size) - np.repeat(
             np.cumsum(row_lens) - row_lens, row_lens)
         decode_idx = decode_table = decode_mask = decode_seq_lens = decode_table_i32 = None
         if token_rows.size:
@@ -130,7 +139,7 @@ class TorchSDPABackend(AttentionBackend):
             computed, seq_len = int(common.num_computed_tokens[i]), int(seq_lens[i])
             block_ids = (common.block_table[i, :cdiv(seq_len, block_size)].copy()
                          if computed > 0 or not causal else None)
-            prefills.append(PrefillSpan(int(qsl[i]), int(qsl[i + 1]), computed, seq_len,
+            prefills.append(PrefillSpan(int(starts[i]), int(starts[i + 1]), computed, seq_len,
                                         block_ids))
         prefill_native = None
         if prefill_rows.size and _native_ops(device) is not None:
@@ -138,7 +147,7 @@ class TorchSDPABackend(AttentionBackend):
             prefill_native = NativePrefill(
                 torch.from_numpy(np.ascontiguousarray(
                     common.block_table[prefill_rows, :max_blocks], dtype=np.int32)),
-                torch.from_numpy(qsl[prefill_rows].astype(np.int32)),
+                torch.from_numpy(starts[prefill_rows].astype(np.int32)),
                 torch.from_numpy(query_lens[prefill_rows].astype(np.int32)),
                 torch.from_numpy(seq_lens[prefill_rows].astype(np.int32)))
         slot_mapping = torch.from_numpy(common.slot_mapping).to(device)
@@ -147,16 +156,49 @@ class TorchSDPABackend(AttentionBackend):
                                  prefills, prefill_native,
                                  decode_only=token_rows.size == common.num_actual_tokens)
 
+    # ---- graph hooks: decode rows on the masked gather path (the native kernels are
+    # CPU-only, CUDA graphs CUDA's), the block table padded to the buffers' width.
+
     @staticmethod
-    def build_graph_decode_metadata(slot_mapping: torch.Tensor, block_table: torch.Tensor,
-                                    decode_mask: torch.Tensor) -> TorchSDPAMetadata:
-        # The masked gather path: the native kernel is CPU-only, and a captured graph
-        # holds no prefill chunks.
+    def init_graph_buffers(max_num_tokens: int, max_blocks_per_seq: int, block_size: int,
+                           device: torch.device) -> TorchSDPAGraphBuffers:
+        num_keys = max_blocks_per_seq * block_size
+        key_positions = torch.arange(num_keys, device=device)
+        return TorchSDPAGraphBuffers(
+            slot_mapping=torch.zeros(max_num_tokens, dtype=torch.int64, device=device),
+            block_table=torch.zeros(max_num_tokens, max_blocks_per_seq, dtype=torch.int64,
+                                    device=device),
+            key_positions=key_positions,
+            decode_mask=(key_positions < 1).expand(max_num_tokens, 1, 1, num_keys).clone())
+
+    @staticmethod
+    def capture_metadata(buffers: object, num_tokens: int) -> TorchSDPAMetadata:
+        assert isinstance(buffers, TorchSDPAGraphBuffers)
         return TorchSDPAMetadata(
-            slot_mapping=slot_mapping, num_actual_tokens=slot_mapping.shape[0],
-            decode_token_idx=None, decode_block_table=block_table, decode_mask=decode_mask,
-            decode_seq_lens=None, decode_block_table_i32=None, prefills=[],
-            prefill_native=None, decode_only=True)
+            slot_mapping=buffers.slot_mapping[:num_tokens], num_actual_tokens=num_tokens,
+            decode_token_idx=None, decode_block_table=buffers.block_table[:num_tokens],
+            decode_mask=buffers.decode_mask[:num_tokens], decode_seq_lens=None,
+            decode_block_table_i32=None, prefills=[], prefill_native=None, decode_only=True)
+
+    @staticmethod
+    def prepare_replay(buffers: object, common: CommonAttentionMetadata,
+                       num_tokens: int) -> None:
+        """Rows [:n] from the step, [n:num_tokens] padding (slot 0, block 0, one key).
+
+        e.g. seq_lens [3, 18], block size 16, 4 blocks a row, num_tokens 4: mask rows
+        keys 0..2, 0..17, 0, 0; block table rows [b0, 0, 0, 0], [b1, b2, 0, 0], 0s, 0s."""
+        assert isinstance(buffers, TorchSDPAGraphBuffers)
+        n = common.num_actual_tokens
+        width = common.block_table.shape[1]
+        # copy_ converts: int32 numpy rows into the int64 (device) buffers.
+        buffers.slot_mapping[:n].copy_(torch.from_numpy(common.slot_mapping[:n]))
+        buffers.block_table[:n, :width].copy_(torch.from_numpy(common.block_table[:n]))
+        buffers.block_table[:n, width:].zero_()
+        seq_lens = torch.from_numpy(common.seq_lens[:n]).to(buffers.key_positions.device)
+        buffers.decode_mask[:n] = (buffers.key_positions < seq_lens[:, None])[:, None, None]
+        buffers.slot_mapping[n:num_tokens].zero_()
+        buffers.block_table[n:num_tokens].zero_()
+        buffers.decode_mask[n:num_tokens] = buffers.key_positions < 1
 
     @staticmethod
     def make_impl(num_heads: int, head_size: int, num_kv_heads: int, scale: float,
@@ -241,9 +283,9 @@ class TorchSDPAImpl(AttentionImpl):
         # Queries of one KV head's group share every key, so the group folds into the
         # query-length axis: q [n, kv_heads, group, d] against k [n, kv_heads, len, d].
         q = q.view(n, self.num_kv_heads, self.group, self.head_size)
-        kv = kv_cache.index_select(1, table.view(-1)).view(2, n, -1, self.num_kv_heads,
-                                                            self.head_size)
-        k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)
+        gathered = kv_cache.index_select(1, table.view(-1)).view(
+            2, n, -1, self.num_kv_heads, self.head_size)
+        k, v = gathered[0].transpose(1, 2), gathered[1].transpose(1, 2)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=metadata.decode_mask,
                                            scale=self.scale)
         return o.reshape(n, self.num_heads, self.head_size)
