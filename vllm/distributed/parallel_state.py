@@ -64,6 +64,12 @@ class GroupCoordinator:
             return x
         return torch.ops.vllm.all_reduce(x, self.name)
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """The elementwise maximum over ranks, as a new tensor."""
+        if self.world_size == 1:
+            return x
+        return torch.ops.vllm.all_reduce_max(x, self.name)
+
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Ranks' tensors concatenated along `dim`, in rank order."""
         if self.world_size == 1:
@@ -77,6 +83,11 @@ class GroupCoordinator:
             return self.fast_all_reduce.all_reduce(x)
         out = x.clone()
         dist.all_reduce(out, group=self.device_group)
+        return out
+
+    def _all_reduce_max_eager(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.device_group)
         return out
 
     def _all_gather_eager(self, x: torch.Tensor) -> torch.Tensor:
@@ -167,6 +178,16 @@ def _all_reduce_op(x: torch.Tensor, group_name: str) -> torch.Tensor:
 
 
 @_all_reduce_op.register_fake
+def _(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("vllm::all_reduce_max", mutates_args=())
+def _all_reduce_max_op(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return _GROUPS[group_name]._all_reduce_max_eager(x)
+
+
+@_all_reduce_max_op.register_fake
 def _(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return torch.empty_like(x)
 

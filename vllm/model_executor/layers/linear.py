@@ -35,9 +35,11 @@ from torch import nn
 from vllm.distributed import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
+    get_tp_group,
     tensor_model_parallel_all_reduce,
 )
 from vllm.distributed.utils import divide, kv_head_start, kv_heads_per_rank
+from vllm.model_executor.layers.quantization.int8 import Int8Linear
 
 logger = logging.getLogger(__name__)
 
@@ -151,15 +153,17 @@ class LinearBase(nn.Module):
                 except ValueError as e:
                     logger.info("GGUF weight of %s stays dense: %s", type(self).__name__, e)
         if quantization == "int8" and self.quantizable:
-            from vllm.model_executor.layers.quantization.int8 import Int8Linear
-
-            self.kernel = Int8Linear(view)
+            self.kernel = Int8Linear(view, self.int8_weight_absmax())
             self.weight = None  # the int8 copy replaces it
             return "int8"
         self.kernel = dense
         return "packed" if dense is not None else "dense"
 
     quantizable = True  # int8 applies (the vocabulary projection says no)
+
+    def int8_weight_absmax(self) -> torch.Tensor | None:
+        """The absmax int8 scales each output row by; None: this rank's rows are whole."""
+        return None
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.kernel is not None:
@@ -274,8 +278,17 @@ class RowParallelLinear(LinearBase):
     def kernel_bias(self) -> torch.Tensor | None:
         return self.bias if self.tp_size == 1 else None
 
+    def int8_weight_absmax(self) -> torch.Tensor | None:
+        if self.tp_size == 1:
+            return None
+        assert self.weight is not None
+        return get_tp_group().all_reduce_max(self.weight.detach().float().abs().amax(dim=1))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return self.linear(x, self.bias)
-        y = tensor_model_parallel_all_reduce(self.linear(x, None))
+        if isinstance(self.kernel, Int8Linear):
+            y = self.kernel.forward_sharded(x, get_tp_group())
+        else:
+            y = tensor_model_parallel_all_reduce(self.linear(x, None))
         return y if self.bias is None else y + self.bias

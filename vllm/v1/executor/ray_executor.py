@@ -60,7 +60,7 @@ class RayDistributedExecutor(Executor):
         except ImportError:
             raise ValueError("distributed_executor_backend='ray' needs Ray: pip install "
                              "'ray[default]'.") from None
-        self._ray = ray
+        self._ray: Any = ray  # Ray's stubs do not see its lazily loaded submodules
         if not ray.is_initialized():
             ray.init(address=os.environ.get("RAY_ADDRESS"), ignore_reinit_error=True,
                      log_to_driver=False)
@@ -76,9 +76,9 @@ class RayDistributedExecutor(Executor):
             remove_placement_group(self.placement_group)
             raise ValueError(f"Ray could not place {world} ranks of {bundle} (its cluster: "
                              f"{ray.cluster_resources()}).") from None
-        actor_cls = ray.remote(RayWorker)
-        self.workers = [
-            actor_cls.options(  # type: ignore[attr-defined]
+        actor_cls: Any = ray.remote(RayWorker)
+        self.workers: list[Any] = [
+            actor_cls.options(
                 num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.placement_group, placement_group_bundle_index=rank),

@@ -34,20 +34,28 @@ logger = logging.getLogger(__name__)
 QUANTIZATION_METHODS = ("int8", "gguf")
 
 
-def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_channel(weight: torch.Tensor, absmax: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per output row: weight [N, K] -> (int8 [N, K], float32 scale [N]).
+    `absmax` [N] overrides the rows' own (a row-parallel shard uses its whole row's).
 
     Example: row [0.5, -1.0, 0.25] -> scale 1/127, values [64, -127, 32].
     """
-    scale = weight.float().abs().amax(dim=1).clamp(min=1e-8) / 127.0
+    if absmax is None:
+        absmax = weight.float().abs().amax(dim=1)
+    scale = absmax.clamp(min=1e-8) / 127.0
     q = torch.round(weight.float() / scale[:, None]).clamp(-127, 127).to(torch.int8)
     return q, scale
 
 
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per row of activations: x [M, K] -> (int8 [M, K], float32 [M, 1])."""
+def quantize_per_token(x: torch.Tensor, absmax: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row of activations: x [M, K] -> (int8 [M, K], float32 [M, 1]).
+    `absmax` [M, 1] overrides the rows' own (a row-parallel shard uses its whole row's)."""
     x = x.float()
-    scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / 127.0
+    if absmax is None:
+        absmax = x.abs().amax(dim=-1, keepdim=True)
+    scale = absmax.clamp(min=1e-8) / 127.0
     return torch.round(x / scale).to(torch.int8), scale
 
 
@@ -73,10 +81,10 @@ class Int8Linear(nn.Module):
     weight_t: torch.Tensor  # [K, N] int8 buffer
     weight_scale: torch.Tensor  # [N] float32 buffer
 
-    def __init__(self, linear) -> None:
+    def __init__(self, linear, weight_absmax: torch.Tensor | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        q, scale = quantize_per_channel(linear.weight.data)
+        q, scale = quantize_per_channel(linear.weight.data, weight_absmax)
         self.register_buffer("weight_t", q.t().contiguous())  # [K, N] int8
         self.register_buffer("weight_scale", scale)  # [N] float32
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.data,
@@ -91,6 +99,19 @@ class Int8Linear(nn.Module):
         y = _dequantize_fused(acc, x_scale, self.weight_scale, x.dtype)
         if self.bias is not None:
             y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def forward_sharded(self, x: torch.Tensor, group) -> torch.Tensor:
+        """A row-parallel shard's product summed over `group` (a `GroupCoordinator`),
+        equal to one rank's: each token is quantized with its whole row's absmax (one
+        max-reduce), and the int32 accumulators are summed exactly before scaling. The
+        weight was quantized with its whole rows' absmax (`weight_absmax`)."""
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        absmax = group.all_reduce_max(x2.float().abs().amax(dim=-1, keepdim=True))
+        x_q, x_scale = _quantize_fused(x2, absmax)
+        acc = torch._int_mm(x_q, self.weight_t)  # pyright: ignore[reportPrivateImportUsage]
+        y = _dequantize_fused(group.all_reduce(acc), x_scale, self.weight_scale, x.dtype)
         return y.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -1,0 +1,224 @@
+"""Tensor parallel: two ranks (one thread each) give what one rank gives, in float32: the
+same greedy tokens, logprobs within 1e-4, the same hidden states, for every model family
+and feature; the sharding arithmetic exactly; bad sizes refused at start-up."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+
+from tests.model_factory import make_tiny_model
+from vllm import LLM, SamplingParams
+from vllm.distributed.utils import (
+    check_tp_divisibility,
+    cpus_for_rank,
+    kv_head_start,
+    kv_heads_per_rank,
+)
+from vllm.engine.arg_utils import EngineArgs
+
+PROMPTS = ["Hello world, this is", "The capital of France is", "A", "one two three four five"]
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
+LOGPROB_TOL = 1e-4
+
+
+def _llm(path: str, tp: int, **kwargs) -> LLM:
+    kwargs.setdefault("kv_cache_memory_bytes", 8 * 1024**2)
+    kwargs.setdefault("max_model_len", 128)
+    return LLM(path, dtype="float32", tensor_parallel_size=tp, **kwargs)
+
+
+def _assert_same(ones, twos) -> None:
+    for a, b in zip(ones, twos, strict=True):
+        for x, y in zip(a.outputs, b.outputs, strict=True):
+            assert x.token_ids == y.token_ids
+            for lx, ly in zip(x.logprobs or [], y.logprobs or [], strict=True):
+                assert lx.keys() == ly.keys()
+                for t in lx:
+                    assert abs(lx[t].logprob - ly[t].logprob) < LOGPROB_TOL
+
+
+def _run_both(path: str, prompts, params=GREEDY, **kwargs):
+    outputs = []
+    for tp in (1, 2):
+        llm = _llm(path, tp, **kwargs)
+        outputs.append(llm.generate(prompts, params, use_tqdm=False))
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+    return outputs
+
+
+# ---- the arithmetic ---------------------------------------------------------------------
+
+
+def test_kv_heads_split_or_replicated() -> None:
+    # 4 KV heads over 2 ranks: 2 each, rank 1 from head 2.
+    assert kv_heads_per_rank(4, 2) == 2 and kv_head_start(4, 2, 1) == 2
+    # 2 KV heads over 4 ranks: one replicated head each, ranks 0-1 head 0, ranks 2-3 head 1.
+    assert kv_heads_per_rank(2, 4) == 1
+    assert [kv_head_start(2, 4, r) for r in range(4)] == [0, 0, 1, 1]
+
+
+def test_cpu_binding_lists() -> None:
+    assert cpus_for_rank("auto", 1, 2, available=list(range(16))) == list(range(8, 16))
+    assert cpus_for_rank("0-3,8|4-7", 0, 2) == [0, 1, 2, 3, 8]
+    assert cpus_for_rank("0-3,8|4-7", 1, 2) == [4, 5, 6, 7]
+    assert cpus_for_rank("nobind", 0, 2) is None
+    assert cpus_for_rank(None, 0, 1) is None
+    with pytest.raises(ValueError, match="lists 1 core sets for 2 ranks"):
+        cpus_for_rank("0-3", 0, 2)
+
+
+def test_parallel_layers_shard_a_checkpoint_exactly() -> None:
+    """Each rank's slice of fused q/k/v (KV replicated at tp 4 over 2 KV heads), of a
+    row-parallel weight and of a padded vocabulary, from the rank's point of view."""
+    from vllm.distributed import parallel_state
+    from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    class FakeGroup:
+        def __init__(self, rank: int, size: int) -> None:
+            self.rank_in_group, self.world_size = rank, size
+
+    head = 2
+    q = torch.arange(4 * head, dtype=torch.float32)[:, None].expand(-1, 3)  # 4 heads
+    k = 100 + torch.arange(2 * head, dtype=torch.float32)[:, None].expand(-1, 3)  # 2 heads
+    original = parallel_state._TP
+    try:
+        parallel_state._TP = FakeGroup(3, 4)  # type: ignore[assignment]
+        layer = QKVParallelLinear(3, head, 4, 2, bias=False)
+        assert layer.weight is not None
+        for part, tensor in (("q", q), ("k", k), ("v", k + 100)):
+            layer.weight_loader(layer.weight, tensor, part)
+        # rank 3 of 4: query head 3 (rows 6, 7), the replicated KV head 1 (rows 2, 3).
+        assert layer.weight[:, 0].tolist() == [6, 7, 102, 103, 202, 203]
+        row = RowParallelLinear(8, 2, bias=False)
+        assert row.weight is not None
+        row.weight_loader(row.weight, torch.arange(16.0).view(2, 8))
+        assert row.weight.tolist() == [[6, 7], [14, 15]]
+        parallel_state._TP = FakeGroup(1, 2)  # type: ignore[assignment]
+        embed = VocabParallelEmbedding(5, 2)  # padded to 6: rank 1 holds ids 3, 4 and a pad
+        embed.weight.weight_loader(embed.weight,  # type: ignore[attr-defined]
+                                   torch.arange(10.0).view(5, 2))
+        assert embed.weight.tolist() == [[6, 7], [8, 9], [0, 0]]
+    finally:
+        parallel_state._TP = original
+
+
+# ---- start-up errors --------------------------------------------------------------------
+
+
+def test_heads_that_do_not_divide_are_refused(tiny_llama_dir) -> None:
+    with pytest.raises(ValueError, match="4 attention heads cannot be split across "
+                                         "tensor_parallel_size=3"):
+        EngineArgs(tiny_llama_dir, tensor_parallel_size=3).create_engine_config()
+    config = make_config(hidden_size=96, num_attention_heads=6, num_key_value_heads=3)
+    with pytest.raises(ValueError, match="3 key/value heads cannot be split across "
+                                         "tensor_parallel_size=2"):
+        check_tp_divisibility(config, 2)
+
+
+def make_config(**overrides):
+    from tests.model_factory import tiny_model_config
+
+    return tiny_model_config("llama", 64, **overrides)
+
+
+def test_more_ranks_than_cores_is_refused(tiny_llama_dir, monkeypatch) -> None:
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    with pytest.raises(ValueError, match="4 CPU ranks .* need a core each, but this process "
+                                         "may use 2"):
+        EngineArgs(tiny_llama_dir, tensor_parallel_size=4).create_engine_config()
+    with pytest.raises(ValueError, match="needs 'mp' or 'ray'"):
+        EngineArgs(tiny_llama_dir, tensor_parallel_size=2,
+                   distributed_executor_backend="uni").create_engine_config()
+
+
+def test_ray_not_installed_is_refused(tiny_llama_dir, monkeypatch) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "ray" else real(name, *a))
+    with pytest.raises(ValueError, match="needs Ray, which is not installed"):
+        EngineArgs(tiny_llama_dir, tensor_parallel_size=2,
+                   distributed_executor_backend="ray").create_engine_config()
+
+
+# ---- two ranks equal one ----------------------------------------------------------------
+
+
+def test_llama_prompt_embeds_mixed_batches_hidden_states_and_graphs(tiny_llama_dir) -> None:
+    """4 heads / 2 KV heads, graphs on: text, prompt embeds and both in one batch, with the
+    hidden states returned once, equal across tp 1 and 2."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32)
+    embeds = [hf.get_input_embeddings()(torch.tensor(tok(p).input_ids)).detach()
+              for p in PROMPTS[:2]]
+    prompts = [*PROMPTS, *({"prompt_embeds": e} for e in embeds)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3,
+                            return_hidden_states=True)
+    ones, twos = _run_both(tiny_llama_dir, prompts, params, enable_prompt_embeds=True,
+                           enable_return_hidden_states=True)
+    _assert_same(ones, twos)
+    for a, b in zip(ones, twos):
+        ha, hb = a.outputs[0].hidden_states, b.outputs[0].hidden_states
+        assert ha is not None and hb is not None and ha.shape == hb.shape
+        torch.testing.assert_close(ha, hb, atol=1e-5, rtol=1e-5)
+
+
+def test_llama_one_kv_head_replicated_eager(tmp_path) -> None:
+    """4 heads / 1 KV head: each rank keeps a copy of the only KV head; graphs off; a
+    chunked prefill and a prefix-cache hit on the way."""
+    path = make_tiny_model(str(tmp_path / "mqa"), "llama", num_key_value_heads=1)
+    long = " ".join(["word"] * 40)
+    ones, twos = _run_both(path, [long, long + " again", *PROMPTS], enforce_eager=True,
+                           max_num_batched_tokens=32, block_size=4)
+    _assert_same(ones, twos)
+
+
+def test_qwen2_biases_int8(tiny_qwen2_dir) -> None:
+    """Qwen2's q/k/v biases sharded with their rows; int8 as on one rank: row-parallel
+    shards scale by their whole rows' absmax and sum int32 accumulators exactly."""
+    ones, twos = _run_both(tiny_qwen2_dir, PROMPTS)
+    _assert_same(ones, twos)
+    ones, twos = _run_both(tiny_qwen2_dir, PROMPTS, quantization="int8")
+    _assert_same(ones, twos)
+
+
+def test_bart_and_whisper(tiny_bart_dir, tiny_whisper_dir) -> None:
+    """Encoder/decoder: encoder heads, decoder self- and cross-attention heads sharded; the
+    cross K/V each rank writes are its heads'."""
+    ones, twos = _run_both(tiny_bart_dir, PROMPTS, block_size=4)
+    _assert_same(ones, twos)
+    t = np.arange(16000 * 2) / 16000
+    audio = [(0.3 * np.sin(2 * np.pi * f * t)).astype(np.float32) for f in (220.0, 440.0)]
+    prompts = [{"prompt": "", "multi_modal_data": {"audio": (a, 16000)}} for a in audio]
+    ones, twos = _run_both(tiny_whisper_dir, prompts, max_model_len=64)
+    _assert_same(ones, twos)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="Ray is not installed")
+def test_ray_backend_equals_one_rank(tiny_llama_dir) -> None:
+    """Two Ray actors in a placement group on a local Ray instance started here."""
+    import os
+
+    environ = dict(os.environ)  # importing Ray and ray.init set variables of their own
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        one = _llm(tiny_llama_dir, 1).generate(PROMPTS, GREEDY, use_tqdm=False)
+        llm = _llm(tiny_llama_dir, 2, distributed_executor_backend="ray", enforce_eager=True)
+        two = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        llm.llm_engine.engine_core.shutdown()
+    finally:
+        ray.shutdown()
+        os.environ.clear()
+        os.environ.update(environ)
+    _assert_same(one, two)
