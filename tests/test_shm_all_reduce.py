@@ -107,6 +107,11 @@ def _rank_main(rank: int, port: int, results) -> None:
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     report["shared_core_wrong"] = _back_to_back(group, 100)
 
+    if rank == 0:  # rank 1 leaves (below): waiting for it must fail, not hang
+        try:
+            reducer.all_reduce(x)
+        except RuntimeError as e:
+            report["peer_gone_error"] = str(e)
     reducer.close()
     report["mapped_after_close"] = _mapped(reducer.name)
     group.fast_all_reduce = None
@@ -127,12 +132,13 @@ def reports() -> list[dict[str, object]]:
         p.start()
     try:
         out = []
-        for q in queues:
+        for r in reversed(range(RANKS)):  # rank 1 first: rank 0 waits for it to be gone
             try:
-                out.append(q.get(timeout=600))
+                out.append(queues[r].get(timeout=600))
             except queue.Empty:
                 pytest.fail("a rank did not report (crashed or hung); see its stderr")
-        return out
+            procs[r].join(timeout=60)  # reaped: its pid is gone, not a zombie
+        return out[::-1]
     finally:
         for p in procs:
             p.join(timeout=60)
@@ -172,3 +178,7 @@ def test_segment_has_no_name_and_is_unmapped_at_close(reports):
         assert report["name_left"] is False  # removed as soon as every rank had mapped it
         assert report["mapped"] is True
         assert report["mapped_after_close"] is False
+
+
+def test_waiting_for_a_dead_rank_raises(reports):
+    assert "rank 1" in reports[0]["peer_gone_error"] and "is gone" in reports[0]["peer_gone_error"]
