@@ -87,47 +87,52 @@ def open_shm_all_reducer(cpu_group: dist.ProcessGroup,
                     "kernels or /dev/shm missing on one): using gloo.")
         return None
     buffer_bytes = -(-buffer_bytes // LINE_BYTES) * LINE_BYTES  # keep buffers line-aligned
-    size = segment_bytes(world, buffer_bytes)
-    segment: mmap.mmap | None = None
-    name = [""]  # rank 0's segment, "" if it could not create one
-    try:
-        if rank == 0:
-            name[0] = f"vllm_allreduce_{os.getpid()}_{secrets.token_hex(4)}"
-            segment = _map(os.path.join(SHM_DIR, name[0]), size, create=True)
-        dist.broadcast_object_list(name, src=dist.get_global_rank(cpu_group, 0),
-                                   group=cpu_group)
-        if rank != 0 and name[0]:
-            segment = _map(os.path.join(SHM_DIR, name[0]), size, create=False)
-    except OSError as e:
-        logger.warning("No shared-memory all-reduce segment (%s): using gloo.", e)
-        if rank == 0:  # the others are waiting for the name
-            name[0] = ""
-            dist.broadcast_object_list(name, src=dist.get_global_rank(cpu_group, 0),
-                                       group=cpu_group)
+    segment, name = _share_segment(cpu_group, rank, segment_bytes(world, buffer_bytes))
     mapped: list[bool] = [False] * world
     dist.all_gather_object(mapped, segment is not None, group=cpu_group)
-    if rank == 0 and name[0]:
-        os.unlink(os.path.join(SHM_DIR, name[0]))  # every rank has mapped it or given up
+    if rank == 0 and name:
+        os.unlink(os.path.join(SHM_DIR, name))  # every rank has mapped it or given up
     if not all(mapped):
         if segment is not None:
             segment.close()
         return None
     assert segment is not None
-    reducer = ShmAllReducer(segment, name[0], rank, world)
+    reducer = ShmAllReducer(segment, name, rank, world)
     dist.barrier(group=cpu_group)  # every pid written before the first call can check them
     return reducer
 
 
-def _map(path: str, size: int, create: bool) -> mmap.mmap:
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-    fd = os.open(path, flags, 0o600)
+def _share_segment(cpu_group: dist.ProcessGroup, rank: int,
+                   size: int) -> tuple[mmap.mmap | None, str]:
+    """Rank 0 creates a segment and sends its name to the others, which map it. Returns
+    this rank's mapping (None if it failed) and the name ("" if rank 0 failed)."""
+    name, segment = "", None
+    if rank == 0:
+        name = f"vllm_allreduce_{os.getpid()}_{secrets.token_hex(4)}"
+        segment = _map(name, size, create=True)
+        name = name if segment is not None else ""
+    names = [name]
+    dist.broadcast_object_list(names, src=dist.get_global_rank(cpu_group, 0), group=cpu_group)
+    if rank != 0 and names[0]:
+        segment = _map(names[0], size, create=False)
+    return segment, names[0]
+
+
+def _map(name: str, size: int, create: bool) -> mmap.mmap | None:
+    path = os.path.join(SHM_DIR, name)
+    try:
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+    except OSError as e:
+        logger.warning("Shared-memory all-reduce: cannot open %s (%s).", path, e)
+        return None
     try:
         if create:
             os.ftruncate(fd, size)
         return mmap.mmap(fd, size)
-    except OSError:
+    except OSError as e:
+        logger.warning("Shared-memory all-reduce: cannot map %s (%s).", path, e)
         if create:
             os.unlink(path)
-        raise
+        return None
     finally:
         os.close(fd)
