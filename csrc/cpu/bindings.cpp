@@ -18,6 +18,8 @@ torch::Tensor pack_block_codes(torch::Tensor codes, int64_t bits);
 torch::Tensor quant_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m,
                          int64_t bits);
 bool quant_gemv_available();
+torch::Tensor shm_all_reduce(torch::Tensor x, torch::Tensor segment, int64_t rank,
+                             int64_t world, double timeout_s);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -30,6 +32,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Block codes [N, Kp] uint8 -> quant_gemv's pair layout");
   m.def("quant_gemv_available", &quant_gemv_available,
         "Whether quant_gemv was built (AVX-512 VNNI)");
+  m.def("shm_all_reduce", &shm_all_reduce,
+        "Sum of the local ranks' tensors through a shared-memory segment (CPU)");
 }
 
 TORCH_LIBRARY(vllm_cpu, m) {
