@@ -13,7 +13,16 @@ from vllm.v1.engine.front_end import build_front_end, fan_out
 
 
 class LLMEngine:
+    """One engine core in this process (offline `LLM`, offline pipelines)."""
+
     def __init__(self, vllm_config: VllmConfig) -> None:
+        dp = vllm_config.parallel_config.data_parallel_size
+        if dp > 1:
+            raise ValueError(
+                f"data_parallel_size={dp}: offline LLM runs one engine core in this process. "
+                f"Serve with `vllm serve MODEL --data-parallel-size {dp}` (N engine cores "
+                "behind one server), or start one LLM per process yourself, as vLLM does "
+                "offline.")
         self.vllm_config = vllm_config
         self.tokenizer, self.processor, self.output_processor = build_front_end(
             vllm_config.model_config)
