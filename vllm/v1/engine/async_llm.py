@@ -20,11 +20,12 @@ from typing import Any, Protocol
 
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import EngineArgs
+from vllm.inputs.parse import ParsedPrompt
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from vllm.v1.engine.core_client import AsyncMPClient, DPAsyncMPClient, EngineDeadError, EngineLost
-from vllm.v1.engine.front_end import build_front_end, fan_out
+from vllm.v1.engine.front_end import build_front_end, fan_out, register_request
 from vllm.v1.engine.output_processor import ParentRequest
 from vllm.v1.metrics.stats import IterationStats, RequestStatsTracker
 
@@ -178,19 +179,14 @@ class AsyncLLM:
             raise
         return stream
 
-    async def _add_engine_request(self, request: EngineCoreRequest, parsed: Any,
+    async def _add_engine_request(self, request: EngineCoreRequest, parsed: ParsedPrompt,
                                   stream: RequestStream, parent: ParentRequest | None = None,
                                   index: int = 0, engine_index: int | None = None) -> int:
-        num_prompt = request.num_prompt_tokens
-        self.output_processor.add_request(request.request_id, parsed.prompt,
-                                          parsed.prompt_token_ids, num_prompt,
-                                          request.sampling_params, parent, index, queue=stream,
-                                          encoder_prompt=parsed.encoder_prompt,
-                                          encoder_prompt_token_ids=parsed.encoder_prompt_token_ids,
-                                          external_id=stream.request_id)
+        register_request(self.output_processor, request, parsed, parent, index, queue=stream,
+                         external_id=stream.request_id)
         engine_index = await self.engine_core.add_request_async(request, engine_index)
-        self.stats_tracker.add(request.request_id, request.arrival_time, num_prompt,
-                               engine_index)
+        self.stats_tracker.add(request.request_id, request.arrival_time,
+                               request.num_prompt_tokens, engine_index)
         return engine_index
 
     async def generate(self, prompt: Any, sampling_params: SamplingParams,

@@ -7,6 +7,9 @@ reader task sorts incoming messages: step outputs go to a queue that `AsyncLLM` 
 utility results resolve the future of their call. The process sentinel is watched by the
 event loop, so an engine that dies (or is killed) turns into `EngineDeadError` for every
 waiter instead of a hang.
+
+`DPAsyncMPClient` (data parallel) holds several of them behind the same calls: requests
+routed by `dp_router`, outputs merged, one engine's death reported as `EngineLost`.
 """
 
 from __future__ import annotations
