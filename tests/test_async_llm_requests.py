@@ -16,6 +16,7 @@ from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.engine.async_llm import AsyncLLM, RequestStream
+from vllm.v1.engine.core_client import EngineDeadError, EngineLost
 
 
 class FakeClient:
@@ -26,12 +27,14 @@ class FakeClient:
         self.dead_error = None
         self.sent: list[tuple[str, object]] = []
         self.outputs: asyncio.Queue | None = None
+        self.next_engine = 0  # where a request not pinned to an engine goes
 
     def is_alive(self) -> bool:
         return True
 
-    async def add_request_async(self, request) -> None:
+    async def add_request_async(self, request, engine_index: int | None = None) -> int:
         self.sent.append(("add", request.request_id))
+        return self.next_engine if engine_index is None else engine_index
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         if request_ids:  # as the real client: nothing to send
@@ -45,10 +48,13 @@ class FakeClient:
             self.outputs = asyncio.Queue()
         return await self.outputs.get()
 
-    def emit(self, *outputs: EngineCoreOutput) -> None:
+    def emit(self, *outputs: EngineCoreOutput, engine_index: int = 0) -> None:
+        self.put(EngineCoreOutputs(list(outputs), engine_index=engine_index))
+
+    def put(self, item: EngineCoreOutputs | EngineLost) -> None:
         if self.outputs is None:
             self.outputs = asyncio.Queue()
-        self.outputs.put_nowait(EngineCoreOutputs(list(outputs)))
+        self.outputs.put_nowait(item)
 
     def shutdown(self) -> None:
         pass
@@ -117,6 +123,32 @@ def test_abort_reaches_only_user_ids(engine: AsyncLLM) -> None:
         assert not [kind for kind, _ in engine.engine_core.sent if kind == "abort"]
         await engine.abort("a")
         assert engine.engine_core.sent[-1] == ("abort", children)
+
+    asyncio.run(run())
+
+
+def test_lost_engine_fails_only_its_requests(engine: AsyncLLM) -> None:
+    """Data parallel: an n=2 request on engine 1 and a request on engine 0; engine 1 is
+    lost. Its request fails with the engine's error, the other finishes; the next request
+    of an OpenAI call follows its first (`data_parallel_rank`)."""
+
+    async def run() -> None:
+        core = engine.engine_core
+        on_zero = await engine.add_request("a", {"prompt_token_ids": [1, 2]}, params())
+        core.next_engine = 1
+        on_one = await engine.add_request("b", {"prompt_token_ids": [1, 2]}, params(n=2))
+        assert (on_zero.engine_index, on_one.engine_index) == (0, 1)
+        pinned = await engine.add_request("c", {"prompt_token_ids": [3]}, params(),
+                                          data_parallel_rank=0)
+        assert pinned.engine_index == 0
+        core.put(EngineLost(1, EngineDeadError("Engine core 1 process exited.")))
+        with pytest.raises(EngineDeadError, match="Engine core 1"):
+            await asyncio.wait_for(on_one.get(), 5)
+        a_id, _, _, c_id = added(engine)
+        core.emit(EngineCoreOutput(a_id, [5], finish_reason=FinishReason.LENGTH),
+                  EngineCoreOutput(c_id, [6], finish_reason=FinishReason.LENGTH))
+        assert (await asyncio.wait_for(on_zero.get(), 5)).outputs[0].token_ids == [5]
+        assert (await asyncio.wait_for(pinned.get(), 5)).outputs[0].token_ids == [6]
 
     asyncio.run(run())
 

@@ -226,7 +226,8 @@ def test_metrics(server: RemoteServer, client: openai.OpenAI) -> None:
     assert grew(f'vllm:audio_seconds_processed_total{{model_name="{NAME}"}}') == \
         pytest.approx(sum(len(samples) for samples in clips) / RATE, rel=1e-4)
     # One engine request per clip (each is shorter than a 30 s window).
-    assert grew(f'vllm:time_to_first_token_seconds_count{{model_name="{NAME}"}}') == len(clips)
+    assert grew(f'vllm:time_to_first_token_seconds_count{{engine="0",model_name="{NAME}"}}') \
+        == len(clips)
     assert grew(f'vllm:audio_request_latency_seconds_count{{model_name="{NAME}"}}') == \
         len(clips)
 

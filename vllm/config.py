@@ -180,6 +180,10 @@ class ParallelConfig:
     # executor when it starts the ranks).
     master_addr: str = "127.0.0.1"
     master_port: int = 0
+    # Set per engine core by the data-parallel client: this engine's index, and on CPU the
+    # cores it (all of its tensor-parallel ranks together) runs on; None: unbound.
+    data_parallel_rank: int = 0
+    cpu_ids: tuple[int, ...] | None = None
 
     @property
     def world_size(self) -> int:

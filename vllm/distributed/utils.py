@@ -113,3 +113,23 @@ def cpus_for_rank(bind: str | None, rank: int, world_size: int,
         raise ValueError(f"VLLM_CPU_OMP_THREADS_BIND={bind!r} lists {len(lists)} core sets "
                          f"for {world_size} ranks; give one per rank, separated by '|'.")
     return parse_cpu_ranges(lists[rank])
+
+
+def engine_cpus(bind: str | None, engine: int, num_engines: int,
+                tp_size: int = 1) -> tuple[int, ...] | None:
+    """The cores of data-parallel engine `engine` of `num_engines`: the union of its
+    tensor-parallel ranks' cores, ranks numbered engine-major (`VLLM_CPU_OMP_THREADS_BIND`
+    lists one core set per rank of every engine). None: unbound (one engine, or `all`).
+
+    Example: 8 cores, `auto`, 2 engines of tp 2 -> engine 1 gets ranks 2 and 3: [4..7].
+    """
+    if num_engines == 1:
+        return None
+    world = num_engines * tp_size
+    cpus: list[int] = []
+    for rank in range(engine * tp_size, (engine + 1) * tp_size):
+        rank_cpus = cpus_for_rank(bind, rank, world)
+        if rank_cpus is None:
+            return None
+        cpus += rank_cpus
+    return tuple(cpus)

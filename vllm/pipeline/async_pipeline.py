@@ -73,6 +73,9 @@ class AsyncPipeline:
                 return engine.dead_error
         return EngineDeadError("The pipeline is not running.")
 
+    def dead_engines(self) -> list[EngineDeadError]:
+        return [error for engine in self.engines for error in engine.dead_engines()]
+
     async def check_health(self) -> None:
         if self.errored:
             raise self.dead_error
@@ -80,16 +83,18 @@ class AsyncPipeline:
     # ---- requests -------------------------------------------------------------------
 
     async def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
-                          arrival_time: float | None = None) -> RequestStream:
-        """Queues one prompt at the first stage; raises ValueError (nothing queued) for a
-        bad prompt or params the last stage cannot honour."""
+                          arrival_time: float | None = None,
+                          data_parallel_rank: int | None = None) -> RequestStream:
+        """Queues one prompt at the first stage (on its engine core `data_parallel_rank`,
+        None: routed); raises ValueError (nothing queued) for a bad prompt or params the
+        last stage cannot honour."""
         last_config = self.engines[-1].vllm_config.model_config
         if params.return_hidden_states and not last_config.enable_return_hidden_states:
             raise ValueError("return_hidden_states is set, but the pipeline's last stage does "
                              "not keep hidden states: give it enable_return_hidden_states.")
         per_stage = self._params_per_stage(params)
         first = await self.engines[0].add_request(request_id, prompt, per_stage[0],
-                                                  arrival_time)
+                                                  arrival_time, data_parallel_rank)
         stream = RequestStream(request_id, params.output_kind == RequestOutputKind.DELTA)
         task = asyncio.get_running_loop().create_task(
             self._run(request_id, first, per_stage, stream))

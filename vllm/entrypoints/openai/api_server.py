@@ -222,20 +222,28 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
 def _add_info_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health() -> Response:
+        """200 while every engine core runs; 503 naming those that are gone (with data
+        parallel, the others still serve requests)."""
         if state.engine.errored:
             return error_json(f"The engine is not healthy: {state.engine.dead_error}",
                               "ServiceUnavailableError", HTTPStatus.SERVICE_UNAVAILABLE)
+        dead = state.engine.dead_engines()
+        if dead:
+            return error_json("Engine cores are gone (the others still serve): "
+                              + " ".join(map(str, dead)), "ServiceUnavailableError",
+                              HTTPStatus.SERVICE_UNAVAILABLE)
         return Response(status_code=200)
 
     if _dev_mode():
         @app.get("/server_info")
         async def server_info() -> dict[str, Any]:
-            """What the engine holds now (requests, runner states, KV usage, memory) and
-            the API process's prompt-embeds bytes in flight, for leak checks."""
+            """What each engine core holds now (requests, runner states, KV usage, memory;
+            stages in order, then data-parallel engines in order) and the API process's
+            prompt-embeds bytes in flight, for leak checks."""
             served = state.engine
             engines = served.engines if isinstance(served, AsyncPipeline) else [served]
-            return {"engines": [await engine.engine_core.call_utility_async("get_engine_state")
-                                for engine in engines],
+            return {"engines": [info for engine in engines
+                                for info in await engine.call_engines("get_engine_state")],
                     "prompt_embeds_bytes_in_flight": state.completion.embeds_in_flight.used}
 
     @app.get("/version")
@@ -341,7 +349,8 @@ async def run_server(args: argparse.Namespace) -> None:
         vllm_config = engine_args.create_engine_config()
         check_task(args, vllm_config.model_config)
         names = served_names(args, vllm_config.model_config.model)
-        metrics = PrometheusStatLogger(names[0])
+        metrics = PrometheusStatLogger(names[0],
+                                       vllm_config.parallel_config.data_parallel_size)
         engine = AsyncLLM(vllm_config, stat_loggers=[metrics])
     options = ServingOptions(args.max_prompt_embeds_bytes_in_flight,
                              args.trust_request_chat_template)

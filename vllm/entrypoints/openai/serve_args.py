@@ -11,7 +11,7 @@ import json
 import os
 import re
 
-from vllm.config import ModelConfig
+from vllm.config import EXECUTOR_BACKENDS, ModelConfig
 from vllm.engine.arg_utils import EngineArgs
 
 TASKS = ("auto", "generate", "transcription")
@@ -109,6 +109,25 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         default=None, help="graph capture: a JSON object such as "
                         "'{\"cudagraph_capture_sizes\": [1, 2, 4, 8]}', or a level (0: eager)")
     engine.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    _add_parallel_args(engine)
+
+
+def _add_parallel_args(engine: argparse._ArgumentGroup) -> None:
+    engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="ranks that shard the model, in each engine core (default: 1)")
+    engine.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                        help="engine cores behind this server, each with its own scheduler "
+                        "and KV cache; requests go where their prompt's prefix is cached "
+                        "unless that engine is much busier (default: 1). On CPU each gets "
+                        "its own cores (VLLM_CPU_OMP_THREADS_BIND: auto, or one list per "
+                        "rank such as 0-7|8-15)")
+    engine.add_argument("--distributed-executor-backend", choices=EXECUTOR_BACKENDS,
+                        default=None, help="how an engine core runs its ranks: uni (in "
+                        "process), mp (a process per rank), ray (default: uni for one "
+                        "rank, else mp)")
+    engine.add_argument("--attention-backend", default=None,
+                        help="attention backend by name (default: the platform's; "
+                        "VLLM_ATTENTION_BACKEND)")
     engine.add_argument("--device", default=None, help="cpu or cuda (default: cuda if "
                         "available)")
 
@@ -176,6 +195,10 @@ def engine_args_from_namespace(args: argparse.Namespace) -> EngineArgs:
         quantization=args.quantization,
         enforce_eager=args.enforce_eager,
         compilation_config=args.compilation_config,
+        tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
+        attention_backend=args.attention_backend,
     )
 
 

@@ -175,12 +175,16 @@ class OpenAIServing:
 
     async def add_requests(self, request_id: str, prompts: list[Any],
                            params: SamplingParams) -> list[RequestStream]:
-        """Submits every prompt, or none: a bad prompt aborts the ones already added."""
+        """Submits every prompt, or none: a bad prompt aborts the ones already added. With
+        data parallel, every prompt goes to the engine core the first was routed to."""
         streams: list[RequestStream] = []
+        engine_index: int | None = None
         try:
             for i, prompt in enumerate(prompts):
-                streams.append(await self.engine.add_request(f"{request_id}-{i}", prompt,
-                                                             params))
+                stream = await self.engine.add_request(f"{request_id}-{i}", prompt, params,
+                                                       data_parallel_rank=engine_index)
+                streams.append(stream)
+                engine_index = stream.engine_index
         except ValueError as e:
             self.engine.abort_nowait([s.request_id for s in streams])
             raise OpenAIError(str(e)) from None

@@ -98,3 +98,5 @@ class EngineCoreOutputs:
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = field(default_factory=time.monotonic)
+    # The data-parallel engine core that sent them (set by the client that received them).
+    engine_index: int = 0

@@ -3,6 +3,10 @@
     generate() ─► Processor ─► AsyncMPClient ══ZMQ══► EngineCore (own process)
          ▲                                                   │
          └── per-request queue ◄── OutputProcessor ◄── output handler task
+
+With `data_parallel_size` N > 1 the client is a `DPAsyncMPClient`: N engine cores, each
+request routed to one of them (all children of an n > 1 request, and every prompt of one
+OpenAI call, to the same one); an engine that dies fails only the requests it held.
 """
 
 from __future__ import annotations
@@ -16,11 +20,12 @@ from typing import Any, Protocol
 
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import EngineArgs
+from vllm.inputs.parse import ParsedPrompt
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
-from vllm.v1.engine.core_client import AsyncMPClient, EngineDeadError
-from vllm.v1.engine.front_end import build_front_end, fan_out
+from vllm.v1.engine.core_client import AsyncMPClient, DPAsyncMPClient, EngineDeadError, EngineLost
+from vllm.v1.engine.front_end import build_front_end, fan_out, register_request
 from vllm.v1.engine.output_processor import ParentRequest
 from vllm.v1.metrics.stats import IterationStats, RequestStatsTracker
 
@@ -34,7 +39,7 @@ _OUTPUT_CHUNK = 128
 
 class StatLogger(Protocol):
     def record(self, scheduler_stats: SchedulerStats | None,
-               iteration_stats: IterationStats | None) -> None: ...
+               iteration_stats: IterationStats | None, engine_index: int = 0) -> None: ...
 
 
 class RequestStream:
@@ -49,6 +54,7 @@ class RequestStream:
     def __init__(self, request_id: str, delta: bool = False) -> None:
         self.request_id = request_id
         self.delta = delta  # outputs are DELTA: fold by appending
+        self.engine_index: int | None = None  # the data-parallel engine serving it
         self._pending: RequestOutput | BaseException | None = None
         self._ready = asyncio.Event()
         self.finished = False
@@ -92,7 +98,9 @@ class AsyncLLM:
             vllm_config.model_config)
         self.stats_tracker = RequestStatsTracker()
         self.stat_loggers = list(stat_loggers or [])
-        self.engine_core = AsyncMPClient(vllm_config)
+        self.engine_core = (DPAsyncMPClient(vllm_config)
+                            if vllm_config.parallel_config.data_parallel_size > 1
+                            else AsyncMPClient(vllm_config))
         vllm_config.cache_config.num_blocks = self.engine_core.num_blocks
         self._output_handler: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
@@ -116,6 +124,11 @@ class AsyncLLM:
     def dead_error(self) -> EngineDeadError:
         return self.engine_core.dead_error or EngineDeadError("The engine core is not running.")
 
+    def dead_engines(self) -> list[EngineDeadError]:
+        """Why each engine core that is gone is gone: with data parallel, some may be gone
+        while the others serve (`errored` is False until all are)."""
+        return self.engine_core.dead_engines()
+
     async def check_health(self) -> None:
         """Raises `EngineDeadError` if the engine core process is gone."""
         if self.errored:
@@ -124,9 +137,11 @@ class AsyncLLM:
     # ---- requests -------------------------------------------------------------------
 
     async def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
-                          arrival_time: float | None = None) -> RequestStream:
+                          arrival_time: float | None = None,
+                          data_parallel_rank: int | None = None) -> RequestStream:
         """Validates and queues one prompt; raises ValueError (bad input or an id a live
-        request has, nothing queued) or EngineDeadError."""
+        request has, nothing queued) or EngineDeadError. `data_parallel_rank` picks the
+        engine core (None: the router's choice); `stream.engine_index` says which served."""
         if self.errored:
             raise self.dead_error
         if request_id in self._adding:
@@ -135,12 +150,14 @@ class AsyncLLM:
         self.output_processor.check_request_id(request_id)
         self._adding.add(request_id)
         try:
-            return await self._add_request(request_id, prompt, params, arrival_time)
+            return await self._add_request(request_id, prompt, params, arrival_time,
+                                           data_parallel_rank)
         finally:
             self._adding.discard(request_id)
 
     async def _add_request(self, request_id: str, prompt: Any, params: SamplingParams,
-                           arrival_time: float | None) -> RequestStream:
+                           arrival_time: float | None, engine_index: int | None
+                           ) -> RequestStream:
         core_id = f"{request_id}-{next(self._submissions)}"
         if self.processor.is_audio_model:
             # Log-mel features take tens of milliseconds per window: off the event loop.
@@ -153,25 +170,24 @@ class AsyncLLM:
         stream = RequestStream(request_id, params.output_kind == RequestOutputKind.DELTA)
         parent, requests = fan_out(request, params.n, params.output_kind)
         try:
-            for index, core_request in enumerate(requests):
-                await self._add_engine_request(core_request, parsed, stream, parent, index)
+            for index, core_request in enumerate(requests):  # children follow the first
+                engine_index = await self._add_engine_request(core_request, parsed, stream,
+                                                              parent, index, engine_index)
+                stream.engine_index = engine_index
         except BaseException:
             self.abort_nowait([request_id])
             raise
         return stream
 
-    async def _add_engine_request(self, request: EngineCoreRequest, parsed: Any,
+    async def _add_engine_request(self, request: EngineCoreRequest, parsed: ParsedPrompt,
                                   stream: RequestStream, parent: ParentRequest | None = None,
-                                  index: int = 0) -> None:
-        num_prompt = request.num_prompt_tokens
-        self.output_processor.add_request(request.request_id, parsed.prompt,
-                                          parsed.prompt_token_ids, num_prompt,
-                                          request.sampling_params, parent, index, queue=stream,
-                                          encoder_prompt=parsed.encoder_prompt,
-                                          encoder_prompt_token_ids=parsed.encoder_prompt_token_ids,
-                                          external_id=stream.request_id)
-        self.stats_tracker.add(request.request_id, request.arrival_time, num_prompt)
-        await self.engine_core.add_request_async(request)
+                                  index: int = 0, engine_index: int | None = None) -> int:
+        register_request(self.output_processor, request, parsed, parent, index, queue=stream,
+                         external_id=stream.request_id)
+        engine_index = await self.engine_core.add_request_async(request, engine_index)
+        self.stats_tracker.add(request.request_id, request.arrival_time,
+                               request.num_prompt_tokens, engine_index)
+        return engine_index
 
     async def generate(self, prompt: Any, sampling_params: SamplingParams,
                        request_id: str) -> AsyncGenerator[RequestOutput, None]:
@@ -224,7 +240,10 @@ class AsyncLLM:
         try:
             while True:
                 outputs = await self.engine_core.get_output_async()
-                await self._process_outputs(outputs)
+                if isinstance(outputs, EngineLost):
+                    self._fail_engine(outputs)
+                else:
+                    await self._process_outputs(outputs)
         except EngineDeadError as e:
             self._fail_all(e)
         except Exception as e:
@@ -233,7 +252,8 @@ class AsyncLLM:
 
     async def _process_outputs(self, outputs: EngineCoreOutputs) -> None:
         now = time.monotonic()
-        self._log(outputs.scheduler_stats, self.stats_tracker.update(outputs, now))
+        self._log(outputs.scheduler_stats, self.stats_tracker.update(outputs, now),
+                  outputs.engine_index)
         items = outputs.outputs
         for start in range(0, len(items), _OUTPUT_CHUNK):
             if start:
@@ -247,15 +267,25 @@ class AsyncLLM:
                 await self.engine_core.stop_requests_async(stopped)
 
     def _fail_all(self, error: BaseException) -> None:
-        streams = {id(s.queue): s.queue for s in self.output_processor.request_states.values()}
-        self.output_processor.abort_requests(list(self.output_processor.live_ids))
-        for stream in streams.values():
+        self._fail([s.queue for s in self.output_processor.request_states.values()], error)
+
+    def _fail_engine(self, lost: EngineLost) -> None:
+        """One engine core of several died: only the requests it held fail."""
+        self._log(SchedulerStats(), None, lost.engine_index)  # it runs and holds nothing
+        self._fail([s.queue for s in self.output_processor.request_states.values()
+                    if s.queue.engine_index == lost.engine_index], lost.error)
+
+    def _fail(self, streams: list[RequestStream], error: BaseException) -> None:
+        unique = list({id(stream): stream for stream in streams}.values())  # n > 1: shared
+        core_ids = self.output_processor.abort_requests([s.request_id for s in unique])
+        self._log(None, self.stats_tracker.end(core_ids, "error", time.monotonic()))
+        for stream in unique:
             stream.put(error)
 
     def _log(self, scheduler_stats: SchedulerStats | None,
-             iteration_stats: IterationStats | None) -> None:
+             iteration_stats: IterationStats | None, engine_index: int = 0) -> None:
         for stat_logger in self.stat_loggers:
-            stat_logger.record(scheduler_stats, iteration_stats)
+            stat_logger.record(scheduler_stats, iteration_stats, engine_index)
 
     # ---- utilities ------------------------------------------------------------------
 
@@ -265,9 +295,14 @@ class AsyncLLM:
     async def reset_prefix_cache(self) -> bool:
         return await self.engine_core.reset_prefix_cache_async()
 
-    async def get_scheduler_stats(self) -> dict[str, Any]:
-        """Running/waiting requests and KV usage, asked of the engine core now."""
-        return await self.engine_core.call_utility_async("get_scheduler_stats")
+    async def get_scheduler_stats(self) -> list[dict[str, Any]]:
+        """Running/waiting requests and KV usage of each live engine core, asked now."""
+        return await self.call_engines("get_scheduler_stats")
+
+    async def call_engines(self, method: str, *args: Any) -> list[Any]:
+        """A utility call on every live engine core, in engine order."""
+        return [await engine.call_utility_async(method, *args)
+                for engine in self.engine_core.engines if engine.is_alive()]
 
     def shutdown(self) -> None:
         if self._output_handler is not None:

@@ -7,11 +7,15 @@ reader task sorts incoming messages: step outputs go to a queue that `AsyncLLM` 
 utility results resolve the future of their call. The process sentinel is watched by the
 event loop, so an engine that dies (or is killed) turns into `EngineDeadError` for every
 waiter instead of a hang.
+
+`DPAsyncMPClient` (data parallel) holds several of them behind the same calls: requests
+routed by `dp_router`, outputs merged, one engine's death reported as `EngineLost`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import multiprocessing
@@ -19,6 +23,7 @@ import os
 import shutil
 import tempfile
 import weakref
+from dataclasses import dataclass
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -28,7 +33,9 @@ import zmq
 import zmq.asyncio
 
 from vllm.config import VllmConfig
+from vllm.distributed.utils import engine_cpus
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
+from vllm.v1.engine.dp_router import PrefixAffinityRouter, prefix_block_hashes
 from vllm.v1.engine.wire import (
     OUT_ENGINE_DEAD,
     OUT_OUTPUTS,
@@ -74,11 +81,18 @@ class AsyncMPClient:
 
     Args:
         vllm_config: the resolved config; the child builds its own `EngineCore` from it.
+        engine_index: this engine's data-parallel rank (names it in errors and outputs).
+        wait_ready: wait for the engine's handshake now; False lets a caller start several
+            engines before waiting for each (`wait_ready()`).
     Attributes:
         num_blocks: KV cache blocks the engine core allocated.
     """
 
-    def __init__(self, vllm_config: VllmConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig, engine_index: int = 0,
+                 wait_ready: bool = True) -> None:
+        self.engine_index = engine_index
+        self.name = ("The engine core" if vllm_config.parallel_config.data_parallel_size == 1
+                     else f"Engine core {engine_index}")
         self.tmpdir = tempfile.mkdtemp(prefix="vllm-engine-")
         input_addr = f"ipc://{os.path.join(self.tmpdir, 'input')}"
         output_addr = f"ipc://{os.path.join(self.tmpdir, 'output')}"
@@ -89,21 +103,19 @@ class AsyncMPClient:
         self.output_socket.bind(output_addr)
 
         mp = multiprocessing.get_context("spawn")
-        reader, writer = mp.Pipe(duplex=False)
-        self.proc = mp.Process(target=_engine_core_main, name="EngineCore",
+        self._ready_reader, writer = mp.Pipe(duplex=False)
+        self.proc = mp.Process(target=_engine_core_main, name=f"EngineCore_{engine_index}",
                                args=(vllm_config, input_addr, output_addr, writer, os.getpid()))
         self._finalizer = weakref.finalize(self, _stop_process, self.proc, self.ctx, self.tmpdir)
         try:
             self.proc.start()
-            writer.close()
-            self.num_blocks = self._wait_ready(reader)
         except BaseException:
+            self._ready_reader.close()
             self._finalizer()
             raise
         finally:
             writer.close()
-            reader.close()
-
+        self.num_blocks = 0
         self.encoder = MsgpackEncoder()
         self.outputs_decoder = MsgpackDecoder(EngineCoreOutputs)
         self.utility_decoder = MsgpackDecoder(UtilityResult)
@@ -115,19 +127,31 @@ class AsyncMPClient:
         self._pending_calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._closing = False
+        if wait_ready:
+            self.wait_ready()
 
-    def _wait_ready(self, reader: Any) -> int:
+    def wait_ready(self) -> None:
+        """Waits for the engine's handshake; raises (and stops the process) if it failed."""
+        try:
+            self.num_blocks = self._read_handshake(self._ready_reader)
+        except BaseException:
+            self._finalizer()
+            raise
+        finally:
+            self._ready_reader.close()
+
+    def _read_handshake(self, reader: Any) -> int:
         ready = wait([reader, self.proc.sentinel])
         if reader not in ready:
             self.proc.join(5)
-            raise RuntimeError(f"The engine core process exited with code "
+            raise RuntimeError(f"{self.name} process exited with code "
                                f"{self.proc.exitcode} before it was ready.")
         try:
             message = msgspec.msgpack.decode(reader.recv_bytes())
         except EOFError:
-            raise RuntimeError("The engine core process exited before it was ready.") from None
+            raise RuntimeError(f"{self.name} process exited before it was ready.") from None
         if message.get("status") != "ready":
-            raise RuntimeError(f"The engine core failed to start: {message.get('error')}")
+            raise RuntimeError(f"{self.name} failed to start: {message.get('error')}")
         return int(message["num_blocks"])
 
     # ---- lifecycle ------------------------------------------------------------------
@@ -148,7 +172,7 @@ class AsyncMPClient:
             self._loop.remove_reader(self.proc.sentinel)
         if not self._closing:
             self.proc.join(1)
-            self._set_dead(f"The engine core process exited unexpectedly (exit code "
+            self._set_dead(f"{self.name} process exited unexpectedly (exit code "
                            f"{self.proc.exitcode}).")
 
     def _set_dead(self, message: str) -> None:
@@ -165,6 +189,17 @@ class AsyncMPClient:
 
     def is_alive(self) -> bool:
         return self.dead_error is None and self.proc.is_alive()
+
+    @property
+    def engines(self) -> list[AsyncMPClient]:
+        """The engine cores behind this client: this one (`DPAsyncMPClient` has several)."""
+        return [self]
+
+    def dead_engines(self) -> list[EngineDeadError]:
+        """Why each engine core that is gone is gone (empty while it runs)."""
+        if self.is_alive():
+            return []
+        return [self.dead_error or EngineDeadError(f"{self.name} is not running.")]
 
     def shutdown(self) -> None:
         self._closing = True
@@ -185,16 +220,19 @@ class AsyncMPClient:
             raise
         except Exception as e:  # a reader that stops silently would hang every request
             logger.exception("Reading engine-core outputs failed.")
-            self._set_dead(f"Reading engine-core outputs failed: {type(e).__name__}: {e}")
+            self._set_dead(f"Reading the outputs of {self.name.lower()} failed: "
+                           f"{type(e).__name__}: {e}")
 
     def _dispatch(self, kind: bytes, body: list) -> None:
         assert self.outputs_queue is not None  # the reader runs once started
         if kind == OUT_OUTPUTS:
-            self.outputs_queue.put_nowait(self.outputs_decoder.decode(body))
+            outputs = self.outputs_decoder.decode(body)
+            outputs.engine_index = self.engine_index
+            self.outputs_queue.put_nowait(outputs)
         elif kind == OUT_UTILITY_RESULT:
             self._resolve_call(self.utility_decoder.decode(body))
         elif kind == OUT_ENGINE_DEAD:
-            self._set_dead(f"The engine core died: {self.dead_decoder.decode(body).message}")
+            self._set_dead(f"{self.name} died: {self.dead_decoder.decode(body).message}")
         else:
             logger.error("Ignoring an engine-core output of unknown kind %r.", kind)
 
@@ -225,8 +263,14 @@ class AsyncMPClient:
             raise self.dead_error
         await self.input_socket.send_multipart([kind, *self.encoder.encode(obj)], copy=False)
 
-    async def add_request_async(self, request: EngineCoreRequest) -> None:
+    async def add_request_async(self, request: EngineCoreRequest,
+                                engine_index: int | None = None) -> int:
+        """Sends a request; returns the engine it went to (this one; see `DPAsyncMPClient`)."""
+        if engine_index not in (None, self.engine_index):
+            raise ValueError(f"data_parallel_rank {engine_index} is out of range: this "
+                             "server runs one engine core.")
         await self._send(REQ_ADD, request)
+        return self.engine_index
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         if request_ids and self.dead_error is None:
@@ -252,3 +296,183 @@ class AsyncMPClient:
 
     async def reset_prefix_cache_async(self) -> bool:
         return await self.call_utility_async("reset_prefix_cache")
+
+
+# ---- data parallel ------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class EngineLost:
+    """One of several engine cores died; the others serve on. The requests it held fail
+    with `error`."""
+
+    engine_index: int
+    error: EngineDeadError
+
+
+def engine_config(vllm_config: VllmConfig, engine_index: int) -> VllmConfig:
+    """The config of data-parallel engine `engine_index`: its rank, and on CPU its cores."""
+    parallel = vllm_config.parallel_config
+    cpu_ids = None
+    if vllm_config.device_config.device == "cpu":
+        cpu_ids = engine_cpus(os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), engine_index,
+                              parallel.data_parallel_size, parallel.tensor_parallel_size)
+    return dataclasses.replace(vllm_config, parallel_config=dataclasses.replace(
+        parallel, data_parallel_rank=engine_index, cpu_ids=cpu_ids))
+
+
+class DPAsyncMPClient:
+    """`data_parallel_size` engine cores, each an `AsyncMPClient`, behind one interface.
+
+    Each request goes to the engine `PrefixAffinityRouter` picks (or the one asked for);
+    the outputs of all engines merge into one queue, each `EngineCoreOutputs` naming its
+    engine. An engine that dies becomes one `EngineLost` in that queue: its requests fail,
+    the router skips it, the others serve on. Once every engine is gone,
+    `get_output_async` raises `EngineDeadError` as a single engine's client does.
+    """
+
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        num_engines = vllm_config.parallel_config.data_parallel_size
+        self.engines: list[AsyncMPClient] = []
+        try:  # start every engine, then wait for each: they load in parallel
+            for index in range(num_engines):
+                self.engines.append(AsyncMPClient(engine_config(vllm_config, index), index,
+                                                  wait_ready=False))
+            for engine in self.engines:
+                engine.wait_ready()
+        except BaseException:
+            for engine in self.engines:
+                engine.shutdown()
+            raise
+        self.num_blocks = min(engine.num_blocks for engine in self.engines)
+        self.block_size = vllm_config.cache_config.block_size
+        self.router = PrefixAffinityRouter(num_engines, self.num_blocks)
+        self.loads = [0] * num_engines  # requests in flight per engine
+        self._request_engine: dict[str, int] = {}
+        self._lost: dict[int, EngineDeadError] = {}
+        self.outputs_queue: asyncio.Queue[EngineCoreOutputs | EngineLost | Exception] | None \
+            = None
+        self._forwarders: list[asyncio.Task] = []
+
+    # ---- health ---------------------------------------------------------------------
+
+    def is_alive(self) -> bool:
+        """Some engine core can still serve."""
+        return any(engine.is_alive() for engine in self.engines)
+
+    def dead_engines(self) -> list[EngineDeadError]:
+        return [error for engine in self.engines for error in engine.dead_engines()]
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        """Set once every engine core is gone."""
+        if self.is_alive():
+            return None
+        return EngineDeadError("Every engine core is gone: " + " ".join(
+            str(error) for error in self.dead_engines()))
+
+    def shutdown(self) -> None:
+        for task in self._forwarders:
+            task.cancel()
+        for engine in self.engines:
+            engine.shutdown()
+
+    # ---- outputs --------------------------------------------------------------------
+
+    def _ensure_started(self) -> None:
+        if self.outputs_queue is not None:
+            return
+        loop = asyncio.get_running_loop()
+        self.outputs_queue = asyncio.Queue()
+        self._forwarders = [loop.create_task(self._forward(engine)) for engine in self.engines]
+
+    async def _forward(self, engine: AsyncMPClient) -> None:
+        """Moves one engine's outputs to the shared queue until the engine is gone."""
+        assert self.outputs_queue is not None  # started before the forwarders
+        while True:
+            try:
+                outputs = await engine.get_output_async()
+            except EngineDeadError as e:
+                self._lose(engine.engine_index, e)
+                return
+            for output in outputs.outputs:
+                if output.finished:
+                    self._untrack(output.request_id)
+            self.outputs_queue.put_nowait(outputs)
+
+    def _lose(self, index: int, error: EngineDeadError) -> None:
+        assert self.outputs_queue is not None
+        self._lost[index] = error
+        self.router.forget(index)
+        for request_id in [r for r, e in self._request_engine.items() if e == index]:
+            self._untrack(request_id)
+        self.outputs_queue.put_nowait(EngineLost(index, error))
+        if len(self._lost) == len(self.engines):
+            self.outputs_queue.put_nowait(EngineDeadError(
+                "Every engine core is gone: " + " ".join(map(str, self._lost.values()))))
+
+    async def get_output_async(self) -> EngineCoreOutputs | EngineLost:
+        """The next outputs of any engine, or the loss of one; raises `EngineDeadError`
+        once all are gone."""
+        self._ensure_started()
+        assert self.outputs_queue is not None
+        item = await self.outputs_queue.get()
+        if isinstance(item, Exception):
+            self.outputs_queue.put_nowait(item)  # every later call fails the same way
+            raise item
+        return item
+
+    # ---- inputs ---------------------------------------------------------------------
+
+    async def add_request_async(self, request: EngineCoreRequest,
+                                engine_index: int | None = None) -> int:
+        """Sends a request to `engine_index`, or where the router says; returns the engine.
+        Raises EngineDeadError if that engine (or every engine) is gone."""
+        self._ensure_started()
+        if engine_index is None:
+            alive = [engine.is_alive() and i not in self._lost
+                     for i, engine in enumerate(self.engines)]
+            if not any(alive):
+                raise self.dead_error or EngineDeadError("No engine core is alive.")
+            hashes = prefix_block_hashes(request, self.block_size)
+            engine_index = self.router.choose(hashes, self.loads, alive)
+            self.router.record(engine_index, hashes)
+        elif not 0 <= engine_index < len(self.engines):
+            raise ValueError(f"data_parallel_rank {engine_index} is out of range: this "
+                             f"server runs {len(self.engines)} engine cores.")
+        await self.engines[engine_index].add_request_async(request)
+        if engine_index in self._lost:  # it died while the request was being sent
+            raise self._lost[engine_index]
+        self._request_engine[request.request_id] = engine_index
+        self.loads[engine_index] += 1
+        return engine_index
+
+    def _untrack(self, request_id: str) -> int | None:
+        index = self._request_engine.pop(request_id, None)
+        if index is not None:
+            self.loads[index] -= 1
+        return index
+
+    def _by_engine(self, request_ids: list[str]) -> dict[int, list[str]]:
+        """Forgets the requests, grouped by the live engine that holds them."""
+        groups: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            index = self._untrack(request_id)
+            if index is not None and self.engines[index].is_alive():
+                groups.setdefault(index, []).append(request_id)
+        return groups
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        for index, ids in self._by_engine(request_ids).items():
+            await self.engines[index].abort_requests_async(ids)
+
+    async def stop_requests_async(self, request_ids: list[str]) -> None:
+        for index, ids in self._by_engine(request_ids).items():
+            await self.engines[index].stop_requests_async(ids)
+
+    async def reset_prefix_cache_async(self) -> bool:
+        """Resets every live engine's prefix cache (True if all succeeded)."""
+        self.router.forget()
+        results = [await engine.reset_prefix_cache_async()
+                   for engine in self.engines if engine.is_alive()]
+        return all(results)

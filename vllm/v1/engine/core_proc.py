@@ -230,6 +230,15 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _bind_cpus(cpu_ids: tuple[int, ...] | None) -> None:
+    """A data-parallel engine core runs on its own cores, one torch thread each; its
+    tensor-parallel ranks (processes it starts) inherit the set and split it."""
+    if cpu_ids:
+        os.sched_setaffinity(0, cpu_ids)
+        torch.set_num_threads(len(cpu_ids))
+        logger.info("Engine core bound to CPUs %s.", ",".join(map(str, cpu_ids)))
+
+
 def run_engine_core(vllm_config: VllmConfig, input_addr: str, output_addr: str,
                     ready_pipe: Connection, parent_pid: int) -> None:
     """Process entry point: build the engine, report ready (or why not), then loop."""
@@ -244,6 +253,7 @@ def run_engine_core(vllm_config: VllmConfig, input_addr: str, output_addr: str,
 
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
+        _bind_cpus(vllm_config.parallel_config.cpu_ids)
         core = EngineCore(vllm_config)
         proc = EngineCoreProc(core, input_addr, output_addr, parent_pid)
     except Exception as e:

@@ -8,6 +8,7 @@ import dataclasses
 from typing import Any, NamedTuple
 
 from vllm.config import ModelConfig
+from vllm.inputs.parse import ParsedPrompt
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.transformers_utils.tokenizer import get_tokenizer
 from vllm.v1.engine import EngineCoreRequest
@@ -37,6 +38,18 @@ def fan_out(request: EngineCoreRequest, n: int, output_kind: RequestOutputKind
                                                                  index))
                 for index in range(n)]
     return parent, children
+
+
+def register_request(output_processor: OutputProcessor, request: EngineCoreRequest,
+                     parsed: ParsedPrompt, parent: ParentRequest | None, index: int,
+                     queue: Any = None, external_id: str | None = None) -> None:
+    """Registers one engine-core request (a child when n > 1) with the output processor:
+    the one registration `LLMEngine` and `AsyncLLM` share."""
+    output_processor.add_request(
+        request.request_id, parsed.prompt, parsed.prompt_token_ids, request.num_prompt_tokens,
+        request.sampling_params, parent, index, queue=queue,
+        encoder_prompt=parsed.encoder_prompt,
+        encoder_prompt_token_ids=parsed.encoder_prompt_token_ids, external_id=external_id)
 
 
 class FrontEnd(NamedTuple):

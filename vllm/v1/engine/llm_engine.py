@@ -9,11 +9,20 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.core import EngineCore
-from vllm.v1.engine.front_end import build_front_end, fan_out
+from vllm.v1.engine.front_end import build_front_end, fan_out, register_request
 
 
 class LLMEngine:
+    """One engine core in this process (offline `LLM`, offline pipelines)."""
+
     def __init__(self, vllm_config: VllmConfig) -> None:
+        dp = vllm_config.parallel_config.data_parallel_size
+        if dp > 1:
+            raise ValueError(
+                f"data_parallel_size={dp}: offline LLM runs one engine core in this process. "
+                f"Serve with `vllm serve MODEL --data-parallel-size {dp}` (N engine cores "
+                "behind one server), or start one LLM per process yourself, as vLLM does "
+                "offline.")
         self.vllm_config = vllm_config
         self.tokenizer, self.processor, self.output_processor = build_front_end(
             vllm_config.model_config)
@@ -31,11 +40,7 @@ class LLMEngine:
                                                         arrival_time)
         parent, requests = fan_out(request, params.n, params.output_kind)
         for index, core_request in enumerate(requests):
-            self.output_processor.add_request(
-                core_request.request_id, parsed.prompt, parsed.prompt_token_ids,
-                core_request.num_prompt_tokens, core_request.sampling_params, parent, index,
-                encoder_prompt=parsed.encoder_prompt,
-                encoder_prompt_token_ids=parsed.encoder_prompt_token_ids)
+            register_request(self.output_processor, core_request, parsed, parent, index)
             self.engine_core.add_request(core_request)
 
     def abort_request(self, request_ids: list[str]) -> None:

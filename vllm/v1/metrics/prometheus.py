@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from vllm.v1.engine import SchedulerStats
@@ -17,48 +19,72 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 AUDIO_ENDPOINTS = ("transcriptions", "translations")
 
 
+class _EngineMetrics:
+    """One engine core's series of every engine metric (label `engine`, as vLLM's)."""
+
+    def __init__(self, families: dict[str, Any], model_name: str, engine: int) -> None:
+        label = (model_name, str(engine))
+        self.running = families["running"].labels(*label)
+        self.waiting = families["waiting"].labels(*label)
+        self.kv_usage = families["kv_usage"].labels(*label)
+        self.hit_rate = families["hit_rate"].labels(*label)
+        self.prefix_queries = families["prefix_queries"].labels(*label)
+        self.prefix_hits = families["prefix_hits"].labels(*label)
+        self.preemptions = families["preemptions"].labels(*label)
+        self.prompt_tokens = families["prompt_tokens"].labels(*label)
+        self.generation_tokens = families["generation_tokens"].labels(*label)
+        self.success = {r: families["success"].labels(*label, r) for r in FINISH_REASONS}
+        self.ttft = families["ttft"].labels(*label)
+        self.itl = families["itl"].labels(*label)
+        self.e2e = families["e2e"].labels(*label)
+        # The core reports preemptions as a running total; the hit rate is since start.
+        self.queries = self.hits = self.num_preemptions = 0
+
+
 class PrometheusStatLogger:
     """Turns scheduler snapshots and iteration stats into Prometheus metrics.
 
-    Every metric carries a `model_name` label; `render()` gives the text exposition format.
+    Every metric carries a `model_name` label; those of the engine cores also an `engine`
+    label (the data-parallel index, "0" with one engine), so per-engine values sum to the
+    server's totals. `render()` gives the text exposition format.
     """
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, num_engines: int = 1) -> None:
         self.registry = CollectorRegistry()
-        reg, names, label = self.registry, ["model_name"], (model_name,)
-        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch.",
-                             names, registry=reg).labels(*label)
-        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.",
-                             names, registry=reg).labels(*label)
-        self.kv_usage = Gauge("vllm:kv_cache_usage_perc",
+        reg, names = self.registry, ["model_name", "engine"]
+        families: dict[str, Any] = {
+            "running": Gauge("vllm:num_requests_running", "Requests in the running batch.",
+                             names, registry=reg),
+            "waiting": Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.",
+                             names, registry=reg),
+            "kv_usage": Gauge("vllm:kv_cache_usage_perc",
                               "Fraction of KV cache blocks in use (1 = full).",
-                              names, registry=reg).labels(*label)
-        self.hit_rate = Gauge("vllm:prefix_cache_hit_rate",
+                              names, registry=reg),
+            "hit_rate": Gauge("vllm:prefix_cache_hit_rate",
                               "Prefix-cache hits / queries, in tokens, since start.",
-                              names, registry=reg).labels(*label)
-        self.prefix_queries = Counter("vllm:prefix_cache_queries",
+                              names, registry=reg),
+            "prefix_queries": Counter("vllm:prefix_cache_queries",
                                       "Prompt tokens looked up in the prefix cache.",
-                                      names, registry=reg).labels(*label)
-        self.prefix_hits = Counter("vllm:prefix_cache_hits",
+                                      names, registry=reg),
+            "prefix_hits": Counter("vllm:prefix_cache_hits",
                                    "Prompt tokens found in the prefix cache.",
-                                   names, registry=reg).labels(*label)
-        self.preemptions = Counter("vllm:num_preemptions", "Requests preempted.",
-                                   names, registry=reg).labels(*label)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefilled prompt tokens.",
-                                     names, registry=reg).labels(*label)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.",
-                                         names, registry=reg).labels(*label)
-        success = Counter("vllm:request_success", "Finished requests, by finish reason.",
-                          ["model_name", "finished_reason"], registry=reg)
-        self.success = {r: success.labels(model_name, r) for r in FINISH_REASONS}
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.",
-                              names, buckets=_TTFT_BUCKETS, registry=reg).labels(*label)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens.",
-                             names, buckets=_ITL_BUCKETS, registry=reg).labels(*label)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.",
-                             names, buckets=_E2E_BUCKETS, registry=reg).labels(*label)
-        self._queries = self._hits = 0
-        self._num_preemptions = 0
+                                   names, registry=reg),
+            "preemptions": Counter("vllm:num_preemptions", "Requests preempted.",
+                                   names, registry=reg),
+            "prompt_tokens": Counter("vllm:prompt_tokens", "Prefilled prompt tokens.",
+                                     names, registry=reg),
+            "generation_tokens": Counter("vllm:generation_tokens", "Generated tokens.",
+                                         names, registry=reg),
+            "success": Counter("vllm:request_success", "Finished requests, by finish reason.",
+                               [*names, "finished_reason"], registry=reg),
+            "ttft": Histogram("vllm:time_to_first_token_seconds", "Time to first token.",
+                              names, buckets=_TTFT_BUCKETS, registry=reg),
+            "itl": Histogram("vllm:inter_token_latency_seconds", "Time between output tokens.",
+                             names, buckets=_ITL_BUCKETS, registry=reg),
+            "e2e": Histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.",
+                             names, buckets=_E2E_BUCKETS, registry=reg),
+        }
+        self.engines = [_EngineMetrics(families, model_name, i) for i in range(num_engines)]
         self._add_audio_metrics(model_name)
 
     def _add_audio_metrics(self, model_name: str) -> None:
@@ -86,35 +112,37 @@ class PrometheusStatLogger:
             self.audio_latency.observe(latency)
 
     def record(self, scheduler_stats: SchedulerStats | None,
-               iteration_stats: IterationStats | None) -> None:
+               iteration_stats: IterationStats | None, engine_index: int = 0) -> None:
         if scheduler_stats is not None:
-            self._record_scheduler(scheduler_stats)
+            self._record_scheduler(scheduler_stats, self.engines[engine_index])
         if iteration_stats is not None:
-            self._record_iteration(iteration_stats)
+            self._record_iteration(iteration_stats, self.engines[engine_index])
 
-    def _record_scheduler(self, stats: SchedulerStats) -> None:
-        self.running.set(stats.num_running_reqs)
-        self.waiting.set(stats.num_waiting_reqs)
-        self.kv_usage.set(stats.kv_cache_usage)
-        self.prefix_queries.inc(stats.prefix_cache_queries)
-        self.prefix_hits.inc(stats.prefix_cache_hits)
-        self._queries += stats.prefix_cache_queries
-        self._hits += stats.prefix_cache_hits
-        self.hit_rate.set(self._hits / self._queries if self._queries else 0.0)
-        if stats.num_preemptions > self._num_preemptions:  # the core reports a running total
-            self.preemptions.inc(stats.num_preemptions - self._num_preemptions)
-            self._num_preemptions = stats.num_preemptions
+    @staticmethod
+    def _record_scheduler(stats: SchedulerStats, series: _EngineMetrics) -> None:
+        series.running.set(stats.num_running_reqs)
+        series.waiting.set(stats.num_waiting_reqs)
+        series.kv_usage.set(stats.kv_cache_usage)
+        series.prefix_queries.inc(stats.prefix_cache_queries)
+        series.prefix_hits.inc(stats.prefix_cache_hits)
+        series.queries += stats.prefix_cache_queries
+        series.hits += stats.prefix_cache_hits
+        series.hit_rate.set(series.hits / series.queries if series.queries else 0.0)
+        if stats.num_preemptions > series.num_preemptions:
+            series.preemptions.inc(stats.num_preemptions - series.num_preemptions)
+            series.num_preemptions = stats.num_preemptions
 
-    def _record_iteration(self, stats: IterationStats) -> None:
-        self.prompt_tokens.inc(stats.num_prompt_tokens)
-        self.generation_tokens.inc(stats.num_generation_tokens)
+    def _record_iteration(self, stats: IterationStats, series: _EngineMetrics) -> None:
+        series.prompt_tokens.inc(stats.num_prompt_tokens)
+        series.generation_tokens.inc(stats.num_generation_tokens)
         for ttft in stats.time_to_first_tokens:
-            self.ttft.observe(ttft)
+            series.ttft.observe(ttft)
         for itl in stats.inter_token_latencies:
-            self.itl.observe(itl)
+            series.itl.observe(itl)
         for finished in stats.finished_requests:
-            self.success[finished.finish_reason].inc()
-            self.e2e.observe(finished.e2e_latency)
+            served = self.engines[finished.engine_index]
+            served.success[finished.finish_reason].inc()
+            served.e2e.observe(finished.e2e_latency)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -13,11 +13,14 @@ class FinishedRequestStats:
     e2e_latency: float  # seconds from arrival to the last output
     num_prompt_tokens: int
     num_generation_tokens: int
+    engine_index: int = 0  # the data-parallel engine core that served it
 
 
 @dataclass(slots=True)
 class IterationStats:
-    """What one batch of engine-core outputs added: token counts and latencies (seconds)."""
+    """What one batch of engine-core outputs added: token counts and latencies (seconds).
+    Token counts and latencies are of the engine that sent the outputs; each finished
+    request names its own engine (requests ended here may come from several)."""
 
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
@@ -30,6 +33,7 @@ class IterationStats:
 class _RequestTimes:
     arrival_time: float
     num_prompt_tokens: int
+    engine_index: int
     num_generation_tokens: int = 0
     last_token_time: float | None = None
 
@@ -45,8 +49,10 @@ class RequestStatsTracker:
     def __init__(self) -> None:
         self._requests: dict[str, _RequestTimes] = {}
 
-    def add(self, request_id: str, arrival_time: float, num_prompt_tokens: int) -> None:
-        self._requests[request_id] = _RequestTimes(arrival_time, num_prompt_tokens)
+    def add(self, request_id: str, arrival_time: float, num_prompt_tokens: int,
+            engine_index: int = 0) -> None:
+        self._requests[request_id] = _RequestTimes(arrival_time, num_prompt_tokens,
+                                                   engine_index)
 
     def update(self, outputs: EngineCoreOutputs, now: float) -> IterationStats:
         stats = IterationStats()
@@ -69,8 +75,8 @@ class RequestStatsTracker:
         return stats
 
     def end(self, request_ids: list[str], reason: str, now: float) -> IterationStats:
-        """Stats for requests ended in the API process: "abort" (client gone, user abort)
-        or "stop" (a stop string matched)."""
+        """Stats for requests ended in the API process: "abort" (client gone, user abort),
+        "stop" (a stop string matched) or "error" (their engine core died)."""
         stats = IterationStats()
         for request_id in request_ids:
             if request_id in self._requests:
@@ -80,4 +86,4 @@ class RequestStatsTracker:
     def _finish(self, request_id: str, reason: str, now: float) -> FinishedRequestStats:
         times = self._requests.pop(request_id)
         return FinishedRequestStats(reason, now - times.arrival_time, times.num_prompt_tokens,
-                                    times.num_generation_tokens)
+                                    times.num_generation_tokens, times.engine_index)
