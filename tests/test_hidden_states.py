@@ -211,7 +211,7 @@ def test_cache_bytes_come_out_of_the_kv_budget(llm, tiny_llama_dir, caplog):
         llm.llm_engine.vllm_config.cache_config.num_blocks, 16, 64)
     assert llm.llm_engine.vllm_config.cache_config.num_blocks == budget // (
         kv_bytes + stage_bytes)
-    with caplog.at_level(logging.INFO, logger="vllm.v1.executor.uniproc"):
+    with caplog.at_level(logging.INFO, logger="vllm.v1.worker.worker"):
         plain = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=budget,
                     max_model_len=256)
         assert plain.llm_engine.vllm_config.cache_config.num_blocks == budget // kv_bytes

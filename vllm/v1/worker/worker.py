@@ -65,8 +65,13 @@ class Worker:
         user's process and leaves it alone)."""
         if self.world_size == 1:
             return
-        cpus = cpus_for_rank(os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), self.local_rank,
-                             self.local_world_size)
+        engine_cpus = self.vllm_config.parallel_config.cpu_ids
+        if engine_cpus is not None:  # a data-parallel engine's cores: its ranks split them
+            cpus = cpus_for_rank("auto", self.local_rank, self.local_world_size,
+                                 available=list(engine_cpus))
+        else:
+            cpus = cpus_for_rank(os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), self.local_rank,
+                                 self.local_world_size)
         if cpus is None:
             return
         os.sched_setaffinity(0, cpus)
