@@ -222,3 +222,55 @@ def test_ray_backend_equals_one_rank(tiny_llama_dir) -> None:
         os.environ.clear()
         os.environ.update(environ)
     _assert_same(one, two)
+
+
+@pytest.mark.parametrize("layer_kind", ["row", "qkv"])
+def test_gguf_block_codes_shard_like_their_weights(layer_kind: str) -> None:
+    """GGUF codes go through the layers' own slicing: the ranks' quantized products put
+    together (summed for a row-parallel layer, concatenated per part for q/k/v) equal the
+    one-rank layer's, up to float summation order."""
+    from tests.test_gguf_blocks import _random_codes
+    from vllm.distributed import parallel_state
+    from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
+
+    class FakeGroup:
+        def __init__(self, rank: int, size: int) -> None:
+            self.rank_in_group, self.world_size = rank, size
+
+    def build(rank: int, size: int):
+        parallel_state._TP = FakeGroup(rank, size)  # type: ignore[assignment]
+        if layer_kind == "row":
+            layer = RowParallelLinear(256, 64, bias=False)
+            parts = [(None, _random_codes(64, 256, 4))]
+        else:
+            layer = QKVParallelLinear(64, 16, 4, 2, bias=False)  # q 64 rows, k/v 32 each
+            parts = [("q", _random_codes(64, 64, 4, seed=1)),
+                     ("k", _random_codes(32, 64, 4, seed=2)),
+                     ("v", _random_codes(32, 64, 4, seed=3))]
+        assert layer.weight is not None
+        for shard_id, codes in parts:
+            dense = torch.from_numpy(codes.dequantize())
+            layer.weight_loader(layer.weight, dense, shard_id)
+            layer.add_block_codes(codes, shard_id)
+        kind = layer.process_weights_after_loading("gguf", pack=False)
+        return layer, kind
+
+    original = parallel_state._TP
+    try:
+        x = torch.randn(3, 256 if layer_kind == "row" else 64, generator=torch.Generator()
+                        .manual_seed(0))
+        one, kind = build(0, 1)
+        assert kind.startswith("gguf")
+        reference = one.linear(x, None)
+        ranks = [build(r, 2)[0] for r in range(2)]
+        if layer_kind == "row":
+            got = sum(layer.linear(x[:, r * 128:(r + 1) * 128], None)
+                      for r, layer in enumerate(ranks))
+        else:  # rank r: q heads 2r, 2r+1 (32 rows), k head r, v head r (16 rows each)
+            outs = [layer.linear(x, None) for layer in ranks]
+            got = torch.cat([torch.cat([o[:, :32] for o in outs], 1),
+                             torch.cat([o[:, 32:48] for o in outs], 1),
+                             torch.cat([o[:, 48:] for o in outs], 1)], 1)
+        torch.testing.assert_close(got, reference, rtol=1e-4, atol=1e-4)
+    finally:
+        parallel_state._TP = original
