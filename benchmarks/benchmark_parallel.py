@@ -138,9 +138,6 @@ def _default_size_model(path: str) -> str:
 
     if os.path.exists(os.path.join(path, "config.json")):
         return path
-    from tests.model_factory import make_tiny_tokenizer
-
-    make_tiny_tokenizer(path)
     config = transformers.LlamaConfig(
         vocab_size=49152, hidden_size=HIDDEN, intermediate_size=1536, num_hidden_layers=30,
         num_attention_heads=8, num_key_value_heads=4, head_dim=64,
@@ -165,7 +162,8 @@ def _workload_proc(path: str, tp: int, threads: int, cpus: list[int] | None,
         os.sched_setaffinity(0, cpus)
     torch.set_num_threads(threads)
     llm = LLM(path, tensor_parallel_size=tp, max_model_len=512, max_num_seqs=64,
-              kv_cache_memory_bytes=512 * 2**20, enable_prefix_caching=False)
+              kv_cache_memory_bytes=512 * 2**20, enable_prefix_caching=False,
+              skip_tokenizer_init=True)  # random ids in, ids out
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     warm = [{"prompt_token_ids": p} for p in prompts[:2]]
     llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
