@@ -274,3 +274,36 @@ def test_gguf_block_codes_shard_like_their_weights(layer_kind: str) -> None:
         torch.testing.assert_close(got, reference, rtol=1e-4, atol=1e-4)
     finally:
         parallel_state._TP = original
+
+
+def test_numa_placement_and_memory_binding() -> None:
+    """`auto` with two visible nodes: ranks fill the nodes in order and split each node's
+    cores; `CPU_VISIBLE_MEMORY_NODES` must name nodes that exist; binding memory to this
+    machine's node 0 (in a child process) sets an MPOL_BIND policy on it."""
+    import subprocess
+    import sys
+
+    from vllm.distributed.utils import memory_node_for_rank, visible_memory_nodes
+
+    nodes = {0: list(range(8)), 1: list(range(8, 16))}
+    visible = visible_memory_nodes(nodes, env="")
+    assert visible == [0, 1]
+    assert [memory_node_for_rank(r, 4, visible) for r in range(4)] == [0, 0, 1, 1]
+    place = [cpus_for_rank("auto", r, 4, available=list(range(16)), nodes=nodes,
+                           visible=visible) for r in range(4)]
+    assert place == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert visible_memory_nodes({0: [0, 1]}, env="") is None  # one node: nothing to place
+    assert visible_memory_nodes(nodes, env="1") == [1]
+    with pytest.raises(ValueError, match=r"names NUMA node\(s\) \[2\]"):
+        visible_memory_nodes(nodes, env="0,2")
+    probe = ("import ctypes, platform\n"
+             "from vllm.distributed.utils import bind_memory_to_node\n"
+             "bind_memory_to_node(0)\n"
+             "mode, mask = ctypes.c_int(), ctypes.c_ulong()\n"
+             "number = {'x86_64': 239, 'aarch64': 236}[platform.machine()]\n"
+             "libc = ctypes.CDLL(None)\n"
+             "assert libc.syscall(number, ctypes.byref(mode), ctypes.byref(mask), 64, 0, 0) == 0\n"
+             "print(mode.value, mask.value)\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["2", "1"]  # MPOL_BIND, node 0

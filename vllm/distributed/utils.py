@@ -91,19 +91,67 @@ def parse_cpu_ranges(text: str) -> list[int]:
     return cpus
 
 
-def cpus_for_rank(bind: str | None, rank: int, world_size: int,
-                  available: list[int] | None = None) -> list[int] | None:
-    """The cores a CPU rank runs on, from vLLM's `VLLM_CPU_OMP_THREADS_BIND`:
-    `auto` (or unset with more than one rank) splits this process's cores evenly in
-    order; `0-7|8-15` lists each rank's cores; `all` / `nobind` leaves threads unbound.
-    None means: do not bind.
+def numa_node_cpus(root: str = "/sys/devices/system/node") -> dict[int, list[int]]:
+    """NUMA node -> its CPUs, from sysfs ({} where sysfs has no nodes)."""
+    nodes: dict[int, list[int]] = {}
+    if not os.path.isdir(root):
+        return nodes
+    for entry in sorted(os.listdir(root)):
+        if entry.startswith("node") and entry[4:].isdigit():
+            with open(os.path.join(root, entry, "cpulist")) as f:
+                nodes[int(entry[4:])] = parse_cpu_ranges(f.read().strip())
+    return nodes
 
-    Example: 16 cores, `auto`, 2 ranks -> rank 0 [0..7], rank 1 [8..15].
+
+def visible_memory_nodes(nodes: dict[int, list[int]] | None = None,
+                         env: str | None = None) -> list[int] | None:
+    """The NUMA nodes ranks are placed on: vLLM's `CPU_VISIBLE_MEMORY_NODES` ("0,1"), else
+    every node where there are several; None on a single-node machine."""
+    nodes = numa_node_cpus() if nodes is None else nodes
+    text = os.environ.get("CPU_VISIBLE_MEMORY_NODES") if env is None else env
+    if text:
+        visible = parse_cpu_ranges(text)
+        unknown = sorted(set(visible) - set(nodes))
+        if unknown:
+            raise ValueError(f"CPU_VISIBLE_MEMORY_NODES={text!r} names NUMA node(s) {unknown}; "
+                             f"this machine has {sorted(nodes) or 'none'}.")
+        return visible
+    return sorted(nodes) if len(nodes) > 1 else None
+
+
+def memory_node_for_rank(rank: int, world_size: int,
+                         visible: list[int] | None) -> int | None:
+    """The NUMA node of `rank`: ranks fill the visible nodes in order, in equal groups
+    (4 ranks on nodes [0, 1]: 0, 0, 1, 1)."""
+    if not visible:
+        return None
+    return visible[rank * len(visible) // world_size]
+
+
+def cpus_for_rank(bind: str | None, rank: int, world_size: int,
+                  available: list[int] | None = None,
+                  nodes: dict[int, list[int]] | None = None,
+                  visible: list[int] | None = None) -> list[int] | None:
+    """The cores a CPU rank runs on, from vLLM's `VLLM_CPU_OMP_THREADS_BIND`:
+    `auto` (or unset with more than one rank) places ranks on the visible NUMA nodes
+    (`visible_memory_nodes`; each node's cores split among its ranks) or, on one node,
+    splits this process's cores evenly in order; `0-7|8-15` lists each rank's cores;
+    `all` / `nobind` leaves threads unbound. None means: do not bind.
+
+    Example: 16 cores on one node, `auto`, 2 ranks -> rank 0 [0..7], rank 1 [8..15]; nodes
+    {0: [0..7], 1: [8..15]} and 4 ranks -> ranks 0, 1 on node 0 ([0..3], [4..7]).
     """
     if bind in ("all", "nobind") or (bind is None and world_size == 1):
         return None
     if bind is None or bind == "auto":
         cpus = available if available is not None else usable_cpus()
+        if visible:
+            node = visible[rank * len(visible) // world_size]  # memory_node_for_rank
+            node_cpus = (nodes if nodes is not None else numa_node_cpus()).get(node, [])
+            sharing = [r for r in range(world_size)
+                       if memory_node_for_rank(r, world_size, visible) == node]
+            cpus = [c for c in cpus if c in set(node_cpus)]
+            world_size, rank = len(sharing), sharing.index(rank)
         if len(cpus) < world_size:
             raise ValueError(f"{world_size} ranks need a core each; {len(cpus)} available.")
         per = len(cpus) // world_size
@@ -113,6 +161,26 @@ def cpus_for_rank(bind: str | None, rank: int, world_size: int,
         raise ValueError(f"VLLM_CPU_OMP_THREADS_BIND={bind!r} lists {len(lists)} core sets "
                          f"for {world_size} ranks; give one per rank, separated by '|'.")
     return parse_cpu_ranges(lists[rank])
+
+
+_MPOL_BIND = 2
+_SYS_SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237}
+
+
+def bind_memory_to_node(node: int) -> None:
+    """This process's future allocations come from NUMA node `node` (set_mempolicy
+    MPOL_BIND; Linux x86-64 and arm64)."""
+    import ctypes
+    import platform
+
+    number = _SYS_SET_MEMPOLICY.get(platform.machine())
+    if number is None:
+        raise OSError(f"set_mempolicy: unknown system call number on {platform.machine()}")
+    mask = ctypes.c_ulong(1 << node)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(number, _MPOL_BIND, ctypes.byref(mask), ctypes.c_ulong(node + 2)) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"set_mempolicy(MPOL_BIND, node {node}): {os.strerror(errno)}")
 
 
 def engine_cpus(bind: str | None, engine: int, num_engines: int,

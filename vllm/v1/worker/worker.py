@@ -11,7 +11,12 @@ import os
 import torch
 
 from vllm.config import VllmConfig
-from vllm.distributed.utils import cpus_for_rank
+from vllm.distributed.utils import (
+    bind_memory_to_node,
+    cpus_for_rank,
+    memory_node_for_rank,
+    visible_memory_nodes,
+)
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -65,18 +70,29 @@ class Worker:
         user's process and leaves it alone)."""
         if self.world_size == 1:
             return
+        bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
         engine_cpus = self.vllm_config.parallel_config.cpu_ids
+        visible = visible_memory_nodes() if bind in (None, "auto") else None
         if engine_cpus is not None:  # a data-parallel engine's cores: its ranks split them
             cpus = cpus_for_rank("auto", self.local_rank, self.local_world_size,
                                  available=list(engine_cpus))
+            visible = None
         else:
-            cpus = cpus_for_rank(os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), self.local_rank,
-                                 self.local_world_size)
+            cpus = cpus_for_rank(bind, self.local_rank, self.local_world_size,
+                                 visible=visible)
         if cpus is None:
             return
         os.sched_setaffinity(0, cpus)
         torch.set_num_threads(len(cpus))
-        logger.info("Rank %d bound to CPUs %s (%d threads).", self.rank, cpus, len(cpus))
+        node = memory_node_for_rank(self.local_rank, self.local_world_size, visible)
+        if node is not None:
+            try:
+                bind_memory_to_node(node)
+            except OSError as e:
+                logger.warning("Rank %d: memory not bound to NUMA node %d: %s", self.rank,
+                               node, e)
+        logger.info("Rank %d bound to CPUs %s (%d threads)%s.", self.rank, cpus, len(cpus),
+                    f", memory on NUMA node {node}" if node is not None else "")
 
     @property
     def runner(self) -> GPUModelRunner:
