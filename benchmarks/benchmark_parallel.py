@@ -132,14 +132,17 @@ def run_allreduce(args: argparse.Namespace) -> None:
               f"{r.shm_us * ALL_REDUCES_PER_STEP / 1e3:>12.2f}")
 
 
-def _default_size_model(path: str) -> str:
-    """A random-weight Llama of the default model's size that 2 ranks can split."""
+def _default_size_model(path: str, twin: bool = False) -> str:
+    """A random-weight Llama of the default model's size that 2 ranks can split; `twin`:
+    the same layers, heads and ops with almost no weights (hidden 64, MLP 64, vocabulary
+    512), whose step time is the per-step cost that does not scale with the weights."""
     import transformers
 
     if os.path.exists(os.path.join(path, "config.json")):
         return path
+    hidden, inter, vocab = (64, 64, 512) if twin else (HIDDEN, 1536, 49152)
     config = transformers.LlamaConfig(
-        vocab_size=49152, hidden_size=HIDDEN, intermediate_size=1536, num_hidden_layers=30,
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=30,
         num_attention_heads=8, num_key_value_heads=4, head_dim=64,
         max_position_embeddings=2048, tie_word_embeddings=True, torch_dtype="bfloat16")
     torch.manual_seed(0)
@@ -213,6 +216,7 @@ def run_workload(args: argparse.Namespace) -> None:
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, 49000, (args.prompt_len,), generator=gen).tolist()
                for _ in range(args.num_prompts)]
+    twin = _default_size_model(path + "-twin", twin=True)
     ctx = mp.get_context("spawn")
     configs = {
         "tp1 x2": [(1, 2, cpus[:2])],
@@ -222,6 +226,8 @@ def run_workload(args: argparse.Namespace) -> None:
     }
     runs = {name: _run_config(ctx, path, parts, prompts, args.max_tokens)
             for name, parts in configs.items()}
+    small = [[t % 500 for t in p] for p in prompts]
+    runs["twin x1"] = _run_config(ctx, twin, [(1, 1, cpus[:1])], small, args.max_tokens)
     base = runs["tp1 x2"]
     print(f"\nDefault-size workload: {args.num_prompts} requests x {args.prompt_len} prompt + "
           f"{args.max_tokens} generated tokens; one request's decode after")
@@ -240,6 +246,13 @@ def run_workload(args: argparse.Namespace) -> None:
     if measured:  # this run's --allreduce: one-token all-reduce x 62
         step_comm_us = measured[0].shm_us * 62
     comm = step_comm_us / 1e3
+    fixed_ms = 1e3 / runs["twin x1"].decode_tok_s
+    weights_ms = one_thread_ms - fixed_ms
+    print(f"\nScaling model, one-request decode step = F + W / ranks + C: F (per-step work "
+          f"every rank repeats: Python, op dispatch; the weightless twin at 1 thread) "
+          f"{fixed_ms:.2f} ms, W (weights: streaming and multiplying, tp1 x1 - F) "
+          f"{weights_ms:.2f} ms, C (collectives) {comm:.2f} ms -> predicted tp2 "
+          f"{fixed_ms + weights_ms / 2 + comm:.2f} ms, measured {tp2_ms:.2f} ms")
     print(f"\nOne-request decode step: tp1 x1 {one_thread_ms:.2f} ms, tp2 {tp2_ms:.2f} ms, "
           f"ideal tp2 (half of tp1 x1) {one_thread_ms / 2:.2f} ms; overhead "
           f"{overhead:.2f} ms = communication ~{comm:.2f} ms (62 collectives at "
