@@ -9,7 +9,10 @@ event loop, so an engine that dies (or is killed) turns into `EngineDeadError` f
 waiter instead of a hang.
 
 `DPAsyncMPClient` (data parallel) holds several of them behind the same calls: requests
-routed by `dp_router`, outputs merged, one engine's death reported as `EngineLost`.
+routed by `dp_router`, outputs merged, one engine's death reported as `EngineLost`. With the
+`ray` backend its engine cores run in Ray actors (`ray_engines`), maybe on other machines:
+the sockets are then TCP on this machine's address, and a failed actor call stands in for
+the process sentinel. `EngineProcess` and `ray_engines.RayEngine` are the two handles.
 """
 
 from __future__ import annotations
@@ -23,10 +26,10 @@ import os
 import shutil
 import tempfile
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import wait
-from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 import zmq
@@ -50,6 +53,9 @@ from vllm.v1.engine.wire import (
 )
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
+if TYPE_CHECKING:
+    from vllm.v1.engine.ray_engines import RayEngines
+
 logger = logging.getLogger(__name__)
 
 
@@ -64,16 +70,102 @@ class EngineDeadError(RuntimeError):
     """The engine-core process is gone; no request can make progress."""
 
 
-def _stop_process(proc: BaseProcess, ctx: zmq.Context, tmpdir: str) -> None:
-    """Terminates the engine process and frees the sockets (also run at interpreter exit)."""
-    if proc.is_alive():
-        proc.terminate()
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(5)
+class EngineHandle(Protocol):
+    """Where an engine core runs: started, ready or not, alive or not, stopped."""
+
+    def wait_ready(self) -> int:
+        """Waits for the handshake; returns the KV cache blocks, raises RuntimeError."""
+        ...
+
+    def watch(self, loop: asyncio.AbstractEventLoop, on_exit: Callable[[], None]) -> None:
+        """Calls `on_exit` on `loop` once the engine core is gone."""
+        ...
+
+    def unwatch(self, loop: asyncio.AbstractEventLoop) -> None: ...
+
+    def is_alive(self) -> bool: ...
+
+    def exit_message(self) -> str:
+        """Why the engine core is gone (after `on_exit`)."""
+        ...
+
+    def stop(self) -> None: ...
+
+
+class EngineProcess:
+    """An engine core in a spawned local process: the handshake comes over a pipe, its
+    death is the process sentinel."""
+
+    def __init__(self, vllm_config: VllmConfig, name: str, input_addr: str,
+                 output_addr: str) -> None:
+        self.name = name
+        mp = multiprocessing.get_context("spawn")
+        self._ready_reader, writer = mp.Pipe(duplex=False)
+        index = vllm_config.parallel_config.data_parallel_rank
+        self.proc = mp.Process(target=_engine_core_main, name=f"EngineCore_{index}",
+                               args=(vllm_config, input_addr, output_addr, writer, os.getpid()))
+        try:
+            self.proc.start()
+        except BaseException:
+            self._ready_reader.close()
+            raise
+        finally:
+            writer.close()
+
+    def wait_ready(self) -> int:
+        try:
+            ready = wait([self._ready_reader, self.proc.sentinel])
+            if self._ready_reader not in ready:
+                self.proc.join(5)
+                raise RuntimeError(f"{self.name} process exited with code "
+                                   f"{self.proc.exitcode} before it was ready.")
+            try:
+                message = msgspec.msgpack.decode(self._ready_reader.recv_bytes())
+            except EOFError:
+                raise RuntimeError(f"{self.name} process exited before it was ready.") from None
+        finally:
+            self._ready_reader.close()
+        if message.get("status") != "ready":
+            raise RuntimeError(f"{self.name} failed to start: {message.get('error')}")
+        return int(message["num_blocks"])
+
+    def watch(self, loop: asyncio.AbstractEventLoop, on_exit: Callable[[], None]) -> None:
+        loop.add_reader(self.proc.sentinel, on_exit)
+        if not self.proc.is_alive():
+            on_exit()
+
+    def unwatch(self, loop: asyncio.AbstractEventLoop) -> None:
+        loop.remove_reader(self.proc.sentinel)
+
+    def is_alive(self) -> bool:
+        return self.proc.is_alive()
+
+    def exit_message(self) -> str:
+        self.proc.join(1)
+        return (f"{self.name} process exited unexpectedly (exit code "
+                f"{self.proc.exitcode}).")
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(10)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(5)
+
+
+def _stop_engine(handle: EngineHandle, ctx: zmq.Context, tmpdir: str | None) -> None:
+    """Stops the engine core and frees the sockets (also run at interpreter exit)."""
+    handle.stop()
     ctx.destroy(linger=0)
-    shutil.rmtree(tmpdir, ignore_errors=True)
+    if tmpdir is not None:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _bind(socket: zmq.Socket, address: str) -> str:
+    """Binds `socket`; returns the address bound (the port a `tcp://IP:*` got)."""
+    socket.bind(address)
+    return socket.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
 class AsyncMPClient:
@@ -84,37 +176,42 @@ class AsyncMPClient:
         engine_index: this engine's data-parallel rank (names it in errors and outputs).
         wait_ready: wait for the engine's handshake now; False lets a caller start several
             engines before waiting for each (`wait_ready()`).
+        ray_engines: start the engine core in a Ray actor from these (data parallel with
+            the `ray` backend) instead of a local process.
     Attributes:
         num_blocks: KV cache blocks the engine core allocated.
     """
 
     def __init__(self, vllm_config: VllmConfig, engine_index: int = 0,
-                 wait_ready: bool = True) -> None:
+                 wait_ready: bool = True, ray_engines: RayEngines | None = None) -> None:
         self.engine_index = engine_index
         self.name = ("The engine core" if vllm_config.parallel_config.data_parallel_size == 1
                      else f"Engine core {engine_index}")
-        self.tmpdir = tempfile.mkdtemp(prefix="vllm-engine-")
-        input_addr = f"ipc://{os.path.join(self.tmpdir, 'input')}"
-        output_addr = f"ipc://{os.path.join(self.tmpdir, 'output')}"
         self.ctx = zmq.asyncio.Context()
         self.input_socket = self.ctx.socket(zmq.PUSH)
-        self.input_socket.bind(input_addr)
         self.output_socket = self.ctx.socket(zmq.PULL)
-        self.output_socket.bind(output_addr)
-
-        mp = multiprocessing.get_context("spawn")
-        self._ready_reader, writer = mp.Pipe(duplex=False)
-        self.proc = mp.Process(target=_engine_core_main, name=f"EngineCore_{engine_index}",
-                               args=(vllm_config, input_addr, output_addr, writer, os.getpid()))
-        self._finalizer = weakref.finalize(self, _stop_process, self.proc, self.ctx, self.tmpdir)
+        self.tmpdir: str | None = None
         try:
-            self.proc.start()
-        except BaseException:
-            self._ready_reader.close()
-            self._finalizer()
+            if ray_engines is None:  # the engine core on this machine: Unix sockets
+                self.tmpdir = tempfile.mkdtemp(prefix="vllm-engine-")
+                input_addr = _bind(self.input_socket,
+                                   f"ipc://{os.path.join(self.tmpdir, 'input')}")
+                output_addr = _bind(self.output_socket,
+                                    f"ipc://{os.path.join(self.tmpdir, 'output')}")
+                self.handle: EngineHandle = EngineProcess(vllm_config, self.name, input_addr,
+                                                          output_addr)
+            else:  # maybe on another machine: TCP on this one's address, any free port
+                input_addr = _bind(self.input_socket, f"tcp://{ray_engines.node_ip}:*")
+                output_addr = _bind(self.output_socket, f"tcp://{ray_engines.node_ip}:*")
+                self.handle = ray_engines.start(vllm_config, self.name, input_addr,
+                                                output_addr)
+        except BaseException:  # nothing started: free the sockets
+            self.ctx.destroy(linger=0)
+            if self.tmpdir is not None:
+                shutil.rmtree(self.tmpdir, ignore_errors=True)
             raise
-        finally:
-            writer.close()
+        self._finalizer = weakref.finalize(self, _stop_engine, self.handle, self.ctx,
+                                           self.tmpdir)
         self.num_blocks = 0
         self.encoder = MsgpackEncoder()
         self.outputs_decoder = MsgpackDecoder(EngineCoreOutputs)
@@ -131,28 +228,12 @@ class AsyncMPClient:
             self.wait_ready()
 
     def wait_ready(self) -> None:
-        """Waits for the engine's handshake; raises (and stops the process) if it failed."""
+        """Waits for the engine's handshake; raises (and stops the engine) if it failed."""
         try:
-            self.num_blocks = self._read_handshake(self._ready_reader)
+            self.num_blocks = self.handle.wait_ready()
         except BaseException:
             self._finalizer()
             raise
-        finally:
-            self._ready_reader.close()
-
-    def _read_handshake(self, reader: Any) -> int:
-        ready = wait([reader, self.proc.sentinel])
-        if reader not in ready:
-            self.proc.join(5)
-            raise RuntimeError(f"{self.name} process exited with code "
-                               f"{self.proc.exitcode} before it was ready.")
-        try:
-            message = msgspec.msgpack.decode(reader.recv_bytes())
-        except EOFError:
-            raise RuntimeError(f"{self.name} process exited before it was ready.") from None
-        if message.get("status") != "ready":
-            raise RuntimeError(f"{self.name} failed to start: {message.get('error')}")
-        return int(message["num_blocks"])
 
     # ---- lifecycle ------------------------------------------------------------------
 
@@ -163,17 +244,13 @@ class AsyncMPClient:
         self._loop = asyncio.get_running_loop()
         self.outputs_queue = asyncio.Queue()
         self._reader_task = self._loop.create_task(self._read_outputs())
-        self._loop.add_reader(self.proc.sentinel, self._on_process_exit)
-        if not self.proc.is_alive():
-            self._on_process_exit()
+        self.handle.watch(self._loop, self._on_engine_exit)
 
-    def _on_process_exit(self) -> None:
+    def _on_engine_exit(self) -> None:
         if self._loop is not None:
-            self._loop.remove_reader(self.proc.sentinel)
+            self.handle.unwatch(self._loop)
         if not self._closing:
-            self.proc.join(1)
-            self._set_dead(f"{self.name} process exited unexpectedly (exit code "
-                           f"{self.proc.exitcode}).")
+            self._set_dead(self.handle.exit_message())
 
     def _set_dead(self, message: str) -> None:
         if self.dead_error is not None:
@@ -188,7 +265,7 @@ class AsyncMPClient:
         self._pending_calls.clear()
 
     def is_alive(self) -> bool:
-        return self.dead_error is None and self.proc.is_alive()
+        return self.dead_error is None and self.handle.is_alive()
 
     @property
     def engines(self) -> list[AsyncMPClient]:
@@ -206,7 +283,7 @@ class AsyncMPClient:
         if self._reader_task is not None:
             self._reader_task.cancel()
         if self._loop is not None and not self._loop.is_closed():
-            self._loop.remove_reader(self.proc.sentinel)
+            self.handle.unwatch(self._loop)
         self._finalizer()
 
     # ---- outputs --------------------------------------------------------------------
@@ -334,15 +411,22 @@ class DPAsyncMPClient:
     def __init__(self, vllm_config: VllmConfig) -> None:
         num_engines = vllm_config.parallel_config.data_parallel_size
         self.engines: list[AsyncMPClient] = []
+        self._forwarders: list[asyncio.Task] = []
+        self.ray_engines: RayEngines | None = None
+        if vllm_config.parallel_config.distributed_executor_backend == "ray":
+            from vllm.v1.engine.ray_engines import RayEngines
+
+            self.ray_engines = RayEngines(vllm_config)
         try:  # start every engine, then wait for each: they load in parallel
             for index in range(num_engines):
-                self.engines.append(AsyncMPClient(engine_config(vllm_config, index), index,
-                                                  wait_ready=False))
+                config = (engine_config(vllm_config, index) if self.ray_engines is None
+                          else self.ray_engines.engine_config(vllm_config, index))
+                self.engines.append(AsyncMPClient(config, index, wait_ready=False,
+                                                  ray_engines=self.ray_engines))
             for engine in self.engines:
                 engine.wait_ready()
         except BaseException:
-            for engine in self.engines:
-                engine.shutdown()
+            self.shutdown()
             raise
         self.num_blocks = min(engine.num_blocks for engine in self.engines)
         self.block_size = vllm_config.cache_config.block_size
@@ -352,7 +436,6 @@ class DPAsyncMPClient:
         self._lost: dict[int, EngineDeadError] = {}
         self.outputs_queue: asyncio.Queue[EngineCoreOutputs | EngineLost | Exception] | None \
             = None
-        self._forwarders: list[asyncio.Task] = []
 
     # ---- health ---------------------------------------------------------------------
 
@@ -376,6 +459,8 @@ class DPAsyncMPClient:
             task.cancel()
         for engine in self.engines:
             engine.shutdown()
+        if self.ray_engines is not None:
+            self.ray_engines.shutdown()
 
     # ---- outputs --------------------------------------------------------------------
 

@@ -8,7 +8,9 @@ multiprocessing pipe as msgpack bytes.
 The process never outlives the API process that started it: the loop checks its parent
 before every step (not only when idle), sends give up on a peer that is gone instead of
 blocking, and a watchdog thread ends the process if the loop itself is stuck (a long
-step, a full send queue) a few seconds after the parent died.
+step, a full send queue) a few seconds after the parent died. An engine core in a Ray actor
+(`ray_engines`) may be on another machine than the API process, so there "the parent" is
+the API process's end of the output socket (`PeerWatch`) instead of a process id.
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
 import torch
 import zmq
+import zmq.utils.monitor
 
 from vllm.config import VllmConfig
 from vllm.v1.engine import (
@@ -58,6 +62,9 @@ _IDLE_POLL_MS = 1000
 _SEND_TIMEOUT_MS = 1000
 # The watchdog ends the process this long after the parent died if the loop has not.
 _WATCHDOG_GRACE_S = 3.0
+# A remote API process is gone once its end of the output socket has been disconnected
+# (or never connected) for this long; ZMQ reconnects by itself after a short outage.
+_PEER_GRACE_S = 5.0
 
 
 class ParentGone(Exception):
@@ -66,14 +73,20 @@ class ParentGone(Exception):
 
 class ParentWatch:
     """Is the parent still alive? Checked by the loop each step and by a watchdog thread
-    that ends the process (`os._exit`) if the loop does not notice in time."""
+    that ends the process (`os._exit`) if the loop does not notice in time.
 
-    def __init__(self, parent_pid: int) -> None:
-        self.parent_pid = parent_pid
+    Args:
+        alive: the check; it runs before every step, so it must be cheap (`parent_pid` for
+            a local parent, `PeerWatch.alive` for a remote one).
+    """
 
-    def alive(self) -> bool:
+    def __init__(self, alive: Callable[[], bool]) -> None:
+        self.alive = alive
+
+    @classmethod
+    def of_pid(cls, parent_pid: int) -> ParentWatch:
         # Once the parent dies this process is re-parented, so its parent id changes.
-        return os.getppid() == self.parent_pid
+        return cls(lambda: os.getppid() == parent_pid)
 
     def start_watchdog(self) -> None:
         threading.Thread(target=self._watchdog, name="parent-watchdog", daemon=True).start()
@@ -82,8 +95,41 @@ class ParentWatch:
         while self.alive():
             time.sleep(0.5)
         time.sleep(_WATCHDOG_GRACE_S)
-        logger.error("The API process died and the engine loop did not stop; exiting.")
+        logger.error("The API process is gone and the engine loop did not stop; exiting.")
         os._exit(1)
+
+
+class PeerWatch:
+    """Is the API process at the other end of a (TCP) socket still there? A thread reads
+    the socket's ZMQ monitor events: the peer is gone once the connection has been down
+    (or never up) for `grace_s` seconds. A process that exits closes its connections at
+    once; a machine that vanishes is noticed by TCP keepalive (about 25 s).
+
+    Create it before the socket connects, so that the first connection is seen.
+    """
+
+    def __init__(self, socket: zmq.Socket, grace_s: float = _PEER_GRACE_S) -> None:
+        for option, value in ((zmq.TCP_KEEPALIVE, 1), (zmq.TCP_KEEPALIVE_IDLE, 10),
+                              (zmq.TCP_KEEPALIVE_INTVL, 5), (zmq.TCP_KEEPALIVE_CNT, 3)):
+            socket.setsockopt(option, value)
+        self.grace_s = grace_s
+        self.connected = False
+        self.since = time.monotonic()  # when `connected` last changed
+        self._monitor = socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        threading.Thread(target=self._follow, name="peer-watch", daemon=True).start()
+
+    def alive(self) -> bool:
+        return self.connected or time.monotonic() - self.since < self.grace_s
+
+    def _follow(self) -> None:
+        try:
+            while True:
+                if self._monitor.poll(500):
+                    event = zmq.utils.monitor.recv_monitor_message(self._monitor)
+                    self.connected = event["event"] == zmq.EVENT_CONNECTED
+                    self.since = time.monotonic()
+        except zmq.ZMQError:  # the context was destroyed: the engine core is closing
+            pass
 
 
 class EngineCoreProc:
@@ -93,9 +139,10 @@ class EngineCoreProc:
     UTILITY_METHODS = ("reset_prefix_cache", "get_scheduler_stats", "get_engine_state", "ping")
 
     def __init__(self, engine_core: EngineCore, input_addr: str, output_addr: str,
-                 parent_pid: int) -> None:
+                 parent_pid: int | None) -> None:
+        """`parent_pid` None: the API process may be on another machine; watch its end of
+        the output socket instead."""
         self.engine_core = engine_core
-        self.parent = ParentWatch(parent_pid)
         self.ctx = zmq.Context()
         self.input_socket = self.ctx.socket(zmq.PULL)
         self.input_socket.setsockopt(zmq.LINGER, 0)
@@ -103,6 +150,8 @@ class EngineCoreProc:
         self.output_socket = self.ctx.socket(zmq.PUSH)
         self.output_socket.setsockopt(zmq.LINGER, 0)
         self.output_socket.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
+        self.parent = (ParentWatch.of_pid(parent_pid) if parent_pid is not None
+                       else ParentWatch(PeerWatch(self.output_socket).alive))
         self.output_socket.connect(output_addr)
         self.encoder = MsgpackEncoder()
         self.add_decoder = MsgpackDecoder(EngineCoreRequest)
@@ -239,6 +288,28 @@ def _bind_cpus(cpu_ids: tuple[int, ...] | None) -> None:
         logger.info("Engine core bound to CPUs %s.", ",".join(map(str, cpu_ids)))
 
 
+def start_engine_core(vllm_config: VllmConfig, input_addr: str, output_addr: str,
+                      parent_pid: int | None) -> EngineCoreProc:
+    """Builds the engine (bound to its cores) and connects its sockets."""
+    _bind_cpus(vllm_config.parallel_config.cpu_ids)
+    return EngineCoreProc(EngineCore(vllm_config), input_addr, output_addr, parent_pid)
+
+
+def serve_engine_core(proc: EngineCoreProc) -> None:
+    """Runs the loop until the API process is gone; an engine that fails tells the API
+    process why, then re-raises."""
+    try:
+        proc.run_busy_loop()
+    except SystemExit:
+        pass
+    except BaseException as e:
+        logger.error("Engine core died:\n%s", traceback.format_exc())
+        proc.send_dead(f"{type(e).__name__}: {e}")
+        proc.close()
+        raise
+    proc.close()
+
+
 def run_engine_core(vllm_config: VllmConfig, input_addr: str, output_addr: str,
                     ready_pipe: Connection, parent_pid: int) -> None:
     """Process entry point: build the engine, report ready (or why not), then loop."""
@@ -253,9 +324,7 @@ def run_engine_core(vllm_config: VllmConfig, input_addr: str, output_addr: str,
 
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        _bind_cpus(vllm_config.parallel_config.cpu_ids)
-        core = EngineCore(vllm_config)
-        proc = EngineCoreProc(core, input_addr, output_addr, parent_pid)
+        proc = start_engine_core(vllm_config, input_addr, output_addr, parent_pid)
     except Exception as e:
         ready_pipe.send_bytes(msgspec.msgpack.encode(
             {"status": "failed", "error": f"{type(e).__name__}: {e}"}))
@@ -264,12 +333,6 @@ def run_engine_core(vllm_config: VllmConfig, input_addr: str, output_addr: str,
         {"status": "ready", "num_blocks": vllm_config.cache_config.num_blocks}))
     ready_pipe.close()
     try:
-        proc.run_busy_loop()
-    except SystemExit:
-        pass
-    except BaseException as e:
-        logger.error("Engine core died:\n%s", traceback.format_exc())
-        proc.send_dead(f"{type(e).__name__}: {e}")
-        proc.close()
+        serve_engine_core(proc)
+    except BaseException:
         raise SystemExit(1) from None
-    proc.close()

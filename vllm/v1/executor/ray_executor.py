@@ -14,13 +14,35 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
+import threading
 from typing import Any
 
 from vllm.config import VllmConfig
 from vllm.v1.executor.abstract import Executor, ExecutorDeadError
 
 logger = logging.getLogger(__name__)
+
+
+def init_ray() -> Any:
+    """Joins the Ray cluster named by `RAY_ADDRESS` (else a running local one, else a new
+    local instance) unless this process already has; returns the `ray` module (typed Any:
+    Ray's stubs do not see its lazily loaded submodules)."""
+    try:
+        import ray
+    except ImportError:
+        raise ValueError("distributed_executor_backend='ray' needs Ray: pip install "
+                         "'ray[default]'.") from None
+    if not ray.is_initialized():
+        sigterm = signal.getsignal(signal.SIGTERM)
+        ray.init(address=os.environ.get("RAY_ADDRESS"), ignore_reinit_error=True,
+                 log_to_driver=False)
+        # Ray's own SIGTERM handler exits with code 15 at once; keep this process's (the
+        # API server's stops the engines and exits 0).
+        if sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, sigterm)
+    return ray
 
 
 class RayWorker:
@@ -53,17 +75,11 @@ class RayWorker:
 
 class RayDistributedExecutor(Executor):
     def _init_executor(self) -> None:
-        try:
-            import ray
-            from ray.util.placement_group import placement_group, remove_placement_group
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        except ImportError:
-            raise ValueError("distributed_executor_backend='ray' needs Ray: pip install "
-                             "'ray[default]'.") from None
-        self._ray: Any = ray  # Ray's stubs do not see its lazily loaded submodules
-        if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS"), ignore_reinit_error=True,
-                     log_to_driver=False)
+        ray = init_ray()
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self._ray = ray
         world = self.parallel_config.tensor_parallel_size
         gpu = self.vllm_config.device_config.device == "cuda"
         bundle = {"GPU": 1.0, "CPU": 1.0} if gpu else {"CPU": 1.0}
