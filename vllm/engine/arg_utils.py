@@ -154,10 +154,9 @@ class EngineArgs:
         self._check_knobs()
         self._check_quantization(device, model)
         parallel_config = self._parallel_config(hf_config, device)
-        if self.attention_backend is not None:
-            from vllm.v1.attention.backends import get_attn_backend
+        from vllm.v1.attention.backends import get_attn_backend
 
-            get_attn_backend(self.attention_backend)  # an unknown name fails here
+        get_attn_backend(self.attention_backend)  # an unknown name (or env value) fails here
         max_batched = self._max_num_batched_tokens(max_model_len)
         model_config = ModelConfig(
             model=model,
