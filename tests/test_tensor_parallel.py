@@ -41,11 +41,13 @@ def _assert_same(ones, twos) -> None:
                     assert abs(lx[t].logprob - ly[t].logprob) < LOGPROB_TOL
 
 
-def _run_both(path: str, prompts, params=GREEDY, **kwargs):
+def _run_both(path: str, prompts, params=GREEDY, preemptions: list | None = None, **kwargs):
     outputs = []
     for tp in (1, 2):
         llm = _llm(path, tp, **kwargs)
         outputs.append(llm.generate(prompts, params, use_tqdm=False))
+        if preemptions is not None:
+            preemptions.append(llm.llm_engine.engine_core.scheduler.num_preemptions)
         llm.llm_engine.engine_core.shutdown()
         del llm
     return outputs
@@ -174,11 +176,24 @@ def test_llama_prompt_embeds_mixed_batches_hidden_states_and_graphs(tiny_llama_d
 
 def test_llama_one_kv_head_replicated_eager(tmp_path) -> None:
     """4 heads / 1 KV head: each rank keeps a copy of the only KV head; graphs off; a
-    chunked prefill and a prefix-cache hit on the way."""
+    chunked prefill, a prefix-cache hit and preemptions (a cache of 40 blocks for ~80
+    blocks of requests) on the way; random sampling, seeded and not, draws the same tokens
+    on every rank as on one."""
     path = make_tiny_model(str(tmp_path / "mqa"), "llama", num_key_value_heads=1)
     long = " ".join(["word"] * 40)
-    ones, twos = _run_both(path, [long, long + " again", *PROMPTS], enforce_eager=True,
-                           max_num_batched_tokens=32, block_size=4)
+    prompts = [long, long + " again", *PROMPTS, *PROMPTS]
+    random = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=24,
+                            ignore_eos=True, logprobs=3)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+    unseeded = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, logprobs=3)
+    # Unseeded rows draw from the global generator, which every rank (and one rank) reseeds
+    # after set-up: ranks that drew differently would feed different tokens on.
+    params = [greedy] * 6 + [random] * 2 + [unseeded] * 2
+    preemptions: list[int] = []
+    ones, twos = _run_both(path, prompts, params, preemptions, enforce_eager=True,
+                           max_num_batched_tokens=32, block_size=4,
+                           num_gpu_blocks_override=40)
+    assert preemptions[0] > 0 and preemptions[0] == preemptions[1]
     _assert_same(ones, twos)
 
 
