@@ -137,8 +137,12 @@ class LinearBase(nn.Module):
         assert self.weight is not None
         view = SimpleNamespace(weight=self.weight.data, bias=self.kernel_bias,
                                in_features=self.in_features, out_features=self.out_features)
-        dense: nn.Module | None = PackedLinear(view) if pack else None
         codes, self._codes = self._codes, []
+        if quantization == "int8" and self.quantizable:
+            self.kernel = Int8Linear(view, self.int8_weight_absmax())
+            self.weight = None  # the int8 copy replaces it
+            return "int8"
+        dense: nn.Module | None = PackedLinear(view) if pack else None
         if codes and quantization == "gguf":
             from vllm.model_executor.layers.quantization.gguf_blocks import (
                 BlockCodes,
@@ -152,10 +156,6 @@ class LinearBase(nn.Module):
                     return f"gguf {fused.bits}-bit {self.kernel.kernel}"
                 except ValueError as e:
                     logger.info("GGUF weight of %s stays dense: %s", type(self).__name__, e)
-        if quantization == "int8" and self.quantizable:
-            self.kernel = Int8Linear(view, self.int8_weight_absmax())
-            self.weight = None  # the int8 copy replaces it
-            return "int8"
         self.kernel = dense
         return "packed" if dense is not None else "dense"
 
@@ -166,6 +166,8 @@ class LinearBase(nn.Module):
         return None
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x times this rank's weight, plus `bias` on the dense path; a kernel adds the
+        bias it was built with (`kernel_bias`: the same choice)."""
         if self.kernel is not None:
             return self.kernel(x)
         assert self.weight is not None
