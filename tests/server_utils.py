@@ -140,6 +140,28 @@ def requests_running(server: RemoteServer) -> float:
                  if name.startswith("vllm:num_requests_running{")), 0.0)
 
 
+def concurrent_completions(server: RemoteServer, model: str, prompts: list[str],
+                           max_tokens: int = 8) -> list[str]:
+    """The greedy completions of `prompts`, all requested at once (openai's async client)."""
+    import asyncio
+
+    import openai
+
+    async def run() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0,
+                                    timeout=120)
+
+        async def one(prompt: str) -> str:
+            out = await client.completions.create(
+                model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
+                extra_body={"ignore_eos": True})
+            return out.choices[0].text
+
+        return await asyncio.gather(*[one(p) for p in prompts])
+
+    return asyncio.run(run())
+
+
 def process_gone(pid: int) -> bool:
     """True once `pid` has exited (a zombie waiting to be reaped counts as gone)."""
     try:

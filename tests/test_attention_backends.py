@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.graph_doubles import EagerCudaGraphs
+from tests.test_graph_capture import _llm, _runner
 from tests.toy_attention import ToyBackend, ToyImpl
 from vllm import LLM, SamplingParams
 from vllm.forward_context import set_forward_context
@@ -36,15 +37,6 @@ def toy(monkeypatch) -> type[ToyBackend]:
     register_attn_backend(ToyBackend)
     ToyBackend.calls.clear()
     return ToyBackend
-
-
-def _llm(path: str, **kwargs) -> LLM:
-    return LLM(path, dtype="float32", kv_cache_memory_bytes=16 * 1024**2, max_model_len=256,
-               **kwargs)
-
-
-def _runner(llm: LLM):
-    return llm.llm_engine.engine_core.model_executor.model_runner
 
 
 def _params(max_tokens: int = 10) -> SamplingParams:

@@ -6,7 +6,6 @@ actors and the placement group. The engine side of liveness (`PeerWatch`) withou
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import importlib.util
 import os
@@ -18,11 +17,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import openai
 import pytest
 import zmq
 
-from tests.server_utils import SMALL_ENGINE_ARGS, RemoteServer
+from tests.server_utils import SMALL_ENGINE_ARGS, RemoteServer, concurrent_completions
 from tests.test_server_data_parallel import LONG, _metric, _wait_running
 from vllm import LLM, SamplingParams
 from vllm.v1.engine.core_proc import PeerWatch
@@ -107,19 +105,7 @@ def test_ray_placed_engines_serve_and_fail_alone(tiny_llama_dir: str) -> None:
             assert server.engine_core_pids() == []  # no local engine processes
             assert ray.available_resources().get("CPU", 0) == 0  # one bundle per engine
 
-            async def run() -> list[str]:
-                client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x",
-                                            max_retries=0, timeout=120)
-
-                async def one(prompt: str) -> str:
-                    out = await client.completions.create(
-                        model=tiny_llama_dir, prompt=prompt, max_tokens=8, temperature=0.0,
-                        extra_body={"ignore_eos": True})
-                    return out.choices[0].text
-
-                return await asyncio.gather(*[one(p) for p in prompts])
-
-            assert asyncio.run(run()) == expected
+            assert concurrent_completions(server, tiny_llama_dir, prompts) == expected
             served = [_metric(server, "vllm:request_success_total", e) for e in (0, 1)]
             assert sum(served) == 16 and min(served) > 0, served
 

@@ -4,7 +4,6 @@ to start. Which engine served what is read from the per-engine `/metrics` series
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import signal
@@ -12,10 +11,14 @@ import threading
 import time
 
 import httpx
-import openai
 import pytest
 
-from tests.server_utils import SMALL_ENGINE_ARGS, RemoteServer, scrape_metrics
+from tests.server_utils import (
+    SMALL_ENGINE_ARGS,
+    RemoteServer,
+    concurrent_completions,
+    scrape_metrics,
+)
 from vllm import LLM, SamplingParams
 from vllm.distributed.utils import engine_cpus
 from vllm.engine.arg_utils import EngineArgs
@@ -72,19 +75,7 @@ def test_concurrent_requests_equal_offline(server: RemoteServer, tiny_llama_dir:
     expected = [o.outputs[0].text for o in offline.generate(prompts, params, use_tqdm=False)]
     before = _served(server)
 
-    async def run() -> list[str]:
-        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0,
-                                    timeout=120)
-
-        async def one(prompt: str) -> str:
-            out = await client.completions.create(
-                model=tiny_llama_dir, prompt=prompt, max_tokens=8, temperature=0.0,
-                extra_body={"ignore_eos": True})
-            return out.choices[0].text
-
-        return await asyncio.gather(*[one(p) for p in prompts])
-
-    assert asyncio.run(run()) == expected
+    assert concurrent_completions(server, tiny_llama_dir, prompts) == expected
     after = _served(server)
     grew = [a - b for a, b in zip(after, before)]
     assert sum(grew) == 32 and min(grew) > 0, grew

@@ -4,7 +4,10 @@ and feature; the sharding arithmetic exactly; bad sizes refused at start-up."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import types
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -56,6 +59,21 @@ def _run_both(path: str, prompts, params=GREEDY, preemptions: list | None = None
 # ---- the arithmetic ---------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _as_rank(rank: int, size: int) -> Iterator[None]:
+    """Layers built inside see themselves as `rank` of `size` (no process group: only
+    their shard arithmetic runs)."""
+    from vllm.distributed import parallel_state
+
+    group = types.SimpleNamespace(rank_in_group=rank, world_size=size)
+    original = parallel_state._TP
+    parallel_state._TP = group  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        parallel_state._TP = original
+
+
 def test_kv_heads_split_or_replicated() -> None:
     # 4 KV heads over 2 ranks: 2 each, rank 1 from head 2.
     assert kv_heads_per_rank(4, 2) == 2 and kv_head_start(4, 2, 1) == 2
@@ -77,37 +95,27 @@ def test_cpu_binding_lists() -> None:
 def test_parallel_layers_shard_a_checkpoint_exactly() -> None:
     """Each rank's slice of fused q/k/v (KV replicated at tp 4 over 2 KV heads), of a
     row-parallel weight and of a padded vocabulary, from the rank's point of view."""
-    from vllm.distributed import parallel_state
     from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-
-    class FakeGroup:
-        def __init__(self, rank: int, size: int) -> None:
-            self.rank_in_group, self.world_size = rank, size
 
     head = 2
     q = torch.arange(4 * head, dtype=torch.float32)[:, None].expand(-1, 3)  # 4 heads
     k = 100 + torch.arange(2 * head, dtype=torch.float32)[:, None].expand(-1, 3)  # 2 heads
-    original = parallel_state._TP
-    try:
-        parallel_state._TP = FakeGroup(3, 4)  # type: ignore[assignment]
+    with _as_rank(3, 4):
         layer = QKVParallelLinear(3, head, 4, 2, bias=False)
-        assert layer.weight is not None
-        for part, tensor in (("q", q), ("k", k), ("v", k + 100)):
-            layer.weight_loader(layer.weight, tensor, part)
-        # rank 3 of 4: query head 3 (rows 6, 7), the replicated KV head 1 (rows 2, 3).
-        assert layer.weight[:, 0].tolist() == [6, 7, 102, 103, 202, 203]
         row = RowParallelLinear(8, 2, bias=False)
-        assert row.weight is not None
-        row.weight_loader(row.weight, torch.arange(16.0).view(2, 8))
-        assert row.weight.tolist() == [[6, 7], [14, 15]]
-        parallel_state._TP = FakeGroup(1, 2)  # type: ignore[assignment]
+    assert layer.weight is not None and row.weight is not None
+    for part, tensor in (("q", q), ("k", k), ("v", k + 100)):
+        layer.weight_loader(layer.weight, tensor, part)
+    # rank 3 of 4: query head 3 (rows 6, 7), the replicated KV head 1 (rows 2, 3).
+    assert layer.weight[:, 0].tolist() == [6, 7, 102, 103, 202, 203]
+    row.weight_loader(row.weight, torch.arange(16.0).view(2, 8))
+    assert row.weight.tolist() == [[6, 7], [14, 15]]
+    with _as_rank(1, 2):
         embed = VocabParallelEmbedding(5, 2)  # padded to 6: rank 1 holds ids 3, 4 and a pad
-        embed.weight.weight_loader(embed.weight,  # type: ignore[attr-defined]
-                                   torch.arange(10.0).view(5, 2))
-        assert embed.weight.tolist() == [[6, 7], [8, 9], [0, 0]]
-    finally:
-        parallel_state._TP = original
+    embed.weight.weight_loader(embed.weight,  # type: ignore[attr-defined]
+                               torch.arange(10.0).view(5, 2))
+    assert embed.weight.tolist() == [[6, 7], [8, 9], [0, 0]]
 
 
 # ---- start-up errors --------------------------------------------------------------------
@@ -245,20 +253,17 @@ def test_gguf_block_codes_shard_like_their_weights(layer_kind: str) -> None:
     together (summed for a row-parallel layer, concatenated per part for q/k/v) equal the
     one-rank layer's, up to float summation order."""
     from tests.test_gguf_blocks import _random_codes
-    from vllm.distributed import parallel_state
     from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
 
-    class FakeGroup:
-        def __init__(self, rank: int, size: int) -> None:
-            self.rank_in_group, self.world_size = rank, size
-
     def build(rank: int, size: int):
-        parallel_state._TP = FakeGroup(rank, size)  # type: ignore[assignment]
+        with _as_rank(rank, size):
+            if layer_kind == "row":
+                layer = RowParallelLinear(256, 64, bias=False)
+            else:
+                layer = QKVParallelLinear(64, 16, 4, 2, bias=False)  # q 64 rows, k/v 32 each
         if layer_kind == "row":
-            layer = RowParallelLinear(256, 64, bias=False)
             parts = [(None, _random_codes(64, 256, 4))]
         else:
-            layer = QKVParallelLinear(64, 16, 4, 2, bias=False)  # q 64 rows, k/v 32 each
             parts = [("q", _random_codes(64, 64, 4, seed=1)),
                      ("k", _random_codes(32, 64, 4, seed=2)),
                      ("v", _random_codes(32, 64, 4, seed=3))]
@@ -270,25 +275,21 @@ def test_gguf_block_codes_shard_like_their_weights(layer_kind: str) -> None:
         kind = layer.process_weights_after_loading("gguf", pack=False)
         return layer, kind
 
-    original = parallel_state._TP
-    try:
-        x = torch.randn(3, 256 if layer_kind == "row" else 64, generator=torch.Generator()
-                        .manual_seed(0))
-        one, kind = build(0, 1)
-        assert kind.startswith("gguf")
-        reference = one.linear(x, None)
-        ranks = [build(r, 2)[0] for r in range(2)]
-        if layer_kind == "row":
-            got = sum(layer.linear(x[:, r * 128:(r + 1) * 128], None)
-                      for r, layer in enumerate(ranks))
-        else:  # rank r: q heads 2r, 2r+1 (32 rows), k head r, v head r (16 rows each)
-            outs = [layer.linear(x, None) for layer in ranks]
-            got = torch.cat([torch.cat([o[:, :32] for o in outs], 1),
-                             torch.cat([o[:, 32:48] for o in outs], 1),
-                             torch.cat([o[:, 48:] for o in outs], 1)], 1)
-        torch.testing.assert_close(got, reference, rtol=1e-4, atol=1e-4)
-    finally:
-        parallel_state._TP = original
+    x = torch.randn(3, 256 if layer_kind == "row" else 64,
+                    generator=torch.Generator().manual_seed(0))
+    one, kind = build(0, 1)
+    assert kind.startswith("gguf")
+    reference = one.linear(x, None)
+    ranks = [build(r, 2)[0] for r in range(2)]
+    if layer_kind == "row":
+        got = sum(layer.linear(x[:, r * 128:(r + 1) * 128], None)
+                  for r, layer in enumerate(ranks))
+    else:  # rank r: q heads 2r, 2r+1 (32 rows), k head r, v head r (16 rows each)
+        outs = [layer.linear(x, None) for layer in ranks]
+        got = torch.cat([torch.cat([o[:, :32] for o in outs], 1),
+                         torch.cat([o[:, 32:48] for o in outs], 1),
+                         torch.cat([o[:, 48:] for o in outs], 1)], 1)
+    torch.testing.assert_close(got, reference, rtol=1e-4, atol=1e-4)
 
 
 def test_numa_placement_and_memory_binding() -> None:

@@ -113,7 +113,9 @@ class ModelConfig:
     def get_num_kv_heads(self, tensor_parallel_size: int) -> int:
         """KV heads one tensor-parallel rank holds (a replicated one where the ranks
         outnumber them)."""
-        return max(1, self.num_kv_heads // tensor_parallel_size)
+        from vllm.distributed.utils import kv_heads_per_rank
+
+        return kv_heads_per_rank(self.num_kv_heads, tensor_parallel_size)
 
     @property
     def head_dim(self) -> int:
@@ -170,16 +172,12 @@ EXECUTOR_BACKENDS: tuple[str, ...] = ("uni", "mp", "ray")
 class ParallelConfig:
     """vLLM's names. `tensor_parallel_size` ranks shard every model (one process each
     unless `uni`); `data_parallel_size` engine cores sit behind one API server, each with
-    its own ranks. `distributed_executor_backend` None picks `uni` for one rank, `mp` for
-    more (`ray` is the way across machines)."""
+    its own ranks. `distributed_executor_backend` is resolved by `EngineArgs` (unset: `uni`
+    for one rank, `mp` for more; `ray` is the way across machines)."""
 
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: DistributedExecutorBackend = "uni"
-    # Where rank 0 listens for the others' torch.distributed rendezvous (set by the
-    # executor when it starts the ranks).
-    master_addr: str = "127.0.0.1"
-    master_port: int = 0
     # Set per engine core by the data-parallel client: this engine's index, and on CPU the
     # cores it (all of its tensor-parallel ranks together) runs on; None: unbound.
     data_parallel_rank: int = 0

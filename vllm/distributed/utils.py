@@ -119,13 +119,15 @@ def visible_memory_nodes(nodes: dict[int, list[int]] | None = None,
     return sorted(nodes) if len(nodes) > 1 else None
 
 
+def _node_of(rank: int, world_size: int, visible: list[int]) -> int:
+    return visible[rank * len(visible) // world_size]
+
+
 def memory_node_for_rank(rank: int, world_size: int,
                          visible: list[int] | None) -> int | None:
     """The NUMA node of `rank`: ranks fill the visible nodes in order, in equal groups
     (4 ranks on nodes [0, 1]: 0, 0, 1, 1)."""
-    if not visible:
-        return None
-    return visible[rank * len(visible) // world_size]
+    return _node_of(rank, world_size, visible) if visible else None
 
 
 def cpus_for_rank(bind: str | None, rank: int, world_size: int,
@@ -146,11 +148,10 @@ def cpus_for_rank(bind: str | None, rank: int, world_size: int,
     if bind is None or bind == "auto":
         cpus = available if available is not None else usable_cpus()
         if visible:
-            node = visible[rank * len(visible) // world_size]  # memory_node_for_rank
-            node_cpus = (nodes if nodes is not None else numa_node_cpus()).get(node, [])
-            sharing = [r for r in range(world_size)
-                       if memory_node_for_rank(r, world_size, visible) == node]
-            cpus = [c for c in cpus if c in set(node_cpus)]
+            node = _node_of(rank, world_size, visible)
+            node_cpus = set((nodes if nodes is not None else numa_node_cpus()).get(node, []))
+            sharing = [r for r in range(world_size) if _node_of(r, world_size, visible) == node]
+            cpus = [c for c in cpus if c in node_cpus]
             world_size, rank = len(sharing), sharing.index(rank)
         if len(cpus) < world_size:
             raise ValueError(f"{world_size} ranks need a core each; {len(cpus)} available.")

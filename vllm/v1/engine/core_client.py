@@ -326,11 +326,7 @@ class AsyncMPClient:
         """The next step's outputs; raises `EngineDeadError` once the engine is gone."""
         self._ensure_started()
         assert self.outputs_queue is not None
-        item = await self.outputs_queue.get()
-        if isinstance(item, Exception):
-            self.outputs_queue.put_nowait(item)  # every later call fails the same way
-            raise item
-        return item
+        return await _next_output(self.outputs_queue)
 
     # ---- inputs ---------------------------------------------------------------------
 
@@ -501,11 +497,7 @@ class DPAsyncMPClient:
         once all are gone."""
         self._ensure_started()
         assert self.outputs_queue is not None
-        item = await self.outputs_queue.get()
-        if isinstance(item, Exception):
-            self.outputs_queue.put_nowait(item)  # every later call fails the same way
-            raise item
-        return item
+        return await _next_output(self.outputs_queue)
 
     # ---- inputs ---------------------------------------------------------------------
 
@@ -561,3 +553,12 @@ class DPAsyncMPClient:
         results = [await engine.reset_prefix_cache_async()
                    for engine in self.engines if engine.is_alive()]
         return all(results)
+
+
+async def _next_output(queue: asyncio.Queue) -> Any:
+    """The queue's next item; an exception is raised, and left for every later call."""
+    item = await queue.get()
+    if isinstance(item, Exception):
+        queue.put_nowait(item)
+        raise item
+    return item
