@@ -117,6 +117,22 @@ def tiny_tokenizer_vocab_size(path: str) -> int:
 _ARCH_CLASSES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+    "granite": ("GraniteConfig", "GraniteForCausalLM"),
+}
+
+# What each family's tiny config sets beyond the common ones, so its peculiarities matter:
+# head_dim unlike hidden / heads, partial rotary, multipliers away from 1.
+_ARCH_SETTINGS: dict[str, dict[str, Any]] = {
+    "qwen3": {"head_dim": 32, "sliding_window": None, "use_sliding_window": False},
+    "mistral": {"head_dim": 24, "sliding_window": None},
+    "phi3": {"partial_rotary_factor": 0.5, "sliding_window": None,
+             "original_max_position_embeddings": MODEL_MAX_LENGTH},
+    "granite": {"embedding_multiplier": 3.0, "residual_multiplier": 0.6,
+                "attention_multiplier": 0.2, "logits_scaling": 1.7},
 }
 
 WEIGHT_INIT_STD = 0.2
@@ -147,6 +163,7 @@ def tiny_model_config(arch: str, vocab_size: int, **overrides: Any) -> Any:
         "pad_token_id": 3,
         "tie_word_embeddings": False,
         "torch_dtype": "float32",
+        **_ARCH_SETTINGS.get(arch, {}),
     }
     settings.update(overrides)
     return config_class(**settings)

@@ -7,6 +7,7 @@ import glob
 import logging
 import os
 from collections.abc import Iterator
+from typing import cast
 
 import torch
 
@@ -51,12 +52,13 @@ def get_model(model_config: ModelConfig, backend: type[AttentionBackend],
     torch.set_default_dtype(model_config.dtype)
     try:
         with torch.device(device):
-            model = model_cls(model_config.hf_config, backend, model_config.max_model_len,
-                              model_config.dtype)
+            module = model_cls(model_config.hf_config, backend,
+                               model_config.max_model_len, model_config.dtype)
     finally:
         torch.set_default_dtype(previous)
+    model = cast(VllmModel, module)  # every registered class is one (registry.py checks)
     loaded = model.load_weights(iterate_weights(model_config))
-    missing = sorted(set(dict(model.named_parameters())) - loaded)
+    missing = sorted(set(dict(module.named_parameters())) - loaded)
     if missing:
         raise ValueError(f"Checkpoint {model_config.model!r} lacks weights for: "
                          f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
@@ -65,8 +67,9 @@ def get_model(model_config: ModelConfig, backend: type[AttentionBackend],
 
         # The block-quantized tensors' codes, sliced and fused like their weights.
         model.load_weights(load_gguf_block_codes(model_config.model).items())
-    counts = process_weights_after_loading(model, model_config.quantization,
+    counts = process_weights_after_loading(module, model_config.quantization,
                                            pack=can_pack(model_config.dtype, device))
     logger.info("Linear layers by kernel: %s.",
                 ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
-    return model.eval().requires_grad_(False)
+    module.eval().requires_grad_(False)
+    return model

@@ -1,4 +1,8 @@
-"""Llama-family decoder (Llama 2/3, SmolLM, Mistral-style) and Qwen2 (the same with qkv bias).
+"""Llama-family decoder (Llama 2/3, SmolLM, Mistral-style) and Qwen2 (the same with qkv bias),
+and the shared blocks other decoder families are built from: `LlamaAttention` (attention with
+rope; options: q/k norm per head or over the whole projection, the softmax scale),
+`LlamaMLP` (gated MLP; the activation), `LlamaDecoderLayer`, and `LlamaForCausalLM`, whose
+`make_layer` / `prepare` / `compute_logits` a family overrides.
 
 Forward takes flat token batches: `input_ids` or `inputs_embeds` for the scheduled tokens of
 all requests, `positions` for rotary embedding; attention reads its paged-cache metadata
@@ -7,14 +11,16 @@ from the forward context.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.distributed.utils import kv_head_start
+from vllm.model_executor.layers.layernorm import RMSNorm, ShardedRMSNorm
 from vllm.model_executor.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -34,9 +40,22 @@ def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+# Where q and k are RMS-normed before rope: each head on its own (Qwen3), or the whole
+# projection (OLMo-2).
+QKNorm = Literal["head", "projection"]
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config, layer_idx: int, backend: type[AttentionBackend],
-                 qkv_bias: bool) -> None:
+                 qkv_bias: bool, *, qk_norm: QKNorm | None = None,
+                 scale: float | None = None) -> None:
+        """`scale`: the softmax scale (default head_dim ** -0.5)."""
         super().__init__()
         total_heads = config.num_attention_heads
         total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
@@ -50,38 +69,65 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size,
                                         bias=getattr(config, "attention_bias", False))
         self.attn = Attention(backend, layer_idx, self.num_heads, self.head_dim,
-                              self.num_kv_heads, self.head_dim**-0.5)
+                              self.num_kv_heads, self.head_dim**-0.5 if scale is None else scale)
+        self.qk_norm = qk_norm
+        eps = config.rms_norm_eps
+        if qk_norm == "head":
+            self.q_norm: nn.Module = RMSNorm(self.head_dim, eps)
+            self.k_norm: nn.Module = RMSNorm(self.head_dim, eps)
+        elif qk_norm == "projection":
+            tp, rank = self.qkv_proj.tp_size, self.qkv_proj.tp_rank
+            self.q_norm = ShardedRMSNorm(total_heads * self.head_dim, self.q_size,
+                                         rank * self.q_size, eps)
+            kv_start = kv_head_start(total_kv_heads, tp, rank) * self.head_dim
+            self.k_norm = ShardedRMSNorm(total_kv_heads * self.head_dim, self.kv_size,
+                                         kv_start, eps, replicas=max(tp // total_kv_heads, 1))
+        elif qk_norm is not None:
+            raise ValueError(f"qk_norm must be 'head', 'projection' or None, got {qk_norm!r}")
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm == "projection":
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(cos_sin, q, k)
         return self.o_proj(self.attn(q, k, v))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, *,
+                 hidden_act: str = "silu", bias: bool = False) -> None:
         super().__init__()
+        if hidden_act not in ACTIVATIONS:
+            raise ValueError(f"Unsupported hidden_act {hidden_act!r}; supported: "
+                             f"{', '.join(ACTIVATIONS)}.")
+        self.act = ACTIVATIONS[hidden_act]
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2,
-                                                       bias=False)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False)
+                                                       bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
         self.intermediate_size = self.gate_up_proj.out_features // 2  # this rank's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, backend: type[AttentionBackend],
-                 qkv_bias: bool) -> None:
+                 qkv_bias: bool, *, qk_norm: QKNorm | None = None,
+                 scale: float | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, backend, qkv_bias)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size)
+        self.self_attn = LlamaAttention(config, layer_idx, backend, qkv_bias, qk_norm=qk_norm,
+                                        scale=scale)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size,
+                            hidden_act=getattr(config, "hidden_act", "silu"),
+                            bias=bool(getattr(config, "mlp_bias", False)))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -106,14 +152,17 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.rotary = RotaryEmbedding(config, head_dim_of(config), max_model_len, dtype)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, backend, self.qkv_bias)
-            for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.make_layer(config, i, backend)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(
             config.vocab_size, config.hidden_size,
             tied_to=self.embed_tokens if self.tie_word_embeddings else None)
+
+    def make_layer(self, config, layer_idx: int, backend: type[AttentionBackend]) -> nn.Module:
+        """One decoder layer: forward(cos_sin, h) -> h (every layer of a model alike)."""
+        return LlamaDecoderLayer(config, layer_idx, backend, self.qkv_bias)
 
     def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)

@@ -1,31 +1,57 @@
-"""Architecture name (config.json `architectures`) -> model class."""
+"""Architecture name (config.json `architectures`) -> model class, imported on first use:
+a family's module (and its imports) loads only when a checkpoint of it does."""
 
 from __future__ import annotations
 
-from vllm.model_executor.models.bart import BartForConditionalGeneration
-from vllm.model_executor.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
-from vllm.model_executor.models.whisper import WhisperForConditionalGeneration
+import importlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from vllm.model_executor.models.interfaces import VllmModel
+from vllm.v1.attention.backends.abstract import AttentionBackend
 
 # Each takes (hf_config, backend, max_model_len, dtype) and loads checkpoint tensors with
-# `load_weights(weights) -> names loaded`.
-ModelClass = type[LlamaForCausalLM | BartForConditionalGeneration
-                  | WhisperForConditionalGeneration]
+# `load_weights(weights) -> names loaded`: a `VllmModel` and an `nn.Module`.
+ModelClass = Callable[[Any, type[AttentionBackend], int, torch.dtype], VllmModel]
 
-_MODELS: dict[str, ModelClass] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "BartForConditionalGeneration": BartForConditionalGeneration,
-    "WhisperForConditionalGeneration": WhisperForConditionalGeneration,
+# architecture -> (module under vllm.model_executor.models, class name)
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("llama", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
+    "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM"),
+    "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
+    "BartForConditionalGeneration": ("bart", "BartForConditionalGeneration"),
+    "WhisperForConditionalGeneration": ("whisper", "WhisperForConditionalGeneration"),
 }
+
+if TYPE_CHECKING:  # the type checker holds every registered class to `ModelClass`
+    from vllm.model_executor.models.bart import BartForConditionalGeneration
+    from vllm.model_executor.models.granite import GraniteForCausalLM
+    from vllm.model_executor.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+    from vllm.model_executor.models.olmo2 import Olmo2ForCausalLM
+    from vllm.model_executor.models.phi3 import Phi3ForCausalLM
+    from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+    from vllm.model_executor.models.whisper import WhisperForConditionalGeneration
+
+    _CHECKED: list[ModelClass] = [
+        LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM,
+        Olmo2ForCausalLM, GraniteForCausalLM, BartForConditionalGeneration,
+        WhisperForConditionalGeneration]
 
 
 def get_supported_archs() -> list[str]:
     return list(_MODELS)
 
 
-def resolve_model_cls(architecture: str) -> ModelClass:
+def resolve_model_cls(architecture: str) -> type[nn.Module]:
     if architecture not in _MODELS:
         raise ValueError(f"Model architecture {architecture!r} is not supported. "
                          f"Supported architectures: {', '.join(_MODELS)}.")
-    return _MODELS[architecture]
+    module, name = _MODELS[architecture]
+    return getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), name)
