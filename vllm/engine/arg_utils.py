@@ -195,6 +195,20 @@ class EngineArgs:
 
 
 def max_decoder_positions(hf_config) -> int:
-    """Positions the (decoder) model has: Whisper names them `max_target_positions`."""
-    return (getattr(hf_config, "max_target_positions", None)
-            or getattr(hf_config, "max_position_embeddings", None) or 2048)
+    """Positions the (decoder) model has: Whisper names them `max_target_positions`. Rope
+    scalings that stretch the trained length (linear, dynamic: `max_position_embeddings`
+    x factor; yarn: the original length x factor) reach that far; llama3 and longrope
+    configs already give the stretched length."""
+    from vllm.model_executor.layers.rotary_embedding import rope_parameters_of
+
+    positions = (getattr(hf_config, "max_target_positions", None)
+                 or getattr(hf_config, "max_position_embeddings", None) or 2048)
+    if getattr(hf_config, "is_encoder_decoder", False):
+        return positions
+    rope = rope_parameters_of(hf_config)
+    factor = rope.get("factor")
+    if rope["rope_type"] in ("linear", "dynamic") and factor:
+        return int(positions * factor)
+    if rope["rope_type"] == "yarn" and factor:
+        return int(rope.get("original_max_position_embeddings", positions) * factor)
+    return positions
