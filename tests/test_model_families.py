@@ -2,7 +2,9 @@
 random model from its transformers config with a rope scaling, against transformers in
 float32: greedy tokens identical and logprobs within 1e-4, for a batch of different
 lengths under chunked prefill and preemption, again on prefix-cache hits, with prompt
-embeds, and through captured graphs, all from one engine per family."""
+embeds, all from one engine per family; Granite's (whose `prepare` and logits differ
+from Llama's) through captured graphs, the others eager (a graph set compiles in ~40 s on
+two busy cores)."""
 
 from __future__ import annotations
 
@@ -72,9 +74,11 @@ def _check(outputs, refs) -> None:
 def test_family_matches_transformers(arch, family_dirs):
     path = family_dirs[arch]
     # 8-token chunks; 22 blocks of 4 tokens for 4 requests that grow to ~11 blocks each.
+    graphs = arch == "granite"
     llm = LLM(path, dtype="float32", max_model_len=64, block_size=4, max_num_seqs=4,
               max_num_batched_tokens=8, num_gpu_blocks_override=23,
-              enable_prompt_embeds=True, compilation_config={"cudagraph_capture_sizes": [4]})
+              enable_prompt_embeds=True, enforce_eager=not graphs,
+              compilation_config={"cudagraph_capture_sizes": [4]})
     runner = llm.llm_engine.engine_core.model_executor.model_runner
     scheduler = llm.llm_engine.engine_core.scheduler
     first = llm.generate(PROMPTS, _greedy(), use_tqdm=False)
@@ -82,7 +86,8 @@ def test_family_matches_transformers(arch, family_dirs):
     refs = [hf_greedy(hf, out.prompt_token_ids, MAX_TOKENS) for out in first]
     assert max(len(o.prompt_token_ids) for o in first) > 8  # chunked
     assert scheduler.num_preemptions > 0
-    assert runner.graphs is not None and sum(runner.graphs.replays.values()) > 0
+    if graphs:
+        assert runner.graphs is not None and sum(runner.graphs.replays.values()) > 0
     _check(first, refs)
 
     again = llm.generate(PROMPTS, _greedy(), use_tqdm=False)
