@@ -73,6 +73,9 @@ class ModelConfig:
     # A registered attention backend (`vllm.v1.attention.backends`); None: the default, or
     # the environment's `VLLM_ATTENTION_BACKEND`.
     attention_backend: str | None = None
+    # Sampling defaults the model ships (generation_config.json: temperature, top_p, ...),
+    # for requests that do not set them; empty with `generation_config="vllm"`.
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
 
     @property
     def is_gguf(self) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +22,11 @@ from vllm.config import (
     resolve_dtype,
 )
 from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
-from vllm.transformers_utils.config import get_config, resolve_model_path
+from vllm.transformers_utils.config import (
+    get_config,
+    get_generation_defaults,
+    resolve_model_path,
+)
 
 # Default per-step encoder budget of encoder/decoder models, in whole longest inputs.
 ENCODER_INPUTS_PER_STEP = 8
@@ -55,6 +60,9 @@ class EngineArgs:
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     attention_backend: str | None = None
+    # Default sampling parameters: "auto" from the model's generation_config.json, "vllm"
+    # SamplingParams' own, or a folder holding a generation_config.json.
+    generation_config: str = "auto"
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -172,6 +180,9 @@ class EngineArgs:
             quantization=self.quantization,
             enforce_eager=self.enforce_eager,
             attention_backend=self.attention_backend,
+            generation_defaults=get_generation_defaults(
+                model if os.path.isdir(model) else os.path.dirname(model),
+                self.generation_config),
         )
         cache_config = CacheConfig(
             block_size=self.block_size,

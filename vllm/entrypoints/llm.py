@@ -34,6 +34,13 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """`SamplingParams()` with the model's generation_config.json defaults (temperature,
+        top_p, top_k, min_p, repetition_penalty) where it sets them, as vLLM's
+        `generation_config="auto"`; plain `SamplingParams()` with "vllm"."""
+        return SamplingParams(
+            **self.llm_engine.vllm_config.model_config.generation_defaults)
+
     def generate(self, prompts: Any, sampling_params: SamplingParams
                  | Sequence[SamplingParams] | None = None, use_tqdm: bool = True
                  ) -> list[RequestOutput]:
@@ -46,7 +53,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:

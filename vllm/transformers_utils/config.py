@@ -36,3 +36,28 @@ def get_config(model: str) -> PretrainedConfig:
     if not os.path.isfile(os.path.join(model, "config.json")):
         raise ValueError(f"No config.json in model directory {model!r}.")
     return AutoConfig.from_pretrained(model, local_files_only=True)
+
+
+# generation_config.json keys that become default sampling parameters (same names).
+GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def get_generation_defaults(model: str, generation_config: str) -> dict[str, float | int]:
+    """The default sampling parameters a model ships (vLLM's `--generation-config`):
+    "auto" reads `generation_config.json` in the model's directory, a folder path reads
+    the one there, "vllm" none. Only the keys of `GENERATION_DEFAULT_KEYS` present in the
+    file count; a request's own values win over them."""
+    import json
+
+    if generation_config == "vllm":
+        return {}
+    folder = model if generation_config == "auto" else generation_config
+    if generation_config != "auto" and not os.path.isdir(folder):
+        raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder holding "
+                         f"generation_config.json, got {generation_config!r}.")
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as handle:
+        data = json.load(handle)
+    return {key: data[key] for key in GENERATION_DEFAULT_KEYS if data.get(key) is not None}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from fastapi import UploadFile
@@ -88,18 +89,16 @@ class SamplingRequest(OpenAIBaseModel):
     request_id: str | None = Field(None, min_length=1, max_length=256)
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                           prompt_logprobs: int | None = None) -> SamplingParams:
-        """Raises ValueError (naming the field) for out-of-range values."""
+                           prompt_logprobs: int | None = None,
+                           defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """Raises ValueError (naming the field) for out-of-range values. A field the
+        request leaves unset (None) takes the model's default from `defaults` (its
+        generation_config.json), else SamplingParams' own."""
         return SamplingParams(
             n=self.n,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=(1.0 if self.repetition_penalty is None
-                                else self.repetition_penalty),
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
+            **self._sampling_fields(defaults or {}),
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
@@ -112,6 +111,14 @@ class SamplingRequest(OpenAIBaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         )
+
+    def _sampling_fields(self, defaults: Mapping[str, Any]) -> dict[str, Any]:
+        """temperature, top_p, top_k, min_p and repetition_penalty: the request's where
+        set, else the model's default, else SamplingParams'."""
+        builtin = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                   "repetition_penalty": 1.0}
+        return {name: value if (value := getattr(self, name)) is not None
+                else defaults.get(name, fallback) for name, fallback in builtin.items()}
 
     @property
     def include_usage_in_stream(self) -> bool:

@@ -130,6 +130,10 @@ def _add_parallel_args(engine: argparse._ArgumentGroup) -> None:
                         "VLLM_ATTENTION_BACKEND)")
     engine.add_argument("--device", default=None, help="cpu or cuda (default: cuda if "
                         "available)")
+    engine.add_argument("--generation-config", default="auto",
+                        help="default sampling parameters of requests that do not set "
+                        "them: auto (the model's generation_config.json), vllm "
+                        "(SamplingParams' own) or a folder holding a generation_config.json")
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -188,6 +192,7 @@ def engine_args_from_namespace(args: argparse.Namespace) -> EngineArgs:
         enable_chunked_prefill=args.enable_chunked_prefill,
         enable_prompt_embeds=args.enable_prompt_embeds,
         enable_return_hidden_states=args.enable_return_hidden_states,
+        generation_config=args.generation_config,
         prompt_embeds_batching=args.prompt_embeds_batching,
         seed=args.seed,
         served_model_name=names[0] if names else None,

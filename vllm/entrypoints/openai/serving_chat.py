@@ -158,7 +158,8 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = request.max_completion_tokens or request.max_tokens
         self.check_max_tokens(len(token_ids), max_tokens)
         try:
-            params = request.to_sampling_params(max_tokens, num_logprobs)
+            params = request.to_sampling_params(max_tokens, num_logprobs,
+                                                defaults=self.model_config.generation_defaults)
         except ValueError as e:
             raise OpenAIError(str(e)) from None
         request_id = random_id("chatcmpl", request.request_id)

@@ -114,7 +114,8 @@ class OpenAIServingCompletion(OpenAIServing):
             self.check_max_tokens(prompt.num_tokens, request.max_tokens)
         try:
             params = request.to_sampling_params(request.max_tokens, request.logprobs,
-                                                request.prompt_logprobs)
+                                                request.prompt_logprobs,
+                                                self.model_config.generation_defaults)
         except ValueError as e:
             raise OpenAIError(str(e)) from None
         params.return_hidden_states = request.return_hidden_states
