@@ -289,12 +289,12 @@ def test_synthetic_gguf_unsupported_architecture(tmp_path: Any) -> None:
     import gguf
 
     path = str(tmp_path / "phi.gguf")
-    writer = gguf.GGUFWriter(path, "phi3")
+    writer = gguf.GGUFWriter(path, "gpt2")
     writer.add_block_count(1)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
-    with pytest.raises(ValueError, match=r"'phi3'.*llama, qwen2"):
+    with pytest.raises(ValueError, match=r"'gpt2'.*granite, llama, olmo2, phi3, qwen2, qwen3"):
         gguf_loader.load_gguf_config(path)
 
 

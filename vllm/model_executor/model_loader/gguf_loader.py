@@ -19,7 +19,14 @@ import torch
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "granite": "GraniteForCausalLM",
 }
+# Architectures whose q/k rows llama.cpp's converter interleaves for its "normal" rope
+# (the others use the NeoX layout, which is Hugging Face's).
+_PERMUTED_ROTARY_ARCHS = ("llama", "granite")
 
 _DEFAULT_ROPE_THETA = 10000.0
 _DEFAULT_RMS_NORM_EPS = 1e-6
@@ -40,9 +47,20 @@ _BLOCK_TENSOR_NAMES: dict[str, str] = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_qkv": "self_attn.qkv_proj",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Where an architecture's block tensor means something else: Phi-3's `ffn_up` is gate and
+# up fused (its checkpoint's `gate_up_proj`).
+_ARCH_BLOCK_TENSOR_NAMES: dict[str, dict[str, str]] = {
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},
 }
 
-_IGNORED_TENSORS = re.compile(r"^(rope_freqs\.weight|blk\.\d+\.attn_rot_embd\.weight)$")
+_IGNORED_TENSORS = re.compile(
+    r"^(rope_freqs\.weight|blk\.\d+\.attn_rot_embd\.weight|rope_factors_(long|short)\.weight)$")
 _BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _GLOBAL_TENSOR = re.compile(r"^([a-z_]+)\.(weight|bias)$")
 
@@ -144,17 +162,68 @@ def load_gguf_config(path: str) -> dict:
     pad_token_id = _optional_token_id(fields, "padding")
     if pad_token_id is not None:
         config["pad_token_id"] = pad_token_id
+    config.update(_rope_config(path, fields, arch, config))
+    if arch == "granite":
+        config.update({
+            "embedding_multiplier": _float32_value(get("embedding_scale", 1.0)),
+            "residual_multiplier": _float32_value(get("residual_scale", 1.0)),
+            "attention_multiplier": _float32_value(get("attention.scale", head_dim**-0.5)),
+            "logits_scaling": _float32_value(get("logit_scale", 1.0)),
+        })
+    window = fields.get(f"{arch}.attention.sliding_window")
+    if window:
+        config["sliding_window"] = int(window)
     return config
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """Translate a llama.cpp tensor name to its HF name; None for tensors HF models lack."""
+def _rope_config(path: str, fields: dict[str, Any], arch: str, config: dict) -> dict:
+    """Partial rotary (`rope.dimension_count` < head_dim) and rope scaling (`rope.scaling.*`;
+    Phi-3's longrope factors are the tensors `rope_factors_short` / `rope_factors_long`)."""
+    out: dict[str, Any] = {}
+    head_dim = config["head_dim"]
+    rotary_dim = fields.get(f"{arch}.rope.dimension_count")
+    if rotary_dim is not None and int(rotary_dim) != head_dim:
+        out["partial_rotary_factor"] = int(rotary_dim) / head_dim
+    original = fields.get(f"{arch}.rope.scaling.original_context_length")
+    _, tensor_names = _read_metadata(path)
+    if "rope_factors_long.weight" in tensor_names:
+        import gguf
+
+        factors = {t.name: [_float32_value(v) for v in _dequantize(t).reshape(-1)]
+                   for t in gguf.GGUFReader(path).tensors if t.name.startswith("rope_factors")}
+        scaling: dict[str, Any] = {
+            "rope_type": "longrope", "long_factor": factors["rope_factors_long.weight"],
+            "short_factor": factors["rope_factors_short.weight"]}
+        attn_factor = fields.get(f"{arch}.rope.scaling.attn_factor")
+        if attn_factor is not None:
+            scaling["attention_factor"] = _float32_value(attn_factor)
+        out["rope_scaling"] = scaling
+        if original is not None:
+            out["original_max_position_embeddings"] = int(original)
+        return out
+    kind = fields.get(f"{arch}.rope.scaling.type")
+    if kind in ("linear", "yarn"):
+        scaling = {"rope_type": kind,
+                   "factor": _float32_value(fields[f"{arch}.rope.scaling.factor"])}
+        if original is not None:
+            scaling["original_max_position_embeddings"] = int(original)
+        out["rope_scaling"] = scaling
+    elif kind not in (None, "none"):
+        raise ValueError(f"Unsupported GGUF rope scaling type {kind!r} ({arch}.rope.scaling"
+                         ".type); supported: none, linear, yarn, and Phi-3's longrope factors")
+    return out
+
+
+def hf_tensor_name(gguf_name: str, arch: str | None = None) -> str | None:
+    """Translate a llama.cpp tensor name to its HF name (for `arch`'s meaning of it); None
+    for tensors HF models lack."""
     if _IGNORED_TENSORS.match(gguf_name):
         return None
     block = _BLOCK_TENSOR.match(gguf_name)
-    if block is not None and block.group(2) in _BLOCK_TENSOR_NAMES:
+    names = {**_BLOCK_TENSOR_NAMES, **_ARCH_BLOCK_TENSOR_NAMES.get(arch or "", {})}
+    if block is not None and block.group(2) in names:
         layer, part, kind = block.groups()
-        return f"model.layers.{layer}.{_BLOCK_TENSOR_NAMES[part]}.{kind}"
+        return f"model.layers.{layer}.{names[part]}.{kind}"
     top = _GLOBAL_TENSOR.match(gguf_name)
     if top is not None and top.group(1) in _GLOBAL_TENSOR_NAMES:
         return f"{_GLOBAL_TENSOR_NAMES[top.group(1)]}.{top.group(2)}"
@@ -191,7 +260,7 @@ def _dequantize(tensor: Any) -> np.ndarray:
 
 def _rotary_heads(hf_name: str, config: dict) -> int | None:
     """Number of heads whose rows llama.cpp permuted in this tensor, or None if not permuted."""
-    if config["model_type"] != "llama":
+    if config["model_type"] not in _PERMUTED_ROTARY_ARCHS:
         return None
     if ".self_attn.q_proj." in hf_name:
         return config["num_attention_heads"]
@@ -208,7 +277,7 @@ def load_gguf_state_dict(path: str, dtype: torch.dtype) -> dict[str, torch.Tenso
     reader = gguf.GGUFReader(path)
     state_dict: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, config["model_type"])
         if name is None:
             continue
         weight = torch.from_numpy(_dequantize(tensor))
@@ -231,7 +300,7 @@ def load_gguf_block_codes(path: str) -> dict[str, Any]:
     config = load_gguf_config(path)
     codes = {}
     for tensor in gguf.GGUFReader(path).tensors:
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, config["model_type"])
         if name is None or tensor.tensor_type.name not in BLOCK_TYPES:
             continue
         k = int(tensor.shape[0])

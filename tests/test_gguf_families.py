@@ -1,0 +1,137 @@
+"""GGUF files of the Qwen3, Phi-3, OLMo-2 and Granite families (llama.cpp's architecture
+names and tensor layout, written here with the `gguf` package from a tiny model's
+safetensors) load to the same config and tensors, and run to transformers' tokens on the
+safetensors model."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from tests.hf_reference import hf_greedy, load_hf_model
+from tests.model_factory import make_tiny_model
+from vllm import LLM, SamplingParams
+from vllm.model_executor.model_loader import gguf_loader
+from vllm.model_executor.models.llama import head_dim_of
+
+FAMILIES = {
+    "qwen3": {},
+    "phi3": {"max_position_embeddings": 128, "original_max_position_embeddings": 32,
+             "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4,
+                                 "short_factor": [1.0, 1.2, 1.5, 2.0],
+                                 "long_factor": [2.0, 3.0, 5.0, 8.0]}},
+    "olmo2": {},
+    "granite": {},
+}
+# HF module -> llama.cpp tensor (written independently of the loader's table)
+_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+          "self_attn.qkv_proj": "attn_qkv", "self_attn.q_norm": "attn_q_norm",
+          "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+          "mlp.up_proj": "ffn_up", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+          "input_layernorm": "attn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def _gguf_name(arch: str, hf_name: str) -> str:
+    stem, kind = hf_name.rsplit(".", 1)
+    top = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+    if stem in top:
+        return f"{top[stem]}.{kind}"
+    layer, part = stem.removeprefix("model.layers.").split(".", 1)
+    if part == "post_attention_layernorm":
+        return f"blk.{layer}.{'post_attention_norm' if arch == 'olmo2' else 'ffn_norm'}.{kind}"
+    return f"blk.{layer}.{_NAMES[part]}.{kind}"
+
+
+def _llama_cpp_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    head_dim = weight.shape[0] // num_heads
+    return weight.reshape(num_heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(weight.shape)
+
+
+def _write_gguf(path: str, model_dir: str, arch: str) -> None:
+    import gguf
+    from safetensors.torch import load_file
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    rope = cfg.get("rope_parameters") or {}
+    writer.add_rope_freq_base(rope.get("rope_theta", cfg.get("rope_theta")))
+    writer.add_rope_dimension_count(int(head_dim * cfg.get("partial_rotary_factor", 1.0)))
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_token_list([f"tok{i}" for i in range(cfg["vocab_size"])])
+    writer.add_bos_token_id(cfg["bos_token_id"])
+    writer.add_eos_token_id(cfg["eos_token_id"])
+    if arch == "granite":
+        writer.add_embedding_scale(cfg["embedding_multiplier"])
+        writer.add_residual_scale(cfg["residual_multiplier"])
+        writer.add_attention_scale(cfg["attention_multiplier"])
+        writer.add_logit_scale(cfg["logits_scaling"])
+    if rope.get("rope_type") == "longrope":
+        writer.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
+        for kind in ("long", "short"):
+            writer.add_tensor(f"rope_factors_{kind}.weight",
+                              torch.tensor(rope[f"{kind}_factor"]).numpy())
+    for name, weight in sorted(load_file(os.path.join(model_dir, "model.safetensors")).items()):
+        if arch == "granite" and ".q_proj." in name:
+            weight = _llama_cpp_permute(weight, cfg["num_attention_heads"])
+        elif arch == "granite" and ".k_proj." in name:
+            weight = _llama_cpp_permute(weight, cfg["num_key_value_heads"])
+        writer.add_tensor(_gguf_name(arch, name), weight.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("arch", list(FAMILIES))
+def test_family_gguf_matches_safetensors(arch, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    model_dir = make_tiny_model(str(tmp_path / arch), arch, **FAMILIES[arch])
+    path = str(tmp_path / f"{arch}.gguf")
+    _write_gguf(path, model_dir, arch)
+
+    ours = AutoConfig.from_pretrained(model_dir)
+    config = gguf_loader.load_gguf_config(path)
+    theirs = AutoConfig.for_model(config.pop("model_type"), **config)
+    assert head_dim_of(theirs) == head_dim_of(ours)
+    for key in ("architectures", "num_key_value_heads", "rope_parameters",
+                "partial_rotary_factor", "embedding_multiplier", "residual_multiplier",
+                "attention_multiplier", "logits_scaling", "original_max_position_embeddings"):
+        assert getattr(theirs, key, None) == getattr(ours, key, None), key
+    state = gguf_loader.load_gguf_state_dict(path, torch.float32)
+    expected = load_file(os.path.join(model_dir, "model.safetensors"))
+    assert state.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(state[name], tensor), name
+
+    llm = LLM(path, tokenizer=model_dir, dtype="float32", max_model_len=64,
+              enforce_eager=True, kv_cache_memory_bytes=4 * 1024**2)
+    prompts = ["Hello world, this is", "What is the capital of France? The capital is"]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16,
+                                                   ignore_eos=True, logprobs=1),
+                           use_tqdm=False)
+    hf = load_hf_model(model_dir)
+    for out in outputs:
+        ref = hf_greedy(hf, out.prompt_token_ids, 16)
+        completion = out.outputs[0]
+        assert completion.token_ids == ref.token_ids
+        logprobs = torch.tensor([lp[t].logprob for lp, t in
+                                 zip(completion.logprobs, completion.token_ids)])
+        expected_lp = ref.logprobs.gather(1, torch.tensor(ref.token_ids)[:, None])[:, 0]
+        torch.testing.assert_close(logprobs, expected_lp, atol=1e-4, rtol=0)
