@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm.model_executor.layers.attention import Attention
 from vllm.distributed.utils import kv_head_start
+from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm, ShardedRMSNorm
 from vllm.model_executor.layers.linear import (
     MergedColumnParallelLinear,
