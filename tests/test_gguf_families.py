@@ -15,7 +15,7 @@ from tests.hf_reference import hf_greedy, load_hf_model
 from tests.model_factory import make_tiny_model
 from vllm import LLM, SamplingParams
 from vllm.model_executor.model_loader import gguf_loader
-from vllm.model_executor.models.llama import head_dim_of
+from vllm.transformers_utils.config import head_dim_of
 
 FAMILIES = {
     "qwen3": {},

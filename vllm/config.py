@@ -111,7 +111,9 @@ class ModelConfig:
         cfg = self.hf_config
         if self.is_encoder_decoder:
             return cfg.decoder_attention_heads
-        return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        from vllm.transformers_utils.config import num_kv_heads_of
+
+        return num_kv_heads_of(cfg)
 
     def get_num_kv_heads(self, tensor_parallel_size: int) -> int:
         """KV heads one tensor-parallel rank holds (a replicated one where the ranks
@@ -125,7 +127,9 @@ class ModelConfig:
         cfg = self.hf_config
         if self.is_encoder_decoder:
             return cfg.d_model // cfg.decoder_attention_heads
-        return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        from vllm.transformers_utils.config import head_dim_of
+
+        return head_dim_of(cfg)
 
     @property
     def max_encoder_len(self) -> int:

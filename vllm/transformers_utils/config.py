@@ -22,6 +22,16 @@ def resolve_model_path(model: str | None) -> str:
     return model
 
 
+def head_dim_of(config) -> int:
+    """A decoder's `head_dim` where the config sets it (it may differ from hidden / heads)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def num_kv_heads_of(config) -> int:
+    """A decoder's KV heads (`num_key_value_heads`; all heads where the config has none)."""
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
 def get_config(model: str) -> PretrainedConfig:
     if model.endswith(".gguf"):
         from vllm.model_executor.model_loader.gguf_loader import load_gguf_config

@@ -32,13 +32,8 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     VocabParallelEmbedding,
 )
 from vllm.model_executor.model_loader.weight_utils import load_weights
+from vllm.transformers_utils.config import head_dim_of, num_kv_heads_of
 from vllm.v1.attention.backends.abstract import AttentionBackend
-
-
-def head_dim_of(config) -> int:
-    """`head_dim` where the config sets it (it may differ from hidden / heads)."""
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
 
 # Where q and k are RMS-normed before rope: each head on its own (Qwen3), or the whole
 # projection (OLMo-2).
@@ -58,7 +53,7 @@ class LlamaAttention(nn.Module):
         """`scale`: the softmax scale (default head_dim ** -0.5)."""
         super().__init__()
         total_heads = config.num_attention_heads
-        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        total_kv_heads = num_kv_heads_of(config)
         self.head_dim = head_dim_of(config)
         bias = qkv_bias or getattr(config, "attention_bias", False)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, total_heads,

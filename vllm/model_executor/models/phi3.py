@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from vllm.model_executor.models.llama import LlamaForCausalLM, head_dim_of
+from vllm.model_executor.models.llama import LlamaForCausalLM
+from vllm.transformers_utils.config import head_dim_of, num_kv_heads_of
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
@@ -26,7 +27,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         config = self.config
         d = head_dim_of(config)
         q = config.num_attention_heads * d
-        kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * d
+        kv = num_kv_heads_of(config) * d
         parts = {"qkv_proj": [("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)],
                  "gate_up_proj": [("gate_proj", 0, config.intermediate_size),
                                   ("up_proj", config.intermediate_size,
