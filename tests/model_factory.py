@@ -117,6 +117,9 @@ def tiny_tokenizer_vocab_size(path: str) -> int:
 _ARCH_CLASSES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
 }
 
 WEIGHT_INIT_STD = 0.2

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, SmolLM, Mistral-style) and Qwen2 (the same with qkv bias).
+"""Llama-family decoder (Llama 2/3, SmolLM, Mistral with its sliding window) and Qwen2 (the
+same with qkv bias).
 
 Forward takes flat token batches: `input_ids` or `inputs_embeds` for the scheduled tokens of
 all requests, `positions` for rotary embedding; attention reads its paged-cache metadata
@@ -27,6 +28,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 )
 from vllm.model_executor.model_loader.weight_utils import load_weights
 from vllm.v1.attention.backends.abstract import AttentionBackend
+from vllm.v1.core.kv_cache_groups import layer_sliding_windows
 
 
 def head_dim_of(config) -> int:
@@ -35,8 +37,12 @@ def head_dim_of(config) -> int:
 
 
 class LlamaAttention(nn.Module):
+    """q/k/v projection, rotary, paged attention (with the layer's sliding window, if the
+    config gives it one), output projection. `scale` defaults to head_dim ** -0.5."""
+
     def __init__(self, config, layer_idx: int, backend: type[AttentionBackend],
-                 qkv_bias: bool) -> None:
+                 qkv_bias: bool, scale: float | None = None,
+                 logits_soft_cap: float | None = None) -> None:
         super().__init__()
         total_heads = config.num_attention_heads
         total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
@@ -49,8 +55,11 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size,
                                         bias=getattr(config, "attention_bias", False))
+        self.sliding_window = layer_sliding_windows(config, config.num_hidden_layers)[layer_idx]
         self.attn = Attention(backend, layer_idx, self.num_heads, self.head_dim,
-                              self.num_kv_heads, self.head_dim**-0.5)
+                              self.num_kv_heads, scale or self.head_dim**-0.5,
+                              sliding_window=self.sliding_window,
+                              logits_soft_cap=logits_soft_cap)
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 x: torch.Tensor) -> torch.Tensor:
@@ -106,14 +115,17 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.rotary = RotaryEmbedding(config, head_dim_of(config), max_model_len, dtype)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, backend, self.qkv_bias)
-            for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.make_layer(config, i, backend)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(
             config.vocab_size, config.hidden_size,
             tied_to=self.embed_tokens if self.tie_word_embeddings else None)
+
+    def make_layer(self, config, layer_idx: int, backend: type[AttentionBackend]) -> nn.Module:
+        """One decoder layer (a model on these blocks with its own layer overrides it)."""
+        return LlamaDecoderLayer(config, layer_idx, backend, self.qkv_bias)
 
     def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from vllm.model_executor.models.bart import BartForConditionalGeneration
+from vllm.model_executor.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from vllm.model_executor.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 from vllm.model_executor.models.whisper import WhisperForConditionalGeneration
 
@@ -15,6 +16,8 @@ _MODELS: dict[str, ModelClass] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "BartForConditionalGeneration": BartForConditionalGeneration,
     "WhisperForConditionalGeneration": WhisperForConditionalGeneration,
 }
