@@ -71,3 +71,16 @@ class BlockTable:
                         + positions // self.block_size * self.num_groups + group)
         block_numbers = self.table.reshape(-1)[flat_indices].astype(np.int64)
         return block_numbers * self.block_size + positions % self.block_size
+
+
+def mask_out_of_window(table: np.ndarray, num_computed: np.ndarray, window: int,
+                       block_size: int) -> np.ndarray:
+    """A copy of a window group's block table rows with every block before each row's
+    window (`window_start_block` of its computed tokens) set to the null block: the
+    scheduler may have freed and handed those to another request, so no read may reach
+    them. e.g. window 5, block size 4, num_computed [10, 3], rows [[1, 2, 3], [4, 5, 0]]:
+    row 0 reads keys from position 6 (block 1) -> [[0, 2, 3], [4, 5, 0]]."""
+    first = np.maximum(num_computed - window + 1, 0) // block_size
+    out = table.copy()
+    out[np.arange(table.shape[1])[None, :] < first[:, None]] = 0
+    return out

@@ -29,6 +29,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler, SamplerOutput
+from vllm.v1.worker.block_table import mask_out_of_window
 from vllm.v1.worker.encoder_runner import EncoderRunner
 from vllm.v1.worker.graph_capture import CompiledGraphs, CudaGraphs, default_capture_sizes
 from vllm.v1.worker.input_batch import CachedRequestState, InputBatch
@@ -376,19 +377,13 @@ class GPUModelRunner:
 
     def _group_block_table(self, num_reqs: int, group: int,
                            num_computed: np.ndarray) -> np.ndarray:
-        """One KV cache group's block table rows. A window group's blocks before the
-        window (which the scheduler may have freed and handed to another request) read as
-        the null block: no query of this step may see them.
-        e.g. window 5, block size 4, num_computed [10, 3]: row 0 keeps blocks from 1 on
-        (`window_start_block`), row 1 all."""
+        """One KV cache group's block table rows; a window group's blocks before the
+        window read as the null block (`mask_out_of_window`)."""
         table = self.input_batch.block_table.group_table(num_reqs, group)
         window = self.kv_cache_groups[group].sliding_window
         if window is None:
             return table
-        first = np.maximum(num_computed - window + 1, 0) // self.block_size
-        table = table.copy()
-        table[np.arange(table.shape[1])[None, :] < first[:, None]] = 0
-        return table
+        return mask_out_of_window(table, num_computed, window, self.block_size)
 
     def _layer_metadata(self, group_metadata: list) -> list | None:
         """Each decoder layer's metadata (its group's), or None with one group."""
