@@ -38,8 +38,14 @@ class BlockPool:
                                      block_hashes[num_cached_blocks:num_full_blocks]):
             if block.block_hash is not None or block.is_null:
                 continue  # a prefix hit (already cached), or a window's dropped block
-            if block_hash in self.cached_block_hash_to_block:
-                continue  # another request computed the same block first; keep that one
+            cached = self.cached_block_hash_to_block.get(block_hash)
+            if cached is not None:
+                if cached.ref_cnt > 0:
+                    continue  # another request computed the same block first; keep that one
+                # A free copy (a hit that was not taken: e.g. another KV cache group missed
+                # at that point): the live block takes its place, so the hash survives the
+                # free copy's eviction.
+                self._evict(cached)
             block.block_hash = block_hash
             self.cached_block_hash_to_block[block_hash] = block
 
