@@ -5,12 +5,15 @@ LLM construction)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 from tests.hf_reference import hf_greedy, load_hf_model
 from tests.model_factory import make_tiny_model
 from vllm import LLM, SamplingParams
+from vllm.v1.executor.uniproc import UniProcExecutor
 
 WINDOW = 8
 PROMPTS = [
@@ -21,7 +24,7 @@ PROMPTS = [
     "What is the capital of France? The capital of France is",
 ]
 MAX_TOKENS = 20
-GEMMA_COMMON = dict(num_hidden_layers=4, sliding_window=WINDOW, head_dim=16,
+GEMMA_COMMON: dict[str, Any] = dict(num_hidden_layers=4, sliding_window=WINDOW, head_dim=16,
                     query_pre_attn_scalar=24)
 
 
@@ -64,7 +67,7 @@ def _check(outputs, path: str, max_tokens: int = MAX_TOKENS) -> None:
         torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
 
 
-def _embeds(path: str, token_ids: list[int]) -> torch.Tensor:
+def _embeds(path: str, token_ids: list[int] | None) -> torch.Tensor:
     """What a Gemma embedding lookup gives (scaled), as prompt embeds."""
     with torch.no_grad():
         return load_hf_model(path).get_input_embeddings()(torch.tensor(token_ids)).clone()
@@ -80,13 +83,13 @@ def test_gemma2_chunked_prefill_preemption_prefix_hits_and_embeds(gemma2_dir):
     scheduler = llm.llm_engine.engine_core.scheduler
     assert len(scheduler.kv_cache_manager.groups) == 2
     first = llm.generate(PROMPTS, _greedy(), use_tqdm=False)
-    assert max(len(o.prompt_token_ids) for o in first) > 3 * WINDOW
+    assert max(len(o.prompt_token_ids or []) for o in first) > 3 * WINDOW
     assert scheduler.num_preemptions > 0
     _check(first, gemma2_dir)
     # The small pool evicted the first run's blocks: run once to cache, then hit.
     llm.generate(PROMPTS[1:2], _greedy(), use_tqdm=False)
     again = llm.generate(PROMPTS[1:2], _greedy(), use_tqdm=False)
-    assert again[0].num_cached_tokens == (len(first[1].prompt_token_ids) - 1) // 4 * 4
+    assert again[0].num_cached_tokens == (len(first[1].prompt_token_ids or []) - 1) // 4 * 4
     assert again[0].outputs[0].token_ids == first[1].outputs[0].token_ids
     ids = first[3].prompt_token_ids
     embeds = llm.generate([{"prompt_embeds": _embeds(gemma2_dir, ids)}], _greedy(),
@@ -99,7 +102,9 @@ def test_gemma3_with_graphs_prefix_hits_and_embeds(gemma3_dir):
     llm = LLM(gemma3_dir, dtype="float32", block_size=4, max_model_len=128,
               kv_cache_memory_bytes=4 * 1024**2, enable_prompt_embeds=True,
               max_num_batched_tokens=64, compilation_config={"cudagraph_capture_sizes": [4]})
-    graphs = llm.llm_engine.engine_core.model_executor.model_runner.graphs
+    executor = llm.llm_engine.engine_core.model_executor
+    assert isinstance(executor, UniProcExecutor)
+    graphs = executor.model_runner.graphs
     assert graphs is not None
     # Groups: the global layer 2, then the window layers one per group.
     groups = llm.llm_engine.engine_core.scheduler.kv_cache_manager.groups

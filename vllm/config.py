@@ -133,8 +133,9 @@ class ModelConfig:
         window; see `vllm/v1/core/kv_cache_groups.py`)."""
         from vllm.v1.core.kv_cache_groups import layer_sliding_windows, make_kv_cache_groups
 
-        windows = ([None] * self.num_layers if self.is_encoder_decoder
-                   else layer_sliding_windows(self.hf_config, self.num_layers))
+        windows: list[int | None] = (
+            [None] * self.num_layers if self.is_encoder_decoder
+            else layer_sliding_windows(self.hf_config, self.num_layers))
         return make_kv_cache_groups(windows)
 
     @property

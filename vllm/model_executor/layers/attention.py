@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from typing import Any
 
 import torch
 from torch import nn
@@ -75,7 +76,7 @@ class Attention(nn.Module):
         self.impl.write_kv(k, v, ctx.kv_caches[self.layer_idx], slot_mapping)
 
 
-def _metadata_of(layer: Attention, ctx: ForwardContext) -> object:
+def _metadata_of(layer: Attention, ctx: ForwardContext) -> Any:
     """A layer's metadata: its KV cache group's for decoder layers of models with several
     groups, else the step's (cross-attention layers: the cross metadata)."""
     if layer.attn_type != AttentionType.DECODER:

@@ -119,7 +119,11 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     def prepare(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None
                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        h = self.get_input_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
+        if inputs_embeds is None:
+            assert input_ids is not None, "input_ids or inputs_embeds"
+            h = self.get_input_embeddings(input_ids)
+        else:
+            h = inputs_embeds
         cos, sin = self.rotary.lookup(positions)
         if self.local_rotary_emb is not None:
             local_cos, local_sin = self.local_rotary_emb.lookup(positions)

@@ -218,8 +218,8 @@ class TorchSDPABackend(AttentionBackend):
 class TorchSDPAImpl(AttentionImpl):
     """One layer's attention. `sliding_window`: a query at position p sees keys
     (p - window, p]; `logits_soft_cap`: scores become cap * tanh(score / cap) before the
-    softmax (Gemma 2). Such layers run on the torch paths (masks with the window, scores
-    computed explicitly where soft-capped)."""
+    softmax (Gemma 2). The native kernels take both (skipping blocks before the window);
+    the torch paths mask with the window and compute soft-capped scores explicitly."""
 
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float,
                  attn_type: AttentionType = AttentionType.DECODER,
@@ -240,7 +240,7 @@ class TorchSDPAImpl(AttentionImpl):
                                       "self-attention layers only.")
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
-        self.plain = sliding_window is None and logits_soft_cap is None
+        self.plain = sliding_window is None and logits_soft_cap is None  # torch paths
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -285,18 +285,19 @@ class TorchSDPAImpl(AttentionImpl):
         (this step's were written first); False where the kernel does not run."""
         spans = metadata.prefill_native
         native = _native_ops(query.device)
-        if spans is None or native is None or query.dtype != kv_cache.dtype or not self.plain:
+        if spans is None or native is None or query.dtype != kv_cache.dtype:
             return False
         if query.stride(-1) != 1 or query.stride(1) != self.head_size:
             query = query.contiguous()
         return native.paged_prefill_attention(
             query, kv_cache, spans.block_table, spans.query_start, spans.query_len,
-            spans.seq_lens, out, self.scale, self.attn_type == AttentionType.DECODER)
+            spans.seq_lens, out, self.scale, self.attn_type == AttentionType.DECODER,
+            self.sliding_window or 0, self.logits_soft_cap or 0.0)
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: TorchSDPAMetadata) -> torch.Tensor:
         q = query if metadata.decode_only else query[metadata.decode_token_idx]
-        if not self.plain:
+        if not self.plain and metadata.decode_seq_lens is None:
             return self._decode_windowed(q, kv_cache, metadata)
         if metadata.decode_seq_lens is not None:
             # Built only where the native kernels load (build_metadata).
@@ -304,7 +305,8 @@ class TorchSDPAImpl(AttentionImpl):
             assert native is not None
             return native.paged_decode_attention(
                 q.contiguous(), kv_cache, metadata.decode_block_table_i32,
-                metadata.decode_seq_lens, self.scale)
+                metadata.decode_seq_lens, self.scale, self.sliding_window or 0,
+                self.logits_soft_cap or 0.0)
         table = metadata.decode_block_table
         assert table is not None  # the masked gather path's table
         n = table.shape[0]
