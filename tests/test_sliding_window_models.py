@@ -1,7 +1,7 @@
 """Gemma 2, Gemma 3 and windowed Mistral end to end against transformers (float32: greedy
 tokens identical, logprobs within 1e-4), with sliding windows shorter than the prompts, under
-chunked prefill, preemption, prefix hits, prompt embeds and graphs (several features per
-LLM construction)."""
+chunked prefill, preemption, prefix hits, prompt embeds (Gemma 2) and graphs (Gemma 3),
+several features per LLM construction."""
 
 from __future__ import annotations
 
@@ -98,10 +98,10 @@ def test_gemma2_chunked_prefill_preemption_prefix_hits_and_embeds(gemma2_dir):
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 38
 
 
-def test_gemma3_with_graphs_prefix_hits_and_embeds(gemma3_dir):
+def test_gemma3_with_graphs_and_prefix_hits(gemma3_dir):
     llm = LLM(gemma3_dir, dtype="float32", block_size=4, max_model_len=128,
-              kv_cache_memory_bytes=4 * 1024**2, enable_prompt_embeds=True,
-              max_num_batched_tokens=64, compilation_config={"cudagraph_capture_sizes": [4]})
+              kv_cache_memory_bytes=4 * 1024**2, max_num_batched_tokens=64,
+              compilation_config={"cudagraph_capture_sizes": [4]})
     executor = llm.llm_engine.engine_core.model_executor
     assert isinstance(executor, UniProcExecutor)
     graphs = executor.model_runner.graphs
@@ -115,10 +115,6 @@ def test_gemma3_with_graphs_prefix_hits_and_embeds(gemma3_dir):
     again = llm.generate(PROMPTS, _greedy(), use_tqdm=False)
     assert again[1].num_cached_tokens > WINDOW
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
-    ids = first[1].prompt_token_ids
-    embeds = llm.generate([{"prompt_embeds": _embeds(gemma3_dir, ids)}], _greedy(),
-                          use_tqdm=False)
-    assert embeds[0].outputs[0].token_ids == first[1].outputs[0].token_ids
     assert sum(graphs.replays.values()) > 0
 
 
@@ -128,5 +124,5 @@ def test_mistral_window_with_chunked_prefill(mistral_dir):
               enforce_eager=True)
     manager = llm.llm_engine.engine_core.scheduler.kv_cache_manager
     assert [g.sliding_window for g in manager.groups] == [WINDOW]
-    outputs = llm.generate(PROMPTS, _greedy(40), use_tqdm=False)
-    _check(outputs, mistral_dir, 40)
+    outputs = llm.generate(PROMPTS, _greedy(32), use_tqdm=False)
+    _check(outputs, mistral_dir, 32)
