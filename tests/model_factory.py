@@ -122,6 +122,8 @@ _ARCH_CLASSES: dict[str, tuple[str, str]] = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
     "granite": ("GraniteConfig", "GraniteForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
 
 # What each family's tiny config sets beyond the common ones, so its peculiarities matter:

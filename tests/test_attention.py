@@ -84,7 +84,10 @@ def test_backend_matches_dense_reference(dtype, native, monkeypatch):
     assert torch.equal(flat_k[torch.from_numpy(slots)], k)
 
 
-def _check_native_decode(dtype, lens, heads, kv_heads, head_size, block=16):
+def _check_native_decode(dtype, lens, heads, kv_heads, head_size, block=16, window=0,
+                         soft_cap=0.0):
+    """`window` > 0: blocks before each row's window are the null block (0), as a window
+    group's table gives them, and must not be read."""
     ops = torch_sdpa._native_ops(torch.device("cpu"))
     if ops is None:
         pytest.skip("no compiler for the native kernel")
@@ -102,14 +105,25 @@ def _check_native_decode(dtype, lens, heads, kv_heads, head_size, block=16):
         used += nb
     q = torch.randn(len(lens), heads, head_size, generator=gen).to(dtype)
     scale = head_size ** -0.5
-    out = ops.paged_decode_attention(q, kv, torch.from_numpy(table),
-                                     torch.tensor(lens, dtype=torch.int32), scale)
+    kernel_table = table.copy()
+    if window:
+        kv[:, 0] = float("nan")  # the null block: a read would poison the row
+        for i, n in enumerate(lens):
+            kernel_table[i, :max(0, n - window) // block] = 0
+    out = ops.paged_decode_attention(q, kv, torch.from_numpy(kernel_table),
+                                     torch.tensor(lens, dtype=torch.int32), scale, window,
+                                     soft_cap)
     for i, n in enumerate(lens):
         ids = torch.from_numpy(table[i, :-(-n // block)].astype(np.int64))
         k = kv[0][ids].reshape(-1, kv_heads, head_size)[:n].float()
         v = kv[1][ids].reshape(-1, kv_heads, head_size)[:n].float()
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        p = torch.softmax(torch.einsum("hd,thd->ht", q[i].float(), k) * scale, dim=-1)
+        scores = torch.einsum("hd,thd->ht", q[i].float(), k) * scale
+        if soft_cap:
+            scores = torch.tanh(scores / soft_cap) * soft_cap
+        if window:
+            scores[:, :max(0, n - window)] = float("-inf")
+        p = torch.softmax(scores, dim=-1)
         ref = torch.einsum("ht,thd->hd", p, v)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         assert torch.allclose(out[i].float(), ref, atol=tol, rtol=tol), (n, dtype)
@@ -166,10 +180,12 @@ def _cpu_has(flag: str) -> bool:
         return flag in next((line for line in f if line.startswith("flags")), "").split()
 
 
-def _check_native_prefill(dtype, plan, heads, kv_heads, head_size, block, causal=True):
+def _check_native_prefill(dtype, plan, heads, kv_heads, head_size, block, causal=True,
+                          window=0, soft_cap=0.0):
     """`plan`: (queries, keys) per chunk, the queries being the last of the keys' positions.
     The kernel against a dense softmax in float64, with q a strided view of a fused qkv
-    output, blocks shuffled, and rows outside the chunks left as they were."""
+    output, blocks shuffled, and rows outside the chunks left as they were. `window`:
+    blocks before the chunk's first window are the null block (NaN here: never read)."""
     ops = torch_sdpa._native_ops(torch.device("cpu"))
     if ops is None:
         pytest.skip("no compiler for the native kernel")
@@ -193,10 +209,16 @@ def _check_native_prefill(dtype, plan, heads, kv_heads, head_size, block, causal
     q = qkv[:, :heads]
     out = torch.full((total, heads, head_size), 7.0, dtype=dtype)
     scale = head_size ** -0.5
+    kernel_table = table.clone()
+    if window:
+        kv[:, 0] = float("nan")
+        for i, (n, keys) in enumerate(plan):
+            kernel_table[i, :max(0, keys - n - window + 1) // block] = 0
     ran = ops.paged_prefill_attention(
-        q, kv, table, torch.tensor(starts, dtype=torch.int32),
+        q, kv, kernel_table, torch.tensor(starts, dtype=torch.int32),
         torch.tensor(lens, dtype=torch.int32),
-        torch.tensor([keys for _, keys in plan], dtype=torch.int32), out, scale, causal)
+        torch.tensor([keys for _, keys in plan], dtype=torch.int32), out, scale, causal,
+        window, soft_cap)
     if not ran:  # the kernel is AVX-512 only; elsewhere the backend takes torch SDPA
         assert not _cpu_has("avx512f")
         pytest.skip("no AVX-512: the native prefill kernel declines")
@@ -207,9 +229,15 @@ def _check_native_prefill(dtype, plan, heads, kv_heads, head_size, block, causal
         v = kv[1][ids].reshape(-1, kv_heads, head_size)[:keys].double()
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[starts[i]:starts[i] + n].double(), k) * scale
+        if soft_cap:
+            scores = torch.tanh(scores / soft_cap) * soft_cap
         if causal:
             q_pos = torch.arange(keys - n, keys)[:, None]
-            scores = scores.masked_fill(torch.arange(keys)[None, :] > q_pos, float("-inf"))
+            k_pos = torch.arange(keys)[None, :]
+            hidden = k_pos > q_pos
+            if window:
+                hidden |= k_pos <= q_pos - window
+            scores = scores.masked_fill(hidden, float("-inf"))
         ref = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
         torch.testing.assert_close(out[starts[i]:starts[i] + n].double(), ref, atol=tol,
                                    rtol=tol)
@@ -261,3 +289,81 @@ def test_native_prefill_kernel_declines_unsupported_shapes():
                                                torch.zeros(1, dtype=torch.int32), one * 4,
                                                one * 4, out, 1.0, True)
         assert not out.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window, soft_cap", [(20, 0.0), (0, 5.0), (600, 3.0), (1, 0.0)])
+@pytest.mark.parametrize("head_size", [64, 80])
+def test_native_decode_kernel_window_and_soft_cap(dtype, window, soft_cap, head_size):
+    """Windows shorter and longer than the sequences, across partitions (600 > 512 keys)
+    and inside one block; soft-capped scores; the vectorised kernel (head 64) and the
+    portable loop (head 80). Blocks before the window are NaN null blocks: never read."""
+    _check_native_decode(dtype, [1, 5, 17, 40, 513, 1300], 6, 2, head_size, window=window,
+                         soft_cap=soft_cap)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window, soft_cap", [(20, 0.0), (0, 5.0), (7, 2.0), (1, 0.0)])
+def test_native_prefill_kernel_window_and_soft_cap(dtype, window, soft_cap):
+    """Fresh prompts and continued chunks longer than the window (key chunks skipped),
+    windows inside one key chunk, soft-capped scores."""
+    _check_native_prefill(dtype, [(7, 7), (40, 40), (5, 30), (1, 17), (33, 100)], 6, 2, 64,
+                          16, window=window, soft_cap=soft_cap)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_backend_window_and_soft_cap_match_dense_reference(native, monkeypatch):
+    """The backend's windowed, soft-capped layer (native kernels or torch paths) on two
+    decodes, a fresh prefill and a continued chunk, blocks before each window nulled."""
+    if not native:
+        monkeypatch.setattr(torch_sdpa, "_native_ops", lambda device: None)
+    elif torch_sdpa._native_ops(torch.device("cpu")) is None:
+        pytest.skip("no compiler for the native kernel")
+    window, cap = 6, 4.0
+    gen = torch.Generator().manual_seed(1)
+    plan = [(9, 1), (30, 1), (0, 11), (8, 5)]
+    scale = HEAD_SIZE**-0.5
+    seqs = [(torch.randn(c + s, HEADS, HEAD_SIZE, generator=gen) * 2,
+             torch.randn(c + s, KV_HEADS, HEAD_SIZE, generator=gen) * 2,
+             torch.randn(c + s, KV_HEADS, HEAD_SIZE, generator=gen)) for c, s in plan]
+    kv_cache = torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE)
+    # The null block: the native kernels never read it (NaN would show); the torch paths
+    # gather it masked (its garbage must not leak).
+    kv_cache[:, 0] = float("nan") if native else 1e4
+    free = list(np.random.default_rng(1).permutation(np.arange(1, NUM_BLOCKS)))
+    block_table = np.zeros((len(plan), 16), dtype=np.int32)
+    for i, (c, s) in enumerate(plan):
+        first = max(0, c - window + 1) // BLOCK_SIZE
+        for b in range(first, -(-(c + s) // BLOCK_SIZE)):
+            block_table[i, b] = free.pop()
+        for pos in range(first * BLOCK_SIZE, c):
+            slot = block_table[i, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+            kv_cache[0].view(-1, KV_HEADS, HEAD_SIZE)[slot] = seqs[i][1][pos]
+            kv_cache[1].view(-1, KV_HEADS, HEAD_SIZE)[slot] = seqs[i][2][pos]
+    q, k, v = (torch.cat([t[c:] for t, (c, _) in zip(parts, plan)])
+               for parts in zip(*seqs))
+    computed = np.array([c for c, _ in plan], dtype=np.int32)
+    scheduled = np.array([s for _, s in plan], dtype=np.int32)
+    qsl = np.concatenate([[0], np.cumsum(scheduled)]).astype(np.int32)
+    positions = np.concatenate([np.arange(c, c + s) for c, s in plan])
+    req = np.repeat(np.arange(len(plan)), scheduled)
+    slots = (block_table[req, positions // BLOCK_SIZE].astype(np.int64) * BLOCK_SIZE
+             + positions % BLOCK_SIZE)
+    common = CommonAttentionMetadata(qsl, computed + scheduled, computed, block_table, slots,
+                                     int(qsl[-1]))
+    metadata = TorchSDPABackend.build_metadata(common, BLOCK_SIZE, torch.device("cpu"))
+    impl = TorchSDPABackend.make_impl(HEADS, HEAD_SIZE, KV_HEADS, scale,
+                                      sliding_window=window, logits_soft_cap=cap)
+    out = impl.forward(q, k, v, kv_cache, metadata).view(-1, HEADS, HEAD_SIZE)
+    group = HEADS // KV_HEADS
+    for i, (c, s) in enumerate(plan):
+        qq, kk, vv = (t.double() for t in seqs[i])
+        scores = torch.einsum("qhd,khd->hqk", qq, kk.repeat_interleave(group, dim=1)) * scale
+        scores = torch.tanh(scores / cap) * cap
+        n = c + s
+        q_pos, k_pos = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        scores = scores.masked_fill((k_pos > q_pos) | (k_pos <= q_pos - window),
+                                    float("-inf"))
+        ref = torch.einsum("hqk,khd->qhd", scores.softmax(-1),
+                           vv.repeat_interleave(group, dim=1))[c:]
+        torch.testing.assert_close(out[qsl[i]:qsl[i + 1]].double(), ref, atol=1e-5, rtol=1e-5)

@@ -293,3 +293,18 @@ def test_block_hasher_for_embeds_prompt_uses_rows_then_output_tokens() -> None:
     # The placeholder token ids of a token prompt give different hashes.
     tokens = make_scheduler_request("t", [0] * 6, block_size=4)
     assert tokens.block_hashes[0] != e0
+
+
+def test_cache_full_blocks_moves_a_hash_from_a_free_copy_to_the_live_block() -> None:
+    # A free cached copy (a hit another KV cache group made unusable) gives its hash to the
+    # block just computed, so evicting the copy later does not lose the hash.
+    pool = BlockPool(4, enable_caching=True)
+    first, second = pool.get_new_blocks(2)
+    pool.cache_full_blocks([first], [b"same"], 0, 1)
+    pool.free_blocks([first])
+    pool.cache_full_blocks([second], [b"same"], 0, 1)
+    assert pool.get_cached_block(b"same") is second
+    assert first.block_hash is None and second.block_hash == b"same"
+    pool.get_new_blocks(1)  # hands out block 3, the queue's head
+    assert pool.get_new_blocks(1) == [first]  # evicting the old copy keeps the hash
+    assert pool.get_cached_block(b"same") is second

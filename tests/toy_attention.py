@@ -112,7 +112,11 @@ class ToyBackend(AttentionBackend):
 
     @staticmethod
     def make_impl(num_heads: int, head_size: int, num_kv_heads: int, scale: float,
-                  attn_type: AttentionType = AttentionType.DECODER) -> ToyImpl:
+                  attn_type: AttentionType = AttentionType.DECODER,
+                  sliding_window: int | None = None,
+                  logits_soft_cap: float | None = None) -> ToyImpl:
+        if sliding_window is not None or logits_soft_cap is not None:
+            raise NotImplementedError("The toy backend has no sliding window or soft-cap.")
         return ToyImpl(num_heads, head_size, num_kv_heads, scale, attn_type)
 
 

@@ -10,11 +10,14 @@ import logging
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from vllm.platforms.cpu import choose_cpu_dtype, read_cpu_flags
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_groups import KVCacheGroupSpec
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +133,17 @@ class ModelConfig:
         from vllm.transformers_utils.config import head_dim_of
 
         return head_dim_of(cfg)
+
+    @property
+    def kv_cache_groups(self) -> list[KVCacheGroupSpec]:
+        """The attention layers' KV cache groups (one unless some layers use a sliding
+        window; see `vllm/v1/core/kv_cache_groups.py`)."""
+        from vllm.v1.core.kv_cache_groups import layer_sliding_windows, make_kv_cache_groups
+
+        windows: list[int | None] = (
+            [None] * self.num_layers if self.is_encoder_decoder
+            else layer_sliding_windows(self.hf_config, self.num_layers))
+        return make_kv_cache_groups(windows)
 
     @property
     def max_encoder_len(self) -> int:

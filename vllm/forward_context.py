@@ -15,6 +15,9 @@ class ForwardContext:
     # Encoder/decoder models only: cross-attention over the cross blocks, and the encoder.
     cross_attn_metadata: Any = None
     encoder_attn_metadata: Any = None
+    # Models with several KV cache groups (sliding-window layers): each decoder layer's
+    # metadata (its group's block table and window), by layer index; None: attn_metadata.
+    layer_attn_metadata: list | None = None
 
 
 _forward_context: ForwardContext | None = None
@@ -27,11 +30,12 @@ def get_forward_context() -> ForwardContext:
 
 @contextmanager
 def set_forward_context(attn_metadata: Any, kv_caches: list, cross_attn_metadata: Any = None,
-                        encoder_attn_metadata: Any = None) -> Iterator[None]:
+                        encoder_attn_metadata: Any = None,
+                        layer_attn_metadata: list | None = None) -> Iterator[None]:
     global _forward_context
     previous = _forward_context
     _forward_context = ForwardContext(attn_metadata, kv_caches, cross_attn_metadata,
-                                      encoder_attn_metadata)
+                                      encoder_attn_metadata, layer_attn_metadata)
     try:
         yield
     finally:

@@ -6,11 +6,11 @@
 
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache,
                                      torch::Tensor block_table, torch::Tensor seq_lens,
-                                     double scale);
+                                     double scale, int64_t window, double soft_cap);
 bool paged_prefill_attention(torch::Tensor query, torch::Tensor kv_cache,
                              torch::Tensor block_table, torch::Tensor query_start,
                              torch::Tensor query_len, torch::Tensor seq_lens, torch::Tensor out,
-                             double scale, bool causal);
+                             double scale, bool causal, int64_t window, double soft_cap);
 void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache,
               torch::Tensor slot_mapping);
 torch::Tensor argmax_rows(torch::Tensor logits);
@@ -22,10 +22,17 @@ torch::Tensor shm_all_reduce(torch::Tensor x, torch::Tensor segment, int64_t ran
                              int64_t world, double timeout_s);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
   m.def("paged_decode_attention", &paged_decode_attention,
-        "Paged decode attention over a block-paged KV cache (CPU)");
+        "Paged decode attention over a block-paged KV cache (CPU); a sliding window "
+        "(0: none) and a logit soft-cap (0: none)",
+        py::arg("query"), py::arg("kv_cache"), py::arg("block_table"), py::arg("seq_lens"),
+        py::arg("scale"), py::arg("window") = 0, py::arg("soft_cap") = 0.0);
   m.def("paged_prefill_attention", &paged_prefill_attention,
-        "Paged prefill attention of every prompt chunk of a step (CPU); false if unsupported");
+        "Paged prefill attention of every prompt chunk of a step (CPU); false if unsupported",
+        py::arg("query"), py::arg("kv_cache"), py::arg("block_table"), py::arg("query_start"),
+        py::arg("query_len"), py::arg("seq_lens"), py::arg("out"), py::arg("scale"),
+        py::arg("causal"), py::arg("window") = 0, py::arg("soft_cap") = 0.0);
   m.def("write_kv", &write_kv, "Stores a step's keys and values at their cache slots (CPU)");
   m.def("argmax_rows", &argmax_rows, "Row-wise argmax, as torch.argmax(dim=-1) (CPU)");
   m.def("pack_block_codes", &pack_block_codes,

@@ -7,6 +7,8 @@
 //   kv_cache     [2, num_blocks, block_size, num_kv_heads, head_size]   (K then V)
 //   block_table  [num_seqs, max_blocks] int32
 //   seq_lens     [num_seqs] int32
+//   window       keys a query sees, itself included (0: all): keys [len - window, len)
+//   soft_cap     scores become soft_cap * tanh(score / soft_cap) before the softmax (0: off)
 //   out          [num_seqs, num_heads, head_size]
 //
 // Work is split over (sequence, kv head) pairs; each pair handles the `group` query heads
@@ -79,7 +81,8 @@ template <typename T>
 void decode_attention(const T* query, const T* kv_cache, const int32_t* block_table,
                       const int32_t* seq_lens, T* out, int64_t num_seqs, int64_t num_heads,
                       int64_t num_kv_heads, int64_t head_size, int64_t num_blocks,
-                      int64_t block_size, int64_t max_blocks, float scale) {
+                      int64_t block_size, int64_t max_blocks, float scale, int64_t window,
+                      float soft_cap) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_size;
   const T* value_cache = kv_cache + num_blocks * block_size * token_stride;
@@ -94,8 +97,10 @@ void decode_attention(const T* query, const T* kv_cache, const int32_t* block_ta
         const T* src = query + (seq * num_heads + kv_head * group + g) * head_size;
         load_row(src, q.data() + g * head_size, head_size);
       }
-      scores.assign(group * len, 0.0f);
-      for (int64_t t = 0; t < len; ++t) {
+      // Keys before the window score -inf (their blocks may be the null block).
+      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      scores.assign(group * len, -std::numeric_limits<float>::infinity());
+      for (int64_t t = start; t < len; ++t) {
         const int64_t slot = static_cast<int64_t>(blocks[t / block_size]) * block_size +
                              t % block_size;
         load_row(kv_cache + slot * token_stride + kv_head * head_size, row.data(), head_size);
@@ -104,12 +109,13 @@ void decode_attention(const T* query, const T* kv_cache, const int32_t* block_ta
           float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
           for (int64_t j = 0; j < head_size; ++j) dot += qg[j] * row[j];
-          scores[g * len + t] = dot * scale;
+          const float x = dot * scale;
+          scores[g * len + t] = soft_cap > 0.0f ? soft_cap * std::tanh(x / soft_cap) : x;
         }
       }
       for (int64_t g = 0; g < group; ++g) softmax_in_place(scores.data() + g * len, len);
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t t = 0; t < len; ++t) {
+      for (int64_t t = start; t < len; ++t) {
         const int64_t slot = static_cast<int64_t>(blocks[t / block_size]) * block_size +
                              t % block_size;
         load_row(value_cache + slot * token_stride + kv_head * head_size, row.data(),
@@ -246,6 +252,36 @@ inline void block_scores(const T* q_src, const T* k, int64_t n, int64_t token_st
   }
 }
 
+// tanh(x) = 1 - 2 / (e^(2x) + 1), saturating to +-1 as e^(2x) overflows or vanishes.
+inline __m512 tanh16(__m512 x) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 e = exp16(_mm512_add_ps(x, x));
+  return _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, one)));
+}
+
+// For soft-capped or windowed rows, before exp_scores (which then scales by 1):
+// s[t] <- scale * s[t], soft-capped to cap * tanh(scale * s[t] / cap) when cap > 0, and
+// -inf for the `skip` first keys (before the window, within its first block).
+inline __m512 scaled_score(__m512 x, __m512 in, __m512 out, bool cap) {
+  x = _mm512_mul_ps(x, in);
+  return cap ? _mm512_mul_ps(out, tanh16(x)) : x;
+}
+
+inline void cap_and_skip(float* s, int64_t len, float scale, float soft_cap, int64_t skip) {
+  const bool cap = soft_cap > 0.0f;
+  const __m512 in = _mm512_set1_ps(cap ? scale / soft_cap : scale);
+  const __m512 out = _mm512_set1_ps(soft_cap);
+  int64_t t = 0;
+  for (; t + 16 <= len; t += 16)
+    _mm512_storeu_ps(s + t, scaled_score(_mm512_loadu_ps(s + t), in, out, cap));
+  if (t < len) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (len - t)) - 1);
+    _mm512_mask_storeu_ps(s + t, tail,
+                          scaled_score(_mm512_maskz_loadu_ps(tail, s + t), in, out, cap));
+  }
+  std::fill(s, s + std::min(skip, len), -std::numeric_limits<float>::infinity());
+}
+
 // scores[t] <- exp(scale * scores[t] - max) for t < len; returns (max, sum of the exps).
 inline std::pair<float, float> exp_scores(float* s, int64_t len, float scale) {
   const __m512 vscale = _mm512_set1_ps(scale);
@@ -287,8 +323,9 @@ inline std::pair<float, float> exp_scores(float* s, int64_t len, float scale) {
 template <typename T, int GT, int C>
 void attend_partition(const T* q_seq, const T* k_cache, const T* v_cache,
                       const int32_t* blocks, int64_t len, int64_t block_size,
-                      int64_t num_kv_heads, int64_t group, float scale, float* scores,
-                      float* out_max, float* out_sum, float* out) {
+                      int64_t num_kv_heads, int64_t group, float scale, float soft_cap,
+                      int64_t skip, float* scores, float* out_max, float* out_sum,
+                      float* out) {
   constexpr int64_t D = 16 * C;
   const int64_t token_stride = num_kv_heads * D;
   const int64_t block_bytes = block_size * token_stride * static_cast<int64_t>(sizeof(T));
@@ -312,8 +349,10 @@ void attend_partition(const T* q_seq, const T* k_cache, const T* v_cache,
                                token_stride, scores + head * kPartition + t0);
       }
   }
+  const bool plain = soft_cap <= 0.0f && skip == 0;
   for (int64_t head = 0; head < num_heads; ++head) {
-    const auto [m, sum] = exp_scores(scores + head * kPartition, len, scale);
+    if (!plain) cap_and_skip(scores + head * kPartition, len, scale, soft_cap, skip);
+    const auto [m, sum] = exp_scores(scores + head * kPartition, len, plain ? scale : 1.0f);
     out_max[head] = m;
     out_sum[head] = sum;
   }
@@ -344,7 +383,8 @@ void attend_partition(const T* q_seq, const T* k_cache, const T* v_cache,
 
 template <typename T>
 using PartitionFn = void (*)(const T*, const T*, const T*, const int32_t*, int64_t, int64_t,
-                             int64_t, int64_t, float, float*, float*, float*, float*);
+                             int64_t, int64_t, float, float, int64_t, float*, float*, float*,
+                             float*);
 
 // The instantiation for head_size 16 * C and the largest tile (<= 4 heads, at most 16
 // accumulator vectors) dividing the group.
@@ -377,16 +417,24 @@ bool decode_attention_avx512(const T* query, const T* kv_cache, const int32_t* b
                              const int32_t* seq_lens, T* out, int64_t num_seqs,
                              int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
                              int64_t num_blocks, int64_t block_size, int64_t max_blocks,
-                             float scale) {
+                             float scale, int64_t window, float soft_cap) {
   const int64_t group = num_heads / num_kv_heads;
   const PartitionFn<T> attend = pick_partition_fn<T>(head_size, group);
   if (attend == nullptr || kPartition % block_size != 0) return false;
   const int64_t token_stride = num_kv_heads * head_size;
   const T* value_cache = kv_cache + num_blocks * block_size * token_stride;
+  // With a window, a sequence's keys start at the block holding its window's first key
+  // (blocks before it are skipped); the keys before the window in that block are masked.
+  // e.g. len 40, window 10, block 16: keys from 30, partitions from 16, skip 14.
+  std::vector<int64_t> key_start(num_seqs, 0);
+  if (window > 0)
+    for (int64_t s = 0; s < num_seqs; ++s)
+      key_start[s] = std::max<int64_t>(0, seq_lens[s] - window) / block_size * block_size;
   // Tasks: (sequence, partition). part_start[s] is sequence s's first partition.
   std::vector<int64_t> part_start(num_seqs + 1, 0);
   for (int64_t s = 0; s < num_seqs; ++s)
-    part_start[s + 1] = part_start[s] + std::max<int64_t>(1, (seq_lens[s] + kPartition - 1) / kPartition);
+    part_start[s + 1] = part_start[s] + std::max<int64_t>(
+        1, (seq_lens[s] - key_start[s] + kPartition - 1) / kPartition);
   const int64_t num_parts = part_start[num_seqs];
   // Per (partition, kv head, group member): max score, sum of exps, unnormalised output.
   std::vector<float> part_max(num_parts * num_heads), part_sum(num_parts * num_heads);
@@ -401,7 +449,8 @@ bool decode_attention_avx512(const T* query, const T* kv_cache, const int32_t* b
   for (int64_t p = 0; p < num_parts; ++p) order[p] = p;
   auto part_len = [&](int64_t p) {
     const int64_t s = part_seq[p];
-    return std::min<int64_t>(seq_lens[s] - (p - part_start[s]) * kPartition, kPartition);
+    return std::min<int64_t>(seq_lens[s] - key_start[s] - (p - part_start[s]) * kPartition,
+                             kPartition);
   };
   std::stable_sort(order.begin(), order.end(),
                    [&](int64_t a, int64_t b) { return part_len(a) > part_len(b); });
@@ -410,13 +459,15 @@ bool decode_attention_avx512(const T* query, const T* kv_cache, const int32_t* b
       [&](std::vector<float>& scores, int64_t i) {
         const int64_t part = order[i];
         const int64_t seq = part_seq[part];
-        const int64_t first = (part - part_start[seq]) * kPartition;
+        const int64_t first = key_start[seq] + (part - part_start[seq]) * kPartition;
         const int64_t len = std::min<int64_t>(seq_lens[seq] - first, kPartition);
+        const int64_t skip = window > 0 ? std::max<int64_t>(0, seq_lens[seq] - window) - first
+                                        : 0;
         const int64_t h = part * num_heads;
         attend(query + seq * num_heads * head_size, kv_cache, value_cache,
                block_table + seq * max_blocks + first / block_size, len, block_size,
-               num_kv_heads, group, scale, scores.data(), part_max.data() + h,
-               part_sum.data() + h, part_out.data() + h * head_size);
+               num_kv_heads, group, scale, soft_cap, std::max<int64_t>(0, skip), scores.data(),
+               part_max.data() + h, part_sum.data() + h, part_out.data() + h * head_size);
       });
   // Merge each sequence's partitions: out = sum_p e^(m_p - M) o_p / sum_p e^(m_p - M) l_p.
   at::parallel_for(0, num_seqs * num_heads, 16, [&](int64_t begin, int64_t end) {
@@ -447,7 +498,8 @@ bool decode_attention_avx512(const T* query, const T* kv_cache, const int32_t* b
 
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache,
                                      torch::Tensor block_table, torch::Tensor seq_lens,
-                                     double scale) {
+                                     double scale, int64_t window, double soft_cap) {
+  TORCH_CHECK(window >= 0 && soft_cap >= 0.0, "window and soft_cap must be >= 0");
   TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5, "bad ranks");
   TORCH_CHECK(query.is_contiguous() && kv_cache.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.is_contiguous(),
@@ -467,13 +519,15 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
                                    block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
                                    out.data_ptr<T>(), num_seqs, num_heads, num_kv_heads,
                                    head_size, num_blocks, block_size, block_table.size(1),
-                                   static_cast<float>(scale)))
+                                   static_cast<float>(scale), window,
+                                   static_cast<float>(soft_cap)))
       return;
 #endif
     decode_attention<T>(query.data_ptr<T>(), kv_cache.data_ptr<T>(),
                         block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
                         out.data_ptr<T>(), num_seqs, num_heads, num_kv_heads, head_size,
-                        num_blocks, block_size, block_table.size(1), static_cast<float>(scale));
+                        num_blocks, block_size, block_table.size(1), static_cast<float>(scale),
+                        window, static_cast<float>(soft_cap));
   };
   switch (query.scalar_type()) {
     case torch::kFloat32: run(static_cast<float*>(nullptr)); break;

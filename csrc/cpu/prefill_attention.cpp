@@ -10,6 +10,9 @@
 //                query_start[s] .. + query_len[s], the last query_len[s] of its seq_lens[s]
 //                positions (causal: query i sees keys 0 .. seq_len - query_len + i);
 //                non-causal (cross-attention) queries see all seq_lens[s] keys
+//   window       causal only: the query at p sees keys (p - window, p] (0: all); chunks of
+//                keys wholly before a tile's first window are skipped
+//   soft_cap     scores become soft_cap * tanh(score / soft_cap) before the softmax (0: off)
 //   out          [num_tokens, num_heads, head_size] contiguous; only the spans' rows are
 //                written
 //
@@ -67,8 +70,8 @@ template <typename T, int RV>
 void attend_tile(const T* query, int64_t q_stride, const T* k_cache, const T* v_cache,
                  const int32_t* blocks, int64_t block_size, int64_t num_kv_heads,
                  int64_t head_size, int64_t kv_head, int64_t q_token, int64_t nq,
-                 int64_t pos0, int64_t keys, bool causal, float scale, T* out,
-                 Scratch& w) {
+                 int64_t pos0, int64_t keys, bool causal, float scale, int64_t window,
+                 float soft_cap, T* out, Scratch& w) {
   constexpr int64_t R = 16 * RV;
   constexpr int64_t group = RV;
   const int64_t D = head_size;
@@ -97,6 +100,24 @@ void attend_tile(const T* query, int64_t q_stride, const T* k_cache, const T* v_
     }
     pos[v] = _mm512_load_si512(p);
   }
+  // With a window, lane query at p sees keys from p - window + 1 (lanes past the tile:
+  // every key); chunks wholly before the tile's first window are skipped.
+  __m512i lo[RV];
+  for (int v = 0; v < RV; ++v) {
+    alignas(64) int32_t p[16];
+    for (int l = 0; l < 16; ++l) {
+      const int64_t i = (16 * v + l) / group;
+      p[l] = i < nq && window > 0 ? static_cast<int32_t>(pos0 + i - window + 1)
+                                  : std::numeric_limits<int32_t>::min();
+    }
+    lo[v] = _mm512_load_si512(p);
+  }
+  const int64_t first_key =
+      window > 0 ? std::max<int64_t>(0, pos0 - window + 1) / kChunk * kChunk : 0;
+  const bool cap = soft_cap > 0.0f;
+  const __m512 cap_in = _mm512_set1_ps(cap ? 1.0f / soft_cap : 1.0f);
+  const __m512 cap_out = _mm512_set1_ps(soft_cap);
+  const __m512 one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f);
   __m512 m[RV], l[RV];
   for (int v = 0; v < RV; ++v) {
     m[v] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -108,7 +129,7 @@ void attend_tile(const T* query, int64_t q_stride, const T* k_cache, const T* v_
   float* kf = w.k.data();
   float* vf = w.v.data();
 
-  for (int64_t c0 = 0; c0 < keys; c0 += kChunk) {
+  for (int64_t c0 = first_key; c0 < keys; c0 += kChunk) {
     const int64_t nk = std::min(kChunk, keys - c0);
     for (int64_t j = 0; j < nk; ++j) {
       const int64_t t = c0 + j;
@@ -132,6 +153,14 @@ void attend_tile(const T* query, int64_t q_stride, const T* k_cache, const T* v_
           for (int v = 0; v < RV; ++v) acc[u][v] = _mm512_fmadd_ps(kb, qv[v], acc[u][v]);
         }
       }
+      if (cap)  // cap * tanh(s / cap), tanh(x) = 1 - 2 / (e^(2x) + 1)
+        for (int u = 0; u < KU; ++u)
+          for (int v = 0; v < RV; ++v) {
+            const __m512 x = _mm512_mul_ps(acc[u][v], cap_in);
+            const __m512 e = exp16(_mm512_add_ps(x, x));
+            acc[u][v] = _mm512_mul_ps(
+                cap_out, _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(e, one))));
+          }
       for (int u = 0; u < KU; ++u)
         for (int v = 0; v < RV; ++v) _mm512_storeu_ps(st + (j0 + u) * R + 16 * v, acc[u][v]);
     }
@@ -142,9 +171,10 @@ void attend_tile(const T* query, int64_t q_stride, const T* k_cache, const T* v_
       __mmask16 valid[kChunk];
       __m512 cmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
       for (int64_t j = 0; j < nk; ++j) {
-        valid[j] = causal ? _mm512_cmpge_epi32_mask(pos[v], _mm512_set1_epi32(
-                                static_cast<int32_t>(c0 + j)))
-                          : static_cast<__mmask16>(0xFFFF);
+        const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(c0 + j));
+        valid[j] = (causal ? _mm512_cmpge_epi32_mask(pos[v], key)
+                           : static_cast<__mmask16>(0xFFFF)) &
+                   _mm512_cmple_epi32_mask(lo[v], key);
         cmax = _mm512_mask_max_ps(cmax, valid[j], cmax, _mm512_loadu_ps(st + j * R + 16 * v));
       }
       const __m512 m_new = _mm512_max_ps(m[v], cmax);
@@ -194,7 +224,7 @@ void attend_tile(const T* query, int64_t q_stride, const T* k_cache, const T* v_
 template <typename T>
 using TileFn = void (*)(const T*, int64_t, const T*, const T*, const int32_t*, int64_t,
                         int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool,
-                        float, T*, Scratch&);
+                        float, int64_t, float, T*, Scratch&);
 
 template <typename T>
 TileFn<T> pick_tile_fn(int64_t group) {
@@ -216,7 +246,7 @@ bool prefill_attention(const torch::Tensor& query, const torch::Tensor& kv_cache
                        const int32_t* block_table, int64_t max_blocks,
                        const int32_t* query_start, const int32_t* query_len,
                        const int32_t* seq_lens, int64_t num_spans, torch::Tensor& out,
-                       float scale, bool causal) {
+                       float scale, bool causal, int64_t window, float soft_cap) {
   const int64_t num_heads = query.size(1), head_size = query.size(2);
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
   const int64_t num_kv_heads = kv_cache.size(3);
@@ -248,7 +278,7 @@ bool prefill_attention(const torch::Tensor& query, const torch::Tensor& kv_cache
         const int64_t pos0 = seq_lens[t.span] - query_len[t.span] + t.first;
         attend(q, q_stride, k_cache, v_cache, block_table + t.span * max_blocks, block_size,
                num_kv_heads, head_size, t.kv_head, query_start[t.span] + t.first, nq, pos0,
-               t.keys, causal, scale, o, w);
+               t.keys, causal, scale, window, soft_cap, o, w);
       });
   return true;
 }
@@ -262,7 +292,9 @@ bool prefill_attention(const torch::Tensor& query, const torch::Tensor& kv_cache
 bool paged_prefill_attention(torch::Tensor query, torch::Tensor kv_cache,
                              torch::Tensor block_table, torch::Tensor query_start,
                              torch::Tensor query_len, torch::Tensor seq_lens, torch::Tensor out,
-                             double scale, bool causal) {
+                             double scale, bool causal, int64_t window, double soft_cap) {
+  TORCH_CHECK(window >= 0 && soft_cap >= 0.0, "window and soft_cap must be >= 0");
+  TORCH_CHECK(window == 0 || causal, "a sliding window needs causal attention");
   TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && out.dim() == 3, "bad ranks");
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2),
               "query rows must be contiguous");
@@ -289,18 +321,18 @@ bool paged_prefill_attention(torch::Tensor query, torch::Tensor kv_cache,
                 " has more keys than its block table row holds");
   }
 #if defined(__AVX512F__)
-  const float sc = static_cast<float>(scale);
+  const float sc = static_cast<float>(scale), cap = static_cast<float>(soft_cap);
   const int32_t* table = block_table.data_ptr<int32_t>();
   switch (query.scalar_type()) {
     case torch::kFloat32:
       return prefill_attention<float>(query, kv_cache, table, max_blocks, qs, ql, sl,
-                                      num_spans, out, sc, causal);
+                                      num_spans, out, sc, causal, window, cap);
     case torch::kBFloat16:
       return prefill_attention<at::BFloat16>(query, kv_cache, table, max_blocks, qs, ql, sl,
-                                             num_spans, out, sc, causal);
+                                             num_spans, out, sc, causal, window, cap);
     case torch::kFloat16:
       return prefill_attention<at::Half>(query, kv_cache, table, max_blocks, qs, ql, sl,
-                                         num_spans, out, sc, causal);
+                                         num_spans, out, sc, causal, window, cap);
     default:
       return false;
   }

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from typing import Any
 
 import torch
 from torch import nn
 
-from vllm.forward_context import get_forward_context
+from vllm.forward_context import ForwardContext, get_forward_context
 from vllm.v1.attention.backends.abstract import AttentionBackend, AttentionType
 
 _layer_ids = itertools.count()
@@ -24,6 +25,8 @@ _layers: weakref.WeakValueDictionary[int, Attention] = weakref.WeakValueDictiona
 
 class Attention(nn.Module):
     """One attention computation of a model; `layer_idx` names its KV cache tensor.
+    `sliding_window` (keys (p - window, p] for a query at p) and `logits_soft_cap` go to
+    the backend's impl; the layer's KV cache group (see `kv_cache_groups`) must agree.
 
     DECODER layers write and read their layer's cache; ENCODER_DECODER (cross) layers read
     the same tensor through the cross-attention blocks (their K/V are written once, by the
@@ -32,11 +35,19 @@ class Attention(nn.Module):
 
     def __init__(self, backend: type[AttentionBackend], layer_idx: int, num_heads: int,
                  head_size: int, num_kv_heads: int, scale: float,
-                 attn_type: AttentionType = AttentionType.DECODER) -> None:
+                 attn_type: AttentionType = AttentionType.DECODER,
+                 sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.attn_type = attn_type
-        self.impl = backend.make_impl(num_heads, head_size, num_kv_heads, scale, attn_type)
+        self.sliding_window = sliding_window
+        extras = {}
+        if sliding_window is not None or logits_soft_cap is not None:
+            extras = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap}
+        # Backends without these options (most test doubles) fail here, by name.
+        self.impl = backend.make_impl(num_heads, head_size, num_kv_heads, scale, attn_type,
+                                      **extras)
         self.output_size = num_heads * head_size
         self.op_id = next(_layer_ids)
         _layers[self.op_id] = self
@@ -55,15 +66,24 @@ class Attention(nn.Module):
         ctx = get_forward_context()
         if self.attn_type == AttentionType.ENCODER:
             return self.impl.forward(q, k, v, None, ctx.encoder_attn_metadata)
-        metadata = (ctx.attn_metadata if self.attn_type == AttentionType.DECODER
-                    else ctx.cross_attn_metadata)
-        return self.impl.forward(q, k, v, ctx.kv_caches[self.layer_idx], metadata)
+        return self.impl.forward(q, k, v, ctx.kv_caches[self.layer_idx],
+                                 _metadata_of(self, ctx))
 
     def write_cross_kv(self, k: torch.Tensor, v: torch.Tensor,
                        slot_mapping: torch.Tensor) -> None:
         """Stores an encoder output's cross-attention K/V at the cross slots."""
         ctx = get_forward_context()
         self.impl.write_kv(k, v, ctx.kv_caches[self.layer_idx], slot_mapping)
+
+
+def _metadata_of(layer: Attention, ctx: ForwardContext) -> Any:
+    """A layer's metadata: its KV cache group's for decoder layers of models with several
+    groups, else the step's (cross-attention layers: the cross metadata)."""
+    if layer.attn_type != AttentionType.DECODER:
+        return ctx.cross_attn_metadata
+    if ctx.layer_attn_metadata is not None:
+        return ctx.layer_attn_metadata[layer.layer_idx]
+    return ctx.attn_metadata
 
 
 # Registered through `torch.library.Library` rather than `torch.library.custom_op`: a call
@@ -80,8 +100,7 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | Non
     to a captured size) are zeros."""
     layer = _layers[int(op_id)]
     ctx = get_forward_context()
-    metadata = (ctx.attn_metadata if layer.attn_type == AttentionType.DECODER
-                else ctx.cross_attn_metadata)
+    metadata = _metadata_of(layer, ctx)
     n = q.shape[0]
     real = n if metadata is None or layer.attn_type == AttentionType.ENCODER \
         else metadata.num_actual_tokens

@@ -1,6 +1,7 @@
-"""Llama-family decoder (Llama 2/3, SmolLM, Mistral-style) and Qwen2 (the same with qkv bias),
-and the shared blocks other decoder families are built from: `LlamaAttention` (attention with
-rope; options: q/k norm per head or over the whole projection, the softmax scale),
+"""Llama-family decoder (Llama 2/3, SmolLM, Mistral with its sliding window) and Qwen2 (the
+same with qkv bias), and the shared blocks other decoder families are built from:
+`LlamaAttention` (attention with rope; options: q/k norm per head or over the whole
+projection, the softmax scale, the logit soft-cap; the config's sliding window per layer),
 `LlamaMLP` (gated MLP; the activation), `LlamaDecoderLayer`, and `LlamaForCausalLM`, whose
 `make_layer` / `prepare` / `compute_logits` a family overrides.
 
@@ -34,6 +35,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 from vllm.model_executor.model_loader.weight_utils import load_weights
 from vllm.transformers_utils.config import head_dim_of, num_kv_heads_of
 from vllm.v1.attention.backends.abstract import AttentionBackend
+from vllm.v1.core.kv_cache_groups import layer_sliding_windows
 
 # Where q and k are RMS-normed before rope: each head on its own (Qwen3), or the whole
 # projection (OLMo-2).
@@ -47,10 +49,12 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 class LlamaAttention(nn.Module):
+    """q/k/v projection, rotary, paged attention (with the layer's sliding window, if the
+    config gives it one), output projection. `scale` defaults to head_dim ** -0.5."""
+
     def __init__(self, config, layer_idx: int, backend: type[AttentionBackend],
                  qkv_bias: bool, *, qk_norm: QKNorm | None = None,
-                 scale: float | None = None) -> None:
-        """`scale`: the softmax scale (default head_dim ** -0.5)."""
+                 scale: float | None = None, logits_soft_cap: float | None = None) -> None:
         super().__init__()
         total_heads = config.num_attention_heads
         total_kv_heads = num_kv_heads_of(config)
@@ -63,8 +67,11 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size,
                                         bias=getattr(config, "attention_bias", False))
+        self.sliding_window = layer_sliding_windows(config, config.num_hidden_layers)[layer_idx]
         self.attn = Attention(backend, layer_idx, self.num_heads, self.head_dim,
-                              self.num_kv_heads, self.head_dim**-0.5 if scale is None else scale)
+                              self.num_kv_heads, self.head_dim**-0.5 if scale is None else scale,
+                              sliding_window=self.sliding_window,
+                              logits_soft_cap=logits_soft_cap)
         self.qk_norm = qk_norm
         eps = config.rms_norm_eps
         if qk_norm == "head":

@@ -26,12 +26,15 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM"),
     "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
     "BartForConditionalGeneration": ("bart", "BartForConditionalGeneration"),
     "WhisperForConditionalGeneration": ("whisper", "WhisperForConditionalGeneration"),
 }
 
 if TYPE_CHECKING:  # the type checker holds every registered class to `ModelClass`
     from vllm.model_executor.models.bart import BartForConditionalGeneration
+    from vllm.model_executor.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
     from vllm.model_executor.models.granite import GraniteForCausalLM
     from vllm.model_executor.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
     from vllm.model_executor.models.olmo2 import Olmo2ForCausalLM
@@ -41,7 +44,8 @@ if TYPE_CHECKING:  # the type checker holds every registered class to `ModelClas
 
     _CHECKED: list[ModelClass] = [
         LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM,
-        Olmo2ForCausalLM, GraniteForCausalLM, BartForConditionalGeneration,
+        Olmo2ForCausalLM, GraniteForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM,
+        BartForConditionalGeneration,
         WhisperForConditionalGeneration]
 
 

@@ -36,10 +36,16 @@ class BlockPool:
             return
         for block, block_hash in zip(blocks[num_cached_blocks:num_full_blocks],
                                      block_hashes[num_cached_blocks:num_full_blocks]):
-            if block.block_hash is not None:
-                continue  # a prefix hit: already cached
-            if block_hash in self.cached_block_hash_to_block:
-                continue  # another request computed the same block first; keep that one
+            if block.block_hash is not None or block.is_null:
+                continue  # a prefix hit (already cached), or a window's dropped block
+            cached = self.cached_block_hash_to_block.get(block_hash)
+            if cached is not None:
+                if cached.ref_cnt > 0:
+                    continue  # another request computed the same block first; keep that one
+                # A free copy (a hit that was not taken: e.g. another KV cache group missed
+                # at that point): the live block takes its place, so the hash survives the
+                # free copy's eviction.
+                self._evict(cached)
             block.block_hash = block_hash
             self.cached_block_hash_to_block[block_hash] = block
 
@@ -68,17 +74,22 @@ class BlockPool:
             block.block_hash = None
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Takes a reference on prefix-hit blocks, pulling free ones out of the queue."""
+        """Takes a reference on prefix-hit blocks, pulling free ones out of the queue (the
+        null block, which pads a window group's hit, is nobody's)."""
         for block in blocks:
-            if block.ref_cnt == 0 and not block.is_null:
+            if block.is_null:
+                continue
+            if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drops one reference; blocks reaching zero join the queue's tail in this order."""
         for block in ordered_blocks:
+            if block.is_null:
+                continue
             block.ref_cnt -= 1
-            if block.ref_cnt == 0 and not block.is_null:
+            if block.ref_cnt == 0:
                 self.free_block_queue.append(block)
 
     def reset_prefix_cache(self) -> bool:

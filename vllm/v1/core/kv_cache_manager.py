@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from vllm.utils import cdiv
 from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.core.kv_cache_utils import KVCacheBlock, cross_block_hashes
+from vllm.v1.core.kv_cache_groups import KVCacheGroupSpec, window_start_block
+from vllm.v1.core.kv_cache_utils import BlockHash, KVCacheBlock, cross_block_hashes
 from vllm.v1.request import Request
 
 
@@ -34,11 +35,25 @@ class KVCacheManager:
     prefix caching they are registered under the encoder input's hash, so a later request
     with the same encoder input shares them (and skips the encoder). A request holds
     exactly |cross blocks| + |self blocks| blocks.
+
+    Models with sliding-window layers keep several KV cache groups (`kv_cache_groups`): a
+    request's blocks are one list interleaved by group (logical block i of group g at
+    index i * num_groups + g), and the blocks of a window group that no later query can
+    see (`window_start_block`) go back to the pool as the request advances, their places
+    taken by the null block. Blocks leave tail first; a cached block stays findable until
+    the pool hands it out again. A request that asks for its hidden states keeps all its
+    blocks (its stage-output rows live in them). Prefix caching: each group's blocks are
+    cached under the block hash tagged with the group; a hit of h blocks needs every full
+    group's blocks [0, h) and each window group's blocks from the window start of position
+    h * block_size up to h, the rest of the window group's hit being null blocks.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool,
+                 kv_cache_groups: list[KVCacheGroupSpec] | None = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.groups = kv_cache_groups or [KVCacheGroupSpec((), None)]
+        self.num_groups = len(self.groups)
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_cross_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -50,7 +65,8 @@ class KVCacheManager:
         return self.block_pool.get_usage()
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """The longest cached prefix of `request`, in whole blocks.
+        """The longest cached prefix of `request`, in whole blocks (interleaved by group;
+        null blocks where a window group needs none).
 
         At least the last token is always left to compute, since its logits are needed.
 
@@ -59,14 +75,30 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return [], 0
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        max_hit_blocks = min((request.num_tokens - 1) // self.block_size,
+                             len(request.block_hashes))
+        cached = [[self.block_pool.get_cached_block(_group_hash(h, g))
+                   for h in request.block_hashes[:max_hit_blocks]]
+                  for g in range(self.num_groups)]
+        num_hit = max_hit_blocks
+        while num_hit > 0 and not all(self._group_hit(g, cached[g], num_hit)
+                                      for g in range(self.num_groups)):
+            num_hit -= 1
         blocks = []
-        for block_hash in request.block_hashes[:max_hit_blocks]:
-            block = self.block_pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            blocks.append(block)
-        return blocks, len(blocks) * self.block_size
+        for i in range(num_hit):
+            for g in range(self.num_groups):
+                block = cached[g][i]
+                blocks.append(block if block is not None and i >= self._first_needed(g, num_hit)
+                              else self.block_pool.null_block)
+        return blocks, num_hit * self.block_size
+
+    def _first_needed(self, group: int, num_hit_blocks: int) -> int:
+        return window_start_block(num_hit_blocks * self.block_size,
+                                  self.groups[group].sliding_window, self.block_size)
+
+    def _group_hit(self, group: int, cached: list[KVCacheBlock | None], num_hit: int) -> bool:
+        """Whether group `group` has what a hit of `num_hit` blocks reads."""
+        return all(b is not None for b in cached[self._first_needed(group, num_hit):num_hit])
 
     def get_cached_cross_blocks(self, request: Request) -> list[KVCacheBlock] | None:
         """The cached cross-attention blocks of `request`'s encoder input, if every one of
@@ -109,7 +141,9 @@ class KVCacheManager:
         new_computed_blocks = new_computed_blocks or []
         held = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + num_new_computed_tokens
-        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
+        if self.num_groups > 1 or self.groups[0].sliding_window is not None:
+            self._free_out_of_window(request, held, num_computed)
+        num_required = cdiv(num_computed + num_new_tokens, self.block_size) * self.num_groups
         num_new_blocks = max(0, num_required - len(held) - len(new_computed_blocks))
         needs_cross = (request.encoder_input is not None
                        and request.request_id not in self.req_to_cross_blocks)
@@ -118,7 +152,7 @@ class KVCacheManager:
                          if needs_cross and not cross_hits else 0)
         # Hit blocks sitting in the free queue stop being allocatable once touched.
         num_evictable_hits = sum(1 for b in (*new_computed_blocks, *cross_hits)
-                                 if b.ref_cnt == 0)
+                                 if b.ref_cnt == 0 and not b.is_null)
         if (num_new_blocks + num_new_cross
                 > self.block_pool.get_num_free_blocks() - num_evictable_hits):
             if not held:
@@ -133,12 +167,33 @@ class KVCacheManager:
         held.extend(new_blocks)
         if self.enable_caching:
             num_cached = self.num_cached_blocks.get(request.request_id,
-                                                    len(new_computed_blocks))
+                                                    len(new_computed_blocks) // self.num_groups)
             num_full = min((num_computed + num_new_tokens) // self.block_size,
                            len(request.block_hashes))
-            self.block_pool.cache_full_blocks(held, request.block_hashes, num_cached, num_full)
+            new_hashes = request.block_hashes[num_cached:num_full]
+            for g in range(self.num_groups):
+                blocks = held[g::self.num_groups][num_cached:num_full]
+                self.block_pool.cache_full_blocks(
+                    blocks, [_group_hash(h, g) for h in new_hashes], 0, len(blocks))
             self.num_cached_blocks[request.request_id] = max(num_cached, num_full)
         return new_blocks
+
+    def _free_out_of_window(self, request: Request, held: list[KVCacheBlock],
+                            num_computed: int) -> None:
+        """Gives back the window groups' blocks that no query from position `num_computed`
+        on reads (newest first, so the older stay cached longer), null blocks in their
+        place. A request returning its hidden states keeps them (its rows live there)."""
+        if request.sampling_params.return_hidden_states:
+            return
+        null = self.block_pool.null_block
+        for g, group in enumerate(self.groups):
+            first = window_start_block(num_computed, group.sliding_window, self.block_size)
+            out = [i * self.num_groups + g for i in range(first)
+                   if i * self.num_groups + g < len(held)
+                   and not held[i * self.num_groups + g].is_null]
+            self.block_pool.free_blocks(held[i] for i in reversed(out))
+            for i in out:
+                held[i] = null
 
     def _allocate_cross_blocks(self, request: Request, hits: list[KVCacheBlock],
                                num_new: int) -> None:
@@ -160,7 +215,7 @@ class KVCacheManager:
         cross blocks, so that an encoder output (costly to recompute, and useless once
         partly evicted) stays cached longest."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.block_pool.free_blocks(reversed(blocks))
+        self.block_pool.free_blocks(b for b in reversed(blocks) if not b.is_null)
         self.block_pool.free_blocks(self.req_to_cross_blocks.pop(request.request_id, []))
         self.num_cached_blocks.pop(request.request_id, None)
 
@@ -169,14 +224,19 @@ class KVCacheManager:
         """After a failed step: blocks that step was to fill (from position
         `num_computed_before` on) and, if its encoder ran, the request's cross blocks, leave
         the prefix cache, so no later request reuses K/V that was never written."""
-        first = num_computed_before // self.block_size
+        first = num_computed_before // self.block_size * self.num_groups
         self.block_pool.uncache_blocks(self.req_to_blocks.get(request.request_id, [])[first:])
         if encoder_ran:
             self.block_pool.uncache_blocks(self.req_to_cross_blocks.get(request.request_id, []))
         self.num_cached_blocks.pop(request.request_id, None)
 
     def get_block_ids(self, request_id: str) -> list[int]:
+        """Interleaved by group (see the class docstring)."""
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def get_group_block_ids(self, request_id: str, group: int = 0) -> list[int]:
+        """One group's blocks in position order (null blocks as 0)."""
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])[group::self.num_groups]]
 
     def get_cross_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_cross_blocks.get(request_id, [])]
@@ -186,3 +246,8 @@ class KVCacheManager:
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
         return self.prefix_cache_stats.reset()
+
+
+def _group_hash(block_hash: BlockHash, group: int) -> BlockHash:
+    """The prefix-cache key of a group's block: group 0 keeps the block hash itself."""
+    return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")

@@ -8,6 +8,7 @@ import torch
 
 from vllm.config import VllmConfig
 from vllm.utils import cdiv
+from vllm.v1.core.kv_cache_groups import blocks_needed
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
 from vllm.v1.executor.abstract import Executor, ExecutorDeadError
@@ -33,8 +34,11 @@ class EngineCore:
         num_blocks = self.model_executor.determine_num_blocks()
         max_len = vllm_config.model_config.max_model_len
         max_encoder_len = vllm_config.model_config.max_encoder_len
+        groups = vllm_config.model_config.kv_cache_groups
         # One longest request (its cross blocks included) must fit, + the null block.
-        needed = cdiv(max_len, cache.block_size) + cdiv(max_encoder_len, cache.block_size) + 1
+        needed = (blocks_needed(max_len, groups, cache.block_size,
+                                vllm_config.scheduler_config.max_num_batched_tokens)
+                  + cdiv(max_encoder_len, cache.block_size) + 1)
         if num_blocks < needed:
             encoder = (f" and an encoder input of {max_encoder_len} tokens"
                        if max_encoder_len else "")
@@ -44,7 +48,7 @@ class EngineCore:
                 "the KV cache size (kv_cache_memory_bytes) or lower max_model_len.")
         self.model_executor.initialize_kv_cache(num_blocks)
         cache.num_blocks = num_blocks
-        self.scheduler = Scheduler(vllm_config.scheduler_config, cache)
+        self.scheduler = Scheduler(vllm_config.scheduler_config, cache, groups)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(request)

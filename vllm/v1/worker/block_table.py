@@ -8,11 +8,18 @@ from vllm.utils import cdiv
 
 
 class BlockTable:
-    """A `[max_num_reqs, max_num_blocks_per_req]` int32 table; 0 (the null block) pads."""
+    """A `[max_num_reqs, max_num_blocks_per_req]` int32 table; 0 (the null block) pads.
 
-    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
+    With several KV cache groups (sliding-window models) a row holds the request's blocks
+    interleaved by group, as the scheduler sends them: logical block i of group g in column
+    i * num_groups + g; `group_table` and `compute_slot_mapping` read one group's columns.
+    """
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int,
+                 num_groups: int = 1) -> None:
         self.block_size = block_size
-        self.max_num_blocks_per_req = cdiv(max_model_len, block_size)
+        self.num_groups = num_groups
+        self.max_num_blocks_per_req = cdiv(max_model_len, block_size) * num_groups
         self.table = np.zeros((max_num_reqs, self.max_num_blocks_per_req), dtype=np.int32)
         self.num_blocks_per_row = np.zeros(max_num_reqs, dtype=np.int32)
 
@@ -38,8 +45,17 @@ class BlockTable:
         self.table[row] = 0
         self.num_blocks_per_row[row] = 0
 
-    def compute_slot_mapping(self, req_indices: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """The KV cache slot of every scheduled token.
+    def group_table(self, num_reqs: int, group: int = 0) -> np.ndarray:
+        """Rows [:num_reqs] of one group's blocks, `[num_reqs, max_blocks]` (a view of the
+        table itself when there is one group).
+        e.g. two groups, row [5, 6, 7, 8, 0, 0]: group 0 [5, 7, 0], group 1 [6, 8, 0]."""
+        if self.num_groups == 1:
+            return self.table[:num_reqs]
+        return np.ascontiguousarray(self.table[:num_reqs, group::self.num_groups])
+
+    def compute_slot_mapping(self, req_indices: np.ndarray, positions: np.ndarray,
+                             group: int = 0) -> np.ndarray:
+        """The KV cache slot of every scheduled token (in group `group`'s blocks).
 
         slot = table[req, pos // block_size] * block_size + pos % block_size
 
@@ -51,6 +67,20 @@ class BlockTable:
             offsets       = [54 % 16, 145 % 16, 0, 1] = [6, 1, 0, 1]
             slot_mapping  = [4*16+6, 14*16+1, 15*16+0, 15*16+1] = [70, 225, 240, 241]
         """
-        flat_indices = req_indices * self.max_num_blocks_per_req + positions // self.block_size
+        flat_indices = (req_indices * self.max_num_blocks_per_req
+                        + positions // self.block_size * self.num_groups + group)
         block_numbers = self.table.reshape(-1)[flat_indices].astype(np.int64)
         return block_numbers * self.block_size + positions % self.block_size
+
+
+def mask_out_of_window(table: np.ndarray, num_computed: np.ndarray, window: int,
+                       block_size: int) -> np.ndarray:
+    """A copy of a window group's block table rows with every block before each row's
+    window (`window_start_block` of its computed tokens) set to the null block: the
+    scheduler may have freed and handed those to another request, so no read may reach
+    them. e.g. window 5, block size 4, num_computed [10, 3], rows [[1, 2, 3], [4, 5, 0]]:
+    row 0 reads keys from position 6 (block 1) -> [[0, 2, 3], [4, 5, 0]]."""
+    first = np.maximum(num_computed - window + 1, 0) // block_size
+    out = table.copy()
+    out[np.arange(table.shape[1])[None, :] < first[:, None]] = 0
+    return out

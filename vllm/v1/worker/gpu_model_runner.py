@@ -24,10 +24,12 @@ from vllm.model_executor.models.interfaces import (
 )
 from vllm.v1.attention.backends import get_attn_backend
 from vllm.v1.attention.backends.abstract import CommonAttentionMetadata
+from vllm.v1.core.kv_cache_groups import group_size, layer_slots
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler, SamplerOutput
+from vllm.v1.worker.block_table import mask_out_of_window
 from vllm.v1.worker.encoder_runner import EncoderRunner
 from vllm.v1.worker.graph_capture import CompiledGraphs, CudaGraphs, default_capture_sizes
 from vllm.v1.worker.input_batch import CachedRequestState, InputBatch
@@ -78,9 +80,11 @@ class ModelInputs(NamedTuple):
     input_ids: torch.Tensor | None  # [num_tokens] int64; None when embeds are given
     inputs_embeds: torch.Tensor | None  # [num_tokens, hidden_size]
     positions: torch.Tensor  # [num_tokens] int64
-    attn_metadata: object
+    attn_metadata: object  # KV cache group 0's (the only group of most models)
+    # Models with several KV cache groups: each decoder layer's (its group's); else None.
+    layer_attn_metadata: list | None
     cross_attn_metadata: object | None  # encoder/decoder models only
-    slot_mapping: np.ndarray  # [num_tokens] int64 KV slot of each token
+    slot_mapping: np.ndarray  # [num_tokens] int64 KV slot of each token (group 0)
     logits_indices: torch.Tensor  # [num_sampling_reqs] int64
     sampling_rows: np.ndarray  # [num_sampling_reqs] batch rows that sample this step
     common: CommonAttentionMetadata  # the step's batch layout (for CUDA graph buffers)
@@ -110,9 +114,12 @@ class GPUModelRunner:
         self.attn_backend = get_attn_backend(self.model_config.attention_backend)
         self.requests: dict[str, CachedRequestState] = {}
         self.is_encoder_decoder = self.model_config.is_encoder_decoder
+        self.kv_cache_groups = self.model_config.kv_cache_groups
+        self._layer_slots = layer_slots(self.kv_cache_groups)
         self.input_batch = InputBatch(self.scheduler_config.max_num_seqs, self.max_model_len,
                                       self.block_size, self.model_config.vocab_size,
-                                      self.model_config.max_encoder_len)
+                                      self.model_config.max_encoder_len,
+                                      len(self.kv_cache_groups))
         self.sampler = Sampler()
         self.sampling_inputs = SamplingInputsBuilder(self.input_batch, device,
                                                      self.max_model_len)
@@ -143,7 +150,8 @@ class GPUModelRunner:
         model_config = self.model_config
         per_layer = int(np.prod(self.attn_backend.get_kv_cache_shape(
             1, self.block_size, self.num_kv_heads, model_config.head_dim)))
-        return per_layer * model_config.num_layers * self.dtype.itemsize
+        # A block id indexes one tensor per layer of a group (see kv_cache_groups).
+        return per_layer * group_size(self.kv_cache_groups) * self.dtype.itemsize
 
     def stage_output_specs(self) -> dict[str, OutputSpec]:
         """The per-token outputs kept beside the KV cache: the last hidden states when the
@@ -157,9 +165,13 @@ class GPUModelRunner:
         shape = self.attn_backend.get_kv_cache_shape(
             num_blocks, self.block_size, self.num_kv_heads, model_config.head_dim)
         # Zeroed: padded key positions are masked, but NaN garbage would still leak
-        # through a 0 * NaN in the attention-weighted sum.
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                          for _ in range(model_config.num_layers)]
+        # through a 0 * NaN in the attention-weighted sum. Layer j of every KV cache group
+        # shares tensor j (a block belongs to one group at a time).
+        tensors = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                   for _ in range(group_size(self.kv_cache_groups))]
+        slots = layer_slots(self.kv_cache_groups) if len(self.kv_cache_groups) > 1 else {}
+        self.kv_caches = [tensors[slots[layer][1] if slots else layer]
+                          for layer in range(model_config.num_layers)]
         self.stage_outputs = StageOutputCache(num_blocks, self.block_size,
                                               self.stage_output_specs())
 
@@ -181,6 +193,10 @@ class GPUModelRunner:
             self.device.type))
         model_config = self.model_config
         if self.device.type == "cuda":
+            if any(group.sliding_window is not None for group in self.kv_cache_groups):
+                # Its graph buffers hold one block table and no window.
+                logger.info("CUDA graphs are off for sliding-window models: eager.")
+                return
             self.graphs = CudaGraphs(model, sizes, model_config.enable_prompt_embeds,
                                      model_config.hidden_size, self.dtype, self.device,
                                      self.block_size, self.max_model_len, self.attn_backend)
@@ -198,8 +214,10 @@ class GPUModelRunner:
         """Runs `forward()` under the metadata of `num_tokens` one-token requests at
         position 0 whose K/V go to the null block's first slot."""
         common = CommonAttentionMetadata.padding_decodes(num_tokens)
-        metadata = self.attn_backend.build_metadata(common, self.block_size, self.device)
-        with set_forward_context(metadata, self.kv_caches):
+        metadata = [self.attn_backend.build_metadata(common, self.block_size, self.device)
+                    for _ in self.kv_cache_groups]
+        with set_forward_context(metadata[0], self.kv_caches,
+                                 layer_attn_metadata=self._layer_metadata(metadata)):
             forward()
 
     # ---- one step -----------------------------------------------------------------
@@ -218,7 +236,8 @@ class GPUModelRunner:
         inputs = self._prepare_inputs(scheduler_output)
         self._maybe_fail_for_tests()
         with set_forward_context(inputs.attn_metadata, self.kv_caches,
-                                 inputs.cross_attn_metadata):
+                                 inputs.cross_attn_metadata,
+                                 layer_attn_metadata=inputs.layer_attn_metadata):
             hidden_states = self._run_model(model, inputs)
         self.stage_outputs.write(inputs.slot_mapping, hidden_states=hidden_states)
         logits = model.compute_logits(hidden_states[inputs.logits_indices])
@@ -314,17 +333,24 @@ class GPUModelRunner:
                                    self.max_model_len)
         input_ids_np = batch.token_ids_cpu.reshape(-1)[idx.token_indices]
         is_token_np = batch.is_token_ids.reshape(-1)[idx.token_indices]
-        slot_mapping = batch.block_table.compute_slot_mapping(idx.req_indices, idx.positions)
         num_tokens = int(idx.query_start_loc[-1])
-        common = CommonAttentionMetadata(
-            query_start_loc=idx.query_start_loc,
-            seq_lens=idx.seq_lens,
-            num_computed_tokens=batch.num_computed_tokens_cpu[:num_reqs].copy(),
-            block_table=batch.block_table.table[:num_reqs],
-            slot_mapping=slot_mapping,
-            num_actual_tokens=num_tokens,
-        )
-        attn_metadata = self.attn_backend.build_metadata(common, self.block_size, self.device)
+        num_computed = batch.num_computed_tokens_cpu[:num_reqs].copy()
+        attn_metadata, group_commons = [], []
+        for g in range(len(self.kv_cache_groups)):
+            group_common = CommonAttentionMetadata(
+                query_start_loc=idx.query_start_loc,
+                seq_lens=idx.seq_lens,
+                num_computed_tokens=num_computed,
+                block_table=self._group_block_table(num_reqs, g, num_computed),
+                slot_mapping=batch.block_table.compute_slot_mapping(
+                    idx.req_indices, idx.positions, g),
+                num_actual_tokens=num_tokens,
+            )
+            group_commons.append(group_common)
+            attn_metadata.append(self.attn_backend.build_metadata(
+                group_common, self.block_size, self.device))
+        common = group_commons[0]
+        slot_mapping = common.slot_mapping
         cross_attn_metadata = self._cross_attn_metadata(common) if self.is_encoder_decoder \
             else None
         # A request samples once its whole known sequence is computed; a prefill chunk
@@ -340,13 +366,31 @@ class GPUModelRunner:
             input_ids=input_ids,
             inputs_embeds=inputs_embeds,
             positions=torch.from_numpy(idx.positions).to(self.device),
-            attn_metadata=attn_metadata,
+            attn_metadata=attn_metadata[0],
+            layer_attn_metadata=self._layer_metadata(attn_metadata),
             cross_attn_metadata=cross_attn_metadata,
             slot_mapping=slot_mapping,
             logits_indices=torch.from_numpy(logits_indices.astype(np.int64)).to(self.device),
             sampling_rows=sampling_rows,
             common=common,
         )
+
+    def _group_block_table(self, num_reqs: int, group: int,
+                           num_computed: np.ndarray) -> np.ndarray:
+        """One KV cache group's block table rows; a window group's blocks before the
+        window read as the null block (`mask_out_of_window`)."""
+        table = self.input_batch.block_table.group_table(num_reqs, group)
+        window = self.kv_cache_groups[group].sliding_window
+        if window is None:
+            return table
+        return mask_out_of_window(table, num_computed, window, self.block_size)
+
+    def _layer_metadata(self, group_metadata: list) -> list | None:
+        """Each decoder layer's metadata (its group's), or None with one group."""
+        if len(group_metadata) == 1:
+            return None
+        return [group_metadata[group] for group, _ in
+                (self._layer_slots[layer] for layer in range(self.model_config.num_layers))]
 
     def _cross_attn_metadata(self, common: CommonAttentionMetadata) -> object:
         """Cross-attention reads each request's whole encoder output from its cross

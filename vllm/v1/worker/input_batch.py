@@ -40,11 +40,13 @@ class InputBatch:
     Rows `0..num_reqs-1` are occupied (holes are closed by `condense`). The token-id
     table holds every known token of a request; `is_token_ids` says which positions are
     real tokens (False where the input comes from prompt embeds). Encoder/decoder models
-    (`max_encoder_len > 0`) also keep a cross-attention block table and encoder lengths.
+    (`max_encoder_len > 0`) also keep a cross-attention block table and encoder lengths;
+    sliding-window models one block table row per request holding every KV cache group's
+    blocks (see `BlockTable`).
     """
 
     def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int,
-                 vocab_size: int, max_encoder_len: int = 0) -> None:
+                 vocab_size: int, max_encoder_len: int = 0, num_kv_cache_groups: int = 1) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -58,7 +60,8 @@ class InputBatch:
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_computed_tokens_cpu = np.zeros(max_num_reqs, dtype=np.int32)
-        self.block_table = BlockTable(max_num_reqs, max_model_len, block_size)
+        self.block_table = BlockTable(max_num_reqs, max_model_len, block_size,
+                                      num_kv_cache_groups)
         self.cross_block_table = (BlockTable(max_num_reqs, max_encoder_len, block_size)
                                   if max_encoder_len else None)
         self.num_encoder_tokens = np.zeros(max_num_reqs, dtype=np.int32)

@@ -99,9 +99,12 @@ class AttentionBackend(ABC):
     @staticmethod
     @abstractmethod
     def make_impl(num_heads: int, head_size: int, num_kv_heads: int, scale: float,
-                  attn_type: AttentionType = AttentionType.DECODER) -> AttentionImpl:
-        """The computation of one layer; a backend without `attn_type` raises
-        NotImplementedError naming it (at model construction, not at the first step)."""
+                  attn_type: AttentionType = AttentionType.DECODER,
+                  sliding_window: int | None = None,
+                  logits_soft_cap: float | None = None) -> AttentionImpl:
+        """The computation of one layer; a backend without `attn_type` (or the window /
+        soft-cap) raises NotImplementedError naming it (at model construction, not at the
+        first step)."""
 
     # ---- graph capture: the metadata a captured graph reads lives in buffers the
     # backend owns; `CudaGraphs` holds them opaquely and calls only these three hooks.

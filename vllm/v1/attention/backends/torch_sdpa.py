@@ -21,7 +21,7 @@ decoder query reads whole (decode queries through the same paged decode path).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -53,7 +53,8 @@ class PrefillSpan:
     block_ids: np.ndarray | None  # [num_blocks]
     # Built by the first layer that computes the chunk, reused by the others.
     block_ids_tensor: torch.Tensor | None = None
-    mask: torch.Tensor | None = None  # [query_len, seq_len] bool, True = attend
+    # [query_len, keys] bool, True = attend, per sliding window (None: causal only).
+    window_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -79,6 +80,10 @@ class TorchSDPAMetadata:
     prefills: list[PrefillSpan]
     prefill_native: NativePrefill | None  # the same chunks, where the native kernel runs
     decode_only: bool  # every token is a decode, in order: no scatter of results needed
+    # Layers with a sliding window or soft-capping (on the torch path): each decode row's
+    # sequence length, and the masks built from it by the first such layer, per window.
+    decode_seq_lens_np: np.ndarray | None = None  # [num_decodes]
+    window_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -154,7 +159,8 @@ class TorchSDPABackend(AttentionBackend):
         return TorchSDPAMetadata(slot_mapping, common.num_actual_tokens, decode_idx,
                                  decode_table, decode_mask, decode_seq_lens, decode_table_i32,
                                  prefills, prefill_native,
-                                 decode_only=token_rows.size == common.num_actual_tokens)
+                                 decode_only=token_rows.size == common.num_actual_tokens,
+                                 decode_seq_lens_np=seq_lens[token_rows].copy())
 
     # ---- graph hooks: decode rows on the masked gather path (the native kernels are
     # CPU-only, CUDA graphs CUDA's), the block table padded to the buffers' width.
@@ -202,19 +208,39 @@ class TorchSDPABackend(AttentionBackend):
 
     @staticmethod
     def make_impl(num_heads: int, head_size: int, num_kv_heads: int, scale: float,
-                  attn_type: AttentionType = AttentionType.DECODER) -> TorchSDPAImpl:
-        return TorchSDPAImpl(num_heads, head_size, num_kv_heads, scale, attn_type)
+                  attn_type: AttentionType = AttentionType.DECODER,
+                  sliding_window: int | None = None,
+                  logits_soft_cap: float | None = None) -> TorchSDPAImpl:
+        return TorchSDPAImpl(num_heads, head_size, num_kv_heads, scale, attn_type,
+                             sliding_window, logits_soft_cap)
 
 
 class TorchSDPAImpl(AttentionImpl):
+    """One layer's attention. `sliding_window`: a query at position p sees keys
+    (p - window, p]; `logits_soft_cap`: scores become cap * tanh(score / cap) before the
+    softmax (Gemma 2). The native kernels take both (skipping blocks before the window);
+    the torch paths mask with the window and compute soft-capped scores explicitly."""
+
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float,
-                 attn_type: AttentionType = AttentionType.DECODER) -> None:
+                 attn_type: AttentionType = AttentionType.DECODER,
+                 sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None) -> None:
         self.num_heads = num_heads
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads
         self.group = num_heads // num_kv_heads
         self.scale = scale
         self.attn_type = attn_type
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive, got {sliding_window}.")
+        if logits_soft_cap is not None and logits_soft_cap <= 0:
+            raise ValueError(f"logits_soft_cap must be positive, got {logits_soft_cap}.")
+        if (sliding_window or logits_soft_cap) and attn_type != AttentionType.DECODER:
+            raise NotImplementedError("sliding_window / logits_soft_cap are for decoder "
+                                      "self-attention layers only.")
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
+        self.plain = sliding_window is None and logits_soft_cap is None  # torch paths
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -265,18 +291,22 @@ class TorchSDPAImpl(AttentionImpl):
             query = query.contiguous()
         return native.paged_prefill_attention(
             query, kv_cache, spans.block_table, spans.query_start, spans.query_len,
-            spans.seq_lens, out, self.scale, self.attn_type == AttentionType.DECODER)
+            spans.seq_lens, out, self.scale, self.attn_type == AttentionType.DECODER,
+            self.sliding_window or 0, self.logits_soft_cap or 0.0)
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: TorchSDPAMetadata) -> torch.Tensor:
         q = query if metadata.decode_only else query[metadata.decode_token_idx]
+        if not self.plain and metadata.decode_seq_lens is None:
+            return self._decode_windowed(q, kv_cache, metadata)
         if metadata.decode_seq_lens is not None:
             # Built only where the native kernels load (build_metadata).
             native = _native_ops(q.device)
             assert native is not None
             return native.paged_decode_attention(
                 q.contiguous(), kv_cache, metadata.decode_block_table_i32,
-                metadata.decode_seq_lens, self.scale)
+                metadata.decode_seq_lens, self.scale, self.sliding_window or 0,
+                self.logits_soft_cap or 0.0)
         table = metadata.decode_block_table
         assert table is not None  # the masked gather path's table
         n = table.shape[0]
@@ -289,6 +319,51 @@ class TorchSDPAImpl(AttentionImpl):
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=metadata.decode_mask,
                                            scale=self.scale)
         return o.reshape(n, self.num_heads, self.head_size)
+
+    def _decode_windowed(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                         metadata: TorchSDPAMetadata) -> torch.Tensor:
+        """Decode rows of a windowed or soft-capped layer: their blocks gathered, keys
+        outside [seq_len - window, seq_len) masked (blocks before the window are the null
+        block in a window group's table: never another request's).
+        e.g. window 3, seq_lens [5, 2]: row 0 sees keys 2..4, row 1 keys 0..1."""
+        table = metadata.decode_block_table
+        if table is None:
+            assert metadata.decode_block_table_i32 is not None
+            table = metadata.decode_block_table_i32.long()
+        n, max_blocks = table.shape
+        mask = metadata.window_masks.get(self.sliding_window)
+        if mask is None:
+            assert metadata.decode_seq_lens_np is not None
+            seq_lens = metadata.decode_seq_lens_np[:, None]
+            keys = np.arange(max_blocks * kv_cache.shape[2])[None, :]
+            allowed = keys < seq_lens
+            if self.sliding_window is not None:
+                allowed &= keys >= seq_lens - self.sliding_window
+            mask = torch.from_numpy(allowed)[:, None, None, :].to(q.device)
+            metadata.window_masks[self.sliding_window] = mask
+        q = q.view(n, self.num_kv_heads, self.group, self.head_size)
+        gathered = kv_cache.index_select(1, table.reshape(-1)).view(
+            2, n, -1, self.num_kv_heads, self.head_size)
+        k, v = gathered[0].transpose(1, 2), gathered[1].transpose(1, 2)
+        return self._attend(q, k, v, mask).reshape(n, self.num_heads, self.head_size)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        """softmax(q k^T scale [soft-capped], masked) v; q [b, kv_heads, m, d] or
+        [b, heads, m, d] with k/v [b, kv_heads, n, d]; mask broadcast to the scores (None:
+        every key, as cross-attention)."""
+        if self.logits_soft_cap is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
+                                                  enable_gqa=q.shape[1] != k.shape[1])
+        if q.shape[1] != k.shape[1]:
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * self.scale
+        cap = self.logits_soft_cap
+        scores = torch.tanh(scores / cap) * cap
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
 
     def _encoder(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  metadata: EncoderAttentionMetadata) -> torch.Tensor:
@@ -316,7 +391,7 @@ class TorchSDPAImpl(AttentionImpl):
                  span: PrefillSpan) -> torch.Tensor:
         # 4-D [1, heads, len, d] inputs: the 3-D form takes a slower kernel on CPU.
         q = query[span.start:span.end].transpose(0, 1)[None]
-        if span.block_ids is None:
+        if span.block_ids is None and self.plain:
             # A causal chunk with nothing before it: its own keys (cross-attention spans,
             # which have no keys of their own, always read blocks).
             assert key is not None and value is not None
@@ -324,20 +399,34 @@ class TorchSDPAImpl(AttentionImpl):
             v = value[span.start:span.end].transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
                                                enable_gqa=self.group > 1)
+            return o[0].transpose(0, 1)
+        if span.block_ids is None:
+            # Windowed or soft-capped, nothing before it: its own keys, masked.
+            assert key is not None and value is not None
+            k = key[span.start:span.end].transpose(0, 1)[None]
+            v = value[span.start:span.end].transpose(0, 1)[None]
         else:
             if span.block_ids_tensor is None:
                 span.block_ids_tensor = torch.from_numpy(
                     span.block_ids.astype(np.int64)).to(query.device)
-                if self.attn_type == AttentionType.DECODER:
-                    # Query row r sits at position computed + r and sees keys 0..computed + r.
-                    q_pos = span.computed + np.arange(span.end - span.start)
-                    span.mask = torch.from_numpy(
-                        np.arange(span.seq_len)[None, :] <= q_pos[:, None]).to(query.device)
             ids = span.block_ids_tensor
             k = kv_cache[0][ids].view(-1, self.num_kv_heads, self.head_size)
             v = kv_cache[1][ids].view(-1, self.num_kv_heads, self.head_size)
             k = k[:span.seq_len].transpose(0, 1)[None]
             v = v[:span.seq_len].transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, scale=self.scale,
-                                               enable_gqa=self.group > 1)
-        return o[0].transpose(0, 1)
+        mask = None
+        if self.attn_type == AttentionType.DECODER:
+            mask = span.window_masks.get(self.sliding_window)
+            if mask is None:
+                # Query row r sits at position computed + r and sees keys
+                # (computed + r - window, computed + r]; keys start at position
+                # seq_len - k_len (0 when read from blocks, `computed` for its own keys).
+                # e.g. computed 4, 2 queries, window 3, blocks: rows keys 2..4, 3..5.
+                q_pos = span.computed + np.arange(span.end - span.start)[:, None]
+                k_pos = span.seq_len - k.shape[2] + np.arange(k.shape[2])[None, :]
+                allowed = k_pos <= q_pos
+                if self.sliding_window is not None:
+                    allowed &= k_pos > q_pos - self.sliding_window
+                mask = torch.from_numpy(allowed).to(query.device)
+                span.window_masks[self.sliding_window] = mask
+        return self._attend(q, k, v, mask)[0].transpose(0, 1)

@@ -6,6 +6,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from vllm.config import CacheConfig, SchedulerConfig
+from vllm.v1.core.kv_cache_groups import KVCacheGroupSpec
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import make_block_hasher
 from vllm.v1.core.sched.output import (
@@ -69,12 +70,14 @@ class Scheduler:
     one at a time until each has sampled a token or failed alone.
     """
 
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 kv_cache_groups: list[KVCacheGroupSpec] | None = None) -> None:
         self.config = scheduler_config
         self.max_model_len = scheduler_config.max_model_len
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
-                                               cache_config.enable_prefix_caching)
+                                               cache_config.enable_prefix_caching,
+                                               kv_cache_groups)
         self.block_hasher = (make_block_hasher(cache_config.block_size)
                              if cache_config.enable_prefix_caching else None)
         self.requests: dict[str, Request] = {}
@@ -282,7 +285,8 @@ class Scheduler:
             cached.new_block_ids.append(step.new_block_ids[request.request_id])
             cached.num_computed_tokens.append(request.num_computed_tokens)
         finished, self.finished_req_ids = self.finished_req_ids, []
-        rows = [RowsToGather(req_id, kv.get_block_ids(req_id), self.requests[req_id].num_tokens - 1)
+        rows = [RowsToGather(req_id, kv.get_group_block_ids(req_id),
+                             self.requests[req_id].num_tokens - 1)
                 for req_id in self.held_for_rows]
         return SchedulerOutput(
             scheduled_new_reqs=new_data,

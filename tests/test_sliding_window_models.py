@@ -1,0 +1,128 @@
+"""Gemma 2, Gemma 3 and windowed Mistral end to end against transformers (float32: greedy
+tokens identical, logprobs within 1e-4), with sliding windows shorter than the prompts, under
+chunked prefill, preemption, prefix hits, prompt embeds (Gemma 2) and graphs (Gemma 3),
+several features per LLM construction."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.hf_reference import hf_greedy, load_hf_model
+from tests.model_factory import make_tiny_model
+from vllm import LLM, SamplingParams
+from vllm.v1.executor.uniproc import UniProcExecutor
+
+WINDOW = 8
+PROMPTS = [
+    "Hello world, this is",
+    "The quick brown fox jumps over the lazy dog. Once upon a time there was a little robot "
+    "who lived in a quiet village by the sea.",
+    "A",
+    "What is the capital of France? The capital of France is",
+]
+MAX_TOKENS = 20
+GEMMA_COMMON: dict[str, Any] = dict(num_hidden_layers=4, sliding_window=WINDOW, head_dim=16,
+                    query_pre_attn_scalar=24)
+
+
+@pytest.fixture(scope="module")
+def gemma2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_model(str(tmp_path_factory.mktemp("gemma2")), "gemma2",
+                           attn_logit_softcapping=20.0, final_logit_softcapping=15.0,
+                           **GEMMA_COMMON)
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}
+    return make_tiny_model(
+        str(tmp_path_factory.mktemp("gemma3")), "gemma3", rope_parameters=rope,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                     "sliding_attention"], **GEMMA_COMMON)
+
+
+@pytest.fixture(scope="module")
+def mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_model(str(tmp_path_factory.mktemp("mistral")), "mistral",
+                           sliding_window=WINDOW)
+
+
+def _greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
+
+
+def _check(outputs, path: str, max_tokens: int = MAX_TOKENS) -> None:
+    model = load_hf_model(path)
+    for out in outputs:
+        ref = hf_greedy(model, out.prompt_token_ids, max_tokens)
+        completion = out.outputs[0]
+        assert completion.token_ids == ref.token_ids, out.prompt
+        ours = torch.tensor([lp[t].logprob for lp, t in
+                             zip(completion.logprobs, completion.token_ids)])
+        theirs = ref.logprobs.gather(1, torch.tensor(ref.token_ids)[:, None])[:, 0]
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+
+
+def _embeds(path: str, token_ids: list[int] | None) -> torch.Tensor:
+    """What a Gemma embedding lookup gives (scaled), as prompt embeds."""
+    with torch.no_grad():
+        return load_hf_model(path).get_input_embeddings()(torch.tensor(token_ids)).clone()
+
+
+def test_gemma2_chunked_prefill_preemption_prefix_hits_and_embeds(gemma2_dir):
+    # 39 blocks of 4 tokens: one 128-token request needs 32 full-group blocks + at most
+    # 5 window-group blocks (+ the null block); four requests of ~55 tokens cannot all
+    # hold theirs, so the scheduler preempts.
+    llm = LLM(gemma2_dir, dtype="float32", block_size=4, max_model_len=128,
+              num_gpu_blocks_override=39, max_num_batched_tokens=8, max_num_seqs=4,
+              enable_prompt_embeds=True, enforce_eager=True)
+    scheduler = llm.llm_engine.engine_core.scheduler
+    assert len(scheduler.kv_cache_manager.groups) == 2
+    first = llm.generate(PROMPTS, _greedy(), use_tqdm=False)
+    assert max(len(o.prompt_token_ids or []) for o in first) > 3 * WINDOW
+    assert scheduler.num_preemptions > 0
+    _check(first, gemma2_dir)
+    # The small pool evicted the first run's blocks: run once to cache, then hit.
+    llm.generate(PROMPTS[1:2], _greedy(), use_tqdm=False)
+    again = llm.generate(PROMPTS[1:2], _greedy(), use_tqdm=False)
+    assert again[0].num_cached_tokens == (len(first[1].prompt_token_ids or []) - 1) // 4 * 4
+    assert again[0].outputs[0].token_ids == first[1].outputs[0].token_ids
+    ids = first[3].prompt_token_ids
+    embeds = llm.generate([{"prompt_embeds": _embeds(gemma2_dir, ids)}], _greedy(),
+                          use_tqdm=False)
+    assert embeds[0].outputs[0].token_ids == first[3].outputs[0].token_ids
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 38
+
+
+def test_gemma3_with_graphs_and_prefix_hits(gemma3_dir):
+    llm = LLM(gemma3_dir, dtype="float32", block_size=4, max_model_len=128,
+              kv_cache_memory_bytes=4 * 1024**2, max_num_batched_tokens=64,
+              compilation_config={"cudagraph_capture_sizes": [4]})
+    executor = llm.llm_engine.engine_core.model_executor
+    assert isinstance(executor, UniProcExecutor)
+    graphs = executor.model_runner.graphs
+    assert graphs is not None
+    # Groups: the global layer 2, then the window layers one per group.
+    groups = llm.llm_engine.engine_core.scheduler.kv_cache_manager.groups
+    assert [(g.layer_indices, g.sliding_window) for g in groups] == [
+        ((2,), None), ((0,), WINDOW), ((1,), WINDOW), ((3,), WINDOW)]
+    first = llm.generate(PROMPTS, _greedy(), use_tqdm=False)
+    _check(first, gemma3_dir)
+    again = llm.generate(PROMPTS, _greedy(), use_tqdm=False)
+    assert again[1].num_cached_tokens > WINDOW
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
+    assert sum(graphs.replays.values()) > 0
+
+
+def test_mistral_window_with_chunked_prefill(mistral_dir):
+    llm = LLM(mistral_dir, dtype="float32", block_size=4, max_model_len=128,
+              kv_cache_memory_bytes=4 * 1024**2, max_num_batched_tokens=8,
+              enforce_eager=True)
+    manager = llm.llm_engine.engine_core.scheduler.kv_cache_manager
+    assert [g.sliding_window for g in manager.groups] == [WINDOW]
+    outputs = llm.generate(PROMPTS, _greedy(32), use_tqdm=False)
+    _check(outputs, mistral_dir, 32)
