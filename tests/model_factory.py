@@ -117,6 +117,22 @@ def tiny_tokenizer_vocab_size(path: str) -> int:
 _ARCH_CLASSES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+}
+
+# Mixture-of-experts sizes of the tiny models: more experts than are routed, experts
+# narrower than the hidden size (each family's own key names).
+TINY_MOE_SETTINGS: dict[str, dict[str, Any]] = {
+    "qwen2_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "shared_expert_intermediate_size": 48, "norm_topk_prob": False},
+    "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "norm_topk_prob": True, "head_dim": 16},
+    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32},
+    "olmoe": {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32,
+              "norm_topk_prob": False},
 }
 
 WEIGHT_INIT_STD = 0.2
@@ -148,6 +164,7 @@ def tiny_model_config(arch: str, vocab_size: int, **overrides: Any) -> Any:
         "tie_word_embeddings": False,
         "torch_dtype": "float32",
     }
+    settings.update(TINY_MOE_SETTINGS.get(arch, {}))
     settings.update(overrides)
     return config_class(**settings)
 

@@ -77,11 +77,16 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention and MLP with residuals; a family may pass its own attention
+    (`self_attn`, q/k norms) or feed-forward block (`mlp`, a mixture of experts)."""
+
     def __init__(self, config, layer_idx: int, backend: type[AttentionBackend],
-                 qkv_bias: bool) -> None:
+                 qkv_bias: bool, self_attn: nn.Module | None = None,
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, backend, qkv_bias)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size)
+        self.self_attn = (LlamaAttention(config, layer_idx, backend, qkv_bias)
+                          if self_attn is None else self_attn)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size) if mlp is None else mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -106,14 +111,18 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.rotary = RotaryEmbedding(config, head_dim_of(config), max_model_len, dtype)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, backend, self.qkv_bias)
-            for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.build_layer(config, i, backend)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(
             config.vocab_size, config.hidden_size,
             tied_to=self.embed_tokens if self.tie_word_embeddings else None)
+
+    def build_layer(self, config, layer_idx: int, backend: type[AttentionBackend]
+                    ) -> nn.Module:
+        """Decoder layer `layer_idx` (families on these blocks override it)."""
+        return LlamaDecoderLayer(config, layer_idx, backend, self.qkv_bias)
 
     def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)

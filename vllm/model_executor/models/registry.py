@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from vllm.model_executor.models.bart import BartForConditionalGeneration
 from vllm.model_executor.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from vllm.model_executor.models.mixtral import MixtralForCausalLM
+from vllm.model_executor.models.olmoe import OlmoeForCausalLM
+from vllm.model_executor.models.qwen2_moe import Qwen2MoeForCausalLM
+from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 from vllm.model_executor.models.whisper import WhisperForConditionalGeneration
 
 # Each takes (hf_config, backend, max_model_len, dtype) and loads checkpoint tensors with
@@ -15,6 +19,10 @@ _MODELS: dict[str, ModelClass] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
     "BartForConditionalGeneration": BartForConditionalGeneration,
     "WhisperForConditionalGeneration": WhisperForConditionalGeneration,
 }
