@@ -15,8 +15,9 @@ A step (T tokens, top-k of E experts):
         ids [[3, 0], [0, 5]] -> flat [3, 0, 0, 5] -> order [1, 2, 0, 3]
         -> tokens of the sorted rows [0, 1, 0, 1], rows per expert e0: 2, e3: 1, e5: 1
     each active expert multiplies its contiguous rows (gate/up, SiLU x up, down),
-    each row is scaled by its routing weight and added into its token's output
-    (index_add, in expert order: the reference's summation order).
+    the rows go back to (token, slot) order and each token sums its k rows scaled by
+    their routing weights (a scatter and a sum: ~3x faster than `index_add_` into the
+    tokens, which also costs a one-off ~15 ms on its first calls).
 
 How the active experts multiply is a kernel chosen after loading, one product per active
 expert (`benchmarks/benchmark_models.py --moe-dispatch` measured the alternatives, see
@@ -103,12 +104,25 @@ class ExpertKernel:
     """How the active experts multiply their rows: `w13(x, groups)` [rows, 2I] and
     `w2(a, groups)` [rows, H] over the sorted rows.
 
-    Measured (2-core AVX-512 CPU, one thread, 64 experts top-8, hidden 1024, intermediate
-    512; see the README's MoE table): the per-expert loop beats `torch._grouped_mm` (which
-    on CPU loops over every expert's group, empty ones included, and in bfloat16 reorders
-    each weight per call) and the per-row weight gather + `bmm` (it copies k weight
-    matrices a token). bfloat16 `F.linear` reorders the weight on every call, so bfloat16
-    experts keep oneDNN-packed weights, one per expert.
+    Measured (`benchmarks/benchmark_models.py --moe-dispatch`: 64 experts top-8, hidden
+    1024, intermediate 512, one thread of a shared 2-core AVX-512 CPU, median ms; read the
+    ratios, other jobs were running):
+
+        tokens  dtype  grouped_mm  gather+bmm  all experts  loop   loop packed  loop int8
+        1       fp32   12.3        78          93           12.2   -            6.6
+        64      fp32   174         7146        543          176    -            72
+        256     fp32   379         -           1742         272    -            156
+        1       bf16   7.7         20          67           7.5    6.8          6.9
+        64      bf16   81          3334        292          108    71           75
+        256     bf16   177         -           875          182    144          139
+
+    A step is memory bound on the active experts' weights until a few hundred tokens, so
+    what counts is reading each active expert's weights once: the per-expert loop and
+    `torch._grouped_mm` (which exists for CPU and takes the same sorted rows) do, and tie
+    in float32; gathering each row's expert weights (`bmm`) copies k matrices a token, and
+    running every expert reads all E. In bfloat16, `F.linear` reorders
+    each weight into oneDNN's layout on every call; weights packed once at load (one per
+    expert, as `PackedLinear`) beat both. int8 reads a quarter of float32's bytes.
     """
 
     reduces = False  # whether the products are already summed over the ranks
@@ -264,6 +278,8 @@ class FusedMoE(nn.Module):
         returns its name, as `LinearBase` does."""
         if quantization == "int8":
             self.kernel = Int8ExpertKernel(self)
+            for param in (self.w13_weight, self.w2_weight):  # the int8 copies replace them
+                param.data = param.data.new_empty(0)
             return "int8 experts"
         if pack:
             self.kernel = PackedExpertKernel(self)
@@ -288,8 +304,10 @@ class FusedMoE(nn.Module):
         groups = group_by_expert(topk_ids, self.num_experts)
         h = kernel.w13(x[groups.tokens], groups)
         a = F.silu(h[:, :self.intermediate_size]) * h[:, self.intermediate_size:]
-        y = kernel.w2(a, groups) * topk_weights.flatten()[groups.order, None]
-        return torch.zeros_like(x).index_add_(0, groups.tokens, y)
+        y = kernel.w2(a, groups)
+        rows = torch.empty_like(y)
+        rows[groups.order] = y  # [T*k, H] in (token, slot) order
+        return (rows.view(*topk_ids.shape, -1) * topk_weights[..., None]).sum(dim=1)
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
