@@ -10,10 +10,12 @@ it (its own flags, its own functions).
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -41,9 +43,11 @@ def _grouped_mm_experts(x, weights, ids, w13, w2, inter):
 
     groups = group_by_expert(ids, w13.shape[0])
     offsets = torch.bincount(ids.flatten(), minlength=w13.shape[0]).cumsum(0).to(torch.int32)
-    h = torch._grouped_mm(x[groups.tokens], w13.transpose(1, 2), offs=offsets)
+    h = torch._grouped_mm(  # pyright: ignore[reportPrivateImportUsage]
+        x[groups.tokens], w13.transpose(1, 2), offs=offsets)
     a = F.silu(h[:, :inter]) * h[:, inter:]
-    y = torch._grouped_mm(a, w2.transpose(1, 2), offs=offsets)
+    y = torch._grouped_mm(a, w2.transpose(1, 2),  # pyright: ignore[reportPrivateImportUsage]
+                          offs=offsets)
     rows = torch.empty_like(y)
     rows[groups.order] = y
     return (rows.view(*ids.shape, -1) * weights[..., None]).sum(dim=1)
@@ -102,16 +106,16 @@ def moe_dispatch(repeats: int) -> None:
                 if fn is _gather_bmm_experts and tokens > 64:
                     row.append(float("nan"))  # k weight copies per token: too much memory
                     continue
-                row.append(_median_ms(lambda fn=fn: fn(x, weights, ids, w13, w2, inter),
+                row.append(_median_ms(functools.partial(fn, x, weights, ids, w13, w2, inter),
                                       repeats))
             for kernel in kernels.values():
                 layer.kernel = kernel
-                row.append(_median_ms(lambda: layer.run(x, weights, ids), repeats))
+                row.append(_median_ms(functools.partial(layer.run, x, weights, ids), repeats))
             print(f"  {'':>15}{tokens:>6}  " + "  ".join(f"{t:12.2f}" for t in row))
 
 
 # `--moe-model`: a Qwen3-MoE-shaped model of ~200M parameters (~40M active a token).
-MOE_MODEL = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
+MOE_MODEL: dict[str, Any] = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
                  num_key_value_heads=4, head_dim=64, num_experts=32, num_experts_per_tok=4,
                  moe_intermediate_size=384, intermediate_size=1536, vocab_size=32000,
                  norm_topk_prob=True)
@@ -126,7 +130,8 @@ def moe_model(num_prompts: int, output_len: int, dtype: str, compare_hf: bool) -
         from tests.model_factory import make_tiny_tokenizer
 
         make_tiny_tokenizer(path)
-        config = transformers.Qwen3MoeConfig(max_position_embeddings=1024, **MOE_MODEL)
+        config = transformers.Qwen3MoeConfig(max_position_embeddings=1024,
+                                             **MOE_MODEL)  # pyright: ignore[reportArgumentType]
         torch.manual_seed(0)
         hf = transformers.Qwen3MoeForCausalLM(config).eval()
         hf.save_pretrained(path)

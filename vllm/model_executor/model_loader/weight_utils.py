@@ -100,6 +100,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any]], *,
         param = targets[target]
         try:
             if isinstance(value, BlockCodes):
+                if isinstance(shard_id, tuple):
+                    raise ValueError("GGUF block codes of experts are not supported")
                 for layer in users.get(id(param), []):
                     layer.add_block_codes(value, shard_id)
                 continue
