@@ -236,3 +236,21 @@ def test_two_ranks_equal_one_int8_and_drift(tmp_path) -> None:
             t = completion.token_ids[i]
             assert abs(completion.logprobs[i][t].logprob - float(ref.logprobs[i, t])) < 0.1
     assert sum(common) >= 15  # of 40 tokens (18 measured)
+
+
+def test_bad_moe_configs_are_refused() -> None:
+    from tests.model_factory import tiny_model_config
+    from vllm.distributed.utils import check_tp_divisibility
+    from vllm.model_executor.models.mixtral import MixtralForCausalLM
+
+    config = tiny_model_config("qwen3_moe", 64, moe_intermediate_size=33)
+    with pytest.raises(ValueError, match="moe_intermediate_size 33 is not divisible by "
+                                         "tensor_parallel_size=2"):
+        check_tp_divisibility(config, 2)
+    with pytest.raises(ValueError, match=r"top_k \(9\) must be between 1 and the number of "
+                                         r"experts \(8\)"):
+        FusedMoE(8, 9, 32, 16, renormalize=True)
+    config = tiny_model_config("mixtral", 64, sliding_window=16)
+    with pytest.raises(ValueError, match="sliding_window=16 shorter than max_model_len=64"):
+        MixtralForCausalLM(config, backend=None,  # type: ignore[arg-type]
+                           max_model_len=64, dtype=torch.float32)
