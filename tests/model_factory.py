@@ -124,6 +124,10 @@ _ARCH_CLASSES: dict[str, tuple[str, str]] = {
     "granite": ("GraniteConfig", "GraniteForCausalLM"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
 }
 
 # What each family's tiny config sets beyond the common ones, so its peculiarities matter:
@@ -135,6 +139,18 @@ _ARCH_SETTINGS: dict[str, dict[str, Any]] = {
              "original_max_position_embeddings": MODEL_MAX_LENGTH},
     "granite": {"embedding_multiplier": 3.0, "residual_multiplier": 0.6,
                 "attention_multiplier": 0.2, "logits_scaling": 1.7},
+}
+
+# Mixture-of-experts sizes of the tiny models: more experts than are routed, experts
+# narrower than the hidden size (each family's own key names).
+TINY_MOE_SETTINGS: dict[str, dict[str, Any]] = {
+    "qwen2_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "shared_expert_intermediate_size": 48, "norm_topk_prob": False},
+    "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "norm_topk_prob": True, "head_dim": 16},
+    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32},
+    "olmoe": {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32,
+              "norm_topk_prob": False},
 }
 
 WEIGHT_INIT_STD = 0.2
@@ -167,6 +183,7 @@ def tiny_model_config(arch: str, vocab_size: int, **overrides: Any) -> Any:
         "torch_dtype": "float32",
         **_ARCH_SETTINGS.get(arch, {}),
     }
+    settings.update(TINY_MOE_SETTINGS.get(arch, {}))
     settings.update(overrides)
     return config_class(**settings)
 

@@ -53,10 +53,12 @@ def check_tp_divisibility(hf_config, tp: int) -> None:
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     _check_heads(heads, kv_heads, tp, what)
-    inter = getattr(hf_config, "intermediate_size", None)
-    if inter is not None and inter % tp:
-        raise ValueError(f"{what}: intermediate_size {inter} is not divisible by "
-                         f"tensor_parallel_size={tp}.")
+    for key in ("intermediate_size", "moe_intermediate_size",
+                "shared_expert_intermediate_size"):
+        inter = getattr(hf_config, key, None)
+        if inter and inter % tp:
+            raise ValueError(f"{what}: {key} {inter} is not divisible by "
+                             f"tensor_parallel_size={tp}.")
 
 
 def usable_cpus() -> list[int]:

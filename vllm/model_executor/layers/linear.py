@@ -59,7 +59,7 @@ def set_weight_loader(param: nn.Parameter, loader) -> nn.Parameter:
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor,
-                          shard_id: int | str | None = None) -> None:
+                          shard_id: int | str | tuple[int, str] | None = None) -> None:
     """A replicated parameter: the whole tensor, shapes equal."""
     if shard_id is not None:
         raise ValueError(f"a fused part ({shard_id!r}) for a parameter that is not fused")

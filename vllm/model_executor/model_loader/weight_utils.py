@@ -9,24 +9,49 @@ included), which slice them exactly as their weights.
 
 Example: "model.layers.3.self_attn.k_proj.weight" -> "layers.3.self_attn.qkv_proj.weight",
 part "k": on 2 ranks over 4 KV heads, rank 1 copies heads 2-3 after its query rows.
+
+Mixture-of-experts checkpoints keep one tensor per expert and projection; they go to the
+experts' stacked parameters (`FusedMoE`) with the part (expert, "w1" | "w3" | "w2"):
+"model.layers.0.mlp.experts.5.up_proj.weight" -> "layers.0.mlp.experts.w13_weight",
+(5, "w3"); Mixtral's "...block_sparse_moe.experts.5.w3.weight" names the same part.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from vllm.model_executor.layers.fused_moe import EXPERT_PARTS, FusedMoE
 from vllm.model_executor.layers.linear import LinearBase, default_weight_loader
 
 # fused module name -> [(checkpoint module name, part id)]
 PackedModulesMapping = Mapping[str, Sequence[tuple[str, int | str]]]
+# A fused part: an index or letter of a fused layer, or (expert, "w1" | "w2" | "w3").
+ShardId = int | str | tuple[int, str]
+
+_EXPERT_NAME = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")
+
+
+def resolve_expert_name(dotted: str) -> tuple[str, tuple[int, str]] | None:
+    """(stacked parameter name, (expert, part)) of one expert's projection, else None.
+
+    Example: ".layers.0.mlp.experts.5.down_proj.weight" -> ("layers.0.mlp.experts.w2_weight",
+    (5, "w2")).
+    """
+    match = _EXPERT_NAME.search(dotted)
+    if match is None or match.group(2) not in EXPERT_PARTS:
+        return None
+    part = EXPERT_PARTS[match.group(2)]
+    param = "w2_weight" if part == "w2" else "w13_weight"
+    return f"{dotted[1:match.start()]}.experts.{param}", (int(match.group(1)), part)
 
 
 def resolve_name(name: str, mapping: PackedModulesMapping,
-                 rename: Mapping[str, str | None]) -> tuple[str, int | str | None] | None:
+                 rename: Mapping[str, str | None]) -> tuple[str, ShardId | None] | None:
     """(parameter name, fused part or None) of a checkpoint name; None to skip it."""
     name = name.removeprefix("model.")
     if name in rename:
@@ -35,6 +60,9 @@ def resolve_name(name: str, mapping: PackedModulesMapping,
             return None
         name = renamed
     dotted = f".{name}"
+    expert = resolve_expert_name(dotted)
+    if expert is not None:
+        return expert
     for fused, parts in mapping.items():
         for part, shard_id in parts:
             if f".{part}." in dotted:
@@ -72,6 +100,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any]], *,
         param = targets[target]
         try:
             if isinstance(value, BlockCodes):
+                if isinstance(shard_id, tuple):
+                    raise ValueError("GGUF block codes of experts are not supported")
                 for layer in users.get(id(param), []):
                     layer.add_block_codes(value, shard_id)
                 continue
@@ -85,11 +115,11 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any]], *,
 
 def process_weights_after_loading(model: nn.Module, quantization: str | None,
                                   pack: bool) -> dict[str, int]:
-    """Every linear layer picks how it multiplies (see `LinearBase`); returns the count of
-    layers per kernel."""
+    """Every linear layer and experts layer picks how it multiplies (see `LinearBase`,
+    `FusedMoE`); returns the count of layers per kernel."""
     counts: dict[str, int] = {}
     for module in model.modules():
-        if isinstance(module, LinearBase):
+        if isinstance(module, LinearBase | FusedMoE):
             kernel = module.process_weights_after_loading(quantization, pack)
             counts[kernel] = counts.get(kernel, 0) + 1
     return counts

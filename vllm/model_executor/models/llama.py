@@ -54,7 +54,8 @@ class LlamaAttention(nn.Module):
 
     def __init__(self, config, layer_idx: int, backend: type[AttentionBackend],
                  qkv_bias: bool, *, qk_norm: QKNorm | None = None,
-                 scale: float | None = None, logits_soft_cap: float | None = None) -> None:
+                 scale: float | None = None, logits_soft_cap: float | None = None,
+                 clip_qkv: float | None = None) -> None:
         super().__init__()
         total_heads = config.num_attention_heads
         total_kv_heads = num_kv_heads_of(config)
@@ -86,6 +87,7 @@ class LlamaAttention(nn.Module):
                                          kv_start, eps, replicas=max(tp // total_kv_heads, 1))
         elif qk_norm is not None:
             raise ValueError(f"qk_norm must be 'head', 'projection' or None, got {qk_norm!r}")
+        self.clip_qkv = clip_qkv  # q, k and v clamped to [-clip_qkv, clip_qkv] (OLMoE)
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 x: torch.Tensor) -> torch.Tensor:
@@ -93,6 +95,8 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm == "projection":
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
@@ -121,15 +125,20 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention and MLP with residuals; a family may pass its own attention
+    (`self_attn`, q/k norms) or feed-forward block (`mlp`, a mixture of experts)."""
+
     def __init__(self, config, layer_idx: int, backend: type[AttentionBackend],
                  qkv_bias: bool, *, qk_norm: QKNorm | None = None,
-                 scale: float | None = None) -> None:
+                 scale: float | None = None, self_attn: nn.Module | None = None,
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, backend, qkv_bias, qk_norm=qk_norm,
-                                        scale=scale)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size,
-                            hidden_act=getattr(config, "hidden_act", "silu"),
-                            bias=bool(getattr(config, "mlp_bias", False)))
+        self.self_attn = (LlamaAttention(config, layer_idx, backend, qkv_bias, qk_norm=qk_norm,
+                                         scale=scale) if self_attn is None else self_attn)
+        self.mlp = (LlamaMLP(config.hidden_size, config.intermediate_size,
+                             hidden_act=getattr(config, "hidden_act", "silu"),
+                             bias=bool(getattr(config, "mlp_bias", False)))
+                    if mlp is None else mlp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -28,6 +28,10 @@ _MODELS: dict[str, tuple[str, str]] = {
     "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
     "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
+    "Qwen2MoeForCausalLM": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
+    "OlmoeForCausalLM": ("olmoe", "OlmoeForCausalLM"),
     "BartForConditionalGeneration": ("bart", "BartForConditionalGeneration"),
     "WhisperForConditionalGeneration": ("whisper", "WhisperForConditionalGeneration"),
 }
@@ -37,16 +41,20 @@ if TYPE_CHECKING:  # the type checker holds every registered class to `ModelClas
     from vllm.model_executor.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
     from vllm.model_executor.models.granite import GraniteForCausalLM
     from vllm.model_executor.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+    from vllm.model_executor.models.mixtral import MixtralForCausalLM
     from vllm.model_executor.models.olmo2 import Olmo2ForCausalLM
+    from vllm.model_executor.models.olmoe import OlmoeForCausalLM
     from vllm.model_executor.models.phi3 import Phi3ForCausalLM
+    from vllm.model_executor.models.qwen2_moe import Qwen2MoeForCausalLM
     from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+    from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
     from vllm.model_executor.models.whisper import WhisperForConditionalGeneration
 
     _CHECKED: list[ModelClass] = [
         LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM,
         Olmo2ForCausalLM, GraniteForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM,
-        BartForConditionalGeneration,
-        WhisperForConditionalGeneration]
+        Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, OlmoeForCausalLM,
+        BartForConditionalGeneration, WhisperForConditionalGeneration]
 
 
 def get_supported_archs() -> list[str]:

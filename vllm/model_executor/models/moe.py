@@ -1,0 +1,52 @@
+"""The mixture-of-experts feed-forward block the MoE families share: a router, the experts
+(`FusedMoE`) and, where the family has one, a shared expert behind a sigmoid gate.
+
+    out = sum over the token's top-k experts of weight * expert(x)
+          (+ sigmoid(shared_expert_gate(x)) * shared_expert(x))
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vllm.model_executor.layers.fused_moe import FusedMoE
+from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.models.llama import LlamaMLP
+
+
+class SparseMoeBlock(nn.Module):
+    """Checkpoint names: `gate` (the router, [E, H]), `experts.{e}.*` (stacked into
+    `experts`), `shared_expert.*` and `shared_expert_gate` ([1, H])."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int,
+                 intermediate_size: int, renormalize: bool,
+                 shared_intermediate_size: int | None = None) -> None:
+        super().__init__()
+        self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False)
+        # The router stays in the model dtype under int8: a rounded logit could change
+        # which experts a token goes to.
+        self.gate.quantizable = False
+        self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size,
+                                renormalize)
+        self.shared_expert: LlamaMLP | None = None
+        self.shared_expert_gate: ReplicatedLinear | None = None
+        if shared_intermediate_size:
+            self.shared_expert = LlamaMLP(hidden_size, shared_intermediate_size)
+            self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, bias=False)
+            self.shared_expert_gate.quantizable = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.experts(x, self.gate(x))
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+def is_sparse_layer(config, layer_idx: int) -> bool:
+    """Qwen-MoE's rule: every `decoder_sparse_step`-th layer is sparse, except those in
+    `mlp_only_layers` (dense, `intermediate_size` wide). Example: step 2, mlp_only [3]:
+    layers 1 sparse, 0, 2 and 3 dense."""
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    return (layer_idx not in (getattr(config, "mlp_only_layers", None) or [])
+            and config.num_experts > 0 and (layer_idx + 1) % step == 0)
