@@ -124,10 +124,19 @@ def test_bad_constraints_fail_alone(llm):
         assert not llm.llm_engine.has_unfinished_requests()
     with pytest.raises(ValueError, match="exactly one constraint"):
         S(regex="a", json_object=True)
-    out = llm.generate("Hi", SamplingParams(temperature=0, max_tokens=4,
-                                            structured_outputs=S(choice=["yes", "no"])),
-                       use_tqdm=False)
+    with pytest.raises(ValueError, match="min_tokens cannot be combined"):
+        llm.generate("a", SamplingParams(min_tokens=2, structured_outputs=S(regex="a+")))
+    # LLM.chat: the rendered conversation, constrained like any prompt.
+    messages = [{"role": "user", "content": "Is the sky blue? Answer yes or no."}]
+    params = SamplingParams(temperature=0, max_tokens=4,
+                            structured_outputs=S(choice=["yes", "no"]))
+    out = llm.chat(messages, params, use_tqdm=False)
     assert out[0].outputs[0].text in ("yes", "no")
+    tok = llm.get_tokenizer()
+    ids = tok.encode(tok.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=True),
+                     add_special_tokens=False)
+    assert out[0].prompt_token_ids == ids
 
 
 def test_prompt_embeds_chunked_prefill_and_preemption_on_a_tiny_model(tiny_llama_dir):
