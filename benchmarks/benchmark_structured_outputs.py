@@ -1,6 +1,7 @@
 """Structured outputs' cost: JSON-schema-constrained generation against unconstrained.
 
     python benchmarks/benchmark_structured_outputs.py [MODEL] [--requests 64] [--schemas 4]
+        [--repeats 2]
 
 One run, one engine (default: the packaged SmolLM2-135M GGUF):
 - throughput: `requests` prompts, each with one of `schemas` distinct JSON schemas (so the
@@ -53,6 +54,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--schemas", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     llm = LLM(args.model or default_model_path(), max_model_len=512)
     schemas = BENCH_SCHEMAS[:args.schemas]
@@ -73,6 +75,10 @@ def main() -> None:
     free = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
     t_free, free_lengths = run(llm, free)
     assert free_lengths == lengths
+    # Interleaved repeats, the faster of each kept: a shared machine's noise is one-sided.
+    for _ in range(args.repeats - 1):
+        t_con = min(t_con, run(llm, constrained)[0])
+        t_free = min(t_free, run(llm, free)[0])
     n_con = n_free = sum(lengths)
     tps_free, tps_con = n_free / t_free, n_con / t_con
     print(f"throughput ({args.requests} requests, {len(schemas)} schemas, {compiled} compiled)")
