@@ -2,14 +2,97 @@
 
 from __future__ import annotations
 
+import json as _json
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 
 class RequestOutputKind(Enum):
     CUMULATIVE = 0  # every output carries the whole text so far
     DELTA = 1  # every output carries only what is new
     FINAL_ONLY = 2  # one output, when the request finishes
+
+
+# The constraint kinds of StructuredOutputsParams; exactly one is set per request.
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """One output constraint (vLLM's names); exactly one of the kinds below is set.
+
+    - `json`: a JSON schema (a dict or its JSON text); the output is JSON that validates.
+    - `regex`: the whole output matches this regular expression.
+    - `choice`: the output is exactly one of these strings.
+    - `grammar`: an EBNF (GBNF) or Lark grammar; the output is a sentence of it.
+    - `json_object`: any JSON object.
+    - `structural_tag`: refused (not supported by this engine); the field exists so a request
+      that sets it gets an error naming it instead of being silently unconstrained.
+
+    Options: `disable_any_whitespace` forbids whitespace between JSON tokens outside strings;
+    `disable_additional_properties` adds `"additionalProperties": false` to every object of
+    the schema that does not say otherwise; `disable_fallback` is accepted (there is one backend
+    and no fallback). `whitespace_pattern` is refused by name.
+    Invalid input raises `ValueError` naming the field.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        set_kinds = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
+        if len(set_kinds) != 1:
+            raise ValueError(
+                "structured_outputs needs exactly one constraint of "
+                f"{', '.join(STRUCTURED_OUTPUT_KINDS)}; got "
+                f"{', '.join(set_kinds) if set_kinds else 'none'}."
+            )
+        if self.structural_tag is not None:
+            raise ValueError("structured_outputs.structural_tag is not supported by this engine.")
+        if self.whitespace_pattern is not None:
+            raise ValueError(
+                "structured_outputs.whitespace_pattern is not supported by this engine "
+                "(use disable_any_whitespace)."
+            )
+        if isinstance(self.json, str):
+            try:
+                schema = _json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+            if not isinstance(schema, dict | bool):
+                raise ValueError("structured_outputs.json must be a JSON schema object.")
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise ValueError(
+                f"structured_outputs.json must be a dict or a JSON string, got {type(self.json)}."
+            )
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string.")
+        if self.choice is not None:
+            if (not isinstance(self.choice, list | tuple) or not self.choice
+                    or any(not isinstance(c, str) for c in self.choice)):
+                raise ValueError("structured_outputs.choice must be a non-empty list of strings.")
+            self.choice = list(self.choice)
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError("structured_outputs.json_object must be true when given.")
+        for name in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"structured_outputs.{name} must be a bool.")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: one of STRUCTURED_OUTPUT_KINDS."""
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False))
 
 
 @dataclass(slots=True)
@@ -43,6 +126,8 @@ class SamplingParams:
     # [num_prompt_tokens + num_output_tokens - 1, hidden_size] (needs an engine created
     # with enable_return_hidden_states=True).
     return_hidden_states: bool = False
+    # Constrain the output to a JSON schema, regex, choice or grammar (None: unconstrained).
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled in by the processor: the tokenizer's end-of-sequence token and any extra
     # ids that also end generation (e.g. from generation_config.json).
     eos_token_id: int | None = field(default=None, repr=False)
@@ -100,6 +185,9 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be non-negative integers")
         if not isinstance(self.return_hidden_states, bool):
             raise bad("return_hidden_states", "must be a bool")
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams")
 
     def clone(self) -> SamplingParams:
         copy = SamplingParams.__new__(SamplingParams)
