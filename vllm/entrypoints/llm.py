@@ -39,8 +39,10 @@ class LLM:
                  ) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in prompt order.
 
-        A prompt is a str, {"prompt": str}, {"prompt_token_ids": [...]} or
-        {"prompt_embeds": tensor}; a list of them is a batch.
+        A prompt is a str, {"prompt": str}, {"prompt_token_ids": [...]},
+        {"prompt_embeds": tensor} or {"prompt_segments": [str | list[int] | tensor, ...]}
+        (text, ids and embeds rows in order; see `vllm.inputs.SegmentsPrompt`); a list of
+        them is a batch.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -56,6 +58,31 @@ class LLM:
                                  f"{len(prompts)} prompts.")
         request_ids = self._add_requests(prompts, params_list)
         return self._run_engine(request_ids, use_tqdm)
+
+    def chat(self, messages: Any, sampling_params: SamplingParams
+             | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Generates replies to conversations rendered with the tokenizer's chat template.
+
+        `messages` is one conversation (a list of {"role", "content"} dicts) or a list of
+        them. A content list may hold text parts and `{"type": "prompt_embeds", "data":
+        tensor [n, hidden_size]}` parts (a tensor, or base64 of torch.save(tensor) as the
+        server takes it) anywhere a text part may stand; their rows stand where the part
+        stood (see `vllm.entrypoints.chat_utils`). The rendered text is tokenized without
+        special tokens: the template writes its own.
+        """
+        from vllm.entrypoints.chat_utils import chat_prompt
+
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        tokenizer = self.get_tokenizer()
+        budget = self.llm_engine.vllm_config.model_config
+        prompts = [chat_prompt(tokenizer, conversation, add_generation_prompt,
+                               continue_final_message, chat_template_kwargs, chat_template,
+                               budget.max_model_len, budget.hidden_size)
+                   for conversation in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def _add_requests(self, prompts: list, params_list: list[SamplingParams]) -> list[str]:
         engine = self.llm_engine
