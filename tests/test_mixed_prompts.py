@@ -225,3 +225,23 @@ def test_bad_segments_are_rejected(tiny_llama_dir):
                      use_tqdm=False)
     # Text-only segments need no embeds support.
     assert off.generate({"prompt_segments": ["a", [10]]}, _greedy(2), use_tqdm=False)
+
+
+def test_router_hashes_mixed_prompts_position_by_position() -> None:
+    from tests.core_factories import make_request
+    from vllm.v1.engine.dp_router import prefix_block_hashes
+
+    rows = torch.arange(2 * 3, dtype=torch.float32).reshape(2, 3)
+    mask = torch.tensor([True] * 4 + [False, True, False, True])
+    ids = [1, 2, 3, 4, 0, 5, 0, 6]
+    mixed = prefix_block_hashes(make_request("m", ids, prompt_embeds=rows,
+                                             prompt_is_token_ids=mask), 4)
+    text = prefix_block_hashes(make_request("t", [1, 2, 3, 4, 9, 9, 9, 9]), 4)
+    assert mixed[0] == text[0] and mixed[1] != text[1]
+    changed = rows.clone()
+    changed[1, 2] += 1
+    other = prefix_block_hashes(make_request("c", ids, prompt_embeds=changed,
+                                             prompt_is_token_ids=mask), 4)
+    assert other[0] == mixed[0] and other[1] != mixed[1]
+    assert prefix_block_hashes(make_request("m2", ids, prompt_embeds=rows.clone(),
+                                            prompt_is_token_ids=mask.clone()), 4) == mixed

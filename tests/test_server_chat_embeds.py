@@ -39,7 +39,12 @@ def client(server: RemoteServer) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def embed(default_model_path: str):
+def tokenizer(default_model_path: str):
+    return get_tokenizer(default_model_path)
+
+
+@pytest.fixture(scope="module")
+def embed(default_model_path: str, tokenizer):
     """Text -> the embedding-table rows of its tokens (no special tokens), float32."""
     import gguf
 
@@ -48,7 +53,6 @@ def embed(default_model_path: str):
     reader = gguf.GGUFReader(default_model_path)
     table = next(t for t in reader.tensors if t.name == "token_embd.weight")
     weights = torch.from_numpy(_dequantize(table))
-    tokenizer = get_tokenizer(default_model_path)
 
     def rows(text: str) -> torch.Tensor:
         return weights[torch.tensor(tokenizer.encode(text, add_special_tokens=False))]
@@ -171,3 +175,49 @@ def test_parts_need_enable_prompt_embeds(tiny_llama_dir) -> None:
         {"type": "prompt_embeds", "data": encode_tensor(torch.zeros(2, 64))}]}])
     with pytest.raises(OpenAIError, match="--enable-prompt-embeds"):
         asyncio.run(chat.create_chat_completion(request))
+
+
+def test_placeholders_split_and_errors() -> None:
+    from vllm.entrypoints.chat_utils import split_at_placeholders, take_embeds_parts
+
+    messages = [{"role": "user", "content": [_text("A"), {"type": "prompt_embeds", "data": 1},
+                                             {"type": "prompt_embeds", "data": 2}]}]
+    parts = take_embeds_parts(messages)
+    p0, p1 = parts.placeholders
+    assert parts.data == [1, 2] and p0 != p1
+    assert parts.messages[0]["content"] == [_text("A"), _text(p0), _text(p1)]
+    assert split_at_placeholders(f"<s>A\n{p0}\n{p1}", [p0, p1]) == ["<s>A\n", 0, "\n", 1]
+    assert split_at_placeholders(f"{p1}{p0}x", [p0, p1]) == [1, 0, "x"]
+    # Another conversation's placeholders differ (a random nonce): text cannot forge them.
+    assert take_embeds_parts(messages).placeholders[0] != p0
+    with pytest.raises(ValueError, match="placed prompt_embeds part 1 2 times"):
+        split_at_placeholders(f"{p0}{p1}{p1}", [p0, p1])
+    with pytest.raises(ValueError, match="placed prompt_embeds part 0 0 times"):
+        split_at_placeholders("dropped", [p0])
+    with pytest.raises(ValueError, match=r"messages\[0\].content\[1\]: a prompt_embeds part "
+                                         "needs 'data'"):
+        take_embeds_parts([{"role": "user", "content": [_text("A"), {"type": "prompt_embeds"}]}])
+
+
+def test_pieces_tokenize_as_the_templates_text(tokenizer) -> None:
+    """Token by token: the pieces around parts holding a text's ids give exactly the ids of
+    the conversation with that text in the parts' places (SmolLM2's template)."""
+    from vllm.entrypoints.chat_utils import chat_prompt
+
+    rows = {QUESTION: torch.zeros(1, 1), FRUIT: torch.ones(1, 1)}
+    with_parts = [{"role": "system", "content": [{"type": "prompt_embeds", "data": rows[FRUIT]}]},
+                  {"role": "user", "content": [_text(BRIEF), {"type": "prompt_embeds",
+                                                              "data": rows[QUESTION]},
+                                               _text("Thanks.")]}]
+    as_text = [{"role": "system", "content": FRUIT},
+               {"role": "user", "content": f"{BRIEF}\n{QUESTION}\nThanks."}]
+    prompt = chat_prompt(tokenizer, with_parts, True, False, None, None, 512, 1)
+    ids = []
+    for segment in prompt["prompt_segments"]:
+        if isinstance(segment, str):
+            ids += tokenizer.encode(segment, add_special_tokens=False)
+        else:
+            text = next(t for t, r in rows.items() if r is segment)
+            ids += tokenizer.encode(text, add_special_tokens=False)
+    expected = chat_prompt(tokenizer, as_text, True, False, None, None, 512, 1)
+    assert ids == expected["prompt_token_ids"]

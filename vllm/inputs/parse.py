@@ -17,6 +17,8 @@ class ParsedPrompt(NamedTuple):
     # A mixed prompt: text, token-id lists and embeds tensors, in order (see
     # `vllm.inputs.SegmentsPrompt`); the Processor turns it into ids, rows and a mask.
     prompt_segments: list | None = None
+    # prompt_segments: start with the tokenizer's leading special tokens (BOS).
+    add_special_tokens: bool = True
 
 
 _KEYS = ("prompt", "prompt_token_ids", "prompt_embeds", "prompt_segments")
@@ -39,7 +41,11 @@ def parse_prompt(prompt: Any) -> ParsedPrompt:
         if not isinstance(segments, (list, tuple)) or not segments:
             raise ValueError("prompt_segments must be a non-empty list of text, token-id "
                              "lists and embeds tensors.")
-        return ParsedPrompt(None, None, None, prompt_segments=list(segments))
+        add_special = prompt.get("add_special_tokens", True)
+        if not isinstance(add_special, bool):
+            raise ValueError("add_special_tokens must be a bool.")
+        return ParsedPrompt(None, None, None, prompt_segments=list(segments),
+                            add_special_tokens=add_special)
     if "prompt_embeds" in present and len(present) > 1:
         raise ValueError("A prompt with prompt_embeds cannot also carry prompt or "
                          "prompt_token_ids.")

@@ -76,9 +76,8 @@ class Processor:
                              "(server: --enable-return-hidden-states).")
         embeds = token_ids = is_token = None
         if parsed.prompt_segments is not None:
-            add_special = not isinstance(prompt, dict) or prompt.get("add_special_tokens", True)
             token_ids, embeds, is_token = self._segments(parsed.prompt_segments,
-                                                         bool(add_special))
+                                                         parsed.add_special_tokens)
         elif parsed.prompt_embeds is not None:
             embeds = self._validate_embeds(parsed.prompt_embeds)
         else:
