@@ -13,6 +13,12 @@ off, embeds against ids) come from `--repeats` interleaved rounds (off, on, embe
 two engines alive side by side, as medians: this machine's speed drifts 10-20% between
 runs, far more than the 2% to be resolved.
     python benchmarks/benchmark_throughput.py --single             # one-request decode speed
+    python benchmarks/benchmark_throughput.py --chat-embeds        # chat: embeds part vs text
+
+With `--chat-embeds`: N chat requests (`LLM.chat`, the model's template), each a system
+message and a user message holding a text part and one 32-row `prompt_embeds` part (the
+embeddings of 32 seeded random token ids), against the same conversations with the part
+as text (those ids decoded); medians of `--repeats` interleaved rounds (target >= 0.95).
 """
 
 from __future__ import annotations
@@ -86,6 +92,52 @@ def run_hf(model_path: str, token_ids: list[list[int]], output_len: int, dtype: 
     return time.perf_counter() - start, total
 
 
+def chat_workload(llm: LLM, token_ids: list[list[int]], rows: int
+                  ) -> tuple[list[list[dict]], list[list[dict]]]:
+    """Each conversation with one `rows`-row prompt_embeds part, and the same as text."""
+    embed = llm.llm_engine.engine_core.model_executor.model_runner.model.get_input_embeddings
+    tokenizer = llm.get_tokenizer()
+    with_parts, as_text = [], []
+    for ids in token_ids:
+        ids = ids[:rows]
+        with torch.inference_mode():
+            part = {"type": "prompt_embeds", "data": embed(torch.tensor(ids)).float().clone()}
+        system = {"role": "system", "content": "You are a helpful assistant."}
+        ask = {"type": "text", "text": "Describe this in one line:"}
+        with_parts.append([system, {"role": "user", "content": [ask, part]}])
+        as_text.append([system, {"role": "user", "content": [
+            ask, {"type": "text", "text": tokenizer.decode(ids)}]}])
+    return with_parts, as_text
+
+
+def run_chat(llm: LLM, conversations: list[list[dict]], output_len: int
+             ) -> tuple[float, int, int]:
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    llm.llm_engine.reset_prefix_cache()
+    start = time.perf_counter()
+    outputs = llm.chat(conversations, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return (elapsed, sum(len(o.outputs[0].token_ids) for o in outputs),
+            sum(o.num_prompt_tokens for o in outputs))
+
+
+def chat_embeds_benchmark(llm: LLM, token_ids: list[list[int]], output_len: int,
+                          repeats: int) -> None:
+    with_parts, as_text = chat_workload(llm, token_ids, 32)
+    run_chat(llm, with_parts[:4], 8)  # warm-up
+    rounds: dict[str, list[float]] = {"chat, text": [], "chat, embeds part": []}
+    for _ in range(repeats):
+        for label, conversations in [("chat, text", as_text),
+                                     ("chat, embeds part", with_parts)]:
+            elapsed, tokens, prompt_tokens = run_chat(llm, conversations, output_len)
+            rounds[label].append(report(f"{label} ({prompt_tokens} prompt tokens)", elapsed,
+                                        tokens))
+    text, parts = (statistics.median(rounds[k]) for k in ("chat, text", "chat, embeds part"))
+    print(f"medians of {repeats} interleaved rounds: text {text:.1f}, embeds part "
+          f"{parts:.1f} tok/s")
+    print(f"ratio chat embeds part / text: {parts / text:.3f}  (target >= 0.95)")
+
+
 def report(name: str, elapsed: float, tokens: int) -> float:
     tps = tokens / elapsed
     print(f"{name:<28} {tokens:6d} tokens in {elapsed:7.2f} s = {tps:8.1f} output tok/s")
@@ -109,6 +161,9 @@ def main() -> None:
                         default="ids")
     parser.add_argument("--prompt-embeds-batching", choices=["mixed", "separate"],
                         default="mixed")
+    parser.add_argument("--chat-embeds", action="store_true",
+                        help="LLM.chat with one 32-row prompt_embeds part per request vs the "
+                             "same requests as text")
     parser.add_argument("--compare-hf", action="store_true",
                         help="also run transformers generate on the same workload")
     parser.add_argument("--hf-batch-size", type=int, default=64)
@@ -137,6 +192,9 @@ def main() -> None:
           f"{args.min_input_len}-{args.max_input_len} tokens, {args.output_len} output tokens "
           f"each, torch threads {torch.get_num_threads()}")
     run_engine(llm, to_prompts(llm, token_ids[:4], "ids"), 8)  # warm-up
+    if args.chat_embeds:
+        chat_embeds_benchmark(llm, token_ids, args.output_len, args.repeats)
+        return
 
     results: dict[str, float] = {}
     if args.input_mode != "all":

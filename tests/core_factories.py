@@ -53,14 +53,17 @@ def make_request(
     arrival_time: float | None = None,
     eos_token_id: int | None = EOS_TOKEN_ID,
     encoder_input: EncoderInput | None = None,
+    prompt_is_token_ids: torch.Tensor | None = None,
     **params,
 ) -> EngineCoreRequest:
     """An `EngineCoreRequest`; `params` are `SamplingParams` fields (max_tokens=16 default).
 
     Exactly one of `prompt_token_ids` and `prompt_embeds` must be given (for an
-    encoder/decoder request, the decoder prompt; see `make_encoder_input`).
+    encoder/decoder request, the decoder prompt; see `make_encoder_input`), or both with
+    `prompt_is_token_ids` for a mixed prompt.
     """
-    assert (prompt_token_ids is None) != (prompt_embeds is None)
+    assert ((prompt_token_ids is None) != (prompt_embeds is None)
+            or prompt_is_token_ids is not None)
     return EngineCoreRequest(
         request_id=request_id,
         prompt_token_ids=list(prompt_token_ids) if prompt_token_ids is not None else None,
@@ -69,6 +72,7 @@ def make_request(
         eos_token_id=eos_token_id,
         arrival_time=float(next(_arrival)) if arrival_time is None else arrival_time,
         encoder_input=encoder_input,
+        prompt_is_token_ids=prompt_is_token_ids,
     )
 
 

@@ -353,3 +353,23 @@ def test_cuda_graph_replay_equals_eager(tiny_llama_dir) -> None:
     no_embeds = _llm(tiny_llama_dir, device="cuda",
                      compilation_config={"cudagraph_capture_sizes": [1, 2]})
     assert set(_runner(no_embeds).graphs.captured) == {(IDS, 1), (IDS, 2)}
+
+
+def test_mixed_prompt_steps_pick_the_set_by_their_rows(graphs, eager, tiny_llama_dir
+                                                       ) -> None:
+    """A mixed prompt's prefill (rows and ids) replays the embeds set; its prefix-cache hit
+    leaves a step of text positions only, which replays the ids set; decodes are ids."""
+    runner = _runner(graphs)
+    rows = _embed(tiny_llama_dir, [5, 6, 7])
+    prompt = {"prompt_segments": [rows, " ".join(PROMPTS)]}
+    graphs.llm_engine.reset_prefix_cache()
+    runner.graphs.replays.clear()
+    first = graphs.generate(prompt, _params(4), use_tqdm=False)
+    _assert_same(first, eager.generate(prompt, _params(4), use_tqdm=False))
+    assert runner.graphs.replays == {(EMBEDS, ANY): 1, (IDS, 1): 3}
+    runner.graphs.replays.clear()
+    again = graphs.generate(prompt, _params(4), use_tqdm=False)
+    assert again[0].num_cached_tokens >= 16 and first[0].num_prompt_tokens > 16 + 8
+    _assert_same(again, first)
+    assert {kind for kind, _ in runner.graphs.replays} == {IDS}  # the tail prefill too
+    assert sum(runner.graphs.replays.values()) == 4 and runner.graphs.replays[(IDS, 1)] == 3

@@ -46,8 +46,10 @@ class LLM:
                  ) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in prompt order.
 
-        A prompt is a str, {"prompt": str}, {"prompt_token_ids": [...]} or
-        {"prompt_embeds": tensor}; a list of them is a batch.
+        A prompt is a str, {"prompt": str}, {"prompt_token_ids": [...]},
+        {"prompt_embeds": tensor} or {"prompt_segments": [str | list[int] | tensor, ...]}
+        (text, ids and embeds rows in order; see `vllm.inputs.SegmentsPrompt`); a list of
+        them is a batch.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -64,32 +66,36 @@ class LLM:
         request_ids = self._add_requests(prompts, params_list)
         return self._run_engine(request_ids, use_tqdm)
 
-    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, *, chat_template: str | None = None,
-             add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict[str, Any] | None = None,
-             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
-        """Generates replies to one conversation (a list of {"role", "content"} messages)
-        or a list of them, each rendered by the tokenizer's chat template (or
-        `chat_template`; `tools` and `chat_template_kwargs` go to the template) and tokenized
-        without added special tokens, as /v1/chat/completions does."""
+    def chat(self, messages: Any, sampling_params: SamplingParams
+             | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Generates replies to conversations rendered with the tokenizer's chat template.
+
+        `messages` is one conversation (a list of {"role", "content"} dicts) or a list of
+        them. A content list may hold text parts and `{"type": "prompt_embeds", "data":
+        tensor [n, hidden_size]}` parts (a tensor, or base64 of torch.save(tensor) as the
+        server takes it) anywhere a text part may stand; their rows stand where the part
+        stood (see `vllm.entrypoints.chat_utils`). The rendered text is tokenized without
+        special tokens: the template writes its own.
+        """
+        from vllm.entrypoints.chat_utils import chat_prompt
+
         if add_generation_prompt and continue_final_message:
             raise ValueError("continue_final_message and add_generation_prompt cannot both "
                              "be true.")
         if not messages:
             raise ValueError("messages must not be empty.")
-        conversations = [messages] if isinstance(messages[0], dict) else messages
+        conversations = messages if isinstance(messages[0], list) else [messages]
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer (skip_tokenizer_init is set).")
-        prompts = []
-        for conversation in conversations:
-            text = tokenizer.apply_chat_template(
-                conversation, tokenize=False, chat_template=chat_template, tools=tools,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
-            prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        budget = self.llm_engine.vllm_config.model_config
+        prompts = [chat_prompt(tokenizer, conversation, add_generation_prompt,
+                               continue_final_message, chat_template_kwargs, chat_template,
+                               budget.max_model_len, budget.hidden_size)
+                   for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _add_requests(self, prompts: list, params_list: list[SamplingParams]) -> list[str]:

@@ -14,19 +14,38 @@ class ParsedPrompt(NamedTuple):
     # Encoder/decoder models: the encoder's prompt (None for audio and embeds).
     encoder_prompt: str | None = None
     encoder_prompt_token_ids: list[int] | None = None
+    # A mixed prompt: text, token-id lists and embeds tensors, in order (see
+    # `vllm.inputs.SegmentsPrompt`); the Processor turns it into ids, rows and a mask.
+    prompt_segments: list | None = None
+    # prompt_segments: start with the tokenizer's leading special tokens (BOS).
+    add_special_tokens: bool = True
 
 
-_KEYS = ("prompt", "prompt_token_ids", "prompt_embeds")
+_KEYS = ("prompt", "prompt_token_ids", "prompt_embeds", "prompt_segments")
 
 
 def parse_prompt(prompt: Any) -> ParsedPrompt:
-    """Accepts a str, {"prompt": str}, {"prompt_token_ids": [...]}, {"prompt_embeds": T}."""
+    """Accepts a str, {"prompt": str}, {"prompt_token_ids": [...]}, {"prompt_embeds": T},
+    {"prompt_segments": [str | list[int] | T, ...]}."""
     if isinstance(prompt, str):
         return ParsedPrompt(prompt, None, None)
     if not isinstance(prompt, dict):
         raise ValueError("A prompt must be a str or a dict with one of "
                          f"{', '.join(_KEYS)}; got {type(prompt).__name__}.")
     present = [k for k in _KEYS if prompt.get(k) is not None]
+    if "prompt_segments" in present:
+        if len(present) > 1:
+            raise ValueError("A prompt with prompt_segments cannot also carry "
+                             f"{', '.join(k for k in present if k != 'prompt_segments')}.")
+        segments = prompt["prompt_segments"]
+        if not isinstance(segments, (list, tuple)) or not segments:
+            raise ValueError("prompt_segments must be a non-empty list of text, token-id "
+                             "lists and embeds tensors.")
+        add_special = prompt.get("add_special_tokens", True)
+        if not isinstance(add_special, bool):
+            raise ValueError("add_special_tokens must be a bool.")
+        return ParsedPrompt(None, None, None, prompt_segments=list(segments),
+                            add_special_tokens=add_special)
     if "prompt_embeds" in present and len(present) > 1:
         raise ValueError("A prompt with prompt_embeds cannot also carry prompt or "
                          "prompt_token_ids.")

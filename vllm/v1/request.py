@@ -9,7 +9,7 @@ from concurrent.futures import Future
 import torch
 
 from vllm.sampling_params import SamplingParams
-from vllm.v1.engine import EncoderInput, EngineCoreRequest, FinishReason
+from vllm.v1.engine import EmbedsLayout, EncoderInput, EngineCoreRequest, FinishReason
 from vllm.v1.structured_output.backend import StructuredOutputGrammar
 
 # Token id stored at positions whose input comes from prompt embeds. The scheduler never
@@ -64,6 +64,7 @@ class Request:
         block_hasher: Callable[[Request], list[bytes]] | None = None,
         encoder_input: EncoderInput | None = None,
         cache_salt: str | None = None,
+        prompt_is_token_ids: torch.Tensor | None = None,
     ) -> None:
         self.request_id = request_id
         self.cache_salt = cache_salt  # mixed into the first block's hash
@@ -72,6 +73,8 @@ class Request:
         self.encoder_input = encoder_input
         self.prompt_token_ids = prompt_token_ids
         self.prompt_embeds = prompt_embeds
+        # Mixed prompts: True at the positions holding real ids (see EngineCoreRequest).
+        self.prompt_is_token_ids = prompt_is_token_ids
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = arrival_time
@@ -82,6 +85,9 @@ class Request:
             assert prompt_embeds is not None
             self.num_prompt_tokens = prompt_embeds.shape[0]
             self._all_token_ids = [EMBEDS_PLACEHOLDER_TOKEN_ID] * self.num_prompt_tokens
+        # Which positions read embeds rows; None for a prompt of token ids only.
+        self.embeds_layout = EmbedsLayout.of(self.num_prompt_tokens, prompt_embeds,
+                                             prompt_is_token_ids)
         room = max_model_len - self.num_prompt_tokens
         requested = sampling_params.max_tokens
         self.max_tokens = max(1, room if requested is None else min(requested, max(room, 1)))
@@ -109,7 +115,8 @@ class Request:
                                  ) -> Request:
         return cls(request.request_id, request.prompt_token_ids, request.prompt_embeds,
                    request.sampling_params, request.eos_token_id, request.arrival_time,
-                   max_model_len, block_hasher, request.encoder_input, request.cache_salt)
+                   max_model_len, block_hasher, request.encoder_input, request.cache_salt,
+                   request.prompt_is_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:

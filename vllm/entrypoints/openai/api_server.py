@@ -68,9 +68,9 @@ class ServerState:
     def create(cls, engine: AsyncLLM | AsyncPipeline, served_model_names: list[str],
                metrics: PrometheusStatLogger, audio_limits: AudioLimits | None = None,
                options: ServingOptions | None = None) -> ServerState:
-        return cls(engine, served_model_names, metrics,
-                   OpenAIServingCompletion(engine, served_model_names, options),
-                   OpenAIServingChat(engine, served_model_names, options),
+        completion = OpenAIServingCompletion(engine, served_model_names, options)
+        return cls(engine, served_model_names, metrics, completion,
+                   OpenAIServingChat(engine, served_model_names, options, completion.embeds),
                    OpenAIServingTranscription(engine, served_model_names, audio_limits,
                                               metrics),
                    OpenAIServing(engine, served_model_names))
@@ -244,7 +244,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
             engines = served.engines if isinstance(served, AsyncPipeline) else [served]
             return {"engines": [info for engine in engines
                                 for info in await engine.call_engines("get_engine_state")],
-                    "prompt_embeds_bytes_in_flight": state.completion.embeds_in_flight.used}
+                    "prompt_embeds_bytes_in_flight": state.completion.embeds.in_flight.used}
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -4,6 +4,11 @@ A chat template is code the server runs, so clients do not get to supply one: a 
 `chat_template` is honoured only behind --trust-request-chat-template, and one smuggled in
 `chat_template_kwargs` is refused. Rendering runs off the event loop on bounded input, and
 output longer than could fit the context is refused.
+
+`prompt_embeds` content parts (`vllm.entrypoints.chat_utils`): the template renders with a
+placeholder per part, the text between parts is tokenized piece by piece, and the engine
+gets a mixed prompt of token ids and rows; the parts decode through the server's one
+`EmbedsIntake` (byte budget, in-flight cap) like completion prompts.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from vllm.entrypoints.chat_utils import EmbedsParts, split_at_placeholders, take_embeds_parts
+from vllm.entrypoints.openai.prompt_embeds import EmbedsLease
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -26,6 +33,7 @@ from vllm.entrypoints.openai.protocol import (
     DeltaMessage,
     UsageInfo,
 )
+from vllm.entrypoints.openai.serving_completion import EMBEDS_DISABLED, EmbedsIntake
 from vllm.entrypoints.openai.serving_engine import (
     MAX_CHARS_PER_TOKEN,
     OpenAIError,
@@ -55,7 +63,8 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for part in content:
                 if not isinstance(part, dict) or part.get("type") != "text" \
                         or not isinstance(part.get("text"), str):
-                    raise OpenAIError(f"messages[{i}]: only text content parts are supported.")
+                    raise OpenAIError(f"messages[{i}]: only text and prompt_embeds content "
+                                      "parts are supported.")
                 texts.append(part["text"])
             content = "\n".join(texts)
         elif content is None:
@@ -127,12 +136,17 @@ class OpenAIServingChat(OpenAIServing):
     """Renders the conversation, then generates like a completion of the rendered text."""
 
     def __init__(self, engine: ServedEngine, served_model_names: list[str],
-                 options: ServingOptions | None = None) -> None:
+                 options: ServingOptions | None = None,
+                 embeds: EmbedsIntake | None = None) -> None:
         super().__init__(engine, served_model_names, options)
         # Templates render here, off the event loop (a few threads: renders are short).
         self._render_pool = ThreadPoolExecutor(2, thread_name_prefix="chat-template")
+        mc = self.model_config
+        # prompt_embeds parts: the server's intake, shared with /v1/completions.
+        self.embeds = embeds or EmbedsIntake(self.options, mc.max_model_len, mc.hidden_size)
 
-    async def render(self, request: ChatCompletionRequest) -> str:
+    async def render(self, request: ChatCompletionRequest,
+                     messages: list[dict[str, Any]] | None = None) -> str:
         """The request's prompt text, rendered off the event loop; raises OpenAIError."""
         tokenizer = self.require_tokenizer()
         if request.chat_template is not None and not self.options.trust_request_chat_template:
@@ -143,7 +157,8 @@ class OpenAIServingChat(OpenAIServing):
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
             self._render_pool, lambda: render_chat(
-                tokenizer, request.messages, request.add_generation_prompt,
+                tokenizer, request.messages if messages is None else messages,
+                request.add_generation_prompt,
                 request.continue_final_message, request.chat_template_kwargs,
                 request.chat_template, MAX_CHARS_PER_TOKEN * self.max_model_len))
 
@@ -152,18 +167,33 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(request.model)
         if request.logit_bias:
             raise OpenAIError("logit_bias is not supported.")
+        try:
+            parts = take_embeds_parts(request.messages)
+        except ValueError as e:
+            raise OpenAIError(str(e)) from None
+        if parts.data and not self.model_config.enable_prompt_embeds:
+            raise OpenAIError(EMBEDS_DISABLED)
+        lease = self.embeds.reserve(parts.data, max(1, request.n or 1))
+        return await self.embeds.leased(lease, self._create(request, parts, lease))
+
+    async def _create(self, request: ChatCompletionRequest, parts: EmbedsParts, lease: EmbedsLease
+                      ) -> ChatCompletionResponse | AsyncGenerator[str, None]:
         num_logprobs = self._num_logprobs(request)
-        text = await self.render(request)
-        token_ids = await self.tokenize(text, request.add_special_tokens)
+        text = await self.render(request, parts.messages)
+        prompt: dict[str, Any]
+        if parts.data:
+            prompt, num_tokens = await self._segments_prompt(request, text, parts, lease)
+        else:
+            token_ids = await self.tokenize(text, request.add_special_tokens)
+            prompt, num_tokens = {"prompt": text, "prompt_token_ids": token_ids}, len(token_ids)
         max_tokens = request.max_completion_tokens or request.max_tokens
-        self.check_max_tokens(len(token_ids), max_tokens)
+        self.check_max_tokens(num_tokens, max_tokens)
         try:
             params = request.to_sampling_params(max_tokens, num_logprobs,
                                                 defaults=self.model_config.generation_defaults)
         except ValueError as e:
             raise OpenAIError(str(e)) from None
         request_id = random_id("chatcmpl", request.request_id)
-        prompt = {"prompt": text, "prompt_token_ids": token_ids}
         if request.cache_salt is not None:
             prompt["cache_salt"] = request.cache_salt
         stream = (await self.add_requests(request_id, [prompt], params))[0]
@@ -181,6 +211,28 @@ class OpenAIServingChat(OpenAIServing):
                           prompt_tokens_details=cached_tokens_usage([output]))
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                       usage=usage)
+
+    async def _segments_prompt(self, request: ChatCompletionRequest, text: str, parts: EmbedsParts,
+                               lease: EmbedsLease) -> tuple[dict[str, Any], int]:
+        """The rendered prompt as a mixed prompt: each text piece's ids (special tokens, if
+        asked for, on the first piece only), each part's decoded rows where it stood."""
+        try:
+            pieces = split_at_placeholders(text, parts.placeholders)
+        except ValueError as e:
+            raise OpenAIError(str(e)) from None
+        copies = max(1, request.n or 1)
+        segments: list[Any] = []
+        num_tokens = 0
+        for i, piece in enumerate(pieces):
+            if isinstance(piece, str):
+                ids = await self.tokenize(piece, request.add_special_tokens and i == 0)
+                segments.append(ids)
+                num_tokens += len(ids)
+                continue
+            rows = await self.embeds.decode(parts.data[piece], lease, copies)
+            segments.append(rows)
+            num_tokens += rows.shape[-2] if rows.dim() >= 2 else 0
+        return {"prompt_segments": segments, "add_special_tokens": False}, num_tokens
 
     def _num_logprobs(self, request: ChatCompletionRequest) -> int | None:
         if not request.logprobs:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, TypeVar, cast
+
+import torch
 
 from vllm.entrypoints.openai.prompt_embeds import (
     EmbedsBytesInFlight,
@@ -49,6 +51,72 @@ EMBEDS_DISABLED = ("prompt_embeds given, but prompt embeds are disabled: start t
                    "with --enable-prompt-embeds.")
 
 
+_T = TypeVar("_T")
+
+
+class EmbedsIntake:
+    """The server's one way in for untrusted `prompt_embeds` (completion prompts and chat
+    content parts alike): the byte budget of one tensor, the server-wide cap on decoded
+    bytes in flight, and the single decoding thread (torch.load's sparse-invariant
+    checking is process-global state)."""
+
+    def __init__(self, options: ServingOptions, max_model_len: int, hidden_size: int) -> None:
+        self.in_flight = EmbedsBytesInFlight(options.max_prompt_embeds_bytes_in_flight)
+        self.budget = prompt_embeds_byte_budget(max_model_len, hidden_size)
+        self.max_request_chars = _MAX_EMBEDS_PER_REQUEST * self.budget * 4 // 3
+        self._decode_pool = ThreadPoolExecutor(1, thread_name_prefix="prompt-embeds")
+
+    def reserve(self, datas: list[Any], copies: int) -> EmbedsLease:
+        """Reserves the decoded size of `datas` (3/4 of the base64, once per sample: each
+        of the n samples holds its copy in the engine core); raises OpenAIError."""
+        total = sum(len(d) for d in datas if isinstance(d, str)) * copies
+        if total > self.max_request_chars:
+            raise OpenAIError(f"The prompt_embeds of one request total {total} base64 "
+                              f"characters (times n={copies}), over the limit of "
+                              f"{_MAX_EMBEDS_PER_REQUEST} maximum-size prompts; split the "
+                              "batch into several requests.")
+        num_bytes = sum(len(d) * 3 // 4 for d in datas if isinstance(d, str)) * copies
+        limit = self.in_flight.limit
+        if num_bytes > limit:
+            raise OpenAIError(f"The prompt_embeds of this request take {num_bytes} bytes, more "
+                              f"than the server's limit of {limit} bytes in flight "
+                              "(--max-prompt-embeds-bytes-in-flight).")
+        lease = self.in_flight.reserve(num_bytes)
+        if lease is None:
+            raise _embeds_busy()
+        return lease
+
+    async def decode(self, data: Any, lease: EmbedsLease, copies: int) -> torch.Tensor:
+        """The dense tensor in `data` (base64 of torch.save), decoded off the event loop
+        under the byte budget; raises OpenAIError."""
+        loop = asyncio.get_running_loop()
+        try:
+            embeds = await loop.run_in_executor(self._decode_pool, decode_prompt_embeds, data,
+                                                self.budget)
+        except ValueError as e:
+            raise OpenAIError(str(e)) from None
+        # A sparse payload decodes larger than its base64 suggested.
+        extra = (embeds.numel() * embeds.element_size() - len(data) * 3 // 4) * copies
+        if extra > 0 and not lease.grow(extra):
+            raise _embeds_busy()
+        return embeds
+
+    @staticmethod
+    async def leased(lease: EmbedsLease, work: Awaitable[_T]) -> _T:
+        """`work`'s response, holding the lease until it is done: a response at once, a
+        stream (an async generator) when it is closed or dropped unread."""
+        try:
+            result = await work
+        except BaseException:
+            lease.release()
+            raise
+        if not isinstance(result, AsyncGenerator):
+            lease.release()
+            return result
+        weakref.finalize(result, lease.release)  # a stream never started is dropped unread
+        return cast("_T", _release_at_end(result, lease))
+
+
 @dataclass(slots=True)
 class CompletionPrompt:
     engine_prompt: dict[str, Any]  # what AsyncLLM.add_request takes
@@ -62,13 +130,9 @@ class OpenAIServingCompletion(OpenAIServing):
     def __init__(self, engine: ServedEngine, served_model_names: list[str],
                  options: ServingOptions | None = None) -> None:
         super().__init__(engine, served_model_names, options)
-        self.embeds_in_flight = EmbedsBytesInFlight(
-            self.options.max_prompt_embeds_bytes_in_flight)
         mc = self.model_config
-        self.embeds_budget = prompt_embeds_byte_budget(mc.max_model_len, mc.hidden_size)
-        self.max_request_body_bytes = _MAX_EMBEDS_PER_REQUEST * self.embeds_budget * 4 // 3
-        # One worker: torch.load's sparse-invariant checking is process-global state.
-        self._decode_pool = ThreadPoolExecutor(1, thread_name_prefix="prompt-embeds")
+        self.embeds = EmbedsIntake(self.options, mc.max_model_len, mc.hidden_size)
+        self.max_request_body_bytes = self.embeds.max_request_chars
 
     async def create_completion(self, request: CompletionRequest
                                 ) -> CompletionResponse | AsyncGenerator[str, None]:
@@ -79,33 +143,9 @@ class OpenAIServingCompletion(OpenAIServing):
         dropped unread)."""
         self.check_model(request.model)
         self._check_unsupported(request)
-        lease = self._reserve_embeds(request)
-        try:
-            result = await self._create_completion(request, lease)
-        except BaseException:
-            lease.release()
-            raise
-        if isinstance(result, CompletionResponse):
-            lease.release()
-            return result
-        weakref.finalize(result, lease.release)  # a stream never started is dropped unread
-        return _release_at_end(result, lease)
-
-    def _reserve_embeds(self, request: CompletionRequest) -> EmbedsLease:
-        """Reserves the decoded size of the request's prompt_embeds (3/4 of the base64,
-        once per sample: each of the n samples holds its copy in the engine core)."""
         copies = max(1, request.n or 1)
-        num_bytes = sum(len(d) * 3 // 4 for d in _as_list(request.prompt_embeds)
-                        if isinstance(d, str)) * copies
-        limit = self.embeds_in_flight.limit
-        if num_bytes > limit:
-            raise OpenAIError(f"The prompt_embeds of this request take {num_bytes} bytes, more "
-                              f"than the server's limit of {limit} bytes in flight "
-                              "(--max-prompt-embeds-bytes-in-flight).")
-        lease = self.embeds_in_flight.reserve(num_bytes)
-        if lease is None:
-            raise _embeds_busy()
-        return lease
+        lease = self.embeds.reserve(_as_list(request.prompt_embeds), copies)
+        return await self.embeds.leased(lease, self._create_completion(request, lease))
 
     async def _create_completion(self, request: CompletionRequest, lease: EmbedsLease
                                  ) -> CompletionResponse | AsyncGenerator[str, None]:
@@ -153,16 +193,10 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _make_prompts(self, request: CompletionRequest, lease: EmbedsLease
                             ) -> list[CompletionPrompt]:
-        embeds = _as_list(request.prompt_embeds)
         # Each of the n samples of an embeds prompt holds its own copy in the engine core.
         copies = max(1, request.n or 1)
-        total = sum(len(data) for data in embeds if isinstance(data, str)) * copies
-        if total > _MAX_EMBEDS_PER_REQUEST * self.embeds_budget * 4 // 3:
-            raise OpenAIError(f"The prompt_embeds of one request total {total} base64 "
-                              f"characters (times n={copies}), over the limit of "
-                              f"{_MAX_EMBEDS_PER_REQUEST} maximum-size prompts; split the "
-                              "batch into several requests.")
-        prompts = [await self._embeds_prompt(data, lease, copies) for data in embeds]
+        prompts = [await self._embeds_prompt(data, lease, copies)
+                   for data in _as_list(request.prompt_embeds)]
         prompts += await self._text_prompts(request)
         if request.cache_salt is not None:
             for prompt in prompts:
@@ -171,16 +205,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _embeds_prompt(self, data: Any, lease: EmbedsLease, copies: int
                              ) -> CompletionPrompt:
-        loop = asyncio.get_running_loop()
-        try:
-            embeds = await loop.run_in_executor(self._decode_pool, decode_prompt_embeds, data,
-                                                self.embeds_budget)
-        except ValueError as e:
-            raise OpenAIError(str(e)) from None
-        # A sparse payload decodes larger than its base64 suggested.
-        extra = (embeds.numel() * embeds.element_size() - len(data) * 3 // 4) * copies
-        if extra > 0 and not lease.grow(extra):
-            raise _embeds_busy()
+        embeds = await self.embeds.decode(data, lease, copies)
         num_tokens = None
         if embeds.dim() == 2 or (embeds.dim() == 3 and embeds.shape[0] == 1):
             num_tokens = embeds.shape[-2]

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
+    from vllm.v1.engine import EmbedsLayout
     from vllm.v1.request import Request
 
 BlockHash = bytes
@@ -89,21 +90,47 @@ class FreeKVCacheBlockQueue:
 
 
 def hash_block(parent: BlockHash | None, token_ids: list[int],
-               embeds_rows: torch.Tensor | None = None) -> BlockHash:
+               embeds_rows: torch.Tensor | None = None,
+               is_token: np.ndarray | None = None) -> BlockHash:
     """Hash of one full block, chained to its parent's hash.
 
-    A block whose positions come (partly) from prompt embeds is hashed by the bytes of
-    those rows (already in the model dtype) followed by the real token ids after them; the
-    leading tag keeps token blocks and embeds blocks from ever colliding.
+    A block of real tokens is hashed by its ids. A block with positions from prompt embeds
+    is hashed by its per-position kinds (`is_token`; None: the rows come first, then the
+    tokens), the bytes of its rows (already in the model dtype) and the ids of its token
+    positions, so two blocks agree only if they agree position by position. The leading
+    tag keeps token blocks and embeds blocks from ever colliding.
     """
     h = hashlib.sha256(parent or b"")
     if embeds_rows is not None:
+        if is_token is None:
+            is_token = np.arange(len(embeds_rows) + len(token_ids)) >= len(embeds_rows)
         h.update(b"E")
+        h.update(np.packbits(is_token).tobytes() + len(is_token).to_bytes(4, "little"))
         h.update(embeds_rows.contiguous().view(torch.uint8).numpy().tobytes())
     else:
         h.update(b"T")
     h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
     return h.digest()
+
+
+def block_inputs(token_ids: list[int], embeds: torch.Tensor | None,
+                 layout: EmbedsLayout | None, start: int, end: int
+                 ) -> tuple[list[int], torch.Tensor | None, np.ndarray | None]:
+    """The inputs of positions [start, end) as `hash_block` takes them: the ids of the
+    token positions, and (if any position reads embeds) the rows and the block's is_token.
+
+    Example: is_token [T, F, F, T] + one generated token, ids [5, 0, 0, 7, 9], block [2, 5)
+    -> ids [7, 9], rows embeds[1:2], is_token [F, T, T].
+    """
+    if layout is None or start >= len(layout.is_token):
+        return token_ids[start:end], None, None
+    mask = layout.block_mask(start, end)
+    if mask.all():
+        return token_ids[start:end], None, None
+    assert embeds is not None  # a layout comes with rows
+    first, last = layout.rows(start, end)
+    ids = [t for t, real in zip(token_ids[start:end], mask.tolist(), strict=True) if real]
+    return ids, embeds[first:last], mask
 
 
 def cross_block_hashes(encoder_hash: bytes, num_blocks: int) -> list[BlockHash]:
@@ -142,15 +169,12 @@ def make_block_hasher(block_size: int) -> Callable[[Request], list[BlockHash]]:
             parent = request.block_hashes[-1]
         else:
             parent = chain_start(request)
-        embeds = request.prompt_embeds
-        num_embeds = request.num_prompt_tokens if embeds is not None else 0
         new_hashes = []
         for i in range(start_block, num_full_blocks):
-            start, end = i * block_size, (i + 1) * block_size
-            rows = (embeds[start:min(end, num_embeds)]
-                    if embeds is not None and start < num_embeds else None)
-            tokens = request.all_token_ids[max(start, num_embeds):end]
-            parent = hash_block(parent, tokens, rows)
+            ids, rows, mask = block_inputs(request.all_token_ids, request.prompt_embeds,
+                                           request.embeds_layout, i * block_size,
+                                           (i + 1) * block_size)
+            parent = hash_block(parent, ids, rows, mask)
             new_hashes.append(parent)
         return new_hashes
 

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from vllm.sampling_params import SamplingParams
@@ -39,17 +40,64 @@ class EncoderInput:
     content_hash: bytes
 
 
+class EmbedsLayout:
+    """Which prompt positions take their input from prompt-embeds rows, and which row.
+
+    `is_token[p]` is True where position p holds a real token id; the embeds rows belong,
+    in order, to the other positions. Example: is_token [T, F, F, T, F] -> rows_before
+    [0, 0, 1, 2, 2, 3]: positions 1, 2, 4 read rows 0, 1, 2; positions [1, 4) read rows
+    [0, 2). Positions past the prompt (generated tokens) are tokens.
+    """
+
+    __slots__ = ("is_token", "rows_before")
+
+    def __init__(self, is_token: np.ndarray) -> None:
+        self.is_token = is_token
+        self.rows_before = np.zeros(len(is_token) + 1, dtype=np.int64)
+        np.cumsum(~is_token, out=self.rows_before[1:])
+
+    @classmethod
+    def of(cls, num_prompt_tokens: int, prompt_embeds: torch.Tensor | None,
+           prompt_is_token_ids: torch.Tensor | None) -> EmbedsLayout | None:
+        """None for a prompt of token ids only; all rows for an embeds-only prompt."""
+        if prompt_embeds is None:
+            return None
+        if prompt_is_token_ids is None:
+            return cls(np.zeros(num_prompt_tokens, dtype=bool))
+        return cls(prompt_is_token_ids.numpy().astype(bool, copy=False))
+
+    def rows(self, start: int, end: int) -> tuple[int, int]:
+        """The embeds rows [first, last) of positions [start, end)."""
+        n = len(self.is_token)
+        return int(self.rows_before[min(start, n)]), int(self.rows_before[min(end, n)])
+
+    def row_index(self, positions: np.ndarray) -> np.ndarray:
+        """The embeds row of each (embedded) prompt position."""
+        return self.rows_before[positions]
+
+    def block_mask(self, start: int, end: int) -> np.ndarray:
+        """is_token of positions [start, end) (True past the prompt)."""
+        mask = np.ones(end - start, dtype=bool)
+        inside = self.is_token[start:end]
+        mask[:len(inside)] = inside
+        return mask
+
+
 @dataclass(slots=True)
 class EngineCoreRequest:
     """One prompt, tokenized and validated, ready for the scheduler.
 
-    Exactly one of `prompt_token_ids` and `prompt_embeds` is set (for encoder/decoder
-    models they are the decoder prompt, and `encoder_input` is the encoder's).
+    A prompt of token ids sets `prompt_token_ids`, one of embeds `prompt_embeds`; a mixed
+    prompt (`prompt_segments`, chat messages with embeds parts) sets both and
+    `prompt_is_token_ids`: real ids at text positions, placeholders at the others, whose
+    rows `prompt_embeds` holds in order. For encoder/decoder models they are the decoder
+    prompt, and `encoder_input` is the encoder's.
     """
 
     request_id: str
     prompt_token_ids: list[int] | None
-    prompt_embeds: torch.Tensor | None  # [num_prompt_tokens, hidden_size], model dtype, CPU
+    # [num_embedded_positions, hidden_size], model dtype, CPU; raw tensor frames on the wire.
+    prompt_embeds: torch.Tensor | None
     sampling_params: SamplingParams
     eos_token_id: int | None
     arrival_time: float = field(default_factory=time.monotonic)
@@ -57,6 +105,13 @@ class EngineCoreRequest:
     # Tenant isolation in the prefix cache: requests share cached blocks only if their
     # salts are equal (None is a salt of its own).
     cache_salt: str | None = None
+    # Mixed prompts only: bool [num_prompt_tokens], True at positions holding real ids.
+    prompt_is_token_ids: torch.Tensor | None = None
+
+    @property
+    def embeds_layout(self) -> EmbedsLayout | None:
+        return EmbedsLayout.of(self.num_prompt_tokens, self.prompt_embeds,
+                               self.prompt_is_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

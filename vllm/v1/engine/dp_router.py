@@ -23,6 +23,7 @@ from collections import OrderedDict
 
 import torch
 
+from vllm.v1.core.kv_cache_utils import block_inputs
 from vllm.v1.engine import EngineCoreRequest
 
 # At most this many leading blocks of a prompt are hashed for routing (longer shared
@@ -35,7 +36,8 @@ SLACK_FRACTION = 0.25
 def prefix_block_hashes(request: EngineCoreRequest, block_size: int,
                         max_blocks: int = MAX_ROUTED_BLOCKS) -> list[int]:
     """Chained hashes of the request's full prompt blocks, as the engine's prefix cache
-    would key them: token ids, or the bytes of prompt-embeds rows; the chain starts from
+    would key them: token ids, and for blocks with embedded positions the positions' kinds
+    and the bytes of their rows; the chain starts from
     the cache salt and the encoder input's hash (requests with different salts or encoder
     inputs never share blocks). In-process `hash()`: only this process compares them.
 
@@ -44,17 +46,18 @@ def prefix_block_hashes(request: EngineCoreRequest, block_size: int,
     encoder_hash = request.encoder_input.content_hash if request.encoder_input else None
     parent = hash((request.cache_salt, encoder_hash))
     num_blocks = min(request.num_prompt_tokens // block_size, max_blocks)
-    ids, embeds = request.prompt_token_ids, request.prompt_embeds
-    rows = _row_bytes(embeds[:num_blocks * block_size]) if embeds is not None else None
-    row_bytes = len(rows) // max(1, num_blocks * block_size) if rows is not None else 0
+    layout = request.embeds_layout
+    ids = request.prompt_token_ids
+    if ids is None:  # an embeds-only prompt: its positions hold placeholders
+        ids = [0] * request.num_prompt_tokens
     hashes = []
     for k in range(num_blocks):
-        start, end = k * block_size, (k + 1) * block_size
-        if ids is not None:
-            block: object = tuple(ids[start:end])
-        else:
-            assert rows is not None  # a request carries ids or embeds
-            block = rows[start * row_bytes:end * row_bytes]
+        block_ids, rows, mask = block_inputs(ids, request.prompt_embeds, layout,
+                                             k * block_size, (k + 1) * block_size)
+        block: object = tuple(block_ids)
+        if rows is not None:
+            assert mask is not None  # rows come with their positions
+            block = (block, mask.tobytes(), _row_bytes(rows))
         parent = hash((parent, block))
         hashes.append(parent)
     return hashes

@@ -21,6 +21,7 @@ from vllm.inputs.encoder_decoder import (
 from vllm.inputs.parse import ParsedPrompt, parse_prompt, validate_prompt_embeds
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import EncoderInput, EngineCoreRequest
+from vllm.v1.request import EMBEDS_PLACEHOLDER_TOKEN_ID
 from vllm.v1.structured_output.manager import GrammarCompiler
 
 # vLLM's default cap on returned logprobs per token.
@@ -70,7 +71,7 @@ class Processor:
             encoder_input.content_hash = _content_hash(b"S", np.frombuffer(
                 cache_salt.encode() + encoder_input.content_hash, dtype=np.uint8))
         if params.prompt_logprobs is not None:
-            if parsed.prompt_embeds is not None:
+            if parsed.prompt_embeds is not None or parsed.prompt_segments is not None:
                 raise ValueError(PROMPT_LOGPROBS_WITH_EMBEDS)
             raise ValueError("prompt_logprobs is not supported by this engine yet.")
         self._validate_params(params)
@@ -78,8 +79,11 @@ class Processor:
             raise ValueError("return_hidden_states is set, but this engine does not keep "
                              "hidden states: create it with enable_return_hidden_states=True "
                              "(server: --enable-return-hidden-states).")
-        embeds = token_ids = None
-        if parsed.prompt_embeds is not None:
+        embeds = token_ids = is_token = None
+        if parsed.prompt_segments is not None:
+            token_ids, embeds, is_token = self._segments(parsed.prompt_segments,
+                                                         parsed.add_special_tokens)
+        elif parsed.prompt_embeds is not None:
             embeds = self._validate_embeds(parsed.prompt_embeds)
         else:
             token_ids = self._tokenize(parsed)
@@ -97,8 +101,62 @@ class Processor:
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             encoder_input=encoder_input,
             cache_salt=cache_salt,
+            prompt_is_token_ids=is_token,
         )
+        if is_token is not None:  # a mixed prompt has no text nor ids to show
+            return request, parsed._replace(prompt_segments=None)
         return request, parsed._replace(prompt_token_ids=token_ids, prompt_embeds=embeds)
+
+    def _segments(self, segments: list, add_special_tokens: bool
+                  ) -> tuple[list[int] | None, torch.Tensor | None, torch.Tensor | None]:
+        """A `prompt_segments` prompt as (ids with placeholders, rows, is_token mask); a
+        prompt of one kind only comes back as that kind (no mask).
+
+        Example: [[1], "ab", E (2 rows), "c"] with "ab" -> [7, 8], "c" -> [9] gives ids
+        [1, 7, 8, 0, 0, 9], rows E, is_token [T, T, T, F, F, T].
+        """
+        ids: list[int] = self._leading_special_ids() if add_special_tokens else []
+        is_token = [True] * len(ids)
+        rows: list[torch.Tensor] = []
+        for i, segment in enumerate(segments):
+            if isinstance(segment, str):
+                piece = self._encode_text(segment, add_special_tokens=False)
+            elif isinstance(segment, torch.Tensor):
+                rows.append(self._validate_embeds(segment, what=f"prompt_segments[{i}]"))
+                ids += [EMBEDS_PLACEHOLDER_TOKEN_ID] * rows[-1].shape[0]
+                is_token += [False] * rows[-1].shape[0]
+                continue
+            elif isinstance(segment, (list, tuple)):
+                piece = list(segment)
+            else:
+                raise ValueError(f"prompt_segments[{i}] must be a str, a list of token ids "
+                                 f"or a tensor, got {type(segment).__name__}.")
+            ids += piece
+            is_token += [True] * len(piece)
+        if not rows:
+            self._validate_token_ids(ids)
+            return ids, None, None
+        embeds = torch.cat(rows)
+        if not any(is_token):
+            self._validate_embeds(embeds)
+            return None, embeds, None
+        mask = torch.tensor(is_token, dtype=torch.bool)
+        real = [t for t, keep in zip(ids, is_token, strict=True) if keep]
+        self._validate_token_ids(real, what="prompt's text")
+        if len(ids) > self.model_config.max_model_len:
+            raise ValueError(f"The prompt (length {len(ids)}: {len(real)} token ids and "
+                             f"{embeds.shape[0]} embeds rows) is longer than the maximum "
+                             f"model length of {self.model_config.max_model_len}.")
+        return ids, embeds, mask
+
+    def _leading_special_ids(self) -> list[int]:
+        """The special tokens the tokenizer puts before a text prompt (BOS for Llama)."""
+        if self.tokenizer is None:
+            return []
+        plain = list(self.tokenizer.encode("a", add_special_tokens=False))
+        full = list(self.tokenizer.encode("a", add_special_tokens=True))
+        at = len(full) - len(plain)
+        return full[:at] if at > 0 and full[at:] == plain else []
 
     # ---- encoder/decoder models ------------------------------------------------------
 
@@ -113,6 +171,8 @@ class Processor:
             decoder_ids = default_decoder_prompt(config, self.tokenizer, self.is_audio_model)
         else:
             decoder = parse_prompt(split.decoder)
+            if decoder.prompt_segments is not None:
+                raise ValueError("prompt_segments are for decoder-only models.")
             if decoder.prompt_embeds is not None:
                 raise ValueError("The decoder prompt of an encoder/decoder model cannot be "
                                  "prompt_embeds; pass embeds as the encoder prompt.")
@@ -133,6 +193,8 @@ class Processor:
                              "{'prompt': '', 'multi_modal_data': {'audio': (waveform, "
                              "sample_rate)}} as the (encoder) prompt.")
         parsed = parse_prompt(prompt)
+        if parsed.prompt_segments is not None:
+            raise ValueError("prompt_segments are for decoder-only models.")
         if parsed.prompt_embeds is not None:
             embeds = self._validate_embeds(parsed.prompt_embeds, mc.max_encoder_len,
                                            "encoder prompt")

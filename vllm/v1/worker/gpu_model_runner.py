@@ -26,6 +26,7 @@ from vllm.v1.attention.backends import get_attn_backend
 from vllm.v1.attention.backends.abstract import CommonAttentionMetadata
 from vllm.v1.core.kv_cache_groups import group_size, layer_slots
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.engine import EmbedsLayout
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler, SamplerOutput
@@ -284,6 +285,8 @@ class GPUModelRunner:
                 cross_block_ids=list(new.cross_block_ids),
                 num_encoder_tokens=(new.encoder_input.num_tokens
                                     if new.encoder_input is not None else 0),
+                embeds_layout=EmbedsLayout.of(len(new.prompt_token_ids), new.prompt_embeds,
+                                              new.prompt_is_token_ids),
             )
             self.requests[new.req_id] = state
             to_add.append(state)
@@ -417,21 +420,27 @@ class GPUModelRunner:
         """Embeddings of the scheduled tokens: prompt-embeds rows where the position came
         from embeds, `embed_tokens(id)` where it holds a real token.
 
-        Example: a request with 4 embeds rows E0..E3 and one generated token t4, computed 2,
-        scheduled 3 (positions 2, 3, 4): is_token [F, F, T] -> rows [E2, E3, embed(t4)].
+        Example: a request with prompt [t0, E0, E1, t3] (is_token [T, F, F, T]) and one
+        generated token t4, computed 2, scheduled 3 (positions 2, 3, 4): is_token [F, T, T]
+        -> rows [E1, embed(t3), embed(t4)] (position 2 reads row rows_before[2] = 1).
         """
         assert self.model is not None, "load_model() first"
         embeds = self.model.get_input_embeddings(input_ids)
+        embedded = np.flatnonzero(~is_token)
+        req_rows, positions = idx.req_indices[embedded], idx.positions[embedded]
         rows = []
-        qsl = idx.query_start_loc
-        for row in np.unique(idx.req_indices[~is_token]):
+        for row in np.unique(req_rows):
             state = self.input_batch.state(row)
-            assert state.prompt_embeds is not None  # positions not tokens are embeds rows
-            start = int(idx.positions[qsl[row]])
-            end = min(start + int(qsl[row + 1] - qsl[row]), state.num_prompt_tokens)
-            rows.append(state.prompt_embeds[start:end])
-        positions = torch.from_numpy(np.flatnonzero(~is_token)).to(self.device)
-        embeds[positions] = torch.cat(rows).to(device=self.device, dtype=embeds.dtype)
+            # Positions that are not tokens read rows of the request's prompt embeds.
+            assert state.prompt_embeds is not None and state.embeds_layout is not None
+            index = state.embeds_layout.row_index(positions[req_rows == row])
+            first, last = int(index[0]), int(index[-1]) + 1
+            if last - first == len(index):  # one run of rows: a view, no gather
+                rows.append(state.prompt_embeds[first:last])
+            else:
+                rows.append(state.prompt_embeds[torch.from_numpy(index)])
+        target = torch.from_numpy(embedded).to(self.device)
+        embeds[target] = torch.cat(rows).to(device=self.device, dtype=embeds.dtype)
         return embeds
 
     def _apply_grammar_bitmask(self, logits: torch.Tensor, rows: np.ndarray,

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from vllm.sampling_params import SamplingParams
+from vllm.v1.engine import EmbedsLayout
 from vllm.v1.worker.block_table import BlockTable
 
 
@@ -15,7 +16,7 @@ from vllm.v1.worker.block_table import BlockTable
 class CachedRequestState:
     req_id: str
     prompt_token_ids: list[int]  # placeholders at embeds positions
-    prompt_embeds: torch.Tensor | None  # [num_prompt_tokens, hidden_size]
+    prompt_embeds: torch.Tensor | None  # [num_embedded_positions, hidden_size]
     sampling_params: SamplingParams
     generator: torch.Generator | None
     block_ids: list[int]
@@ -24,6 +25,13 @@ class CachedRequestState:
     # Encoder/decoder models: the cross-attention blocks and how many rows they hold.
     cross_block_ids: list[int] = field(default_factory=list)
     num_encoder_tokens: int = 0
+    # Which prompt positions read embeds rows (None: a prompt of token ids only).
+    embeds_layout: EmbedsLayout | None = None
+
+    def __post_init__(self) -> None:
+        if self.embeds_layout is None:  # embeds without a layout: an embeds-only prompt
+            self.embeds_layout = EmbedsLayout.of(len(self.prompt_token_ids),
+                                                 self.prompt_embeds, None)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -104,8 +112,8 @@ class InputBatch:
         self.token_ids_cpu[row, num_prompt:num_stored] = \
             state.output_token_ids[:num_stored - num_prompt]
         self.is_token_ids[row, :num_stored] = True
-        if state.prompt_embeds is not None:
-            self.is_token_ids[row, :num_prompt] = False
+        if state.embeds_layout is not None:
+            self.is_token_ids[row, :num_prompt] = state.embeds_layout.is_token
         self.num_tokens[row] = num_tokens
         self.num_prompt_tokens[row] = num_prompt
         self.num_computed_tokens_cpu[row] = state.num_computed_tokens

@@ -18,7 +18,7 @@ class NewRequestData:
 
     req_id: str
     prompt_token_ids: list[int]  # placeholders at embeds positions
-    prompt_embeds: torch.Tensor | None  # [num_prompt_tokens, hidden_size]
+    prompt_embeds: torch.Tensor | None  # [num_embedded_positions, hidden_size]
     output_token_ids: list[int]  # generated before a preemption; usually empty
     sampling_params: SamplingParams
     block_ids: list[int]
@@ -27,6 +27,8 @@ class NewRequestData:
     # the cross-attention blocks holding its K/V.
     encoder_input: EncoderInput | None = None
     cross_block_ids: list[int] = field(default_factory=list)
+    # Mixed prompts: bool [num_prompt_tokens], True at real ids (None: all one kind).
+    prompt_is_token_ids: torch.Tensor | None = None
 
     @classmethod
     def from_request(cls, request: Request, block_ids: list[int],
@@ -41,6 +43,7 @@ class NewRequestData:
             num_computed_tokens=request.num_computed_tokens,
             encoder_input=request.encoder_input,
             cross_block_ids=cross_block_ids or [],
+            prompt_is_token_ids=request.prompt_is_token_ids,
         )
 
 
