@@ -21,6 +21,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EncoderInput, EngineCoreRequest
 from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
 from vllm.v1.request import Request
+from vllm.v1.structured_output.manager import StructuredOutputManager
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 EOS_TOKEN_ID = 2
@@ -96,6 +97,7 @@ def make_scheduler(
     enable_prefix_caching: bool = True,
     prompt_embeds_batching: str = "mixed",
     max_num_encoder_input_tokens: int = 2048,
+    structured_output_manager: StructuredOutputManager | None = None,
 ) -> Scheduler:
     """A `Scheduler` on a `num_blocks`-block pool (block 0 is the null block)."""
     scheduler_config = SchedulerConfig(
@@ -108,7 +110,7 @@ def make_scheduler(
     )
     cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks,
                                enable_prefix_caching=enable_prefix_caching)
-    return Scheduler(scheduler_config, cache_config)
+    return Scheduler(scheduler_config, cache_config, structured_output_manager)
 
 
 def make_runner_output(

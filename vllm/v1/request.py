@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import torch
 
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import EncoderInput, EngineCoreRequest, FinishReason
+from vllm.v1.structured_output.backend import StructuredOutputGrammar
 
 # Token id stored at positions whose input comes from prompt embeds. The scheduler never
 # reads it; the model runner's is_token_ids table says the position is not a real token.
@@ -17,6 +19,7 @@ EMBEDS_PLACEHOLDER_TOKEN_ID = 0
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    WAITING_FOR_GRAMMAR = enum.auto()  # its structured-output grammar is compiling
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after this is finished.
@@ -91,6 +94,10 @@ class Request:
         # A stop string matched in the front end while this request (which must return its
         # rows) was not fully computed: it finishes at its next sampled token.
         self.stop_requested = False
+        # Structured outputs: the compile in flight, then this request's matcher, advanced
+        # with every token it accepts (kept across preemptions: the outputs are kept too).
+        self.grammar_future: Future[StructuredOutputGrammar] | None = None
+        self.grammar: StructuredOutputGrammar | None = None
         self.block_hashes: list[bytes] = []
         self._block_hasher = block_hasher
         if block_hasher is not None:

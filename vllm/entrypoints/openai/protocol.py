@@ -9,7 +9,7 @@ from typing import Any, Literal
 from fastapi import UploadFile
 from pydantic import BaseModel, ConfigDict, Field
 
-from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
 class OpenAIBaseModel(BaseModel):
@@ -60,6 +60,35 @@ class UsageInfo(OpenAIBaseModel):
     prompt_tokens_details: PromptTokenUsageInfo | None = None
 
 
+class JsonSchemaResponseFormat(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    # `schema` shadows a BaseModel attribute, hence the alias.
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaResponseFormat | None = None
+
+
+class StructuredOutputsRequest(OpenAIBaseModel):
+    """vLLM's `structured_outputs` request field: `StructuredOutputsParams`' fields."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+
 class SamplingRequest(OpenAIBaseModel):
     """Fields shared by completions and chat, mapped onto `SamplingParams`."""
 
@@ -93,6 +122,14 @@ class SamplingRequest(OpenAIBaseModel):
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)
     # The id of this request (default: random); refused while a live request has it.
     request_id: str | None = Field(None, min_length=1, max_length=256)
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, or the
+    # older guided_* spellings; at most one constraint in all.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None,
                            prompt_logprobs: int | None = None) -> SamplingParams:
@@ -119,6 +156,7 @@ class SamplingRequest(OpenAIBaseModel):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            structured_outputs=self.structured_outputs_params(),
         )
 
     def _check_unhonoured(self) -> None:
@@ -132,9 +170,38 @@ class SamplingRequest(OpenAIBaseModel):
             if self.stream_options.continuous_usage_stats:
                 raise ValueError("stream_options.continuous_usage_stats is not supported.")
 
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The request's one output constraint, from whichever field spelled it.
+
+        Raises ValueError naming the fields when more than one constraint is given."""
+        given: list[tuple[str, StructuredOutputsParams]] = []
+        if self.structured_outputs is not None:
+            fields = self.structured_outputs.model_dump(exclude_unset=True, by_alias=True)
+            given.append(("structured_outputs", StructuredOutputsParams(**fields)))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"),
+                           ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                given.append((name, StructuredOutputsParams(**{kind: value})))
+        if self.response_format is not None and self.response_format.type != "text":
+            given.append(("response_format", _response_format_params(self.response_format)))
+        if len(given) > 1:
+            raise ValueError("Only one output constraint per request; got "
+                             f"{', '.join(name for name, _ in given)}.")
+        return given[0][1] if given else None
+
     @property
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def _response_format_params(response_format: ResponseFormat) -> StructuredOutputsParams:
+    if response_format.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    spec = response_format.json_schema
+    if spec is None or spec.json_schema is None:
+        raise ValueError('response_format of type "json_schema" needs json_schema.schema.')
+    return StructuredOutputsParams(json=spec.json_schema)
 
 
 # ---- /v1/completions ----------------------------------------------------------------

@@ -12,6 +12,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
 from vllm.v1.executor.abstract import Executor, ExecutorDeadError
 from vllm.v1.request import RequestStatus
+from vllm.v1.structured_output.manager import GrammarCompiler, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +26,11 @@ class EngineCore:
     attribute, or one that repeats, propagates (`EngineStepError`).
     """
 
-    def __init__(self, vllm_config: VllmConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig,
+                 grammar_compiler: GrammarCompiler | None = None) -> None:
+        """`grammar_compiler`: the front end's, when it lives in this process (one cache of
+        compiled grammars, one tokenizer); else the engine makes its own, which loads the
+        tokenizer the first time a request needs a grammar."""
         torch.manual_seed(vllm_config.model_config.seed)
         self.vllm_config = vllm_config
         self.model_executor = Executor.get_class(vllm_config.parallel_config)(vllm_config)
@@ -44,7 +49,9 @@ class EngineCore:
                 "the KV cache size (kv_cache_memory_bytes) or lower max_model_len.")
         self.model_executor.initialize_kv_cache(num_blocks)
         cache.num_blocks = num_blocks
-        self.scheduler = Scheduler(vllm_config.scheduler_config, cache)
+        self.structured_output_manager = _structured_output_manager(vllm_config, grammar_compiler)
+        self.scheduler = Scheduler(vllm_config.scheduler_config, cache,
+                                   self.structured_output_manager)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(request)
@@ -94,4 +101,16 @@ class EngineCore:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.shutdown()
         self.model_executor.shutdown()
+
+
+def _structured_output_manager(vllm_config: VllmConfig, compiler: GrammarCompiler | None
+                               ) -> StructuredOutputManager | None:
+    model_config = vllm_config.model_config
+    if model_config.skip_tokenizer_init:
+        return None  # no tokenizer, no grammars (the processor refuses constraints)
+    if compiler is None:
+        compiler = GrammarCompiler.for_model(model_config)
+    return StructuredOutputManager(compiler)

@@ -26,7 +26,7 @@ class LLMEngine:
         self.vllm_config = vllm_config
         self.tokenizer, self.processor, self.output_processor = build_front_end(
             vllm_config.model_config)
-        self.engine_core = EngineCore(vllm_config)
+        self.engine_core = EngineCore(vllm_config, self.processor.grammar_compiler)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:

@@ -21,6 +21,7 @@ from vllm.inputs.encoder_decoder import (
 from vllm.inputs.parse import ParsedPrompt, parse_prompt, validate_prompt_embeds
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import EncoderInput, EngineCoreRequest
+from vllm.v1.structured_output.manager import GrammarCompiler
 
 # vLLM's default cap on returned logprobs per token.
 MAX_LOGPROBS = 20
@@ -44,6 +45,10 @@ class Processor:
             self.eos_token_id = self.eos_token_id[0] if self.eos_token_id else None
         self.generation_stop_ids = _generation_config_eos_ids(model_config.model)
         self.is_audio_model = model_config.hf_config.model_type == "whisper"
+        # Every structured-output constraint is compiled here before it is submitted, so a
+        # bad one is refused (a 400) before it reaches the engine core.
+        self.grammar_compiler = (None if tokenizer is None
+                                 else GrammarCompiler(lambda: tokenizer, model_config.vocab_size))
         self.feature_extractor = (
             load_feature_extractor(model_config.model, model_config.hf_config.num_mel_bins)
             if self.is_audio_model else None)
@@ -182,6 +187,11 @@ class Processor:
             raise ValueError(f"n must be at most {MAX_N}, got {params.n}.")
         if params.seed is not None and not 0 <= params.seed <= 2**63 - 1 - params.n:
             raise ValueError(f"seed must be in [0, 2**63 - 1 - n], got {params.seed}.")
+        if params.structured_outputs is not None:
+            if self.grammar_compiler is None:
+                raise ValueError("structured_outputs needs a tokenizer (skip_tokenizer_init "
+                                 "is set).")
+            self.grammar_compiler.compile(params.structured_outputs)  # GrammarError if bad
 
     def _tokenize(self, parsed: ParsedPrompt, add_special_tokens: bool = True) -> list[int]:
         """The ids of a prompt without embeds: its own, or its text's."""

@@ -28,6 +28,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler, SamplerOutput
+from vllm.v1.structured_output.bitmask import apply_grammar_bitmask
 from vllm.v1.worker.encoder_runner import EncoderRunner
 from vllm.v1.worker.graph_capture import CompiledGraphs, CudaGraphs, default_capture_sizes
 from vllm.v1.worker.input_batch import CachedRequestState, InputBatch
@@ -222,6 +223,8 @@ class GPUModelRunner:
             hidden_states = self._run_model(model, inputs)
         self.stage_outputs.write(inputs.slot_mapping, hidden_states=hidden_states)
         logits = model.compute_logits(hidden_states[inputs.logits_indices])
+        if scheduler_output.grammar_bitmask is not None:
+            self._apply_grammar_bitmask(logits, inputs.sampling_rows, scheduler_output)
         sampler_output = self.sampler(logits, self._sampling_metadata(inputs.sampling_rows))
         return self._bookkeep(inputs.sampling_rows, sampler_output, finished_rows)
 
@@ -386,6 +389,14 @@ class GPUModelRunner:
         positions = torch.from_numpy(np.flatnonzero(~is_token)).to(self.device)
         embeds[positions] = torch.cat(rows).to(device=self.device, dtype=embeds.dtype)
         return embeds
+
+    def _apply_grammar_bitmask(self, logits: torch.Tensor, rows: np.ndarray,
+                               scheduler_output: SchedulerOutput) -> None:
+        assert scheduler_output.grammar_bitmask is not None
+        req_ids = self.input_batch.req_ids_in_order
+        apply_grammar_bitmask(logits, [req_ids[row] for row in rows.tolist()],
+                              scheduler_output.structured_output_request_ids,
+                              scheduler_output.grammar_bitmask)
 
     def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
         return self.sampling_inputs.build(rows)

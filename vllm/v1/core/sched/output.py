@@ -82,3 +82,8 @@ class SchedulerOutput:
     # Requests whose encoder runs this step, writing their new cross-attention blocks.
     scheduled_encoder_inputs: list[str] = field(default_factory=list)
     rows_to_gather: list[RowsToGather] = field(default_factory=list)
+    # Structured outputs: the requests sampling under a grammar this step, in scheduling
+    # order, and their allowed next tokens packed 32 to a word (bit t % 32 of word t // 32:
+    # token t), one row each: [len(structured_output_request_ids), ceil(vocab / 32)] int32.
+    structured_output_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: torch.Tensor | None = None

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
+
+import torch
 
 from vllm.config import CacheConfig, SchedulerConfig
 from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -23,6 +27,9 @@ from vllm.v1.engine import (
 )
 from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output.manager import StructuredOutputManager, grammar_error
+
+logger = logging.getLogger(__name__)
 
 # Failures in a row, of lone requests or of batches that no lone run explains, after which
 # the engine stops trusting itself (see `Scheduler.recover_from_failed_step`).
@@ -69,7 +76,8 @@ class Scheduler:
     one at a time until each has sampled a token or failed alone.
     """
 
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 structured_output_manager: StructuredOutputManager | None = None) -> None:
         self.config = scheduler_config
         self.max_model_len = scheduler_config.max_model_len
         self.block_size = cache_config.block_size
@@ -88,6 +96,10 @@ class Scheduler:
         self.suspects: list[str] = []
         self.lone_failures = 0  # lone requests failed in a row
         self.unexplained_failures = 0  # batches failed since the last batch that ran
+        # Structured outputs: grammars compile on the manager's thread while their requests
+        # wait (WAITING_FOR_GRAMMAR); a grammar that fails ends only its request.
+        self.structured_output_manager = structured_output_manager
+        self.grammar_failures: list[EngineCoreOutput] = []  # sent with the next outputs
 
     # ---- requests in and out -------------------------------------------------------
 
@@ -96,6 +108,12 @@ class Scheduler:
             raise ValueError(f"Request id {engine_request.request_id!r} is already running.")
         request = Request.from_engine_core_request(engine_request, self.max_model_len,
                                                    self.block_hasher)
+        constraint = request.sampling_params.structured_outputs
+        if constraint is not None:
+            if self.structured_output_manager is None:
+                raise ValueError("This engine has no structured-output support.")
+            request.grammar_future = self.structured_output_manager.submit(constraint)
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -183,6 +201,7 @@ class Scheduler:
         step = _Step(budget=self.config.max_num_batched_tokens,
                      encoder_budget=self.config.max_num_encoder_input_tokens,
                      only=self._next_suspect())
+        self._resolve_grammars()
         kind = None if step.only is not None else self._step_kind()
         self._schedule_running(step, kind)
         if not step.preempted:
@@ -227,7 +246,8 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if ((kind is not None and request.is_token_prompt != kind)
+            if (request.status == RequestStatus.WAITING_FOR_GRAMMAR
+                    or (kind is not None and request.is_token_prompt != kind)
                     or (step.only is not None and request.request_id != step.only)):
                 skipped.append(self.waiting.popleft())
                 continue
@@ -284,6 +304,7 @@ class Scheduler:
         finished, self.finished_req_ids = self.finished_req_ids, []
         rows = [RowsToGather(req_id, kv.get_block_ids(req_id), self.requests[req_id].num_tokens - 1)
                 for req_id in self.held_for_rows]
+        grammar_ids, bitmask = self._grammar_bitmask(step)
         return SchedulerOutput(
             scheduled_new_reqs=new_data,
             scheduled_cached_reqs=cached,
@@ -293,13 +314,66 @@ class Scheduler:
             preempted_req_ids=[r.request_id for r in step.preempted],
             scheduled_encoder_inputs=step.encoder_req_ids,
             rows_to_gather=rows,
+            structured_output_request_ids=grammar_ids,
+            grammar_bitmask=bitmask,
         )
+
+    # ---- structured outputs ---------------------------------------------------------
+
+    def _resolve_grammars(self) -> None:
+        """Requests whose grammar finished compiling may now be scheduled; one whose grammar
+        failed finishes with FinishReason.ERROR, the reason as its stop_reason. With nothing
+        else to run, waits (briefly) for a compile rather than spin through empty steps."""
+        pending = [r for r in self.waiting if r.status == RequestStatus.WAITING_FOR_GRAMMAR]
+        if not pending:
+            return
+        if not self.running and len(pending) == len(self.waiting):
+            futures = [r.grammar_future for r in pending if r.grammar_future is not None]
+            wait(futures, timeout=0.05, return_when=FIRST_COMPLETED)
+        for request in pending:
+            future = request.grammar_future
+            assert future is not None  # set with WAITING_FOR_GRAMMAR
+            if not future.done():
+                continue
+            request.grammar_future = None
+            error = grammar_error(future)
+            if error is None:
+                request.grammar = future.result()
+                request.status = RequestStatus.WAITING
+                continue
+            logger.warning("Request %s: %s", request.request_id, error)
+            self.waiting.remove(request)
+            request.status = RequestStatus.FINISHED_ERROR
+            self._release(request)
+            self.finished_req_ids.append(request.request_id)
+            self.grammar_failures.append(EngineCoreOutput(
+                request.request_id, [], finish_reason=FinishReason.ERROR, stop_reason=error))
+
+    def _grammar_bitmask(self, step: _Step) -> tuple[list[str], torch.Tensor | None]:
+        """The constrained requests that sample this step (their scheduled tokens reach the
+        end of what they know) and their packed allowed-token masks, one row each."""
+        rows = []
+        for req_id, num_new in step.num_scheduled.items():
+            request = self.requests[req_id]
+            if (request.grammar is not None
+                    and request.num_computed_tokens + num_new >= request.num_tokens):
+                rows.append(request)
+        if not rows:
+            return [], None
+        assert self.structured_output_manager is not None  # requests got grammars from it
+        bitmask = self.structured_output_manager.grammar_bitmask([r.grammar for r in rows])
+        return [r.request_id for r in rows], bitmask
+
+    def _take_grammar_failures(self) -> list[EngineCoreOutput]:
+        failures, self.grammar_failures = self.grammar_failures, []
+        return failures
 
     # ---- results ------------------------------------------------------------------
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
         outputs = self._release_held(scheduler_output, runner_output)
+        outputs += self._take_grammar_failures()
         self.lone_failures = 0
         if len(scheduler_output.num_scheduled_tokens) > 1:
             self.unexplained_failures = 0
@@ -315,6 +389,9 @@ class Scheduler:
             if req_id in self.suspects:
                 self.suspects.remove(req_id)  # it ran alone to a sampled token: cleared
             request.append_output_token_ids(new_token_ids)
+            if request.grammar is not None and not request.grammar.accept_tokens(new_token_ids):
+                logger.warning("Request %s: its grammar rejected sampled token(s) %s.",
+                               req_id, new_token_ids)
             stopped = self._check_stop(request)
             output = EngineCoreOutput(
                 request_id=req_id,
@@ -358,8 +435,10 @@ class Scheduler:
             self.kv_cache_manager.uncache_uncomputed(
                 request, request.num_computed_tokens - num_scheduled[req_id],
                 req_id in scheduler_output.scheduled_encoder_inputs)
+        failures = self._take_grammar_failures()
         if len(scheduled) == 1:
-            return EngineCoreOutputs([self._convict(scheduled[0])], self.make_stats())
+            return EngineCoreOutputs([*failures, self._convict(scheduled[0])],
+                                     self.make_stats())
         self.unexplained_failures += 1
         if self.unexplained_failures >= MAX_CONSECUTIVE_FAILURES:
             raise EngineStepError(f"{self.unexplained_failures} batches failed in a row, "
@@ -368,7 +447,7 @@ class Scheduler:
             self.running.remove(request)
             self._preempt(request)
         self.suspects += [r.request_id for r in scheduled if r.request_id not in self.suspects]
-        return EngineCoreOutputs([], self.make_stats())
+        return EngineCoreOutputs(failures, self.make_stats())
 
     def _convict(self, request: Request) -> EngineCoreOutput:
         """Finishes the lone request of a failed step with FinishReason.ERROR."""
