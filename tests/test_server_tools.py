@@ -158,7 +158,7 @@ def test_tool_result_renders_into_the_second_turn(client: openai.OpenAI,
     tokenizer = get_tokenizer(default_model_path)
     prompt = render_chat(tokenizer, messages, True, chat_template=TEMPLATE.read_text(),
                          tools=TOOLS)
-    assert f"<tool_response>\n21 degrees, cloudy\n</tool_response>" in prompt
+    assert "<tool_response>\n21 degrees, cloudy\n</tool_response>" in prompt
     assert json.dumps({"name": "get_weather", "arguments": json.loads(
         call.function.arguments)}) in prompt
     assert second.usage.prompt_tokens == len(tokenizer(prompt, add_special_tokens=False)
