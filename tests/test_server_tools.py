@@ -6,6 +6,7 @@ result fed back renders into the second turn. One server for the module."""
 from __future__ import annotations
 
 import json
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -123,10 +124,14 @@ def test_forced_calls_validate_streamed_or_not(client: openai.OpenAI, kwargs: di
 
 
 def test_required_with_n_samples_each_call(client: openai.OpenAI) -> None:
-    response = chat(client, tool_choice="required", n=3, temperature=1.0, seed=5)
-    assert len(response.choices) == 3
-    for choice in response.choices:
-        assert_valid_calls(calls_of(choice.message))
+    """Sampled (n=3, one call each): every sample is a valid call, and they differ."""
+    response = chat(client, tool_choice="required", parallel_tool_calls=False, n=3,
+                    temperature=1.0, seed=5)
+    samples = [calls_of(choice.message) for choice in response.choices]
+    for calls in samples:
+        assert len(calls) == 1
+        assert_valid_calls(calls)
+    assert len(set(map(tuple, samples))) > 1
 
 
 def test_auto_calls_a_tool_with_the_hermes_parser(client: openai.OpenAI) -> None:
@@ -193,3 +198,187 @@ def test_auto_without_the_flags_is_refused_naming_them() -> None:
     assert "--enable-auto-tool-choice" in AUTO_NEEDS_FLAGS
     check_tool_request(ChatCompletionRequest(messages=ASK, tools=TOOLS, tool_choice="none"),
                        tool_parser=None)
+
+
+# ---- the field audit: every request field is honoured, refused by name, or advisory ---------
+
+PROMPT = "The capital of France is"
+REPEAT = "dog dog dog dog dog dog dog dog dog dog"
+LONG = " ".join(["The quick brown fox jumps over the lazy dog."] * 6)
+
+
+class Fields:
+    """Requests against the module's server, each with one field changed."""
+
+    def __init__(self, server: RemoteServer, tokenizer: Any) -> None:
+        self.url = server.url
+        self.tokenizer = tokenizer
+
+    def post(self, path: str, **body) -> httpx.Response:
+        return httpx.post(f"{self.url}/v1/{path}", json={"model": MODEL, **body}, timeout=120)
+
+    def ok(self, path: str, **body) -> dict[str, Any]:
+        response = self.post(path, **body)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def cmpl(self, **body) -> dict[str, Any]:
+        return self.ok("completions", **{"prompt": PROMPT, "max_tokens": 8,
+                                         "temperature": 0.0, **body})
+
+    def chat(self, **body) -> dict[str, Any]:
+        return self.ok("chat/completions", **{
+            "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 64,
+            "temperature": 0.0, **body})
+
+    def refused(self, path: str, field: str, **body) -> None:
+        base = {"prompt": PROMPT} if path == "completions" else {"messages": ASK}
+        response = self.post(path, **{**base, "max_tokens": 4, **body})
+        assert response.status_code == 400, response.text
+        assert field in response.json()["error"]["message"]
+
+    def streamed_text(self, **body) -> tuple[str, list[dict]]:
+        chunks = []
+        with httpx.stream("POST", f"{self.url}/v1/completions", timeout=120, json={
+                "model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0.0,
+                "stream": True, **body}) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:]))
+        return "".join(c["choices"][0]["text"] for c in chunks if c["choices"]), chunks
+
+
+def text(body: dict[str, Any], i: int = 0) -> str:
+    choice = body["choices"][i]
+    return choice["text"] if "text" in choice else choice["message"]["content"]
+
+
+def check_shared_sampling_fields(f: Fields) -> set[str]:
+    """The fields completions and chat share (`SamplingRequest`), on /v1/completions."""
+    greedy = text(f.cmpl())
+    repeat = text(f.cmpl(prompt=REPEAT, max_tokens=16))
+    assert f.post("completions", prompt=PROMPT, model="nope").status_code == 404
+    for penalty in ("frequency_penalty", "presence_penalty", "repetition_penalty"):
+        assert text(f.cmpl(prompt=REPEAT, max_tokens=16, **{penalty: 2.0})) != repeat, penalty
+    f.refused("completions", "logit_bias", logit_bias={"1": 5.0})
+    assert len(f.cmpl(n=2, temperature=1.0)["choices"]) == 2
+    seeded = [text(f.cmpl(temperature=1.5, seed=s)) for s in (3, 3, 4)]
+    assert seeded[0] == seeded[1] != seeded[2] and seeded[0] != greedy
+    stop = greedy.strip().split()[1]
+    stopped = f.cmpl(stop=[stop])["choices"][0]
+    assert stopped["text"] == greedy[:greedy.index(stop)] and stopped["stop_reason"] == stop
+    assert f.cmpl(stop=[stop], include_stop_str_in_output=True)["choices"][0]["text"] == \
+        greedy[:greedy.index(stop) + len(stop)]
+    joined, chunks = f.streamed_text(stream_options={"include_usage": True})
+    assert joined == greedy and chunks[-1]["usage"]["completion_tokens"] == 8
+    f.refused("completions", "stream_options", stream_options={"include_usage": True})
+    f.refused("completions", "continuous_usage_stats", stream=True,
+              stream_options={"continuous_usage_stats": True})
+    for narrow in ({"top_p": 1e-6}, {"top_k": 1}, {"min_p": 1.0}):
+        assert text(f.cmpl(temperature=1.5, seed=3, **narrow)) == greedy, narrow
+    advisory = {"user": "u-1", "safety_identifier": "s-1", "metadata": {"k": "v"},
+                "store": False}
+    assert text(f.cmpl(**advisory)) == greedy
+    f.refused("completions", "store", store=True)
+    f.refused("completions", "metadata", metadata={str(i): "v" for i in range(17)})
+    ids = f.tokenizer(greedy, add_special_tokens=False).input_ids
+    by_id = f.cmpl(stop_token_ids=[ids[1]])["choices"][0]
+    assert by_id["stop_reason"] == ids[1] and by_id["text"] == f.tokenizer.decode(ids[:1])
+    said = f.chat()
+    assert said["choices"][0]["finish_reason"] == "stop"
+    spoken = said["usage"]["completion_tokens"]
+    assert f.chat(ignore_eos=True)["usage"]["completion_tokens"] == 64
+    assert f.chat(min_tokens=spoken + 5)["usage"]["completion_tokens"] >= spoken + 5
+    raw = text(f.chat(ignore_eos=True, skip_special_tokens=False))
+    assert "<|im_" in raw and "<|im_" not in text(f.chat(ignore_eos=True))
+    salts = [uuid.uuid4().hex] * 2 + [uuid.uuid4().hex]
+    salted = [f.cmpl(prompt=LONG, cache_salt=s)["usage"]["prompt_tokens_details"]
+              ["cached_tokens"] for s in salts]
+    assert salted[0] == 0 and salted[1] > 0 and salted[2] == 0
+    assert f.cmpl(request_id="audit-1")["id"] == "cmpl-audit-1"
+    checked = {"model", "frequency_penalty", "presence_penalty", "repetition_penalty",
+               "logit_bias", "n", "seed", "stop", "include_stop_str_in_output", "stream",
+               "stream_options", "temperature", "top_p", "top_k", "min_p", *advisory,
+               "stop_token_ids", "ignore_eos", "min_tokens", "skip_special_tokens",
+               "cache_salt", "request_id"}
+    return checked | check_structured_output_fields(f)
+
+
+def check_structured_output_fields(f: Fields) -> set[str]:
+    """The structured-output fields (their own tests are in test_structured_output.py)."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0,
+                                                     "maximum": 99}}, "required": ["a"],
+              "additionalProperties": False}
+    for body in ({"response_format": {"type": "json_schema", "json_schema": {
+                     "name": "a", "schema": schema}}},
+                 {"structured_outputs": {"json": schema}}, {"guided_json": schema}):
+        jsonschema.validate(json.loads(text(f.cmpl(max_tokens=40, **body))), schema)
+    assert text(f.cmpl(guided_choice=["yes", "no"])) in ("yes", "no")
+    assert text(f.cmpl(guided_regex="[0-9]{3}")).isdigit()
+    assert text(f.cmpl(guided_grammar='root ::= "ab" | "cd"')) in ("ab", "cd")
+    return {"response_format", "structured_outputs", "guided_json", "guided_choice",
+            "guided_regex", "guided_grammar"}
+
+
+def test_every_completions_and_chat_field_is_honoured_or_refused(
+        server: RemoteServer, default_model_path: str) -> None:
+    """Each field the request models define is sent and seen to act (or refused by name);
+    the test fails when a field is added without a check here. Fields no request model
+    defines (OpenAI's `audio`, `prediction`, `service_tier`, vLLM's `use_beam_search`,
+    `priority`, ...) are refused by name."""
+    f = Fields(server, get_tokenizer(default_model_path))
+    from vllm.entrypoints.openai.protocol import CompletionRequest, SamplingRequest
+
+    shared = check_shared_sampling_fields(f)
+    assert shared == set(SamplingRequest.model_fields)
+
+    greedy = f.cmpl()
+    assert text(f.cmpl(echo=True)).startswith(PROMPT + text(greedy))
+    assert len(f.cmpl(logprobs=2)["choices"][0]["logprobs"]["top_logprobs"][0]) >= 2
+    assert f.cmpl(max_tokens=5, ignore_eos=True)["usage"]["completion_tokens"] == 5
+    assert f.cmpl(best_of=1)["choices"] and f.cmpl(prompt=[PROMPT, "Hi"])["choices"][1]
+    for flag in (True, False):
+        assert f.cmpl(add_special_tokens=flag)["usage"]["prompt_tokens"] == len(
+            f.tokenizer(PROMPT, add_special_tokens=flag).input_ids)
+    for field, value in (("best_of", 2), ("suffix", "x"), ("prompt_logprobs", 1),
+                         ("prompt_embeds", "AAAA"), ("return_hidden_states", True)):
+        f.refused("completions", field, **{field: value})
+    completion = {"prompt", "echo", "logprobs", "max_tokens", "best_of", "add_special_tokens",
+                  "suffix", "prompt_logprobs", "prompt_embeds", "return_hidden_states"}
+    assert shared | completion == set(CompletionRequest.model_fields)
+
+    base = f.chat(max_tokens=8)
+    assert f.chat(max_tokens=8, logprobs=True, top_logprobs=2)["choices"][0]["logprobs"][
+        "content"][0]["top_logprobs"].__len__() == 2
+    f.refused("chat/completions", "top_logprobs", top_logprobs=2)
+    assert f.chat(max_tokens=5, ignore_eos=True)["usage"]["completion_tokens"] == 5
+    assert f.chat(max_completion_tokens=6, max_tokens=9, ignore_eos=True)["usage"][
+        "completion_tokens"] == 6
+    no_prompt = f.chat(max_tokens=8, add_generation_prompt=False)["usage"]["prompt_tokens"]
+    assert base["usage"]["prompt_tokens"] > no_prompt
+    messages = [{"role": "user", "content": "Say hi."},
+                {"role": "assistant", "content": "Hi"}]
+    closed = f.chat(messages=messages, add_generation_prompt=False)["usage"]["prompt_tokens"]
+    assert f.chat(messages=messages, add_generation_prompt=False,
+                  continue_final_message=True)["usage"]["prompt_tokens"] < closed
+    assert f.chat(max_tokens=8, add_special_tokens=True)["usage"]["prompt_tokens"] == len(
+        f.tokenizer(f.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Say hi."}], tokenize=False,
+            chat_template=TEMPLATE.read_text(), add_generation_prompt=True)).input_ids)
+    f.refused("chat/completions", "chat_template", chat_template="{{ 'x' }}")
+    f.refused("chat/completions", "chat_template_kwargs", chat_template_kwargs={"tools": 1})
+    assert text(f.chat(max_tokens=8, chat_template_kwargs={"unused": 1})) == text(base)
+    named = f.chat(max_tokens=80, tools=TOOLS, tool_choice={"type": "function", "function": {
+        "name": "get_time"}}, parallel_tool_calls=False)["choices"][0]["message"]
+    assert [c["function"]["name"] for c in named["tool_calls"]] == ["get_time"]
+    chat_fields = {"messages", "logprobs", "top_logprobs", "max_tokens",
+                   "max_completion_tokens", "add_generation_prompt", "continue_final_message",
+                   "add_special_tokens", "chat_template", "chat_template_kwargs",
+                   "tools", "tool_choice", "parallel_tool_calls"}  # tools: tests above
+    assert shared | chat_fields == set(ChatCompletionRequest.model_fields)
+
+    for field, value in (("use_beam_search", True), ("audio", {"voice": "alloy"}),
+                         ("prediction", {"type": "content", "content": "x"}),
+                         ("service_tier", "auto"), ("priority", 1), ("functions", [])):
+        f.refused("chat/completions", field, **{field: value})
+    f.refused("completions", "use_beam_search", use_beam_search=True)
