@@ -74,7 +74,8 @@ def calls_of(message: Any) -> list[tuple[str, str]]:
     return [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
 
 
-def streamed(client: openai.OpenAI, **kwargs) -> tuple[str, list[tuple[str, str]], str]:
+def streamed(client: openai.OpenAI, **kwargs
+             ) -> tuple[str, list[tuple[str, str]], str | None]:
     """(content, calls, finish_reason) joined from a stream, checking OpenAI's delta shape:
     a call's id, type and name once, in its first delta, then argument fragments."""
     content, names, arguments, finish = "", [], [], None
@@ -191,13 +192,13 @@ def test_bad_tool_requests_are_400_naming_the_problem(server: RemoteServer, body
 
 
 def test_auto_without_the_flags_is_refused_naming_them() -> None:
-    request = ChatCompletionRequest(messages=ASK, tools=TOOLS)  # "auto" by default
+    request = ChatCompletionRequest.model_validate({"messages": ASK, "tools": TOOLS})
     with pytest.raises(OpenAIError) as info:
         check_tool_request(request, tool_parser=None)
     assert info.value.message == AUTO_NEEDS_FLAGS
     assert "--enable-auto-tool-choice" in AUTO_NEEDS_FLAGS
-    check_tool_request(ChatCompletionRequest(messages=ASK, tools=TOOLS, tool_choice="none"),
-                       tool_parser=None)
+    check_tool_request(ChatCompletionRequest.model_validate(
+        {"messages": ASK, "tools": TOOLS, "tool_choice": "none"}), tool_parser=None)
 
 
 # ---- the field audit: every request field is honoured, refused by name, or advisory ---------

@@ -96,7 +96,8 @@ def test_a_stream_holds_back_what_may_start_a_call() -> None:
     llama = ToolCallStreamer(llama3(), max_calls=None)
     assert llama.feed(" <|pyth", final=False).content is None
     assert llama.feed("on_tag|>{", final=False).content is None
-    assert llama.feed('"name": "f"', final=False).tool_calls[0].function.name == "f"
+    function = llama.feed('"name": "f"', final=False).tool_calls[0].function
+    assert function is not None and function.name == "f"
 
 
 @pytest.mark.parametrize("make, text", [
