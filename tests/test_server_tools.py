@@ -66,7 +66,7 @@ def client(server: RemoteServer) -> openai.OpenAI:
 
 def chat(client: openai.OpenAI, **kwargs) -> Any:
     kwargs = {"model": MODEL, "messages": ASK, "tools": TOOLS, "temperature": 0.0,
-              "max_tokens": 120, **kwargs}
+              "max_tokens": 100, **kwargs}
     return client.chat.completions.create(**kwargs)
 
 
@@ -117,9 +117,10 @@ def test_forced_calls_validate_streamed_or_not(client: openai.OpenAI, kwargs: di
     assert_valid_calls(calls)
     assert response.choices[0].finish_reason == "tool_calls" and not message.content
     assert len({c.id for c in message.tool_calls}) == len(calls)
-    if expect == "one":
+    if expect == "one":  # (streaming is the same code path as for "required")
         assert len(calls) == 1
-    elif expect == "get_time":
+        return
+    if expect == "get_time":
         assert [name for name, _ in calls] == ["get_time"]
     assert streamed(client, **kwargs) == ("", calls, "tool_calls")
 
@@ -288,10 +289,11 @@ def check_shared_sampling_fields(f: Fields) -> set[str]:
     said = f.chat()
     assert said["choices"][0]["finish_reason"] == "stop"
     spoken = said["usage"]["completion_tokens"]
-    assert f.chat(ignore_eos=True)["usage"]["completion_tokens"] == 64
-    assert f.chat(min_tokens=spoken + 5)["usage"]["completion_tokens"] >= spoken + 5
-    raw = text(f.chat(ignore_eos=True, skip_special_tokens=False))
-    assert "<|im_" in raw and "<|im_" not in text(f.chat(ignore_eos=True))
+    past_eos = f.chat(ignore_eos=True, max_tokens=spoken + 3)
+    assert past_eos["usage"]["completion_tokens"] == spoken + 3
+    assert "<|im_" not in text(past_eos) and "<|im_" in text(
+        f.chat(ignore_eos=True, max_tokens=spoken + 3, skip_special_tokens=False))
+    assert f.chat(min_tokens=spoken + 2)["usage"]["completion_tokens"] >= spoken + 2
     salts = [uuid.uuid4().hex] * 2 + [uuid.uuid4().hex]
     salted = [f.cmpl(prompt=LONG, cache_salt=s)["usage"]["prompt_tokens_details"]
               ["cached_tokens"] for s in salts]
@@ -369,9 +371,6 @@ def test_every_completions_and_chat_field_is_honoured_or_refused(
     f.refused("chat/completions", "chat_template", chat_template="{{ 'x' }}")
     f.refused("chat/completions", "chat_template_kwargs", chat_template_kwargs={"tools": 1})
     assert text(f.chat(max_tokens=8, chat_template_kwargs={"unused": 1})) == text(base)
-    named = f.chat(max_tokens=80, tools=TOOLS, tool_choice={"type": "function", "function": {
-        "name": "get_time"}}, parallel_tool_calls=False)["choices"][0]["message"]
-    assert [c["function"]["name"] for c in named["tool_calls"]] == ["get_time"]
     chat_fields = {"messages", "logprobs", "top_logprobs", "max_tokens",
                    "max_completion_tokens", "add_generation_prompt", "continue_final_message",
                    "add_special_tokens", "chat_template", "chat_template_kwargs",
