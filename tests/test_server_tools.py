@@ -341,7 +341,7 @@ def test_every_completions_and_chat_field_is_honoured_or_refused(
     assert f.cmpl(max_tokens=5, ignore_eos=True)["usage"]["completion_tokens"] == 5
     assert f.cmpl(best_of=1)["choices"] and f.cmpl(prompt=[PROMPT, "Hi"])["choices"][1]
     for flag in (True, False):
-        assert f.cmpl(add_special_tokens=flag)["usage"]["prompt_tokens"] == len(
+        assert f.cmpl(add_special_tokens=flag, max_tokens=1)["usage"]["prompt_tokens"] == len(
             f.tokenizer(PROMPT, add_special_tokens=flag).input_ids)
     for field, value in (("best_of", 2), ("suffix", "x"), ("prompt_logprobs", 1),
                          ("prompt_embeds", "AAAA"), ("return_hidden_states", True)):
@@ -357,14 +357,15 @@ def test_every_completions_and_chat_field_is_honoured_or_refused(
     assert f.chat(max_tokens=5, ignore_eos=True)["usage"]["completion_tokens"] == 5
     assert f.chat(max_completion_tokens=6, max_tokens=9, ignore_eos=True)["usage"][
         "completion_tokens"] == 6
-    no_prompt = f.chat(max_tokens=8, add_generation_prompt=False)["usage"]["prompt_tokens"]
+    no_prompt = f.chat(max_tokens=1, add_generation_prompt=False)["usage"]["prompt_tokens"]
     assert base["usage"]["prompt_tokens"] > no_prompt
     messages = [{"role": "user", "content": "Say hi."},
                 {"role": "assistant", "content": "Hi"}]
-    closed = f.chat(messages=messages, add_generation_prompt=False)["usage"]["prompt_tokens"]
-    assert f.chat(messages=messages, add_generation_prompt=False,
-                  continue_final_message=True)["usage"]["prompt_tokens"] < closed
-    assert f.chat(max_tokens=8, add_special_tokens=True)["usage"]["prompt_tokens"] == len(
+    closed = f.chat(messages=messages, add_generation_prompt=False, max_tokens=1)
+    assert f.chat(messages=messages, add_generation_prompt=False, max_tokens=1,
+                  continue_final_message=True)["usage"]["prompt_tokens"] < \
+        closed["usage"]["prompt_tokens"]
+    assert f.chat(max_tokens=1, add_special_tokens=True)["usage"]["prompt_tokens"] == len(
         f.tokenizer(f.tokenizer.apply_chat_template(
             [{"role": "user", "content": "Say hi."}], tokenize=False,
             chat_template=TEMPLATE.read_text(), add_generation_prompt=True)).input_ids)
