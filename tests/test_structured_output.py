@@ -102,6 +102,7 @@ def test_compile_cache_and_masks_follow_the_grammar(compiler, tokenizer):
     grammar.rollback(len(ids))
     assert allowed_ids(compiler, grammar) == first
     assert grammar.accept_tokens(tokenizer.encode("no", add_special_tokens=False))
+    assert grammar.accept_tokens([eos])
     grammar.reset()
     assert allowed_ids(compiler, grammar) == first
 
@@ -116,7 +117,9 @@ def test_json_schema_mask_walk(compiler, tokenizer):
         assert grammar.accept_tokens([token])
     assert grammar.is_terminated()
     bad = compiler.new_matcher(S(json=schema, disable_any_whitespace=True))
+    assert not bad.accept_tokens([tokenizer.eos_token_id])  # not where the grammar may end
     assert not bad.accept_tokens(tokenizer.encode('{"n":12}', add_special_tokens=False))
+    assert bad.accept_tokens(tokenizer.encode('{"n":1', add_special_tokens=False))
 
 
 def test_apply_grammar_bitmask_touches_only_constrained_rows():
@@ -129,6 +132,9 @@ def test_apply_grammar_bitmask_touches_only_constrained_rows():
     assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [0, 33]
     assert logits[1, 33] == original[1, 33]
     assert torch.isfinite(logits[2]).nonzero().flatten().tolist() == list(range(1, 32))
+    every = original[1:].clone()  # every sampling row constrained: masked in place
+    apply_grammar_bitmask(every, ["b", "c"], ["b", "c"], bitmask)
+    assert torch.equal(every, logits[1:])
 
 
 class GatedCompiler(GrammarCompiler):

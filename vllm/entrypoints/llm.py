@@ -57,6 +57,34 @@ class LLM:
         request_ids = self._add_requests(prompts, params_list)
         return self._run_engine(request_ids, use_tqdm)
 
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, *, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+        """Generates replies to one conversation (a list of {"role", "content"} messages)
+        or a list of them, each rendered by the tokenizer's chat template (or
+        `chat_template`; `tools` and `chat_template_kwargs` go to the template) and tokenized
+        without added special tokens, as /v1/chat/completions does."""
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both "
+                             "be true.")
+        if not messages:
+            raise ValueError("messages must not be empty.")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("chat needs a tokenizer (skip_tokenizer_init is set).")
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                conversation, tokenize=False, chat_template=chat_template, tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+            prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
     def _add_requests(self, prompts: list, params_list: list[SamplingParams]) -> list[str]:
         engine = self.llm_engine
         request_ids: list[str] = []

@@ -191,6 +191,9 @@ class Processor:
             if self.grammar_compiler is None:
                 raise ValueError("structured_outputs needs a tokenizer (skip_tokenizer_init "
                                  "is set).")
+            if params.min_tokens:
+                raise ValueError("min_tokens cannot be combined with structured_outputs: the "
+                                 "grammar decides where the output may end.")
             self.grammar_compiler.compile(params.structured_outputs)  # GrammarError if bad
 
     def _tokenize(self, parsed: ParsedPrompt, add_special_tokens: bool = True) -> list[int]:

@@ -25,13 +25,19 @@ from vllm.v1.structured_output.backend import (
 
 
 class GuidanceGrammar(StructuredOutputGrammar):
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, eos_token_id: int) -> None:
         self.matcher = matcher
+        self.eos_token_id = eos_token_id
 
     def accept_tokens(self, token_ids: list[int]) -> bool:
-        if self.matcher.validate_tokens(token_ids) != len(token_ids):
-            return False
-        return self.matcher.consume_tokens(token_ids)
+        num_taken = self.matcher.try_consume_tokens(token_ids)
+        if num_taken == len(token_ids):
+            return True
+        # EOS where the grammar may end is accepted, though try_consume_tokens stops at it.
+        if token_ids[num_taken:] == [self.eos_token_id] and self.matcher.is_accepting():
+            return self.matcher.consume_token(self.eos_token_id)
+        self.matcher.rollback(num_taken)
+        return False
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
@@ -69,7 +75,7 @@ class GuidanceBackend(StructuredOutputBackend):
 
     def new_matcher(self, compiled: object) -> GuidanceGrammar:
         assert isinstance(compiled, llguidance.LLMatcher)
-        return GuidanceGrammar(compiled.deep_copy())
+        return GuidanceGrammar(compiled.deep_copy(), self.ll_tokenizer.eos_token)
 
 
 _NAMES = {"json": "JSON schema", "regex": "regex", "choice": "choice",
