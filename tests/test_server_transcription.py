@@ -303,3 +303,48 @@ def test_bad_inputs_are_400_while_serving_another(server: RemoteServer, offline:
         assert error["code"] == 400 and phrases[name] in error["message"], (name, error)
     assert streamed == expected
     assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_every_transcription_field_is_honoured_or_refused(server: RemoteServer) -> None:
+    """The field audit of the audio endpoints: each form field the request model defines is
+    sent and seen to act (the formats, prompt, language and timestamp checks are above);
+    fields it does not define, such as vLLM's `use_beam_search`, are refused by name."""
+    from vllm.entrypoints.openai.protocol import TranscriptionRequest
+
+    audio = (DATA / "call_me.wav").read_bytes()
+
+    def post(**fields) -> httpx.Response:
+        return httpx.post(f"{server.url}/v1/audio/transcriptions", timeout=120,
+                          headers={"Authorization": f"Bearer {API_KEY}"},
+                          data={"model": NAME, **fields}, files={"file": ("a.wav", audio)})
+
+    def text(**fields) -> str:
+        response = post(**fields)
+        assert response.status_code == 200, (fields, response.text)
+        return response.json()["text"]
+
+    greedy = text()
+    assert post(model="nope").status_code == 404
+    hot = {"temperature": "1.5", "seed": "3"}
+    assert text(**hot) == text(**hot) != greedy != text(temperature="1.5", seed="4")
+    for narrow in ({"top_p": "1e-6"}, {"top_k": "1"}, {"min_p": "1.0"}):
+        assert text(**hot, **narrow) == greedy, narrow
+    # Penalties: the repetition penalty counts the prompt's words too; the others, only the
+    # output's, which a short greedy sentence does not repeat: they show in a sampled one.
+    assert text(prompt=greedy, repetition_penalty="3.0") != text(prompt=greedy)
+    for penalty in ("frequency_penalty", "presence_penalty"):
+        assert text(**hot, **{penalty: "2.0"}) != text(**hot), penalty
+    assert len(text(max_completion_tokens="3").split()) < len(greedy.split())
+    events = [json.loads(line[6:]) for line in post(stream="true", stream_include_usage="true")
+              .text.splitlines() if line.startswith("data: {")]
+    assert "".join(e["choices"][0]["delta"]["content"] for e in events if e["choices"]) \
+        == greedy and events[-1]["usage"]["completion_tokens"] > 0
+    checked = {"file", "model", "temperature", "seed", "top_p", "top_k", "min_p",
+               "repetition_penalty", "frequency_penalty", "presence_penalty",
+               "max_completion_tokens", "stream", "stream_include_usage",
+               "language", "prompt", "response_format", "timestamp_granularities"}
+    assert checked == set(TranscriptionRequest.model_fields)
+    for field in ("use_beam_search", "chunking_strategy", "include[]", "known_speaker_names[]",
+                  "to_language", "vllm_xargs"):
+        response = post(**{field: "true"})
+        assert response.status_code == 400 and field in response.json()["error"]["message"]

@@ -73,7 +73,7 @@ class ServerState:
                    OpenAIServingChat(engine, served_model_names, options, completion.embeds),
                    OpenAIServingTranscription(engine, served_model_names, audio_limits,
                                               metrics),
-                   OpenAIServing(engine, served_model_names))
+                   OpenAIServing(engine, served_model_names, options))
 
     @property
     def max_request_body_bytes(self) -> int:
@@ -191,7 +191,10 @@ def _add_exception_handlers(app: FastAPI) -> None:
         parts = []
         for err in exc.errors()[:5]:
             where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
-            parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+            message = err.get("msg")
+            if err.get("type") == "extra_forbidden":
+                message = "this server does not support this field"
+            parts.append(f"{where}: {message}" if where else str(message))
         return error_json("; ".join(parts) or "Invalid request.", "BadRequestError",
                           HTTPStatus.BAD_REQUEST)
 
@@ -298,7 +301,8 @@ def _add_tokenizer_routes(app: FastAPI, state: ServerState) -> None:
             raise OpenAIError("Give exactly one of prompt and messages.")
         if request.messages is not None:
             text = await asyncio.to_thread(render_chat, tokenizer, request.messages,
-                                           request.add_generation_prompt, False, None, None,
+                                           request.add_generation_prompt, False, None,
+                                           base.options.chat_template,
                                            MAX_CHARS_PER_TOKEN * base.max_model_len)
             add_special = bool(request.add_special_tokens)
         else:
@@ -332,9 +336,11 @@ async def run_server(args: argparse.Namespace) -> None:
     """Starts the engine process, serves until SIGINT/SIGTERM, then stops the engine."""
     from vllm.entrypoints.openai.serve_args import (
         audio_limits_from_namespace,
+        chat_template_of,
         check_task,
         engine_args_from_namespace,
         served_names,
+        tool_parser_of,
     )
 
     # Until uvicorn takes over (and again when it hands a captured signal back), a signal
@@ -342,6 +348,9 @@ async def run_server(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGINT, _exit_on_signal)
     signal.signal(signal.SIGTERM, _exit_on_signal)
     audio_limits = audio_limits_from_namespace(args)
+    options = ServingOptions(args.max_prompt_embeds_bytes_in_flight,
+                             args.trust_request_chat_template, chat_template_of(args),
+                             tool_parser_of(args))
     if args.pipeline:
         engine, names, metrics = _start_pipeline(args)
     else:
@@ -352,8 +361,6 @@ async def run_server(args: argparse.Namespace) -> None:
         metrics = PrometheusStatLogger(names[0],
                                        vllm_config.parallel_config.data_parallel_size)
         engine = AsyncLLM(vllm_config, stat_loggers=[metrics])
-    options = ServingOptions(args.max_prompt_embeds_bytes_in_flight,
-                             args.trust_request_chat_template)
     try:
         state = ServerState.create(engine, names, metrics, audio_limits, options)
         app = build_app(state, args.api_key)

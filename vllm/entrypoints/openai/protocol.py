@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -13,8 +14,9 @@ from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOu
 
 
 class OpenAIBaseModel(BaseModel):
-    # Unknown fields are ignored, as OpenAI clients send fields this server does not use.
-    model_config = ConfigDict(extra="ignore")
+    # A field this server does not implement is refused by name (a 400), never accepted and
+    # silently ignored: see api_server's validation error handler.
+    model_config = ConfigDict(extra="forbid")
 
 
 class ErrorInfo(OpenAIBaseModel):
@@ -102,7 +104,12 @@ class SamplingRequest(OpenAIBaseModel):
     stream_options: StreamOptions | None = None
     temperature: float | None = None
     top_p: float | None = None
+    # Advisory (OpenAI documents them as the client's own labels): accepted, not acted on.
     user: str | None = None
+    safety_identifier: str | None = None
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    # OpenAI's stored completions: only the default (not stored) is possible here.
+    store: bool | None = None
     # vLLM extensions
     top_k: int | None = None
     min_p: float | None = None
@@ -131,6 +138,7 @@ class SamplingRequest(OpenAIBaseModel):
         """Raises ValueError (naming the field) for out-of-range values. A field the
         request leaves unset (None) takes the model's default from `defaults` (its
         generation_config.json), else SamplingParams' own."""
+        self._check_unhonoured()
         return SamplingParams(
             n=self.n,
             presence_penalty=self.presence_penalty or 0.0,
@@ -157,6 +165,17 @@ class SamplingRequest(OpenAIBaseModel):
                    "repetition_penalty": 1.0}
         return {name: value if (value := getattr(self, name)) is not None
                 else defaults.get(name, fallback) for name, fallback in builtin.items()}
+
+    def _check_unhonoured(self) -> None:
+        """Fields this server defines (clients send them) but can honour only in part."""
+        if self.store:
+            raise ValueError("store=true is not supported: this server does not store "
+                             "completions.")
+        if self.stream_options is not None:
+            if not self.stream:
+                raise ValueError("stream_options can only be given with stream=true.")
+            if self.stream_options.continuous_usage_stats:
+                raise ValueError("stream_options.continuous_usage_stats is not supported.")
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The request's one output constraint, from whichever field spelled it.
@@ -249,8 +268,38 @@ class CompletionStreamResponse(OpenAIBaseModel):
 # ---- /v1/chat/completions -----------------------------------------------------------
 
 
+class FunctionDefinition(OpenAIBaseModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    # Arguments must follow `parameters` exactly: honoured by a grammar under tool_choice
+    # "required" or a named function; refused under "auto" (nothing enforces it there).
+    strict: bool | None = None
+
+
+class ChatCompletionToolsParam(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ChatCompletionNamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class ChatCompletionNamedToolChoiceParam(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: ChatCompletionNamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[dict[str, Any]]
+    tools: list[ChatCompletionToolsParam] | None = None
+    # Default: "auto" when tools are given, else "none" (OpenAI's rule).
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = True
     logprobs: bool | None = False
     top_logprobs: int | None = 0
     max_tokens: int | None = None
@@ -264,14 +313,46 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template: str | None = None
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str  # a JSON object, as the model wrote it
+
+
+def random_tool_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str = Field(default_factory=random_tool_call_id)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    """One call's piece of a stream: `id`, `type` and `name` come once, in the call's first
+    delta; `arguments` fragments join into the call's arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionLogProb(OpenAIBaseModel):

@@ -64,6 +64,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--trust-request-chat-template", action="store_true",
                         help="let chat requests bring their own chat_template (a template "
                              "is code the server runs; off by default)")
+    server.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                        help="the chat template (a Jinja file, or the template itself) in "
+                             "place of the tokenizer's, e.g. one that shows tools")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="allow tool_choice \"auto\": the model decides whether to call "
+                             "tools, and --tool-call-parser finds the calls in its output")
+    server.add_argument("--tool-call-parser", default=None, choices=_tool_parser_names(),
+                        help="how the model writes tool calls (for --enable-auto-tool-choice)")
     server.add_argument("--max-audio-file-size", type=human_bytes, default=25 * 2**20,
                         help="largest audio upload, e.g. 25MiB (default: 25MiB)")
     server.add_argument("--max-audio-seconds", type=float, default=1800.0,
@@ -134,6 +142,28 @@ def _add_parallel_args(engine: argparse._ArgumentGroup) -> None:
                         help="default sampling parameters of requests that do not set "
                         "them: auto (the model's generation_config.json), vllm "
                         "(SamplingParams' own) or a folder holding a generation_config.json")
+
+
+def _tool_parser_names() -> list[str]:
+    from vllm.entrypoints.openai.tool_parsers import ToolParserManager
+
+    return ToolParserManager.names()
+
+
+def chat_template_of(args: argparse.Namespace) -> str | None:
+    """--chat-template's text: the file's content, or the argument itself."""
+    if args.chat_template is None or not os.path.isfile(args.chat_template):
+        return args.chat_template
+    with open(args.chat_template) as f:
+        return f.read()
+
+
+def tool_parser_of(args: argparse.Namespace) -> str | None:
+    """The tool-call parser "auto" uses (None: "auto" is refused)."""
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together: "
+                         "give both or neither.")
+    return args.tool_call_parser
 
 
 def make_parser() -> argparse.ArgumentParser:

@@ -14,6 +14,7 @@ gets a mixed prompt of token ids and rows; the parts decode through the server's
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -46,7 +47,18 @@ from vllm.entrypoints.openai.serving_engine import (
     sse,
     stream_error,
 )
+from vllm.entrypoints.openai.tool_calls import (
+    ToolCallStreamer,
+    check_tool_request,
+    finish_reason_with_tools,
+    make_tool_parser,
+    parse_message_arguments,
+    tool_calls_of,
+    tool_choice_schema,
+)
+from vllm.entrypoints.openai.tool_parsers import ToolParser
 from vllm.outputs import CompletionOutput
+from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm.v1.engine.async_llm import RequestStream
 
 
@@ -100,8 +112,10 @@ def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
                 continue_final_message: bool = False,
                 chat_template_kwargs: dict[str, Any] | None = None,
-                chat_template: str | None = None, max_chars: int | None = None) -> str:
-    """The prompt text the chat template makes of `messages`; raises OpenAIError.
+                chat_template: str | None = None, max_chars: int | None = None,
+                tools: list[dict[str, Any]] | None = None) -> str:
+    """The prompt text the chat template makes of `messages` (and `tools`, OpenAI's
+    function definitions, for templates that show them); raises OpenAIError.
 
     With `max_chars`, the messages' text and the rendered prompt must each fit in it.
     """
@@ -113,15 +127,16 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_p
     kwargs = check_template_kwargs(chat_template_kwargs)
     if continue_final_message:
         kwargs["continue_final_message"] = True
-    messages = normalize_messages(messages)
-    size = sum(len(m["content"]) for m in messages)
+    messages = parse_message_arguments(normalize_messages(messages))
+    size = sum(len(m["content"]) for m in messages) + len(json.dumps(tools or []))
     if max_chars is not None and size > max_chars:
         raise OpenAIError(f"The messages hold {size} characters, more than the {max_chars} "
                           "that could fit this model's maximum context length.")
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False,
                                              add_generation_prompt=add_generation_prompt,
-                                             chat_template=chat_template, **kwargs)
+                                             chat_template=chat_template, tools=tools,
+                                             **kwargs)
     except OpenAIError:
         raise
     except Exception as e:  # jinja errors, a tokenizer without a template, bad kwargs
@@ -154,13 +169,15 @@ class OpenAIServingChat(OpenAIServing):
                               "not run templates from requests: start it with "
                               "--trust-request-chat-template to allow them.")
         check_template_kwargs(request.chat_template_kwargs)
+        template = request.chat_template or self.options.chat_template
+        tools = [t.model_dump(exclude_none=True) for t in request.tools or []] or None
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
             self._render_pool, lambda: render_chat(
                 tokenizer, request.messages if messages is None else messages,
                 request.add_generation_prompt,
                 request.continue_final_message, request.chat_template_kwargs,
-                request.chat_template, MAX_CHARS_PER_TOKEN * self.max_model_len))
+                template, MAX_CHARS_PER_TOKEN * self.max_model_len, tools))
 
     async def create_chat_completion(self, request: ChatCompletionRequest
                                      ) -> ChatCompletionResponse | AsyncGenerator[str, None]:
@@ -173,6 +190,7 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError(str(e)) from None
         if parts.data and not self.model_config.enable_prompt_embeds:
             raise OpenAIError(EMBEDS_DISABLED)
+        check_tool_request(request, self.options.tool_parser)
         lease = self.embeds.reserve(parts.data, max(1, request.n or 1))
         return await self.embeds.leased(lease, self._create(request, parts, lease))
 
@@ -188,22 +206,19 @@ class OpenAIServingChat(OpenAIServing):
             prompt, num_tokens = {"prompt": text, "prompt_token_ids": token_ids}, len(token_ids)
         max_tokens = request.max_completion_tokens or request.max_tokens
         self.check_max_tokens(num_tokens, max_tokens)
-        try:
-            params = request.to_sampling_params(max_tokens, num_logprobs,
-                                                defaults=self.model_config.generation_defaults)
-        except ValueError as e:
-            raise OpenAIError(str(e)) from None
+        params = self._sampling_params(request, max_tokens, num_logprobs)
+        tool_parser = make_tool_parser(request, self.tokenizer, self.options.tool_parser)
+        if tool_parser is not None:
+            tool_parser.adjust_request(params)
         request_id = random_id("chatcmpl", request.request_id)
         if request.cache_salt is not None:
             prompt["cache_salt"] = request.cache_salt
         stream = (await self.add_requests(request_id, [prompt], params))[0]
         if request.stream:
-            return self._stream(request, request_id, stream)
+            return self._stream(request, request_id, stream, tool_parser)
         output = (await self.final_outputs([stream]))[0]
-        choices = [ChatCompletionResponseChoice(
-            index=c.index, message=ChatMessage(role="assistant", content=c.text),
-            logprobs=_chat_logprobs(c, num_logprobs), finish_reason=c.finish_reason,
-            stop_reason=c.stop_reason) for c in output.outputs]
+        choices = [self._choice(c, num_logprobs, tool_parser, _max_calls(request))
+                   for c in output.outputs]
         completion_tokens = sum(len(c.token_ids) for c in output.outputs)
         usage = UsageInfo(prompt_tokens=output.num_prompt_tokens,
                           completion_tokens=completion_tokens,
@@ -234,6 +249,39 @@ class OpenAIServingChat(OpenAIServing):
             num_tokens += rows.shape[-2] if rows.dim() >= 2 else 0
         return {"prompt_segments": segments, "add_special_tokens": False}, num_tokens
 
+    def _sampling_params(self, request: ChatCompletionRequest, max_tokens: int | None,
+                         num_logprobs: int | None) -> SamplingParams:
+        """The request's sampling (unset fields: the model's defaults), with the
+        tool-choice schema as its output constraint."""
+        try:
+            params = request.to_sampling_params(max_tokens, num_logprobs,
+                                                defaults=self.model_config.generation_defaults)
+            schema = tool_choice_schema(request)
+            if schema is not None:
+                if params.structured_outputs is not None:
+                    raise ValueError("tool_choice \"required\" or a named function constrains "
+                                     "the output to tool calls; it cannot be combined with "
+                                     "another output constraint (response_format, "
+                                     "structured_outputs).")
+                params.structured_outputs = StructuredOutputsParams(json=schema)
+        except ValueError as e:
+            raise OpenAIError(str(e)) from None
+        return params
+
+    @staticmethod
+    def _choice(c: CompletionOutput, num_logprobs: int | None, tool_parser: ToolParser | None,
+                max_calls: int | None) -> ChatCompletionResponseChoice:
+        message = ChatMessage(role="assistant", content=c.text)
+        finish_reason = c.finish_reason
+        if tool_parser is not None:
+            extracted = tool_parser.extract(c.text)
+            message = ChatMessage(role="assistant", content=extracted.content,
+                                  tool_calls=tool_calls_of(extracted, max_calls))
+            finish_reason = finish_reason_with_tools(finish_reason, bool(extracted.calls))
+        return ChatCompletionResponseChoice(
+            index=c.index, message=message, logprobs=_chat_logprobs(c, num_logprobs),
+            finish_reason=finish_reason, stop_reason=c.stop_reason)
+
     def _num_logprobs(self, request: ChatCompletionRequest) -> int | None:
         if not request.logprobs:
             if request.top_logprobs:
@@ -243,8 +291,11 @@ class OpenAIServingChat(OpenAIServing):
         return request.top_logprobs or 0
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str,
-                      stream: RequestStream) -> AsyncGenerator[str, None]:
+                      stream: RequestStream, tool_parser: ToolParser | None
+                      ) -> AsyncGenerator[str, None]:
         num_logprobs = self._num_logprobs(request)
+        streamers = [ToolCallStreamer(tool_parser, _max_calls(request))
+                     for _ in range(request.n)] if tool_parser is not None else None
 
         def chunk(choices: list[ChatCompletionResponseStreamChoice],
                   usage: UsageInfo | None = None) -> str:
@@ -263,17 +314,27 @@ class OpenAIServingChat(OpenAIServing):
                 for c in output.outputs:
                     usage.completion_tokens += len(c.token_ids)
                     logprobs = _chat_logprobs(c, num_logprobs)
-                    if not (c.text or logprobs or c.finish_reason):
+                    delta, finish_reason = DeltaMessage(content=c.text), c.finish_reason
+                    if streamers is not None:
+                        streamer = streamers[c.index]
+                        delta = streamer.feed(c.text, c.finish_reason is not None)
+                        finish_reason = finish_reason_with_tools(finish_reason,
+                                                                 streamer.called)
+                    if not (delta.content or delta.tool_calls or logprobs or finish_reason):
                         continue
                     yield chunk([ChatCompletionResponseStreamChoice(
-                        index=c.index, delta=DeltaMessage(content=c.text), logprobs=logprobs,
-                        finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+                        index=c.index, delta=delta, logprobs=logprobs,
+                        finish_reason=finish_reason, stop_reason=c.stop_reason)])
             if request.include_usage_in_stream:
                 usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
                 yield chunk([], usage)
         except Exception as e:
             yield sse(stream_error(e))
         yield "data: [DONE]\n\n"
+
+
+def _max_calls(request: ChatCompletionRequest) -> int | None:
+    return 1 if request.parallel_tool_calls is False else None
 
 
 def _chat_logprobs(completion: CompletionOutput, num: int | None

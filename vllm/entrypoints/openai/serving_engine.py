@@ -55,6 +55,11 @@ class ServingOptions:
     max_prompt_embeds_bytes_in_flight: int = 2**30
     # Requests may bring their own chat template (it is code run by the server).
     trust_request_chat_template: bool = False
+    # The server's chat template (--chat-template), in place of the tokenizer's.
+    chat_template: str | None = None
+    # The parser that finds tool calls under tool_choice "auto" (--enable-auto-tool-choice
+    # --tool-call-parser NAME); None: "auto" is refused.
+    tool_parser: str | None = None
 
 
 def raise_if_failed(output: RequestOutput) -> None:

@@ -1,0 +1,385 @@
+"""Tool calling through the `openai` client against `vllm serve` (the default SmolLM2 model,
+with a chat template that shows tools and the hermes parser for tool_choice "auto"): required,
+named, auto, parallel, streamed and not; arguments validate against their schemas; a tool
+result fed back renders into the second turn. One server for the module."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.server_utils import SMALL_ENGINE_ARGS, RemoteServer
+from vllm.entrypoints.openai.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.serving_chat import render_chat
+from vllm.entrypoints.openai.serving_engine import OpenAIError
+from vllm.entrypoints.openai.tool_calls import AUTO_NEEDS_FLAGS, check_tool_request
+from vllm.transformers_utils.tokenizer import get_tokenizer
+
+TEMPLATE = Path(__file__).parent.parent / "examples" / "tool_chat_template_hermes.jinja"
+MODEL = "smollm2"
+
+WEATHER: dict[str, Any] = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 16},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+TIME: dict[str, Any] = {"type": "function", "function": {
+    "name": "get_time", "description": "The current time in a time zone.",
+    "parameters": {"type": "object", "properties": {
+        "timezone": {"type": "string", "pattern": "^[A-Z][a-z]{2,8}/[A-Z][a-z]{2,8}$"},
+        "hours": {"type": "integer", "minimum": 0, "maximum": 23}},
+        "required": ["timezone", "hours"], "additionalProperties": False}}}
+TOOLS = [WEATHER, TIME]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather in Paris, and the time in Tokyo?"}]
+# A conversation that shows the model how it calls tools (for tool_choice "auto").
+SHOWN = [message for i, city in enumerate(["Rome", "Lima", "Cairo"]) for message in (
+    {"role": "user", "content": f"What is the weather in {city}?"},
+    {"role": "assistant", "content": None, "tool_calls": [{
+        "id": f"call-{i}", "type": "function", "function": {
+            "name": "get_weather", "arguments": json.dumps({"city": city, "unit": "celsius"})}}]},
+)] + [{"role": "user", "content": "What is the weather in Oslo?"}]
+
+
+@pytest.fixture(scope="module")
+def server(default_model_path: str):
+    srv = RemoteServer(default_model_path, [
+        "--served-model-name", MODEL, "--chat-template", str(TEMPLATE),
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enforce-eager",
+        *SMALL_ENGINE_ARGS, "--max-model-len", "1024", "--kv-cache-memory-bytes", "128MiB"])
+    yield srv
+    assert srv.stop() == 0, srv.final_log
+
+
+@pytest.fixture(scope="module")
+def client(server: RemoteServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def chat(client: openai.OpenAI, **kwargs) -> Any:
+    kwargs = {"model": MODEL, "messages": ASK, "tools": TOOLS, "temperature": 0.0,
+              "max_tokens": 100, **kwargs}
+    return client.chat.completions.create(**kwargs)
+
+
+def calls_of(message: Any) -> list[tuple[str, str]]:
+    return [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+
+
+def streamed(client: openai.OpenAI, **kwargs
+             ) -> tuple[str, list[tuple[str, str]], str | None]:
+    """(content, calls, finish_reason) joined from a stream, checking OpenAI's delta shape:
+    a call's id, type and name once, in its first delta, then argument fragments."""
+    content, names, arguments, finish = "", [], [], None
+    for chunk in chat(client, stream=True, **kwargs):
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for call in choice.delta.tool_calls or []:
+            if call.index == len(names):
+                assert call.id and call.type == "function" and call.function.name
+                names.append(call.function.name)
+                arguments.append("")
+            else:
+                assert call.id is None and call.function.name is None
+            arguments[call.index] += call.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return content, list(zip(names, arguments, strict=True)), finish
+
+
+def assert_valid_calls(calls: list[tuple[str, str]]) -> None:
+    assert calls
+    for name, arguments in calls:
+        jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+@pytest.mark.parametrize("kwargs, expect", [
+    ({"tool_choice": "required"}, "some"),
+    ({"tool_choice": "required", "parallel_tool_calls": False}, "one"),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "get_time"),
+])
+def test_forced_calls_validate_streamed_or_not(client: openai.OpenAI, kwargs: dict,
+                                               expect: str) -> None:
+    """"required" and a named function always give calls whose arguments validate against
+    their function's schema; the stream joins into the same reply."""
+    response = chat(client, **kwargs)
+    message = response.choices[0].message
+    calls = calls_of(message)
+    assert_valid_calls(calls)
+    assert response.choices[0].finish_reason == "tool_calls" and not message.content
+    assert len({c.id for c in message.tool_calls}) == len(calls)
+    if expect == "one":  # (streaming is the same code path as for "required")
+        assert len(calls) == 1
+        return
+    if expect == "get_time":
+        assert [name for name, _ in calls] == ["get_time"]
+    assert streamed(client, **kwargs) == ("", calls, "tool_calls")
+
+
+def test_required_with_n_samples_each_call(client: openai.OpenAI) -> None:
+    """Sampled (n=3, one call each): every sample is a valid call, and they differ."""
+    response = chat(client, tool_choice="required", parallel_tool_calls=False, n=3,
+                    temperature=1.0, seed=5)
+    samples = [calls_of(choice.message) for choice in response.choices]
+    for calls in samples:
+        assert len(calls) == 1
+        assert_valid_calls(calls)
+    assert len(set(map(tuple, samples))) > 1
+
+
+def test_auto_calls_a_tool_with_the_hermes_parser(client: openai.OpenAI) -> None:
+    """Shown how it calls tools, the model calls one by itself: the hermes parser turns the
+    tagged JSON into tool_calls (streamed or not, the same); under "none" the same text is
+    left as content."""
+    response = chat(client, messages=SHOWN, tool_choice="auto")
+    message = response.choices[0].message
+    calls = calls_of(message)
+    assert [name for name, _ in calls] == ["get_weather"]
+    assert_valid_calls(calls)
+    assert json.loads(calls[0][1])["city"] == "Oslo"
+    assert response.choices[0].finish_reason == "tool_calls"
+    assert streamed(client, messages=SHOWN) == (message.content or "", calls, "tool_calls")
+    plain = chat(client, messages=SHOWN, tool_choice="none").choices[0]
+    assert not plain.message.tool_calls and plain.finish_reason == "stop"
+    assert "<tool_call>" in (plain.message.content or "")
+
+
+def test_tool_result_renders_into_the_second_turn(client: openai.OpenAI,
+                                                  default_model_path: str) -> None:
+    """The assistant's calls and the tool's result render through the template (the prompt
+    the server counts is the one rendered here) and the model answers."""
+    first = chat(client, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    [call] = first.choices[0].message.tool_calls
+    messages = [*ASK, first.choices[0].message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": "21 degrees, cloudy"}]
+    second = chat(client, messages=messages, tool_choice="none", max_tokens=24)
+    tokenizer = get_tokenizer(default_model_path)
+    prompt = render_chat(tokenizer, messages, True, chat_template=TEMPLATE.read_text(),
+                         tools=TOOLS)
+    assert "<tool_response>\n21 degrees, cloudy\n</tool_response>" in prompt
+    assert json.dumps({"name": "get_weather", "arguments": json.loads(
+        call.function.arguments)}) in prompt
+    assert second.usage.prompt_tokens == len(tokenizer(prompt, add_special_tokens=False)
+                                             .input_ids)
+    assert second.choices[0].message.content
+
+
+@pytest.mark.parametrize("body, names", [
+    ({"tool_choice": {"type": "function", "function": {"name": "get_stock"}}}, "get_stock"),
+    ({"tools": None, "tool_choice": "required"}, "needs tools"),
+    ({"tools": [WEATHER, WEATHER]}, "same name"),
+    ({"tools": [{"type": "function", "function": {**WEATHER["function"], "strict": True}}]},
+     "strict"),
+    ({"messages": [*ASK, {"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
+     "messages[1].tool_calls[0].function.arguments"),
+    ({"functions": [WEATHER["function"]]}, "functions"),
+])
+def test_bad_tool_requests_are_400_naming_the_problem(server: RemoteServer, body: dict,
+                                                      names: str) -> None:
+    payload = {"model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 4, **body}
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=payload, timeout=60)
+    assert response.status_code == 400, response.text
+    assert names in response.json()["error"]["message"]
+
+
+def test_auto_without_the_flags_is_refused_naming_them() -> None:
+    request = ChatCompletionRequest.model_validate({"messages": ASK, "tools": TOOLS})
+    with pytest.raises(OpenAIError) as info:
+        check_tool_request(request, tool_parser=None)
+    assert info.value.message == AUTO_NEEDS_FLAGS
+    assert "--enable-auto-tool-choice" in AUTO_NEEDS_FLAGS
+    check_tool_request(ChatCompletionRequest.model_validate(
+        {"messages": ASK, "tools": TOOLS, "tool_choice": "none"}), tool_parser=None)
+
+
+# ---- the field audit: every request field is honoured, refused by name, or advisory ---------
+
+PROMPT = "The capital of France is"
+REPEAT = "dog dog dog dog dog dog dog dog dog dog"
+LONG = " ".join(["The quick brown fox jumps over the lazy dog."] * 6)
+
+
+class Fields:
+    """Requests against the module's server, each with one field changed."""
+
+    def __init__(self, server: RemoteServer, tokenizer: Any) -> None:
+        self.url = server.url
+        self.tokenizer = tokenizer
+
+    def post(self, path: str, **body) -> httpx.Response:
+        return httpx.post(f"{self.url}/v1/{path}", json={"model": MODEL, **body}, timeout=120)
+
+    def ok(self, path: str, **body) -> dict[str, Any]:
+        response = self.post(path, **body)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def cmpl(self, **body) -> dict[str, Any]:
+        return self.ok("completions", **{"prompt": PROMPT, "max_tokens": 8,
+                                         "temperature": 0.0, **body})
+
+    def chat(self, **body) -> dict[str, Any]:
+        return self.ok("chat/completions", **{
+            "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 64,
+            "temperature": 0.0, **body})
+
+    def refused(self, path: str, field: str, **body) -> None:
+        base = {"prompt": PROMPT} if path == "completions" else {"messages": ASK}
+        response = self.post(path, **{**base, "max_tokens": 4, **body})
+        assert response.status_code == 400, response.text
+        assert field in response.json()["error"]["message"]
+
+    def streamed_text(self, **body) -> tuple[str, list[dict]]:
+        chunks = []
+        with httpx.stream("POST", f"{self.url}/v1/completions", timeout=120, json={
+                "model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0.0,
+                "stream": True, **body}) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:]))
+        return "".join(c["choices"][0]["text"] for c in chunks if c["choices"]), chunks
+
+
+def text(body: dict[str, Any], i: int = 0) -> str:
+    choice = body["choices"][i]
+    return choice["text"] if "text" in choice else choice["message"]["content"]
+
+
+def check_shared_sampling_fields(f: Fields) -> set[str]:
+    """The fields completions and chat share (`SamplingRequest`), on /v1/completions."""
+    greedy = text(f.cmpl())
+    repeat = text(f.cmpl(prompt=REPEAT, max_tokens=16))
+    assert f.post("completions", prompt=PROMPT, model="nope").status_code == 404
+    for penalty in ("frequency_penalty", "presence_penalty", "repetition_penalty"):
+        assert text(f.cmpl(prompt=REPEAT, max_tokens=16, **{penalty: 2.0})) != repeat, penalty
+    f.refused("completions", "logit_bias", logit_bias={"1": 5.0})
+    assert len(f.cmpl(n=2, temperature=1.0)["choices"]) == 2
+    seeded = [text(f.cmpl(temperature=1.5, seed=s)) for s in (3, 3, 4)]
+    assert seeded[0] == seeded[1] != seeded[2] and seeded[0] != greedy
+    stop = greedy.strip().split()[1]
+    stopped = f.cmpl(stop=[stop])["choices"][0]
+    assert stopped["text"] == greedy[:greedy.index(stop)] and stopped["stop_reason"] == stop
+    assert f.cmpl(stop=[stop], include_stop_str_in_output=True)["choices"][0]["text"] == \
+        greedy[:greedy.index(stop) + len(stop)]
+    joined, chunks = f.streamed_text(stream_options={"include_usage": True})
+    assert joined == greedy and chunks[-1]["usage"]["completion_tokens"] == 8
+    f.refused("completions", "stream_options", stream_options={"include_usage": True})
+    f.refused("completions", "continuous_usage_stats", stream=True,
+              stream_options={"continuous_usage_stats": True})
+    for narrow in ({"top_p": 1e-6}, {"top_k": 1}, {"min_p": 1.0}):
+        assert text(f.cmpl(temperature=1.5, seed=3, **narrow)) == greedy, narrow
+    advisory = {"user": "u-1", "safety_identifier": "s-1", "metadata": {"k": "v"},
+                "store": False}
+    assert text(f.cmpl(**advisory)) == greedy
+    f.refused("completions", "store", store=True)
+    f.refused("completions", "metadata", metadata={str(i): "v" for i in range(17)})
+    ids = f.tokenizer(greedy, add_special_tokens=False).input_ids
+    by_id = f.cmpl(stop_token_ids=[ids[1]])["choices"][0]
+    assert by_id["stop_reason"] == ids[1] and by_id["text"] == f.tokenizer.decode(ids[:1])
+    said = f.chat()
+    assert said["choices"][0]["finish_reason"] == "stop"
+    spoken = said["usage"]["completion_tokens"]
+    past_eos = f.chat(ignore_eos=True, max_tokens=spoken + 3)
+    assert past_eos["usage"]["completion_tokens"] == spoken + 3
+    assert "<|im_" not in text(past_eos) and "<|im_" in text(
+        f.chat(ignore_eos=True, max_tokens=spoken + 3, skip_special_tokens=False))
+    assert f.chat(min_tokens=spoken + 2)["usage"]["completion_tokens"] >= spoken + 2
+    salts = [uuid.uuid4().hex] * 2 + [uuid.uuid4().hex]
+    salted = [f.cmpl(prompt=LONG, cache_salt=s)["usage"]["prompt_tokens_details"]
+              ["cached_tokens"] for s in salts]
+    assert salted[0] == 0 and salted[1] > 0 and salted[2] == 0
+    assert f.cmpl(request_id="audit-1")["id"] == "cmpl-audit-1"
+    checked = {"model", "frequency_penalty", "presence_penalty", "repetition_penalty",
+               "logit_bias", "n", "seed", "stop", "include_stop_str_in_output", "stream",
+               "stream_options", "temperature", "top_p", "top_k", "min_p", *advisory,
+               "stop_token_ids", "ignore_eos", "min_tokens", "skip_special_tokens",
+               "cache_salt", "request_id"}
+    return checked | check_structured_output_fields(f)
+
+
+def check_structured_output_fields(f: Fields) -> set[str]:
+    """The structured-output fields (their own tests are in test_structured_output.py)."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0,
+                                                     "maximum": 99}}, "required": ["a"],
+              "additionalProperties": False}
+    for body in ({"response_format": {"type": "json_schema", "json_schema": {
+                     "name": "a", "schema": schema}}},
+                 {"structured_outputs": {"json": schema}}, {"guided_json": schema}):
+        jsonschema.validate(json.loads(text(f.cmpl(max_tokens=40, **body))), schema)
+    assert text(f.cmpl(guided_choice=["yes", "no"])) in ("yes", "no")
+    assert text(f.cmpl(guided_regex="[0-9]{3}")).isdigit()
+    assert text(f.cmpl(guided_grammar='root ::= "ab" | "cd"')) in ("ab", "cd")
+    return {"response_format", "structured_outputs", "guided_json", "guided_choice",
+            "guided_regex", "guided_grammar"}
+
+
+def test_every_completions_and_chat_field_is_honoured_or_refused(
+        server: RemoteServer, default_model_path: str) -> None:
+    """Each field the request models define is sent and seen to act (or refused by name);
+    the test fails when a field is added without a check here. Fields no request model
+    defines (OpenAI's `audio`, `prediction`, `service_tier`, vLLM's `use_beam_search`,
+    `priority`, ...) are refused by name."""
+    f = Fields(server, get_tokenizer(default_model_path))
+    from vllm.entrypoints.openai.protocol import CompletionRequest, SamplingRequest
+
+    shared = check_shared_sampling_fields(f)
+    assert shared == set(SamplingRequest.model_fields)
+
+    greedy = f.cmpl()
+    assert text(f.cmpl(echo=True)).startswith(PROMPT + text(greedy))
+    assert len(f.cmpl(logprobs=2)["choices"][0]["logprobs"]["top_logprobs"][0]) >= 2
+    assert f.cmpl(max_tokens=5, ignore_eos=True)["usage"]["completion_tokens"] == 5
+    assert f.cmpl(best_of=1)["choices"] and f.cmpl(prompt=[PROMPT, "Hi"])["choices"][1]
+    for flag in (True, False):
+        assert f.cmpl(add_special_tokens=flag, max_tokens=1)["usage"]["prompt_tokens"] == len(
+            f.tokenizer(PROMPT, add_special_tokens=flag).input_ids)
+    for field, value in (("best_of", 2), ("suffix", "x"), ("prompt_logprobs", 1),
+                         ("prompt_embeds", "AAAA"), ("return_hidden_states", True)):
+        f.refused("completions", field, **{field: value})
+    completion = {"prompt", "echo", "logprobs", "max_tokens", "best_of", "add_special_tokens",
+                  "suffix", "prompt_logprobs", "prompt_embeds", "return_hidden_states"}
+    assert shared | completion == set(CompletionRequest.model_fields)
+
+    base = f.chat(max_tokens=8)
+    assert f.chat(max_tokens=8, logprobs=True, top_logprobs=2)["choices"][0]["logprobs"][
+        "content"][0]["top_logprobs"].__len__() == 2
+    f.refused("chat/completions", "top_logprobs", top_logprobs=2)
+    assert f.chat(max_tokens=5, ignore_eos=True)["usage"]["completion_tokens"] == 5
+    assert f.chat(max_completion_tokens=6, max_tokens=9, ignore_eos=True)["usage"][
+        "completion_tokens"] == 6
+    no_prompt = f.chat(max_tokens=1, add_generation_prompt=False)["usage"]["prompt_tokens"]
+    assert base["usage"]["prompt_tokens"] > no_prompt
+    messages = [{"role": "user", "content": "Say hi."},
+                {"role": "assistant", "content": "Hi"}]
+    closed = f.chat(messages=messages, add_generation_prompt=False, max_tokens=1)
+    assert f.chat(messages=messages, add_generation_prompt=False, max_tokens=1,
+                  continue_final_message=True)["usage"]["prompt_tokens"] < \
+        closed["usage"]["prompt_tokens"]
+    assert f.chat(max_tokens=1, add_special_tokens=True)["usage"]["prompt_tokens"] == len(
+        f.tokenizer(f.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Say hi."}], tokenize=False,
+            chat_template=TEMPLATE.read_text(), add_generation_prompt=True)).input_ids)
+    f.refused("chat/completions", "chat_template", chat_template="{{ 'x' }}")
+    f.refused("chat/completions", "chat_template_kwargs", chat_template_kwargs={"tools": 1})
+    assert text(f.chat(max_tokens=8, chat_template_kwargs={"unused": 1})) == text(base)
+    chat_fields = {"messages", "logprobs", "top_logprobs", "max_tokens",
+                   "max_completion_tokens", "add_generation_prompt", "continue_final_message",
+                   "add_special_tokens", "chat_template", "chat_template_kwargs",
+                   "tools", "tool_choice", "parallel_tool_calls"}  # tools: tests above
+    assert shared | chat_fields == set(ChatCompletionRequest.model_fields)
+
+    for field, value in (("use_beam_search", True), ("audio", {"voice": "alloy"}),
+                         ("prediction", {"type": "content", "content": "x"}),
+                         ("service_tier", "auto"), ("priority", 1), ("functions", [])):
+        f.refused("chat/completions", field, **{field: value})
+    f.refused("completions", "use_beam_search", use_beam_search=True)
