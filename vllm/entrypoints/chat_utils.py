@@ -82,8 +82,8 @@ def split_at_placeholders(text: str, placeholders: list[str]) -> list[str | int]
 
 def chat_prompt(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
                 continue_final_message: bool, chat_template_kwargs: dict[str, Any] | None,
-                chat_template: str | None, max_model_len: int, hidden_size: int
-                ) -> dict[str, Any]:
+                chat_template: str | None, max_model_len: int, hidden_size: int,
+                tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The engine prompt of one conversation, offline (`LLM.chat`): its rendered text as
     ids, or, with prompt_embeds parts, a `prompt_segments` prompt; raises ValueError."""
     from vllm.entrypoints.openai.prompt_embeds import (
@@ -96,7 +96,8 @@ def chat_prompt(tokenizer: Any, messages: list[dict[str, Any]], add_generation_p
     parts = take_embeds_parts(messages)
     try:
         text = render_chat(tokenizer, parts.messages, add_generation_prompt,
-                           continue_final_message, chat_template_kwargs, chat_template)
+                           continue_final_message, chat_template_kwargs, chat_template,
+                           tools=tools)
     except OpenAIError as e:
         raise ValueError(str(e)) from None
     if not parts.data:

@@ -70,8 +70,11 @@ class LLM:
              | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
-        """Generates replies to conversations rendered with the tokenizer's chat template.
+             chat_template_kwargs: dict[str, Any] | None = None,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+        """Generates replies to conversations rendered with the tokenizer's chat template
+        (or `chat_template`; `tools`, OpenAI's function definitions, and
+        `chat_template_kwargs` go to the template).
 
         `messages` is one conversation (a list of {"role", "content"} dicts) or a list of
         them. A content list may hold text parts and `{"type": "prompt_embeds", "data":
@@ -94,7 +97,7 @@ class LLM:
         budget = self.llm_engine.vllm_config.model_config
         prompts = [chat_prompt(tokenizer, conversation, add_generation_prompt,
                                continue_final_message, chat_template_kwargs, chat_template,
-                               budget.max_model_len, budget.hidden_size)
+                               budget.max_model_len, budget.hidden_size, tools)
                    for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
