@@ -16,7 +16,7 @@ import copy
 import torch
 from torch import nn
 
-from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding, apply_rotary
+from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from vllm.model_executor.models.llama import (
     LlamaAttention,
     LlamaForCausalLM,
@@ -48,20 +48,10 @@ class GemmaAttention(LlamaAttention):
         super().__init__(config, layer_idx, backend, qkv_bias=False,
                          scale=config.query_pre_attn_scalar**-0.5,
                          logits_soft_cap=getattr(config, "attn_logit_softcapping", None))
-        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-
-    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                x: torch.Tensor) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(cos_sin, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        if qk_norm:  # Gemma 3: each head's q and k normed, with (1 + w) weights
+            self.qk_norm = "head"
+            self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
 
 
 class GemmaDecoderLayer(nn.Module):
