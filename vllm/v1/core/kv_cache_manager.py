@@ -188,12 +188,17 @@ class KVCacheManager:
         null = self.block_pool.null_block
         for g, group in enumerate(self.groups):
             first = window_start_block(num_computed, group.sliding_window, self.block_size)
-            out = [i * self.num_groups + g for i in range(first)
-                   if i * self.num_groups + g < len(held)
-                   and not held[i * self.num_groups + g].is_null]
-            self.block_pool.free_blocks(held[i] for i in reversed(out))
-            for i in out:
-                held[i] = null
+            # A window group's null blocks are a prefix of its list (freed front first, hits
+            # null before the window), so walking back from the window's start to the
+            # first null block finds just the newly out-of-window blocks.
+            out = []
+            i = min(first, cdiv(len(held) - g, self.num_groups)) - 1
+            while i >= 0 and not held[i * self.num_groups + g].is_null:
+                out.append(i * self.num_groups + g)
+                i -= 1
+            self.block_pool.free_blocks(held[j] for j in out)  # newest first
+            for j in out:
+                held[j] = null
 
     def _allocate_cross_blocks(self, request: Request, hits: list[KVCacheBlock],
                                num_new: int) -> None:
