@@ -1,7 +1,7 @@
-"""GGUF files of the Qwen3, Phi-3, OLMo-2 and Granite families (llama.cpp's architecture
-names and tensor layout, written here with the `gguf` package from a tiny model's
-safetensors) load to the same config and tensors, and run to transformers' tokens on the
-safetensors model."""
+"""GGUF files of the Qwen3, Phi-3, OLMo-2, Granite, Gemma 2 and Gemma 3 families (llama.cpp's
+architecture names, metadata and tensor layout, written here with the `gguf` package from a
+tiny model's safetensors as llama.cpp's converter would) load to the same config and tensors,
+and run to transformers' tokens on the safetensors model."""
 
 from __future__ import annotations
 
@@ -25,7 +25,22 @@ FAMILIES = {
                                  "long_factor": [2.0, 3.0, 5.0, 8.0]}},
     "olmo2": {},
     "granite": {},
+    # Gemma: tied embeddings (the converter drops lm_head), windows shorter than the prompts,
+    # llama.cpp's attention scale (1 / sqrt(head_dim)); Gemma 3 with its own layer pattern
+    # (written as the per-layer array) and linear scaling on the global rope.
+    "gemma2": {"tie_word_embeddings": True, "sliding_window": 5, "head_dim": 16,
+               "query_pre_attn_scalar": 16, "attn_logit_softcapping": 20.0,
+               "final_logit_softcapping": 15.0},
+    "gemma3": {"tie_word_embeddings": True, "sliding_window": 5, "head_dim": 16,
+               "query_pre_attn_scalar": 16, "num_hidden_layers": 4,
+               "layer_types": ["sliding_attention", "sliding_attention", "full_attention",
+                               "sliding_attention"],
+               "rope_parameters": {
+                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                   "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                      "rope_theta": 1e6}}},
 }
+_GEMMA = ("gemma2", "gemma3")
 # HF module -> llama.cpp tensor (written independently of the loader's table)
 _NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
@@ -42,7 +57,10 @@ def _gguf_name(arch: str, hf_name: str) -> str:
         return f"{top[stem]}.{kind}"
     layer, part = stem.removeprefix("model.layers.").split(".", 1)
     if part == "post_attention_layernorm":
-        return f"blk.{layer}.{'post_attention_norm' if arch == 'olmo2' else 'ffn_norm'}.{kind}"
+        post = "post_attention_norm" if arch in ("olmo2", *_GEMMA) else "ffn_norm"
+        return f"blk.{layer}.{post}.{kind}"
+    if part == "pre_feedforward_layernorm":
+        return f"blk.{layer}.ffn_norm.{kind}"
     return f"blk.{layer}.{_NAMES[part]}.{kind}"
 
 
@@ -68,7 +86,12 @@ def _write_gguf(path: str, model_dir: str, arch: str) -> None:
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     rope = cfg.get("rope_parameters") or {}
-    writer.add_rope_freq_base(rope.get("rope_theta", cfg.get("rope_theta")))
+    if arch == "gemma3":  # the global layers' rope (the local base is llama.cpp's 10000)
+        rope = rope["full_attention"]
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    if arch != "gemma2":  # llama.cpp's Gemma 2 converter leaves the base at 10000
+        writer.add_rope_freq_base(rope.get("rope_theta", cfg.get("rope_theta")))
     writer.add_rope_dimension_count(int(head_dim * cfg.get("partial_rotary_factor", 1.0)))
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
@@ -80,6 +103,14 @@ def _write_gguf(path: str, model_dir: str, arch: str) -> None:
         writer.add_residual_scale(cfg["residual_multiplier"])
         writer.add_attention_scale(cfg["attention_multiplier"])
         writer.add_logit_scale(cfg["logits_scaling"])
+    if arch in _GEMMA:
+        writer.add_sliding_window(cfg["sliding_window"])
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    if arch == "gemma3":
+        writer.add_sliding_window_pattern([t == "sliding_attention"
+                                           for t in cfg["layer_types"]])
     if rope.get("rope_type") == "longrope":
         writer.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
         for kind in ("long", "short"):
@@ -90,6 +121,8 @@ def _write_gguf(path: str, model_dir: str, arch: str) -> None:
             weight = _llama_cpp_permute(weight, cfg["num_attention_heads"])
         elif arch == "granite" and ".k_proj." in name:
             weight = _llama_cpp_permute(weight, cfg["num_key_value_heads"])
+        elif arch in _GEMMA and name.endswith("norm.weight"):
+            weight = weight + 1  # Gemma's (1 + w) RMSNorm weights, stored with the one
         writer.add_tensor(_gguf_name(arch, name), weight.float().numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -112,13 +145,19 @@ def test_family_gguf_matches_safetensors(arch, tmp_path):
     assert head_dim_of(theirs) == head_dim_of(ours)
     for key in ("architectures", "num_key_value_heads", "rope_parameters",
                 "partial_rotary_factor", "embedding_multiplier", "residual_multiplier",
-                "attention_multiplier", "logits_scaling", "original_max_position_embeddings"):
+                "attention_multiplier", "logits_scaling", "original_max_position_embeddings",
+                "hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping",
+                "final_logit_softcapping", "sliding_window", "layer_types",
+                "tie_word_embeddings"):
         assert getattr(theirs, key, None) == getattr(ours, key, None), key
     state = gguf_loader.load_gguf_state_dict(path, torch.float32)
     expected = load_file(os.path.join(model_dir, "model.safetensors"))
     assert state.keys() == expected.keys()
     for name, tensor in expected.items():
-        assert torch.equal(state[name], tensor), name
+        if arch in _GEMMA and name.endswith("norm.weight"):  # what the model multiplies by
+            assert torch.equal(1 + state[name], 1 + tensor), name
+        else:
+            assert torch.equal(state[name], tensor), name
 
     llm = LLM(path, tokenizer=model_dir, dtype="float32", max_model_len=64,
               enforce_eager=True, kv_cache_memory_bytes=4 * 1024**2)
@@ -131,7 +170,76 @@ def test_family_gguf_matches_safetensors(arch, tmp_path):
         ref = hf_greedy(hf, out.prompt_token_ids, 16)
         completion = out.outputs[0]
         assert completion.token_ids == ref.token_ids
+        assert completion.logprobs is not None
         logprobs = torch.tensor([lp[t].logprob for lp, t in
                                  zip(completion.logprobs, completion.token_ids)])
         expected_lp = ref.logprobs.gather(1, torch.tensor(ref.token_ids)[:, None])[:, 0]
         torch.testing.assert_close(logprobs, expected_lp, atol=1e-4, rtol=0)
+
+
+def _gemma_metadata_file(path: str, arch: str, layers: int, **keys) -> str:
+    """A tensorless GGUF file with a Gemma architecture's metadata: hidden 4608, 32 heads of
+    128 (the 27B shapes), and the optional `keys` (writer method suffix -> value)."""
+    import gguf
+
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(layers)
+    writer.add_context_length(8192)
+    writer.add_embedding_length(4608)
+    writer.add_feed_forward_length(36864)
+    writer.add_head_count(32)
+    writer.add_head_count_kv(16)
+    writer.add_key_length(128)
+    writer.add_value_length(128)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_vocab_size(256000)
+    for key, value in keys.items():
+        getattr(writer, f"add_{key}")(value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_gemma_gguf_llama_cpp_defaults(tmp_path):
+    """What llama.cpp assumes where a Gemma file lacks a key: Gemma 2's 4096 window, 50 / 30
+    soft-caps and alternating layers, the 27B models' attention scale (by layer count),
+    Gemma 3's one global layer in six and local rope base 10000; and the keys that override
+    them."""
+    from transformers import AutoConfig
+
+    def load(name: str, arch: str, layers: int, **keys) -> dict:
+        path = _gemma_metadata_file(str(tmp_path / f"{name}.gguf"), arch, layers, **keys)
+        return gguf_loader.load_gguf_config(path)
+
+    sliding, full = "sliding_attention", "full_attention"
+    config = load("g2_27b", "gemma2", 46)
+    assert config["architectures"] == ["Gemma2ForCausalLM"]
+    assert (config["query_pre_attn_scalar"], config["sliding_window"]) == (144, 4096)
+    assert (config["attn_logit_softcapping"], config["final_logit_softcapping"]) == (50.0, 30.0)
+    assert config["layer_types"] == [sliding, full] * 23
+    assert config["hidden_activation"] == "gelu_pytorch_tanh"
+    assert config["tie_word_embeddings"]
+    assert load("g2_9b", "gemma2", 42)["query_pre_attn_scalar"] == 128
+
+    config = load("g3", "gemma3", 8, sliding_window=512, rope_freq_base=1e6)
+    assert (config["model_type"], config["query_pre_attn_scalar"]) == ("gemma3_text", 128)
+    assert config["layer_types"] == [sliding] * 5 + [full] + [sliding] * 2
+    assert config["attn_logit_softcapping"] is None
+    assert config["final_logit_softcapping"] is None
+    hf = AutoConfig.for_model(config.pop("model_type"), **config)
+    assert hf.rope_parameters == {full: {"rope_type": "default", "rope_theta": 1e6},
+                                  sliding: {"rope_type": "default", "rope_theta": 1e4}}
+    assert load("g3_27b", "gemma3", 62, sliding_window=1024)["query_pre_attn_scalar"] == 144
+
+    config = load("g3_keys", "gemma3", 6, sliding_window=512, rope_freq_base_swa=2e4,
+                  sliding_window_pattern=3, final_logit_softcapping=12.5)
+    assert config["layer_types"] == [sliding, sliding, full] * 2
+    assert (config["rope_local_base_freq"], config["final_logit_softcapping"]) == (2e4, 12.5)
+
+    config = load("g3_global", "gemma3", 4)
+    assert config["sliding_window"] is None and config["layer_types"] == [full] * 4
+
+    with pytest.raises(ValueError, match="sliding_window_pattern has 3 entries for 4 layers"):
+        load("g3_bad", "gemma3", 4, sliding_window=512, sliding_window_pattern=[True] * 3)

@@ -23,7 +23,11 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "phi3": "Phi3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
+# Hugging Face `model_type` where it is not llama.cpp's architecture name.
+_MODEL_TYPES: dict[str, str] = {"gemma3": "gemma3_text"}
 # Architectures whose q/k rows llama.cpp's converter interleaves for its "normal" rope
 # (the others use the NeoX layout, which is Hugging Face's).
 _PERMUTED_ROTARY_ARCHS = ("llama", "granite")
@@ -54,10 +58,25 @@ _BLOCK_TENSOR_NAMES: dict[str, str] = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 # Where an architecture's block tensor means something else: Phi-3's `ffn_up` is gate and
-# up fused (its checkpoint's `gate_up_proj`).
+# up fused (its checkpoint's `gate_up_proj`); Gemma's `ffn_norm` is the norm before the MLP
+# (its `post_attention_norm` being the one after attention).
 _ARCH_BLOCK_TENSOR_NAMES: dict[str, dict[str, str]] = {
     "phi3": {"ffn_up": "mlp.gate_up_proj"},
+    "gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
+    "gemma3": {"ffn_norm": "pre_feedforward_layernorm"},
 }
+# Architectures whose RMSNorms scale by (1 + weight): llama.cpp's converter stores the
+# weight plus one, so the loader takes the one off again.
+_NORM_PLUS_ONE_ARCHS = ("gemma2", "gemma3")
+# What llama.cpp assumes of Gemma files that lack the keys: every `n`-th layer global, the
+# others windowed (`attention.sliding_window_pattern`), Gemma 2's window and soft-caps.
+_GEMMA_DEFAULT_PATTERN: dict[str, int] = {"gemma2": 2, "gemma3": 6}
+_GEMMA2_DEFAULT_WINDOW = 4096
+_GEMMA2_DEFAULT_SOFT_CAPS = (50.0, 30.0)  # attention logits, final logits
+_GEMMA3_LOCAL_ROPE_BASE = 10000.0
+# llama.cpp's rule for the attention scale: 1 / sqrt(head_dim), except for the 27B models
+# (known by their layer count), which use 1 / sqrt(hidden_size / num_heads).
+_GEMMA_27B_BLOCK_COUNTS: dict[str, int] = {"gemma2": 46, "gemma3": 62}
 
 _IGNORED_TENSORS = re.compile(
     r"^(rope_freqs\.weight|blk\.\d+\.attn_rot_embd\.weight|rope_factors_(long|short)\.weight)$")
@@ -140,7 +159,7 @@ def load_gguf_config(path: str) -> dict:
     head_dim = int(fields.get(f"{arch}.attention.key_length") or hidden_size // num_heads)
     config: dict[str, Any] = {
         "architectures": [SUPPORTED_ARCHITECTURES[arch]],
-        "model_type": arch,
+        "model_type": _MODEL_TYPES.get(arch, arch),
         "hidden_size": hidden_size,
         "intermediate_size": int(get("feed_forward_length")),
         "num_hidden_layers": int(get("block_count")),
@@ -173,7 +192,48 @@ def load_gguf_config(path: str) -> dict:
     window = fields.get(f"{arch}.attention.sliding_window")
     if window:
         config["sliding_window"] = int(window)
+    if arch in _GEMMA_DEFAULT_PATTERN:
+        config.update(_gemma_config(fields, arch, config))
     return config
+
+
+def _gemma_config(fields: dict[str, Any], arch: str, config: dict) -> dict:
+    """Gemma 2 / 3 keys: GeGLU, attention scale, soft-caps, window layers, Gemma 3's local
+    rope base (`rope.freq_base_swa`, else llama.cpp's 10000; `rope.freq_base` and any
+    rope scaling are the global layers')."""
+    out: dict[str, Any] = {"hidden_act": "gelu_pytorch_tanh",
+                           "hidden_activation": "gelu_pytorch_tanh"}
+    num_layers = config["num_hidden_layers"]
+    if num_layers == _GEMMA_27B_BLOCK_COUNTS[arch]:
+        out["query_pre_attn_scalar"] = config["hidden_size"] // config["num_attention_heads"]
+    else:
+        out["query_pre_attn_scalar"] = config["head_dim"]
+    attn_cap, final_cap = _GEMMA2_DEFAULT_SOFT_CAPS if arch == "gemma2" else (None, None)
+    for key, default in (("attn_logit_softcapping", attn_cap),
+                         ("final_logit_softcapping", final_cap)):
+        value = fields.get(f"{arch}.{key}")
+        out[key] = _float32_value(value) if value is not None else default
+    window = config.get("sliding_window")
+    if window is None and arch == "gemma2":
+        window = _GEMMA2_DEFAULT_WINDOW
+    out["sliding_window"] = window
+    pattern = fields.get(f"{arch}.attention.sliding_window_pattern",
+                         _GEMMA_DEFAULT_PATTERN[arch])
+    if window is None:
+        windowed = [False] * num_layers
+    elif isinstance(pattern, list):
+        if len(pattern) != num_layers:
+            raise ValueError(f"GGUF field {arch}.attention.sliding_window_pattern has "
+                             f"{len(pattern)} entries for {num_layers} layers")
+        windowed = [bool(v) for v in pattern]
+    else:  # every `pattern`-th layer global (0: every layer windowed), as llama.cpp
+        period = int(pattern)
+        windowed = [period == 0 or i % period < period - 1 for i in range(num_layers)]
+    out["layer_types"] = ["sliding_attention" if w else "full_attention" for w in windowed]
+    if arch == "gemma3":
+        out["rope_local_base_freq"] = _float32_value(
+            fields.get(f"{arch}.rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_BASE))
+    return out
 
 
 def _rope_config(path: str, fields: dict[str, Any], arch: str, config: dict) -> dict:
@@ -274,16 +334,21 @@ def load_gguf_state_dict(path: str, dtype: torch.dtype) -> dict[str, torch.Tenso
     import gguf
 
     config = load_gguf_config(path)
+    arch = _architecture(_read_metadata(path)[0])
     reader = gguf.GGUFReader(path)
     state_dict: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name, config["model_type"])
+        name = hf_tensor_name(tensor.name, arch)
         if name is None:
             continue
         weight = torch.from_numpy(_dequantize(tensor))
         num_heads = _rotary_heads(name, config)
         if num_heads is not None:
             weight = unpermute_rotary_rows(weight, num_heads)
+        if arch in _NORM_PLUS_ONE_ARCHS and name.endswith("norm.weight"):
+            # The model's 1 + (w' - 1) gives back the stored w' (= HF's float32 1 + w)
+            # exactly for weights w' in [0.5, 4); further out it may round by an ulp.
+            weight = weight - 1.0
         state_dict[name] = weight.to(dtype)
     return state_dict
 
@@ -298,9 +363,10 @@ def load_gguf_block_codes(path: str) -> dict[str, Any]:
     )
 
     config = load_gguf_config(path)
+    arch = _architecture(_read_metadata(path)[0])
     codes = {}
     for tensor in gguf.GGUFReader(path).tensors:
-        name = hf_tensor_name(tensor.name, config["model_type"])
+        name = hf_tensor_name(tensor.name, arch)
         if name is None or tensor.tensor_type.name not in BLOCK_TYPES:
             continue
         k = int(tensor.shape[0])
