@@ -140,7 +140,8 @@ def test_bad_constraints_fail_alone(llm):
 
 
 def test_prompt_embeds_chunked_prefill_and_preemption_on_a_tiny_model(tiny_llama_dir):
-    """Random weights: whatever the model prefers, the grammar holds. Prompt embeds, prompts
+    """Random weights: whatever the model prefers, the grammar holds. Prompt embeds (alone
+    and mixed with ids), prompts
     chunked over several steps (8-token budget) and requests preempted for want of KV blocks
     sample only inside their grammars, and greedily give what an unhindered run gives."""
     def run(**kwargs):
@@ -150,20 +151,23 @@ def test_prompt_embeds_chunked_prefill_and_preemption_on_a_tiny_model(tiny_llama
         ids = tok.encode("a rather long prompt that needs several chunks to prefill")
         embeds = load_hf_model(tiny_llama_dir).get_input_embeddings()(
             torch.tensor(ids)).detach()
+        # The same prompt as ids with its middle as embeds rows (a mixed prompt).
+        mixed = {"prompt_segments": [ids[:5], embeds[5:12], ids[12:]],
+                 "add_special_tokens": False}
         params = [SamplingParams(temperature=0, max_tokens=16, structured_outputs=c)
                   for c in (S(regex=PHONE), S(regex=PHONE), S(choice=CHOICES),
-                            S(json=SCHEMAS[8], disable_any_whitespace=True))]
-        outputs = llm.generate([{"prompt_embeds": embeds}, *[{"prompt_token_ids": ids}] * 3],
-                               params, use_tqdm=False)
+                            S(json=SCHEMAS[8], disable_any_whitespace=True), S(regex=PHONE))]
+        outputs = llm.generate([{"prompt_embeds": embeds}, *[{"prompt_token_ids": ids}] * 3,
+                                mixed], params, use_tqdm=False)
         return outputs, llm.llm_engine.engine_core.scheduler.num_preemptions
 
     hindered, num_preemptions = run(max_num_batched_tokens=8, block_size=4,
                                     num_gpu_blocks_override=18)
     free, _ = run()
     assert num_preemptions > 0
-    embeds_out, ids_out, choice_out, json_out = [o.outputs[0] for o in hindered]
+    embeds_out, ids_out, choice_out, json_out, mixed_out = [o.outputs[0] for o in hindered]
     assert re.fullmatch(PHONE, ids_out.text), ids_out.text
-    assert embeds_out.token_ids == ids_out.token_ids
+    assert embeds_out.token_ids == ids_out.token_ids == mixed_out.token_ids
     assert choice_out.text in CHOICES
     assert json_out.finish_reason == "length" or _validator(SCHEMAS[8]).is_valid(
         json.loads(json_out.text))
