@@ -70,3 +70,15 @@ def assert_close_greedy(ours_tokens: list[int], ours_logprobs: list[dict] | None
                                        f"{list(ours_logprobs[i])}")
         return
     assert len(ours_tokens) == len(ref.token_ids)
+
+
+def assert_identical_greedy(outputs, refs: list[Reference], atol: float = 1e-4) -> None:
+    """Float32 parity: each output's first completion has the reference's tokens exactly,
+    and its chosen tokens' logprobs within `atol` of the reference's."""
+    for out, ref in zip(outputs, refs, strict=True):
+        completion = out.outputs[0]
+        assert completion.token_ids == ref.token_ids, out.prompt
+        ours = torch.tensor([lp[t].logprob for lp, t in
+                             zip(completion.logprobs, completion.token_ids)])
+        theirs = ref.logprobs.gather(1, torch.tensor(ref.token_ids)[:, None])[:, 0]
+        torch.testing.assert_close(ours, theirs, atol=atol, rtol=0)

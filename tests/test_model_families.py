@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.hf_reference import hf_greedy, load_hf_model
+from tests.hf_reference import assert_identical_greedy, hf_greedy, load_hf_model
 from tests.model_factory import make_tiny_model
 from vllm import LLM, SamplingParams
 from vllm.model_executor.models.registry import resolve_model_cls
@@ -61,13 +61,7 @@ def _greedy(**kwargs) -> SamplingParams:
 
 
 def _check(outputs, refs) -> None:
-    for out, ref in zip(outputs, refs, strict=True):
-        completion = out.outputs[0]
-        assert completion.token_ids == ref.token_ids, out.prompt
-        ours = torch.tensor([lp[t].logprob for lp, t in
-                             zip(completion.logprobs, completion.token_ids)])
-        theirs = ref.logprobs.gather(1, torch.tensor(ref.token_ids)[:, None])[:, 0]
-        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    assert_identical_greedy(outputs, refs)
 
 
 @pytest.mark.parametrize("arch", list(FAMILIES))

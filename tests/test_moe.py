@@ -11,7 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.hf_reference import assert_close_greedy, hf_greedy, load_hf_model
+from tests.hf_reference import (
+    assert_close_greedy,
+    assert_identical_greedy,
+    hf_greedy,
+    load_hf_model,
+)
 from tests.model_factory import make_tiny_model
 from tests.test_tensor_parallel import _as_rank, _assert_same, _run_both
 from vllm import LLM, SamplingParams
@@ -171,13 +176,7 @@ GRAPH_ARCHS = ("qwen3_moe", "olmoe")
 
 
 def _check(outputs, refs) -> None:
-    for out, ref in zip(outputs, refs, strict=True):
-        completion = out.outputs[0]
-        assert completion.token_ids == ref.token_ids, out.prompt
-        ours = torch.tensor([lp[t].logprob for lp, t in
-                             zip(completion.logprobs, completion.token_ids)])
-        theirs = ref.logprobs.gather(1, torch.tensor(ref.token_ids)[:, None])[:, 0]
-        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    assert_identical_greedy(outputs, refs)
 
 
 @pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "mixtral", "olmoe"])

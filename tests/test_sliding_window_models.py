@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.hf_reference import hf_greedy, load_hf_model
+from tests.hf_reference import assert_identical_greedy, hf_greedy, load_hf_model
 from tests.model_factory import make_tiny_model
 from vllm import LLM, SamplingParams
 from vllm.v1.executor.uniproc import UniProcExecutor
@@ -57,14 +57,8 @@ def _greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
 
 def _check(outputs, path: str, max_tokens: int = MAX_TOKENS) -> None:
     model = load_hf_model(path)
-    for out in outputs:
-        ref = hf_greedy(model, out.prompt_token_ids, max_tokens)
-        completion = out.outputs[0]
-        assert completion.token_ids == ref.token_ids, out.prompt
-        ours = torch.tensor([lp[t].logprob for lp, t in
-                             zip(completion.logprobs, completion.token_ids)])
-        theirs = ref.logprobs.gather(1, torch.tensor(ref.token_ids)[:, None])[:, 0]
-        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    assert_identical_greedy(outputs, [hf_greedy(model, out.prompt_token_ids, max_tokens)
+                                      for out in outputs])
 
 
 def _embeds(path: str, token_ids: list[int] | None) -> torch.Tensor:
