@@ -1,12 +1,14 @@
-"""GGUF files of the Qwen3, Phi-3, OLMo-2, Granite, Gemma 2 and Gemma 3 families (llama.cpp's
-architecture names, metadata and tensor layout, written here with the `gguf` package from a
-tiny model's safetensors as llama.cpp's converter would) load to the same config and tensors,
-and run to transformers' tokens on the safetensors model."""
+"""GGUF files of the Qwen3, Phi-3, OLMo-2, Granite, Gemma 2 and Gemma 3 families and of the
+mixture-of-experts Qwen2-MoE, Qwen3-MoE, Mixtral and OLMoE (llama.cpp's architecture names,
+metadata and tensor layout, experts stacked per projection, written here with the `gguf`
+package from a tiny model's safetensors as llama.cpp's converter would) load to the same
+config and tensors, and run to transformers' tokens on the safetensors model."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -39,15 +41,31 @@ FAMILIES = {
                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                    "full_attention": {"rope_type": "linear", "factor": 2.0,
                                       "rope_theta": 1e6}}},
+    "qwen2_moe": {},
+    "qwen3_moe": {},
+    "mixtral": {},
+    "olmoe": {},
 }
 _GEMMA = ("gemma2", "gemma3")
+# tiny model arch -> llama.cpp's architecture (Mixtral is `llama` with experts)
+_GGUF_ARCH = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+_PERMUTED = ("granite", "mixtral")  # llama.cpp interleaves their q/k rows
 # HF module -> llama.cpp tensor (written independently of the loader's table)
 _NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
           "self_attn.qkv_proj": "attn_qkv", "self_attn.q_norm": "attn_q_norm",
           "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
           "mlp.up_proj": "ffn_up", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-          "input_layernorm": "attn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+          "input_layernorm": "attn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+          "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
+          "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+          "mlp.shared_expert.up_proj": "ffn_up_shexp",
+          "mlp.shared_expert.down_proj": "ffn_down_shexp",
+          "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+# an expert's projection -> llama.cpp's stacked tensor
+_EXPERT_NAMES = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps",
+                 "down_proj": "ffn_down_exps", "w1": "ffn_gate_exps", "w3": "ffn_up_exps",
+                 "w2": "ffn_down_exps"}
 
 
 def _gguf_name(arch: str, hf_name: str) -> str:
@@ -69,14 +87,31 @@ def _llama_cpp_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(weight.shape)
 
 
-def _write_gguf(path: str, model_dir: str, arch: str) -> None:
+def _stack_experts(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """llama.cpp's layout: each layer's per-expert projections stacked [E, out, in] under
+    `blk.N.ffn_*_exps.weight`, the other tensors as they are."""
+    out: dict[str, torch.Tensor] = {}
+    stacks: dict[str, dict[int, torch.Tensor]] = {}
+    for name, weight in weights.items():
+        match = re.match(r"model\.layers\.(\d+)\.\w+\.experts\.(\d+)\.(\w+)\.weight$", name)
+        if match is None:
+            out[name] = weight
+            continue
+        layer, expert, part = match.groups()
+        stacks.setdefault(f"blk.{layer}.{_EXPERT_NAMES[part]}.weight", {})[int(expert)] = weight
+    for name, experts in stacks.items():
+        out[name] = torch.stack([experts[e] for e in range(len(experts))])
+    return out
+
+
+def _write_gguf(path: str, model_dir: str, arch: str, quantize_experts: bool = False) -> None:
     import gguf
     from safetensors.torch import load_file
 
     with open(os.path.join(model_dir, "config.json")) as f:
         cfg = json.load(f)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    writer = gguf.GGUFWriter(path, arch)
+    writer = gguf.GGUFWriter(path, _GGUF_ARCH.get(arch, arch))
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
@@ -111,19 +146,34 @@ def _write_gguf(path: str, model_dir: str, arch: str) -> None:
     if arch == "gemma3":
         writer.add_sliding_window_pattern([t == "sliding_attention"
                                            for t in cfg["layer_types"]])
+    num_experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if num_experts:
+        writer.add_expert_count(num_experts)
+        writer.add_expert_used_count(cfg["num_experts_per_tok"])
+    if "moe_intermediate_size" in cfg:
+        writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if cfg.get("shared_expert_intermediate_size"):
+        writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     if rope.get("rope_type") == "longrope":
         writer.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
         for kind in ("long", "short"):
             writer.add_tensor(f"rope_factors_{kind}.weight",
                               torch.tensor(rope[f"{kind}_factor"]).numpy())
-    for name, weight in sorted(load_file(os.path.join(model_dir, "model.safetensors")).items()):
-        if arch == "granite" and ".q_proj." in name:
+    weights = _stack_experts(load_file(os.path.join(model_dir, "model.safetensors")))
+    for name, weight in sorted(weights.items()):
+        if arch in _PERMUTED and ".q_proj." in name:
             weight = _llama_cpp_permute(weight, cfg["num_attention_heads"])
-        elif arch == "granite" and ".k_proj." in name:
+        elif arch in _PERMUTED and ".k_proj." in name:
             weight = _llama_cpp_permute(weight, cfg["num_key_value_heads"])
         elif arch in _GEMMA and name.endswith("norm.weight"):
             weight = weight + 1  # Gemma's (1 + w) RMSNorm weights, stored with the one
-        writer.add_tensor(_gguf_name(arch, name), weight.float().numpy())
+        if name.startswith("blk.") and quantize_experts:
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(name, gguf.quants.quantize(weight.float().numpy(), q8),
+                              raw_dtype=q8)
+            continue
+        gguf_name = name if name.startswith("blk.") else _gguf_name(arch, name)
+        writer.add_tensor(gguf_name, weight.float().numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -148,7 +198,9 @@ def test_family_gguf_matches_safetensors(arch, tmp_path):
                 "attention_multiplier", "logits_scaling", "original_max_position_embeddings",
                 "hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping",
                 "final_logit_softcapping", "sliding_window", "layer_types",
-                "tie_word_embeddings"):
+                "tie_word_embeddings", "intermediate_size", "num_experts",
+                "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+                "shared_expert_intermediate_size", "norm_topk_prob"):
         assert getattr(theirs, key, None) == getattr(ours, key, None), key
     state = gguf_loader.load_gguf_state_dict(path, torch.float32)
     expected = load_file(os.path.join(model_dir, "model.safetensors"))
@@ -243,3 +295,62 @@ def test_gemma_gguf_llama_cpp_defaults(tmp_path):
 
     with pytest.raises(ValueError, match="sliding_window_pattern has 3 entries for 4 layers"):
         load("g3_bad", "gemma3", 4, sliding_window=512, sliding_window_pattern=[True] * 3)
+
+
+def test_quantized_experts_dequantize_and_their_blocks_are_refused(tmp_path):
+    """Q8_0 stacked experts dequantize to each expert's own rows; `quantization="gguf"`
+    refuses to keep their blocks, naming the tensor."""
+    import gguf
+    from safetensors.torch import load_file
+
+    model_dir = make_tiny_model(str(tmp_path / "qwen3_moe"), "qwen3_moe")
+    path = str(tmp_path / "q8.gguf")
+    _write_gguf(path, model_dir, "qwen3_moe", quantize_experts=True)
+    state = gguf_loader.load_gguf_state_dict(path, torch.float32)
+    expected = load_file(os.path.join(model_dir, "model.safetensors"))
+    assert state.keys() == expected.keys()
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    experts = [name for name in expected if ".experts." in name]
+    assert len(experts) == 2 * 8 * 3
+    for name in experts:
+        rounded = gguf.quants.dequantize(gguf.quants.quantize(expected[name].numpy(), q8), q8)
+        assert torch.equal(state[name], torch.from_numpy(rounded)), name
+        assert not torch.equal(state[name], expected[name]), name
+    with pytest.raises(ValueError, match=r"Q8_0 blocks of the experts tensor "
+                                         r"'blk\.0\.ffn_down_exps\.weight'"):
+        gguf_loader.load_gguf_block_codes(path)
+
+
+def test_expert_tensor_names_and_refusals(tmp_path):
+    import gguf
+
+    name = gguf_loader.hf_tensor_name
+    assert name("blk.1.ffn_up_exps.weight", "qwen3_moe") == (
+        "model.layers.1.mlp.experts.*.up_proj.weight")
+    assert name("blk.1.ffn_down_exps.weight", "mixtral") == (
+        "model.layers.1.block_sparse_moe.experts.*.w2.weight")
+    assert name("blk.0.ffn_gate_inp.weight", "mixtral") == (
+        "model.layers.0.block_sparse_moe.gate.weight")
+    assert name("blk.0.ffn_gate_inp_shexp.weight", "qwen2_moe") == (
+        "model.layers.0.mlp.shared_expert_gate.weight")
+    # older Mixtral files: one tensor per expert
+    assert name("blk.2.ffn_gate.7.weight", "mixtral") == (
+        "model.layers.2.block_sparse_moe.experts.7.w1.weight")
+    # a dense architecture with experts, and experts without a routed count
+    for arch, keys in (("qwen2", {"expert_count": 4, "expert_used_count": 2}),
+                       ("qwen3moe", {"expert_count": 4})):
+        path = str(tmp_path / f"{arch}.gguf")
+        writer = gguf.GGUFWriter(path, arch)
+        for key, value in {"block_count": 1, "context_length": 32, "embedding_length": 8,
+                           "feed_forward_length": 16, "attention.head_count": 2,
+                           "expert_feed_forward_length": 8, **keys}.items():
+            writer.add_uint32(f"{arch}.{key}", value)
+        writer.add_token_list(["a", "b"])
+        writer.add_tensor("token_embd.weight", torch.zeros(2, 8).numpy())
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        match = "not supported" if arch == "qwen2" else "expert_used_count"
+        with pytest.raises(ValueError, match=match):
+            gguf_loader.load_gguf_config(path)

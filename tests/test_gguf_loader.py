@@ -294,7 +294,8 @@ def test_synthetic_gguf_unsupported_architecture(tmp_path: Any) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
-    with pytest.raises(ValueError, match=r"'gpt2'.*granite, llama, olmo2, phi3, qwen2, qwen3"):
+    with pytest.raises(ValueError, match=r"'gpt2'.*granite, llama, olmo2, olmoe, phi3, "
+                                         r"qwen2, qwen2moe, qwen3, qwen3moe"):
         gguf_loader.load_gguf_config(path)
 
 

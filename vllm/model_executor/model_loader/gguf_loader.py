@@ -4,6 +4,12 @@ GGUF stores metadata as typed key/value fields and weights as (possibly quantize
 llama.cpp names. This module translates both into what the rest of the engine expects from a
 Hugging Face checkpoint: a ``config.json``-style dict, a state dict keyed by HF parameter names
 with HF shapes and rotary layout, and a ``transformers`` fast tokenizer.
+
+Mixture-of-experts files stack each layer's experts in one tensor per projection
+(`blk.N.ffn_gate_exps` [E, I, H] in HF order); the state dict unstacks them into the
+per-expert names of the HF checkpoint (`model.layers.N.mlp.experts.5.gate_proj.weight`, views
+of the stacked tensor), which the weight loader places (and slices for tensor parallel) as it
+does a safetensors checkpoint's. Mixtral is llama.cpp's `llama` with `llama.expert_count`.
 """
 
 from __future__ import annotations
@@ -25,12 +31,22 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "granite": "GraniteForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
-# Hugging Face `model_type` where it is not llama.cpp's architecture name.
-_MODEL_TYPES: dict[str, str] = {"gemma3": "gemma3_text"}
+# llama.cpp architecture -> Hugging Face `model_type` where they differ (`llama` with experts
+# is Mixtral, see `_model_type`).
+_HF_MODEL_TYPES: dict[str, str] = {
+    "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}
+_HF_ARCHITECTURES: dict[str, str] = {"mixtral": "MixtralForCausalLM"}
+# Whether the top-k routing weights are renormalised where the file does not say
+# (`{arch}.expert_weights_norm`): llama.cpp's fixed choice per architecture, which is what
+# these families' checkpoints set.
+_NORM_TOPK_PROB: dict[str, bool] = {"qwen2_moe": False, "qwen3_moe": True, "olmoe": False}
 # Architectures whose q/k rows llama.cpp's converter interleaves for its "normal" rope
 # (the others use the NeoX layout, which is Hugging Face's).
-_PERMUTED_ROTARY_ARCHS = ("llama", "granite")
+_PERMUTED_ROTARY_ARCHS = ("llama", "granite", "mixtral")
 
 _DEFAULT_ROPE_THETA = 10000.0
 _DEFAULT_RMS_NORM_EPS = 1e-6
@@ -56,15 +72,31 @@ _BLOCK_TENSOR_NAMES: dict[str, str] = {
     "attn_qkv": "self_attn.qkv_proj",
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
+    # mixture of experts: the router, the stacked experts (`*` is the expert) and the
+    # shared expert with its sigmoid gate
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.*.gate_proj",
+    "ffn_up_exps": "mlp.experts.*.up_proj",
+    "ffn_down_exps": "mlp.experts.*.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
-# Where an architecture's block tensor means something else: Phi-3's `ffn_up` is gate and
-# up fused (its checkpoint's `gate_up_proj`); Gemma's `ffn_norm` is the norm before the MLP
-# (its `post_attention_norm` being the one after attention).
+# Where a model type's block tensor means something else (keyed by HF `model_type`): Phi-3's
+# `ffn_up` is gate and up fused (its checkpoint's `gate_up_proj`); Gemma's `ffn_norm` is the
+# norm before the MLP (its `post_attention_norm` being the one after attention); Mixtral's
+# experts are `block_sparse_moe.experts.{e}.w1/w3/w2`.
 _ARCH_BLOCK_TENSOR_NAMES: dict[str, dict[str, str]] = {
     "phi3": {"ffn_up": "mlp.gate_up_proj"},
     "gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
-    "gemma3": {"ffn_norm": "pre_feedforward_layernorm"},
+    "gemma3_text": {"ffn_norm": "pre_feedforward_layernorm"},
+    "mixtral": {"ffn_gate_inp": "block_sparse_moe.gate",
+                "ffn_gate_exps": "block_sparse_moe.experts.*.w1",
+                "ffn_up_exps": "block_sparse_moe.experts.*.w3",
+                "ffn_down_exps": "block_sparse_moe.experts.*.w2"},
 }
+_EXPERT_SLOT = ".*."  # where an HF name of stacked experts takes the expert index
 # Architectures whose RMSNorms scale by (1 + weight): llama.cpp's converter stores the
 # weight plus one, so the loader takes the one off again.
 _NORM_PLUS_ONE_ARCHS = ("gemma2", "gemma3")
@@ -81,6 +113,8 @@ _GEMMA_27B_BLOCK_COUNTS: dict[str, int] = {"gemma2": 46, "gemma3": 62}
 _IGNORED_TENSORS = re.compile(
     r"^(rope_freqs\.weight|blk\.\d+\.attn_rot_embd\.weight|rope_factors_(long|short)\.weight)$")
 _BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+# Older Mixtral files (llama.cpp before stacking, 2024) keep one tensor per expert.
+_PER_EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)\.(\d+)\.weight$")
 _GLOBAL_TENSOR = re.compile(r"^([a-z_]+)\.(weight|bias)$")
 
 _FILE_TYPE_DTYPES: dict[int, str] = {0: "float32", 1: "float16", 32: "bfloat16"}
@@ -120,6 +154,47 @@ def _torch_dtype_name(fields: dict[str, Any]) -> str:
     return _FILE_TYPE_DTYPES.get(int(file_type), "float32") if file_type is not None else "float32"
 
 
+def _model_type(fields: dict[str, Any], arch: str) -> str:
+    """Hugging Face `model_type` of a file of llama.cpp architecture `arch`."""
+    if arch == "llama" and int(fields.get("llama.expert_count") or 0) > 0:
+        return "mixtral"
+    return _HF_MODEL_TYPES.get(arch, arch)
+
+
+def _moe_config(fields: dict[str, Any], arch: str, model_type: str, intermediate: Any
+                ) -> dict[str, Any]:
+    """The experts' config keys (HF names of each family); {} for a dense model."""
+    num_experts = int(fields.get(f"{arch}.expert_count") or 0)
+    if model_type not in ("mixtral", *_NORM_TOPK_PROB):
+        if num_experts:
+            raise ValueError(f"GGUF architecture {arch!r} with {arch}.expert_count = "
+                             f"{num_experts} is not supported (experts are supported in "
+                             "llama (Mixtral), qwen2moe, qwen3moe and olmoe)")
+        return {}
+    top_k = fields.get(f"{arch}.expert_used_count")
+    if num_experts <= 0 or top_k is None:
+        raise ValueError(f"GGUF {arch} file needs {arch}.expert_count and "
+                         f"{arch}.expert_used_count")
+    if model_type == "mixtral":
+        return {"num_local_experts": num_experts, "num_experts_per_tok": int(top_k),
+                "intermediate_size": int(intermediate)}
+    norm = fields.get(f"{arch}.expert_weights_norm")
+    out: dict[str, Any] = {"num_experts": num_experts, "num_experts_per_tok": int(top_k),
+                           "norm_topk_prob": _NORM_TOPK_PROB[model_type] if norm is None
+                           else bool(norm)}
+    if model_type == "olmoe":
+        return {**out, "intermediate_size": int(intermediate)}
+    expert_width = fields.get(f"{arch}.expert_feed_forward_length")
+    if expert_width is None:
+        raise ValueError(f"GGUF {arch} file needs {arch}.expert_feed_forward_length")
+    out["moe_intermediate_size"] = int(expert_width)
+    out["intermediate_size"] = int(intermediate if intermediate is not None else expert_width)
+    if model_type == "qwen2_moe":
+        shared = fields.get(f"{arch}.expert_shared_feed_forward_length")
+        out["shared_expert_intermediate_size"] = int(shared or 0)
+    return out
+
+
 def _float32_value(value: Any) -> float:
     """Convert a float32 metadata value to the shortest decimal it stands for (1e-05, not
     9.999999747378752e-06)."""
@@ -157,11 +232,14 @@ def load_gguf_config(path: str) -> dict:
     hidden_size = int(get("embedding_length"))
     num_heads = int(get("attention.head_count"))
     head_dim = int(fields.get(f"{arch}.attention.key_length") or hidden_size // num_heads)
+    model_type = _model_type(fields, arch)
+    # Qwen-MoE files may give only the experts' width (`expert_feed_forward_length`)
+    intermediate = (fields.get(f"{arch}.feed_forward_length")
+                    if model_type in ("qwen2_moe", "qwen3_moe") else get("feed_forward_length"))
     config: dict[str, Any] = {
-        "architectures": [SUPPORTED_ARCHITECTURES[arch]],
-        "model_type": _MODEL_TYPES.get(arch, arch),
+        "architectures": [_HF_ARCHITECTURES.get(model_type, SUPPORTED_ARCHITECTURES[arch])],
+        "model_type": model_type,
         "hidden_size": hidden_size,
-        "intermediate_size": int(get("feed_forward_length")),
         "num_hidden_layers": int(get("block_count")),
         "num_attention_heads": num_heads,
         "num_key_value_heads": int(get("attention.head_count_kv", num_heads)),
@@ -181,6 +259,9 @@ def load_gguf_config(path: str) -> dict:
     pad_token_id = _optional_token_id(fields, "padding")
     if pad_token_id is not None:
         config["pad_token_id"] = pad_token_id
+    config.update(_moe_config(fields, arch, model_type, intermediate))
+    if "intermediate_size" not in config:
+        config["intermediate_size"] = int(get("feed_forward_length"))
     config.update(_rope_config(path, fields, arch, config))
     if arch == "granite":
         config.update({
@@ -275,12 +356,19 @@ def _rope_config(path: str, fields: dict[str, Any], arch: str, config: dict) -> 
 
 
 def hf_tensor_name(gguf_name: str, arch: str | None = None) -> str | None:
-    """Translate a llama.cpp tensor name to its HF name (for `arch`'s meaning of it); None
-    for tensors HF models lack."""
+    """Translate a llama.cpp tensor name to its HF name (for HF model type `arch`'s meaning
+    of it); None for tensors HF models lack. Stacked experts get `*` for the expert:
+    "blk.0.ffn_up_exps.weight" -> "model.layers.0.mlp.experts.*.up_proj.weight"; an older
+    file's "blk.0.ffn_up.5.weight" -> "model.layers.0.mlp.experts.5.up_proj.weight"."""
     if _IGNORED_TENSORS.match(gguf_name):
         return None
     block = _BLOCK_TENSOR.match(gguf_name)
     names = {**_BLOCK_TENSOR_NAMES, **_ARCH_BLOCK_TENSOR_NAMES.get(arch or "", {})}
+    expert = _PER_EXPERT_TENSOR.match(gguf_name)
+    if expert is not None:
+        layer, part, index = expert.groups()
+        stacked = names[f"{part}_exps"].replace(_EXPERT_SLOT, f".{index}.")
+        return f"model.layers.{layer}.{stacked}.weight"
     if block is not None and block.group(2) in names:
         layer, part, kind = block.groups()
         return f"model.layers.{layer}.{names[part]}.{kind}"
@@ -329,8 +417,24 @@ def _rotary_heads(hf_name: str, config: dict) -> int | None:
     return None
 
 
+def _unstack_experts(hf_name: str, weight: torch.Tensor
+                     ) -> list[tuple[str, torch.Tensor]]:
+    """[(HF name, tensor)]: each expert of a stacked tensor ([E, out, in], `*` in the name)
+    under its own name, else the tensor itself. A shared-expert gate llama.cpp wrote as a
+    vector [H] becomes HF's [1, H]."""
+    if _EXPERT_SLOT not in hf_name:
+        if hf_name.endswith(".shared_expert_gate.weight") and weight.dim() == 1:
+            weight = weight[None]
+        return [(hf_name, weight)]
+    if weight.dim() != 3:
+        raise ValueError(f"GGUF tensor of stacked experts {hf_name!r} has shape "
+                         f"{tuple(weight.shape)}, expected [experts, rows, columns]")
+    return [(hf_name.replace(_EXPERT_SLOT, f".{e}."), w) for e, w in enumerate(weight)]
+
+
 def load_gguf_state_dict(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Dequantize every GGUF tensor into an HF-named, HF-shaped state dict cast to ``dtype``."""
+    """Dequantize every GGUF tensor into an HF-named, HF-shaped state dict cast to ``dtype``
+    (stacked experts split into the HF checkpoint's per-expert tensors)."""
     import gguf
 
     config = load_gguf_config(path)
@@ -338,7 +442,7 @@ def load_gguf_state_dict(path: str, dtype: torch.dtype) -> dict[str, torch.Tenso
     reader = gguf.GGUFReader(path)
     state_dict: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name, arch)
+        name = hf_tensor_name(tensor.name, config["model_type"])
         if name is None:
             continue
         weight = torch.from_numpy(_dequantize(tensor))
@@ -349,7 +453,8 @@ def load_gguf_state_dict(path: str, dtype: torch.dtype) -> dict[str, torch.Tenso
             # The model's 1 + (w' - 1) gives back the stored w' (= HF's float32 1 + w)
             # exactly for weights w' in [0.5, 4); further out it may round by an ulp.
             weight = weight - 1.0
-        state_dict[name] = weight.to(dtype)
+        for hf_name, part in _unstack_experts(name, weight):
+            state_dict[hf_name] = part.to(dtype)
     return state_dict
 
 
@@ -363,12 +468,16 @@ def load_gguf_block_codes(path: str) -> dict[str, Any]:
     )
 
     config = load_gguf_config(path)
-    arch = _architecture(_read_metadata(path)[0])
     codes = {}
     for tensor in gguf.GGUFReader(path).tensors:
-        name = hf_tensor_name(tensor.name, arch)
+        name = hf_tensor_name(tensor.name, config["model_type"])
         if name is None or tensor.tensor_type.name not in BLOCK_TYPES:
             continue
+        if ".experts." in name:
+            raise ValueError(
+                f"quantization='gguf' cannot keep the {tensor.tensor_type.name} blocks of the "
+                f"experts tensor {tensor.name!r} (experts run dense or int8); load this file "
+                "without quantization='gguf' to dequantize its weights")
         k = int(tensor.shape[0])
         c = read_block_codes(np.asarray(tensor.data), tensor.tensor_type.name, k)
         num_heads = _rotary_heads(name, config)
