@@ -18,10 +18,10 @@ class SamplerOutput(NamedTuple):
 
 
 class Sampler(nn.Module):
-    """Order: allowed_token_ids and min_tokens masks, penalties, temperature, top-k/top-p/min-p, then inverse-CDF
-    sampling with one uniform per row, drawn from each seeded request's own generator
-    (unseeded rows share one draw from the global generator). Logprobs are those of the
-    raw model output.
+    """Order: allowed_token_ids and min_tokens masks, penalties, temperature,
+    top-k/top-p/min-p, then inverse-CDF sampling with one uniform per row, drawn from each
+    seeded request's own generator (unseeded rows share one draw from the global
+    generator). Logprobs are those of the raw model output.
 
     Logits come in the model dtype. An all-greedy step without logprobs, min_tokens or
     penalties only takes the argmax, of the logits as they are: on CPU by the native
