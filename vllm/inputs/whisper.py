@@ -75,7 +75,7 @@ def language_token_ids(tokenizer: Any, vocab_size: int) -> dict[int, str]:
     first = special_token_id(tokenizer, "<|startoftranscript|>") + 1
     end = min(special_token_id(tokenizer, "<|translate|>"), vocab_size)
     tokens = tokenizer.convert_ids_to_tokens(list(range(first, end)))
-    codes = [token[2:-2] for token in tokens]
+    codes = [str(token)[2:-2] for token in tokens]
     return {first + i: _OLD_CODES.get(code, code) for i, code in enumerate(codes)}
 
 
