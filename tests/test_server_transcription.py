@@ -407,9 +407,9 @@ def test_usage_and_streams_read_by_openai_and_vllm_clients(client: openai.OpenAI
 
 def test_vllm_api_cases(client: openai.OpenAI, server: RemoteServer, offline: LLM) -> None:
     """vLLM's Whisper server tests on this server: text endpoints are 404s (whatever the
-    body), a token cap of 1 gives one token and a huge one is capped at the model's limit.
-    (vLLM's sampling case, all filters at once, keeps only the top token on this clear
-    clip; each sampling field is seen to act in the field audit above.)"""
+    body), a token cap of 1 gives one token and a huge one is capped at the model's limit,
+    extreme sampling values change the text (on audio whose words repeat, as vLLM's clip's
+    do: with the filters this narrow only the repetition penalty can act)."""
     for call in (lambda: client.chat.completions.create(
                      model=NAME, messages=[{"role": "system", "content": "Hi."}]),
                  lambda: client.completions.create(model=NAME, prompt="Hello")):
@@ -423,6 +423,13 @@ def test_vllm_api_cases(client: openai.OpenAI, server: RemoteServer, offline: LL
     tokenizer = offline.get_tokenizer()
     assert len(tokenizer(one, add_special_tokens=False).input_ids) == 1
     assert transcribe(client, clip, extra_body={"max_completion_tokens": 10**6}).text == greedy
+    silence = np.zeros(RATE // 2, np.float32)
+    repeated = wav_bytes(np.concatenate([read_clip("sun_sky.wav"), silence] * 3))
+    sampled = transcribe(client, repeated, temperature=0.8, extra_body={
+        "seed": 42, "repetition_penalty": 1.9, "top_k": 12, "top_p": 0.4, "min_p": 0.5,
+        "frequency_penalty": 1.8, "presence_penalty": 2.0, "max_completion_tokens": 40})
+    greedy = transcribe(client, repeated, temperature=0.0, extra_body={"seed": 42}).text
+    assert sampled.text != greedy
 
 
 # ---- a multilingual model: language detection and translations -------------------------
