@@ -284,6 +284,16 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
             state.transcription.create_transcription(request, "translate"), raw_request))
 
 
+def _keep_alive_seconds() -> int:
+    """How long an idle HTTP connection stays open: vLLM's `VLLM_HTTP_TIMEOUT_KEEP_ALIVE`
+    (whole seconds, default 5)."""
+    value = os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5")
+    if not value.strip().isdigit() or int(value) < 1:
+        raise ValueError(f"VLLM_HTTP_TIMEOUT_KEEP_ALIVE must be a whole number of seconds "
+                         f">= 1, got {value!r}")
+    return int(value)
+
+
 def _add_text_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:
@@ -392,7 +402,8 @@ async def run_server(args: argparse.Namespace) -> None:
         config = uvicorn.Config(app, host=args.host, port=args.port,
                                 log_level=args.uvicorn_log_level,
                                 access_log=not args.disable_uvicorn_access_log,
-                                timeout_keep_alive=5, timeout_graceful_shutdown=5)
+                                timeout_keep_alive=_keep_alive_seconds(),
+                                timeout_graceful_shutdown=5)
         logger.info("Serving %s on http://%s:%d", names[0], args.host, args.port)
         await uvicorn.Server(config).serve()
     finally:
