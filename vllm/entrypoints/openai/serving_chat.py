@@ -213,7 +213,8 @@ class OpenAIServingChat(OpenAIServing):
         request_id = random_id("chatcmpl", request.request_id)
         if request.cache_salt is not None:
             prompt["cache_salt"] = request.cache_salt
-        stream = (await self.add_requests(request_id, [prompt], params))[0]
+        stream = (await self.add_requests(request_id, [prompt], params,
+                                          self.check_model(request.model)))[0]
         if request.stream:
             return self._stream(request, request_id, stream, tool_parser)
         output = (await self.final_outputs([stream]))[0]

@@ -160,8 +160,8 @@ class OpenAIServingCompletion(OpenAIServing):
             raise OpenAIError(str(e)) from None
         params.return_hidden_states = request.return_hidden_states
         request_id = random_id("cmpl", request.request_id)
-        streams = await self.add_requests(request_id,
-                                          [p.engine_prompt for p in prompts], params)
+        streams = await self.add_requests(request_id, [p.engine_prompt for p in prompts],
+                                          params, self.check_model(request.model))
         if request.stream:
             return self._stream(request, request_id, prompts, streams)
         outputs = await self.final_outputs(streams)

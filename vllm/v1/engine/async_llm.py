@@ -299,6 +299,18 @@ class AsyncLLM:
     async def reset_prefix_cache(self) -> bool:
         return await self.engine_core.reset_prefix_cache_async()
 
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Checks an adapter here (a ValueError if bad) and loads it into every engine
+        core's workers ahead of its requests."""
+        self.processor.check_lora(lora_request)
+        lora = lora_request
+        await self.call_engines("add_lora", lora.lora_name, lora.lora_int_id, lora.lora_path,
+                                lora.base_model_name)
+        return True
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return any(await self.call_engines("remove_lora", lora_int_id))
+
     async def get_scheduler_stats(self) -> list[dict[str, Any]]:
         """Running/waiting requests and KV usage of each live engine core, asked now."""
         return await self.call_engines("get_scheduler_stats")

@@ -65,7 +65,7 @@ class Processor:
                        ) -> tuple[EngineCoreRequest, ParsedPrompt]:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"Expected SamplingParams, got {type(params).__name__}.")
-        self._check_lora(lora_request)
+        self.check_lora(lora_request)
         encoder_input = None
         if self.model_config.is_encoder_decoder:
             parsed, encoder_input = self._process_encoder_decoder(prompt)
@@ -115,7 +115,7 @@ class Processor:
             return request, parsed._replace(prompt_segments=None)
         return request, parsed._replace(prompt_token_ids=token_ids, prompt_embeds=embeds)
 
-    def _check_lora(self, lora_request: LoRARequest | None) -> None:
+    def check_lora(self, lora_request: LoRARequest | None) -> None:
         """A request's adapter: LoRA must be on, and the adapter fit the base model (rank,
         targets, shapes; see `vllm.lora.peft.check_adapter`)."""
         if lora_request is None:
