@@ -203,8 +203,9 @@ def test_manager_slots_lru_and_layer_product(tiny_llama_dir: str, llama_loras) -
     assert config.lora_config is not None
     model = get_model(config.model_config, get_attn_backend(None), torch.device("cpu"))
     base_qkv = model.layers[0].self_attn.qkv_proj  # type: ignore[attr-defined]
-    manager = LoRAModelManager(cast(torch.nn.Module, model), config.lora_config, config.model_config.hf_config, 16,
-                               torch.device("cpu"), torch.float32)
+    manager = LoRAModelManager(cast(torch.nn.Module, model), config.lora_config,
+                               config.model_config.hf_config, 16, torch.device("cpu"),
+                               torch.float32)
     assert len(manager.layers) == 2 * 4  # qkv, o, gate_up, down per layer
     a1, a2, a3, a4 = (llama_loras[n] for n in SPECS)
     manager.set_step([a1, None, a2], np.array([2, 1, 3]))
