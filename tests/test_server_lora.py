@@ -86,6 +86,7 @@ def test_adapter_by_model_name_matches_offline(client: openai.OpenAI, offline: L
         out = client.completions.create(model=model, prompt=text, max_tokens=8,
                                         temperature=0.0)
         assert out.choices[0].text == expected, model
+        assert out.model == model  # the adapter's name, as vLLM replies
     base_text = _offline(offline, [text], None)[0].text
     assert _offline(offline, [text], alpha)[0].text != base_text  # the adapter matters
     # Chat, streamed, through the other adapter.

@@ -225,8 +225,8 @@ class OpenAIServingChat(OpenAIServing):
                           completion_tokens=completion_tokens,
                           total_tokens=output.num_prompt_tokens + completion_tokens,
                           prompt_tokens_details=cached_tokens_usage([output]))
-        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                      usage=usage)
+        return ChatCompletionResponse(id=request_id, model=self.response_model(request.model),
+                                      choices=choices, usage=usage)
 
     async def _segments_prompt(self, request: ChatCompletionRequest, text: str, parts: EmbedsParts,
                                lease: EmbedsLease) -> tuple[dict[str, Any], int]:
@@ -300,8 +300,9 @@ class OpenAIServingChat(OpenAIServing):
 
         def chunk(choices: list[ChatCompletionResponseStreamChoice],
                   usage: UsageInfo | None = None) -> str:
-            return sse(ChatCompletionStreamResponse(id=request_id, model=self.model_name,
-                                                    choices=choices, usage=usage))
+            return sse(ChatCompletionStreamResponse(
+                id=request_id, model=self.response_model(request.model), choices=choices,
+                usage=usage))
 
         usage = UsageInfo()
         try:

@@ -156,6 +156,12 @@ class OpenAIServing:
             raise OpenAIError(f"The model `{model}` does not exist.", "NotFoundError", 404)
         return lora
 
+    def response_model(self, model: str | None) -> str:
+        """The `model` a reply names: the adapter a request ran with, else the model's."""
+        loras = self.options.loras
+        lora = loras.resolve(model) if loras is not None and model else None
+        return self.model_name if lora is None else lora.lora_name
+
     def require_tokenizer(self) -> Any:
         if self.tokenizer is None:
             raise OpenAIError("This endpoint needs a tokenizer (skip_tokenizer_init is set).")
