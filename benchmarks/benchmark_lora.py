@@ -76,7 +76,7 @@ def run(llm: LLM, prompts: list[str], params: SamplingParams,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("model", nargs="?", default=None)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--adapters", type=int, default=4)
