@@ -95,6 +95,22 @@ def test_mixed_batch_of_four_adapters_and_base_equals_merged_peft(
     assert refs[0].token_ids != base_ref.token_ids
 
 
+def test_tensor_parallel_shards_adapters_like_their_layers(tiny_llama_dir: str,
+                                                          llama_loras) -> None:
+    """Two ranks: A and B sliced with their layers (q/k/v and gate/up parts by rows, o and
+    down by input columns with the partial x A^T all-reduced), equal to the merged model."""
+    llm = LLM(tiny_llama_dir, dtype="float32", tensor_parallel_size=2, enable_lora=True,
+              max_loras=2, max_lora_rank=8, enforce_eager=True, max_model_len=128,
+              kv_cache_memory_bytes=8 * 2**20)
+    loras = [llama_loras["all8"], llama_loras["qdown4_rs"], None]
+    prompts = [[5, 6, 7, 8, 9], [20, 21, 22], [30, 31, 32, 33]]
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=1)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                           lora_request=loras, use_tqdm=False)
+    assert_identical_greedy(outputs, [_reference(tiny_llama_dir, lora, p, 8)
+                                      for lora, p in zip(loras, prompts)])
+
+
 def test_bad_adapters_are_clear_errors(tiny_llama_dir: str, llama_loras, llama_llm: LLM,
                                        tmp_path) -> None:
     params = SamplingParams(max_tokens=2)
