@@ -154,6 +154,17 @@ def _renamed_adapter(source: str, target: str, old: str, new: str) -> str:
     return target
 
 
+def test_structured_output_with_an_adapter(llama_loras, llama_llm: LLM) -> None:
+    from vllm.sampling_params import StructuredOutputsParams
+
+    choices = ["the quick fox", "a lazy dog"]
+    params = SamplingParams(max_tokens=16, temperature=0.0,
+                            structured_outputs=StructuredOutputsParams(choice=choices))
+    outputs = llama_llm.generate(["hello there", "once upon"], params, use_tqdm=False,
+                                 lora_request=[llama_loras["all8"], llama_loras["kvo2"]])
+    assert all(o.outputs[0].text in choices for o in outputs)
+
+
 def test_lora_off_refuses_an_adapter(tiny_llama_dir: str, llama_loras) -> None:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.processor import Processor
