@@ -404,7 +404,10 @@ async def run_server(args: argparse.Namespace) -> None:
                                        vllm_config.parallel_config.data_parallel_size)
         engine = AsyncLLM(vllm_config, stat_loggers=[metrics])
     try:
-        if not args.pipeline and args.enable_lora:
+        if args.pipeline and (args.enable_lora or args.lora_modules):
+            raise ValueError("--enable-lora / --lora-modules serve one model, not a "
+                             "--pipeline.")
+        if args.enable_lora:
             assert isinstance(engine, AsyncLLM)
             loras = await _served_loras(engine, names[0], args.lora_modules or [])
         elif args.lora_modules:
