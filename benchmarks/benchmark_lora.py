@@ -105,13 +105,16 @@ def main() -> None:
     }
     for llm, loras in cases.values():  # warm-up: adapters loaded, graphs and caches hot
         run(llm, prompts[:8], params, loras[:8])
-    best = dict.fromkeys(cases, 0.0)
-    for _ in range(args.repeats):
-        for name, (llm, loras) in cases.items():
-            best[name] = max(best[name], run(llm, prompts, params, loras))
-    base = best["base (LoRA off)"]
     print(f"{n} requests x {args.max_tokens} tokens, rank-{args.rank} adapters on all "
-          f"projections, dtype {lora_llm.llm_engine.vllm_config.model_config.dtype}")
+          f"projections, dtype {lora_llm.llm_engine.vllm_config.model_config.dtype}",
+          flush=True)
+    best = dict.fromkeys(cases, 0.0)
+    for repeat in range(args.repeats):
+        for name, (llm, loras) in cases.items():
+            rate = run(llm, prompts, params, loras)
+            best[name] = max(best[name], rate)
+            print(f"  repeat {repeat}: {name:<18} {rate:8.1f} output tok/s", flush=True)
+    base = best["base (LoRA off)"]
     for name, rate in best.items():
         print(f"  {name:<18} {rate:8.1f} output tok/s   {rate / base:5.2f}x base")
 
