@@ -31,11 +31,13 @@ from vllm.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
     TranscriptionRequest,
+    UnloadLoRAAdapterRequest,
 )
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -44,6 +46,11 @@ from vllm.entrypoints.openai.serving_engine import (
     OpenAIError,
     OpenAIServing,
     ServingOptions,
+)
+from vllm.entrypoints.openai.serving_models import (
+    ServedLoRAs,
+    parse_lora_module,
+    runtime_updating_allowed,
 )
 from vllm.entrypoints.openai.serving_transcription import AudioLimits, OpenAIServingTranscription
 from vllm.pipeline.async_pipeline import AsyncPipeline
@@ -63,6 +70,7 @@ class ServerState:
     chat: OpenAIServingChat
     transcription: OpenAIServingTranscription
     base: OpenAIServing  # model checks and tokenizer for /tokenize, /detokenize
+    loras: ServedLoRAs | None = None  # with --enable-lora
 
     @classmethod
     def create(cls, engine: AsyncLLM | AsyncPipeline, served_model_names: list[str],
@@ -73,7 +81,8 @@ class ServerState:
                    OpenAIServingChat(engine, served_model_names, options, completion.embeds),
                    OpenAIServingTranscription(engine, served_model_names, audio_limits,
                                               metrics),
-                   OpenAIServing(engine, served_model_names, options))
+                   OpenAIServing(engine, served_model_names, options),
+                   options.loras if options is not None else None)
 
     @property
     def max_request_body_bytes(self) -> int:
@@ -217,6 +226,8 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     _add_info_routes(app, state)
+    if state.loras is not None and runtime_updating_allowed():
+        _add_lora_routes(app, state)
     _add_generation_routes(app, state)
     _add_tokenizer_routes(app, state)
     return app
@@ -262,7 +273,40 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
         mc = state.engine.vllm_config.model_config
         cards = [ModelCard(id=name, root=mc.model, max_model_len=mc.max_model_len)
                  for name in state.served_model_names]
+        if state.loras is not None:
+            cards += state.loras.cards(mc.max_model_len)
         return ModelList(data=cards).model_dump()
+
+
+def _add_lora_routes(app: FastAPI, state: ServerState) -> None:
+    """`/v1/load_lora_adapter` and `/v1/unload_lora_adapter` (vLLM's bodies and replies;
+    only with VLLM_ALLOW_RUNTIME_LORA_UPDATING set and LoRA enabled)."""
+    loras = state.loras
+    engine = state.engine
+    assert loras is not None and isinstance(engine, AsyncLLM)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> Response:
+        lora = loras.make_request(request.lora_name, request.lora_path)
+        try:
+            await engine.add_lora(lora)
+        except (ValueError, RuntimeError) as e:
+            raise OpenAIError(str(e)) from None
+        loras.add(lora)
+        return PlainTextResponse(f"Success: LoRA adapter '{lora.lora_name}' added "
+                                 "successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> Response:
+        known = loras.resolve(request.lora_name)
+        if (known is not None and request.lora_int_id is not None
+                and request.lora_int_id != known.lora_int_id):
+            raise OpenAIError(f"lora_int_id {request.lora_int_id} is not the id of the lora "
+                              f"adapter '{request.lora_name}' ({known.lora_int_id}).")
+        lora = loras.remove(request.lora_name)
+        await engine.remove_lora(lora.lora_int_id)
+        return PlainTextResponse(f"Success: LoRA adapter '{lora.lora_name}' removed "
+                                 "successfully.")
 
 
 def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
@@ -383,9 +427,7 @@ async def run_server(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGINT, _exit_on_signal)
     signal.signal(signal.SIGTERM, _exit_on_signal)
     audio_limits = audio_limits_from_namespace(args)
-    options = ServingOptions(args.max_prompt_embeds_bytes_in_flight,
-                             args.trust_request_chat_template, chat_template_of(args),
-                             tool_parser_of(args))
+    loras = None
     if args.pipeline:
         engine, names, metrics = _start_pipeline(args)
     else:
@@ -397,6 +439,17 @@ async def run_server(args: argparse.Namespace) -> None:
                                        vllm_config.parallel_config.data_parallel_size)
         engine = AsyncLLM(vllm_config, stat_loggers=[metrics])
     try:
+        if args.pipeline and (args.enable_lora or args.lora_modules):
+            raise ValueError("--enable-lora / --lora-modules serve one model, not a "
+                             "--pipeline.")
+        if args.enable_lora:
+            assert isinstance(engine, AsyncLLM)
+            loras = await _served_loras(engine, names[0], args.lora_modules or [])
+        elif args.lora_modules:
+            raise ValueError("--lora-modules needs --enable-lora.")
+        options = ServingOptions(args.max_prompt_embeds_bytes_in_flight,
+                                 args.trust_request_chat_template, chat_template_of(args),
+                                 tool_parser_of(args), loras)
         state = ServerState.create(engine, names, metrics, audio_limits, options)
         app = build_app(state, args.api_key)
         config = uvicorn.Config(app, host=args.host, port=args.port,
@@ -409,6 +462,17 @@ async def run_server(args: argparse.Namespace) -> None:
     finally:
         engine.shutdown()
         logger.info("Engine stopped; server shut down.")
+
+
+async def _served_loras(engine: AsyncLLM, base_name: str, modules: list[str]) -> ServedLoRAs:
+    """The `--lora-modules` adapters, each checked and loaded before the server starts."""
+    loras = ServedLoRAs(base_name)
+    for text in modules:
+        lora = loras.make_request(*parse_lora_module(text))
+        await engine.add_lora(lora)
+        loras.add(lora)
+        logger.info("Serving LoRA adapter %s from %s.", lora.lora_name, lora.lora_path)
+    return loras
 
 
 def _start_pipeline(args: argparse.Namespace

@@ -40,6 +40,20 @@ class ModelCard(OpenAIBaseModel):
     max_model_len: int | None = None
 
 
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    """`/v1/load_lora_adapter` (vLLM's body)."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    """`/v1/unload_lora_adapter` (vLLM's body; an id, if given, must be the adapter's)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 class ModelList(OpenAIBaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard] = Field(default_factory=list)
