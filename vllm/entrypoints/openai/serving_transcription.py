@@ -15,8 +15,8 @@ instead of `<|notimestamps|>`) and read segments from them, as OpenAI's Whisper 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
-import zlib
 from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,6 +24,17 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
+from vllm.entrypoints.longform import (
+    DecodeSetup,
+    EngineRequest,
+    LongSegment,
+    WindowDecoder,
+    collect,
+    decode_async,
+    no_speech_token_id,
+    plan_windows,
+    temperatures_for,
+)
 from vllm.entrypoints.openai.protocol import (
     DeltaMessage,
     TranscriptionRequest,
@@ -46,13 +57,13 @@ from vllm.entrypoints.openai.serving_engine import (
 from vllm.inputs.audio import SAMPLE_RATE
 from vllm.inputs.audio_file import AudioWindow, decode_audio_file, is_silent, split_windows
 from vllm.inputs.encoder_decoder import is_multilingual_whisper
+from vllm.inputs.vad import WindowMap
 from vllm.inputs.whisper import (
     WhisperTokens,
     decoder_prompt,
     join_texts,
     language_code,
     language_name,
-    timed_segments,
     window_prompt,
 )
 from vllm.outputs import RequestOutput
@@ -92,6 +103,11 @@ class Job(NamedTuple):
     streams: list[RequestStream | None]
 
 
+def _decode_and_plan(data: bytes, max_seconds: float) -> tuple[np.ndarray, list[WindowMap]]:
+    waveform = decode_audio_file(data, max_seconds)
+    return waveform, plan_windows(waveform)
+
+
 def decode_upload(data: bytes, max_seconds: float) -> DecodedUpload:
     waveform = decode_audio_file(data, max_seconds)
     windows = split_windows(waveform)
@@ -118,23 +134,63 @@ class OpenAIServingTranscription(OpenAIServing):
                                    ) -> Any:
         """A response model, plain text, or an SSE generator; raises OpenAIError."""
         arrival = time.monotonic()
+        if not request.stream:
+            return await self._transcribe_long_form(request, task, arrival)
         try:
             job = await self._submit(request, task)
         except OpenAIError:
             self._record(task, False, 0.0, arrival)
             raise
-        if request.stream:
-            return self._stream(job, arrival)
+        return self._stream(job, arrival)
+
+    async def _transcribe_long_form(self, request: TranscriptionRequest, task: Task,
+                                    arrival: float) -> Any:
+        """The whole file through the long-form pipeline (vllm/entrypoints/longform.py):
+        speech windows of this and every other request share the engine."""
+        ok, seconds = False, 0.0
         try:
-            outputs = await self.final_outputs([s for s in job.streams if s is not None])
-        except BaseException:
-            self._record(task, False, 0.0, arrival)
-            raise
-        results = iter(outputs)
-        window_outputs = [None if s is None else next(results) for s in job.streams]
-        response = self._response(job, window_outputs)
-        self._record(task, True, job.upload.duration, arrival)
-        return response
+            self.check_model(request.model)
+            language = self._check_request(request, task)
+            data = await self._read_file(request)
+            loop = asyncio.get_running_loop()
+            try:
+                waveform, windows = await loop.run_in_executor(
+                    self._audio_pool, _decode_and_plan, data, self.limits.max_seconds)
+            except ValueError as e:
+                raise OpenAIError(str(e)) from None
+            setup = await self._long_form_setup(request, task, language)
+            request_id = random_id("trsc" if task == "transcribe" else "trsl")
+            numbers = itertools.count()
+
+            async def generate(requests: list[EngineRequest]) -> list[RequestOutput]:
+                streams = [(await self.add_requests(f"{request_id}-{next(numbers)}",
+                                                    [prompt], params))[0]
+                           for prompt, params in requests]
+                return await self.final_outputs(streams)
+
+            decoders = [WindowDecoder(waveform, w, setup) for w in windows]
+            await decode_async(decoders, generate)
+            seconds = waveform.shape[0] / SAMPLE_RATE
+            response = self._long_form_response(request, task, language or "en", seconds,
+                                                collect(decoders))
+            ok = True
+            return response
+        finally:
+            self._record(task, ok, seconds if ok else 0.0, arrival)
+
+    async def _long_form_setup(self, request: TranscriptionRequest, task: Task,
+                               language: str | None) -> DecodeSetup:
+        previous = request.prompt.strip()
+        previous_ids = (await self.tokenize(" " + previous, add_special_tokens=False)
+                        if previous else [])
+        prompt_ids = decoder_prompt(
+            self.tokenizer, self.model_config.hf_config, language=language, task=task,
+            previous_text_ids=previous_ids, max_model_len=self.max_model_len, timestamps=True)
+        assert self.tokens is not None  # _check_request refused the request otherwise
+        return DecodeSetup(self.tokenizer, self.tokens, prompt_ids,
+                           self._sampling_params(request, len(prompt_ids)),
+                           temperatures_for(request.temperature),
+                           no_speech_token_id(self.tokenizer))
 
     # ---- checks and submission ----------------------------------------------------------
 
@@ -219,42 +275,26 @@ class OpenAIServingTranscription(OpenAIServing):
 
     # ---- answers --------------------------------------------------------------------
 
-    def _response(self, job: Job, outputs: list[RequestOutput | None]) -> Any:
-        upload, fmt = job.upload, job.request.response_format
-        usage = TranscriptionUsage(seconds=int(np.ceil(upload.duration)))
+    def _long_form_response(self, request: TranscriptionRequest, task: Task, language: str,
+                            duration: float, segments: list[LongSegment]) -> Any:
+        fmt = request.response_format
+        texts = [self.tokenizer.decode(s.token_ids) for s in segments]
+        usage = TranscriptionUsage(seconds=int(np.ceil(duration)))
         if fmt in ("json", "text"):
-            text = join_texts([o.outputs[0].text if o else "" for o in outputs])
+            text = join_texts(texts)
             return text if fmt == "text" else TranscriptionResponse(text=text, usage=usage)
-        segments = self._segments(job, outputs)
+        answer = [TranscriptionSegment(
+            id=i, seek=s.seek, start=round(s.start, 3), end=round(s.end, 3), text=text,
+            tokens=s.token_ids, temperature=s.temperature, avg_logprob=s.avg_logprob,
+            compression_ratio=s.compression_ratio, no_speech_prob=s.no_speech_prob)
+            for i, (s, text) in enumerate(zip(segments, texts))]
         if fmt == "srt":
-            return subtitles(segments, srt=True)
+            return subtitles(answer, srt=True)
         if fmt == "vtt":
-            return subtitles(segments, srt=False)
+            return subtitles(answer, srt=False)
         return TranscriptionResponseVerbose(
-            task=job.task, language=language_name(job.language), duration=upload.duration,
-            text=join_texts([s.text for s in segments]), segments=segments, usage=usage)
-
-    def _segments(self, job: Job, outputs: list[RequestOutput | None]
-                  ) -> list[TranscriptionSegment]:
-        segments: list[TranscriptionSegment] = []
-        tokens = self.tokens
-        assert tokens is not None  # _check_request refused the request otherwise
-        for window, output in zip(job.upload.windows, outputs):
-            if output is None:
-                continue
-            completion = output.outputs[0]
-            logprobs = _sampled_logprobs(completion.token_ids, completion.logprobs)
-            for seg in timed_segments(completion.token_ids, tokens, window.seconds,
-                                      logprobs):
-                text = self.tokenizer.decode(seg.token_ids)
-                segments.append(TranscriptionSegment(
-                    id=len(segments), seek=window.start * _FRAMES_PER_SECOND // SAMPLE_RATE,
-                    start=round(window.start_seconds + seg.start, 3),
-                    end=round(window.start_seconds + seg.end, 3), text=text,
-                    tokens=seg.token_ids, temperature=job.request.temperature,
-                    avg_logprob=float(np.mean(seg.logprobs)),
-                    compression_ratio=compression_ratio(text), no_speech_prob=0.0))
-        return segments
+            task=task, language=language_name(language), duration=duration,
+            text=join_texts(texts), segments=answer, usage=usage)
 
     async def _stream(self, job: Job, arrival: float) -> AsyncGenerator[str, None]:
         """Text deltas in window order: window i streams live while later windows' outputs
@@ -304,18 +344,6 @@ class OpenAIServingTranscription(OpenAIServing):
                 self.engine.abort_nowait(unfinished)
             self._record(job.task, ok, job.upload.duration if ok else 0.0, arrival)
         yield "data: [DONE]\n\n"
-
-
-def _sampled_logprobs(token_ids: list[int], logprobs: Any) -> list[float]:
-    if not logprobs:
-        return [0.0] * len(token_ids)
-    return [entry[token].logprob for token, entry in zip(token_ids, logprobs)]
-
-
-def compression_ratio(text: str) -> float:
-    """Whisper's repetition measure: text bytes over their zlib-compressed size."""
-    data = text.encode("utf-8")
-    return len(data) / len(zlib.compress(data)) if data else 0.0
 
 
 def subtitles(segments: list[TranscriptionSegment], srt: bool) -> str:
