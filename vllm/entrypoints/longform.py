@@ -29,10 +29,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from vllm.entrypoints.word_alignment import WordTiming, snap_to_pauses, split_words
 from vllm.inputs.audio import SAMPLE_RATE
 from vllm.inputs.audio_file import quietest_point
 from vllm.inputs.encoder_decoder import special_token_id
-from vllm.inputs.vad import Piece, WindowMap, pack_windows, speech_regions
+from vllm.inputs.vad import FRAME, Piece, WindowMap, pack_windows, speech_frames, speech_regions
 from vllm.inputs.whisper import TIME_PRECISION, WhisperTokens, timed_segments
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
@@ -113,6 +114,13 @@ class DecodeSetup:
         step is where OpenAI reads the no-speech probability."""
         end = self.prompt_ids.index(self.tokens.start_of_transcript) + 1
         return self.prompt_ids[:end]
+
+
+def make_setup(tokenizer: Any, prompt_ids: list[int], params: SamplingParams) -> DecodeSetup:
+    """The setup of one transcription: its timestamped prompt (`decoder_prompt(...,
+    timestamps=True)`), the fallback ladder of `params.temperature`, the no-speech token."""
+    return DecodeSetup(tokenizer, WhisperTokens.from_tokenizer(tokenizer), prompt_ids, params,
+                       temperatures_for(params.temperature), no_speech_token_id(tokenizer))
 
 
 class _Attempt(NamedTuple):
@@ -336,3 +344,35 @@ def transcribe_offline(llm: Any, waveforms: list[np.ndarray], setup: DecodeSetup
 
     decode_rounds([d for file in decoders for d in file], generate)
     return [collect(file) for file in decoders]
+
+
+def word_timings(aligner: Any, waveform: np.ndarray, segments: list[LongSegment],
+                 setup: DecodeSetup) -> list[list[WordTiming]]:
+    """Each segment's words (see word_alignment.py) in the file's clock: one alignment pass
+    per decoded window; boundaries snapped to the VAD's pauses, each word kept inside its
+    segment."""
+    tokens = setup.tokens
+    start = setup.prompt_ids.index(tokens.start_of_transcript)
+    prefix = [*setup.prompt_ids[start:-1], tokens.no_timestamps]
+    loud = speech_frames(waveform)
+    words: list[list[WordTiming]] = [[] for _ in segments]
+    index = 0
+    while index < len(segments):  # the segments of one window are consecutive
+        window = segments[index].window
+        group = [index]
+        while group[-1] + 1 < len(segments) and segments[group[-1] + 1].window is window:
+            group.append(group[-1] + 1)
+        index = group[-1] + 1
+        text_ids = [t for i in group for t in segments[i].token_ids]
+        owners = [i for i in group for _ in segments[i].token_ids]  # token -> its segment
+        timings = aligner.words(window.audio(waveform), prefix, text_ids, tokens.end_of_text)
+        in_file = [WordTiming(t.word, window.file_seconds(t.start),
+                              window.file_seconds(t.end, end=True)) for t in timings]
+        in_file = snap_to_pauses(in_file, loud, FRAME / SAMPLE_RATE)
+        _, bounds = split_words(setup.tokenizer, text_ids)
+        for timing, (first, _) in zip(in_file, bounds):
+            seg = segments[owners[first]]
+            lo = min(max(timing.start, seg.start), seg.end)
+            words[owners[first]].append(WordTiming(timing.word, lo,
+                                                   min(max(timing.end, lo), seg.end)))
+    return words

@@ -40,8 +40,8 @@ class Piece(NamedTuple):
     end: int  # one past the last
 
 
-def speech_regions(waveform: np.ndarray) -> list[Piece]:
-    """Padded speech regions of `waveform`, in order, non-overlapping; [] for silence.
+def speech_frames(waveform: np.ndarray) -> np.ndarray:
+    """[ceil(num_samples / FRAME)] bool: the 20 ms frames loud enough to be speech.
 
     The noise floor is the 10th percentile of frame levels; the threshold is the floor plus
     SPEECH_OVER_FLOOR_DB, capped at the loudest frame minus MAX_BELOW_PEAK_DB and never
@@ -50,7 +50,7 @@ def speech_regions(waveform: np.ndarray) -> list[Piece]:
     """
     num_frames = waveform.shape[0] // FRAME + (waveform.shape[0] % FRAME > 0)
     if num_frames == 0:
-        return []
+        return np.zeros(0, bool)
     padded = np.zeros(num_frames * FRAME, np.float64)
     padded[:waveform.shape[0]] = waveform
     power = (padded.reshape(num_frames, FRAME) ** 2).mean(axis=1)
@@ -58,8 +58,13 @@ def speech_regions(waveform: np.ndarray) -> list[Piece]:
     floor, peak = float(np.percentile(level, 10)), float(level.max())
     threshold = max(min(floor + SPEECH_OVER_FLOOR_DB, peak - MAX_BELOW_PEAK_DB),
                     ABSOLUTE_FLOOR_DB)
-    loud = level > threshold
-    regions = _runs(loud, FRAME)
+    return level > threshold
+
+
+def speech_regions(waveform: np.ndarray) -> list[Piece]:
+    """Padded speech regions of `waveform` (runs of `speech_frames`, gaps under MIN_GAP
+    merged, runs under MIN_SPEECH dropped), in order, non-overlapping; [] for silence."""
+    regions = _runs(speech_frames(waveform), FRAME)
     regions = _merge_close(regions, MIN_GAP)
     regions = [r for r in regions if r.end - r.start >= MIN_SPEECH]
     total = waveform.shape[0]

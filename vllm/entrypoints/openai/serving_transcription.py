@@ -31,9 +31,9 @@ from vllm.entrypoints.longform import (
     WindowDecoder,
     collect,
     decode_async,
-    no_speech_token_id,
+    make_setup,
     plan_windows,
-    temperatures_for,
+    word_timings,
 )
 from vllm.entrypoints.openai.protocol import (
     DeltaMessage,
@@ -44,6 +44,7 @@ from vllm.entrypoints.openai.protocol import (
     TranscriptionStreamChoice,
     TranscriptionStreamResponse,
     TranscriptionUsage,
+    TranscriptionWord,
     UsageInfo,
 )
 from vllm.entrypoints.openai.serving_engine import (
@@ -54,6 +55,7 @@ from vllm.entrypoints.openai.serving_engine import (
     sse,
     stream_error,
 )
+from vllm.entrypoints.word_alignment import WhisperAligner
 from vllm.inputs.audio import SAMPLE_RATE
 from vllm.inputs.audio_file import AudioWindow, decode_audio_file, is_silent, split_windows
 from vllm.inputs.encoder_decoder import is_multilingual_whisper
@@ -129,6 +131,8 @@ class OpenAIServingTranscription(OpenAIServing):
         self.tokens = (WhisperTokens.from_tokenizer(self.tokenizer)
                        if self.is_whisper and self.tokenizer is not None else None)
         self._audio_pool = ThreadPoolExecutor(2, thread_name_prefix="audio-decode")
+        self._aligner: WhisperAligner | None = None  # for word timestamps, loaded on first use
+        self._aligner_lock = asyncio.Lock()
 
     async def create_transcription(self, request: TranscriptionRequest, task: Task
                                    ) -> Any:
@@ -171,8 +175,11 @@ class OpenAIServingTranscription(OpenAIServing):
             decoders = [WindowDecoder(waveform, w, setup) for w in windows]
             await decode_async(decoders, generate)
             seconds = waveform.shape[0] / SAMPLE_RATE
+            segments = collect(decoders)
+            words = (await self._word_timings(waveform, segments, setup)
+                     if "word" in request.timestamp_granularities else None)
             response = self._long_form_response(request, task, language or "en", seconds,
-                                                collect(decoders))
+                                                segments, words)
             ok = True
             return response
         finally:
@@ -186,11 +193,8 @@ class OpenAIServingTranscription(OpenAIServing):
         prompt_ids = decoder_prompt(
             self.tokenizer, self.model_config.hf_config, language=language, task=task,
             previous_text_ids=previous_ids, max_model_len=self.max_model_len, timestamps=True)
-        assert self.tokens is not None  # _check_request refused the request otherwise
-        return DecodeSetup(self.tokenizer, self.tokens, prompt_ids,
-                           self._sampling_params(request, len(prompt_ids)),
-                           temperatures_for(request.temperature),
-                           no_speech_token_id(self.tokenizer))
+        return make_setup(self.tokenizer, prompt_ids,
+                          self._sampling_params(request, len(prompt_ids)))
 
     # ---- checks and submission ----------------------------------------------------------
 
@@ -234,10 +238,13 @@ class OpenAIServingTranscription(OpenAIServing):
         if request.stream and request.response_format not in ("json", "text"):
             raise OpenAIError("stream is supported with response_format json or text, not "
                               f"{request.response_format}.")
-        granularities = [g for g in request.timestamp_granularities if g != "segment"]
-        if granularities:
-            raise OpenAIError(f"timestamp_granularities {granularities} are not supported; "
-                              "segment timestamps come with response_format verbose_json.")
+        unknown = [g for g in request.timestamp_granularities if g not in ("segment", "word")]
+        if unknown:
+            raise OpenAIError(f"timestamp_granularities {unknown} are not supported: give "
+                              "'segment' and/or 'word'.")
+        if request.timestamp_granularities and request.response_format != "verbose_json":
+            raise OpenAIError("timestamp_granularities need response_format verbose_json, "
+                              f"not {request.response_format}.")
         try:
             return language_code(request.language, self.model_config.hf_config)
         except ValueError as e:
@@ -275,8 +282,24 @@ class OpenAIServingTranscription(OpenAIServing):
 
     # ---- answers --------------------------------------------------------------------
 
+    async def _word_timings(self, waveform: np.ndarray, segments: list[LongSegment],
+                            setup: DecodeSetup) -> list[TranscriptionWord]:
+        """Word timings from a second pass (word_alignment.py) off the event loop; its model
+        is loaded on the first request that asks for words."""
+        loop = asyncio.get_running_loop()
+        async with self._aligner_lock:
+            if self._aligner is None:
+                self._aligner = await loop.run_in_executor(
+                    self._audio_pool, WhisperAligner.from_model_dir, self.model_config.model,
+                    self.tokenizer)
+        per_segment = await loop.run_in_executor(self._audio_pool, word_timings,
+                                                 self._aligner, waveform, segments, setup)
+        return [TranscriptionWord(word=w.word.strip(), start=round(w.start, 3),
+                                  end=round(w.end, 3)) for ws in per_segment for w in ws]
+
     def _long_form_response(self, request: TranscriptionRequest, task: Task, language: str,
-                            duration: float, segments: list[LongSegment]) -> Any:
+                            duration: float, segments: list[LongSegment],
+                            words: list[TranscriptionWord] | None) -> Any:
         fmt = request.response_format
         texts = [self.tokenizer.decode(s.token_ids) for s in segments]
         usage = TranscriptionUsage(seconds=int(np.ceil(duration)))
@@ -294,7 +317,7 @@ class OpenAIServingTranscription(OpenAIServing):
             return subtitles(answer, srt=False)
         return TranscriptionResponseVerbose(
             task=task, language=language_name(language), duration=duration,
-            text=join_texts(texts), segments=answer, usage=usage)
+            text=join_texts(texts), segments=answer, words=words, usage=usage)
 
     async def _stream(self, job: Job, arrival: float) -> AsyncGenerator[str, None]:
         """Text deltas in window order: window i streams live while later windows' outputs
