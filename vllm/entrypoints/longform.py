@@ -42,6 +42,8 @@ FALLBACK_TEMPERATURES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 _MAX_RESEEKS = 16  # per window; every re-seek moves forward by at least one timestamp step
 _FRAMES_PER_SECOND = 100  # Whisper's `seek` counts 10 ms mel frames
 _PROBE_LOGPROBS = 20
+# Fast speech is ~4 tokens a second with timestamps: a window never needs more than this.
+_TOKENS_BASE, _TOKENS_PER_SECOND = 16, 7.0
 # A failing window at least this long is split in two before any temperature fallback.
 _MIN_SPLIT_SECONDS = 8.0
 
@@ -160,7 +162,8 @@ class WindowDecoder:
         temperature = setup.temperatures[self._temperature_index]
         audio = {"audio": (self.window.audio(self.waveform), SAMPLE_RATE)}
         encoder_prompt = {"prompt": "", "multi_modal_data": audio}
-        params = dataclasses.replace(setup.params, temperature=temperature, logprobs=0)
+        params = dataclasses.replace(setup.params, temperature=temperature, logprobs=0,
+                                     max_tokens=self._max_tokens())
         requests = [({"encoder_prompt": encoder_prompt,
                       "decoder_prompt": {"prompt_token_ids": setup.prompt_ids}}, params)]
         if self._no_speech_prob is None and setup.no_speech_id is not None:
@@ -169,6 +172,12 @@ class WindowDecoder:
                               "decoder_prompt": {"prompt_token_ids": setup.probe_prompt()}},
                              probe))
         return requests
+
+    def _max_tokens(self) -> int:
+        """The caller's cap, lowered to what speech of this length can need, so that a
+        window caught in a loop stops early (a cut-off text re-seeks, so none is lost)."""
+        cap = int(_TOKENS_BASE + _TOKENS_PER_SECOND * self.window.seconds)
+        return min(self.setup.params.max_tokens or cap, cap)
 
     def feed(self, outputs: list[RequestOutput]) -> None:
         """The finished outputs of `requests()`, in its order."""

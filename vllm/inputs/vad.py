@@ -33,6 +33,9 @@ SPEECH_OVER_FLOOR_DB = 12.0  # a frame is speech this far above the noise floor
 MAX_BELOW_PEAK_DB = 35.0  # ... and the threshold never rises above the peak minus this
 ABSOLUTE_FLOOR_DB = -60.0  # frames below this (dBFS) are never speech
 WINDOW_SAMPLES = int(MAX_AUDIO_SECONDS * SAMPLE_RATE)
+# Regions further apart than this start a new window: the model's timestamps then place the
+# text on the right side of a long pause (tiny models often write one segment per window).
+MAX_JOINED_GAP = int(3.0 * SAMPLE_RATE)
 
 
 class Piece(NamedTuple):
@@ -91,11 +94,14 @@ def _merge_close(regions: list[Piece], gap: int) -> list[Piece]:
 
 
 def pack_windows(waveform: np.ndarray, regions: list[Piece],
-                 window: int = WINDOW_SAMPLES) -> list[list[Piece]]:
-    """Regions packed in order into windows of at most `window` samples of audio each; a
-    region longer than a window is first cut at quiet points (`split_windows`).
+                 window: int = WINDOW_SAMPLES, max_gap: int = MAX_JOINED_GAP
+                 ) -> list[list[Piece]]:
+    """Regions packed in order into windows of at most `window` samples of audio each,
+    never joining two regions more than `max_gap` apart; a region longer than a window is
+    first cut at quiet points (`split_windows`).
 
-    Example (window 30 s): regions of 10 s, 15 s, 8 s -> [[10 s, 15 s], [8 s]].
+    Example (window 30 s, regions 1 s apart): 10 s, 15 s, 8 s -> [[10 s, 15 s], [8 s]];
+    with 12 s of silence before the 15 s one -> [[10 s], [15 s, 8 s]].
     """
     pieces: list[Piece] = []
     for region in regions:
@@ -105,7 +111,8 @@ def pack_windows(waveform: np.ndarray, regions: list[Piece],
     length = 0
     for piece in pieces:
         size = piece.end - piece.start
-        if windows and length + size <= window:
+        if windows and length + size <= window \
+                and piece.start - windows[-1][-1].end <= max_gap:
             windows[-1].append(piece)
             length += size
         else:

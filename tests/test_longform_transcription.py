@@ -1,0 +1,214 @@
+"""Long-form transcription (vllm/entrypoints/longform.py) on synthesized speech (espeak-ng,
+tests/longform_audio.py) with the default Whisper tiny.en: no sentence dropped, a WER bound,
+repeated speech counted right, long silences skipped, word timings near the synthesizer's.
+
+Every file goes through one `transcribe_offline` call (all windows batched); the server runs
+the same `WindowDecoder`s (tests/test_server_transcription.py checks its formats).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.longform_audio import (
+    SENTENCES,
+    Recording,
+    mostly_silence,
+    recording,
+    silence,
+    synthesize,
+    word_clip,
+)
+from tests.wer import normalize_words, word_error_rate
+from vllm import LLM, SamplingParams
+from vllm.entrypoints.longform import (
+    LongSegment,
+    WindowDecoder,
+    make_setup,
+    plan_windows,
+    transcribe_offline,
+    word_timings,
+)
+from vllm.entrypoints.word_alignment import WhisperAligner, WordTiming, dtw, snap_to_pauses
+from vllm.inputs.vad import Piece, WindowMap, pack_windows, speech_regions
+from vllm.inputs.whisper import decoder_prompt, join_texts
+from vllm.transformers_utils.default_model import default_whisper_model_path
+
+RATE = 16_000
+WORDS = "the green garden needs water every morning before breakfast".split()
+WORD_GAPS = [0.25, 0.4, 0.2, 0.6, 0.3, 0.35, 0.5, 0.3, 0.2]
+
+
+# ---- no model: VAD, windows, clocks, DTW ----------------------------------------------
+
+
+def test_speech_regions_and_windows() -> None:
+    speech = synthesize(SENTENCES[0])
+    audio = np.concatenate([silence(1.0), speech, silence(12.0), speech, silence(0.3),
+                            speech, silence(2.0)])
+    regions = speech_regions(audio)
+    # Two regions: the 0.3 s pause stays inside speech; 0.2 s of padding on each side.
+    first = 1.0 * RATE, (1.0 + speech.shape[0] / RATE) * RATE
+    assert len(regions) == 2
+    assert abs(regions[0].start - (first[0] - 0.2 * RATE)) <= 320
+    assert abs(regions[0].end - (first[1] + 0.2 * RATE)) <= 320
+    assert speech_regions(silence(5.0)) == []
+    # Both fit one 30 s window, the 12 s pause left out, unless the gap is too long to join.
+    assert pack_windows(audio, regions, max_gap=13 * RATE) == [regions]
+    assert pack_windows(audio, regions) == [[regions[0]], [regions[1]]]
+    assert pack_windows(audio, regions, window=regions[1].end - regions[1].start,
+                        max_gap=13 * RATE) == [[regions[0]], [regions[1]]]
+
+
+def test_window_map_clock_and_reseek() -> None:
+    window = WindowMap([Piece(0, 2 * RATE), Piece(10 * RATE, 11 * RATE)])
+    assert window.seconds == 3.0
+    assert window.file_seconds(1.0) == 1.0 and window.file_seconds(2.5) == 10.5
+    assert window.file_seconds(2.0) == 10.0 and window.file_seconds(2.0, end=True) == 2.0
+    assert window.file_seconds(9.0) == 11.0  # clamped to the window
+    rest = window.after(1.5)
+    assert rest.pieces == [Piece(int(1.5 * RATE), 2 * RATE), Piece(10 * RATE, 11 * RATE)]
+    assert window.after(2.5).pieces == [Piece(int(10.5 * RATE), 11 * RATE)]
+    audio = np.arange(12 * RATE, dtype=np.float32)
+    assert np.array_equal(window.audio(audio), np.concatenate([audio[:2 * RATE],
+                                                               audio[10 * RATE:11 * RATE]]))
+
+
+def test_dtw_and_pause_snapping() -> None:
+    rows, cols = dtw(np.array([[0.0, 9.0, 9.0], [9.0, 0.0, 0.0]]))
+    assert rows.tolist() == [0, 1, 1] and cols.tolist() == [0, 1, 2]
+    rows, cols = dtw(np.array([[0.0, 0.0, 9.0, 9.0], [9.0, 9.0, 0.0, 9.0],
+                               [9.0, 9.0, 9.0, 0.0]]))
+    assert rows.tolist() == [0, 0, 1, 2] and cols.tolist() == [0, 1, 2, 3]
+    loud = np.array([0, 1, 1, 0, 0, 1, 1, 0], bool)
+    words = [WordTiming("a", 0.0, 0.45), WordTiming("b", 0.45, 0.8)]
+    snapped = snap_to_pauses(words, loud, 0.1)
+    assert [w.word for w in snapped] == ["a", "b"]
+    assert np.allclose([(w.start, w.end) for w in snapped], [(0.1, 0.3), (0.5, 0.7)])
+
+
+# ---- tiny.en end to end ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(default_whisper_model_path(), dtype="float32",
+               kv_cache_memory_bytes=512 * 2**20, seed=0)
+
+
+@pytest.fixture(scope="module")
+def setup(llm: LLM):
+    tokenizer = llm.get_tokenizer()
+    config = llm.llm_engine.vllm_config.model_config
+    prompt_ids = decoder_prompt(tokenizer, config.hf_config, language=None,
+                                task="transcribe", previous_text_ids=[], timestamps=True,
+                                max_model_len=config.max_model_len)
+    return make_setup(tokenizer, prompt_ids, SamplingParams(temperature=0, max_tokens=224))
+
+
+def _five_second_clip() -> np.ndarray:
+    speech = synthesize(SENTENCES[14])
+    return np.concatenate([speech, silence(5.0 - speech.shape[0] / RATE)])
+
+
+@pytest.fixture(scope="module")
+def recordings() -> dict[str, Recording]:
+    clip = _five_second_clip()
+    repeated = Recording(np.tile(clip, 10), [SENTENCES[14]] * 10,
+                         [(5.0 * i, 5.0 * i + 2.0) for i in range(10)])
+    return {
+        "fast, long pauses": recording([SENTENCES[i] for i in (2, 9, 20, 5, 27)],
+                                       [0.3, 12.0, 0.6, 6.0, 0.5], voice="en-us+f3",
+                                       rate=185),
+        "mostly silence": mostly_silence(40.0),
+        "repeated 10 times": repeated,
+        "28 s of silence": recording([SENTENCES[13], SENTENCES[26]], [28.0, 0.5]),
+    }
+
+
+@pytest.fixture(scope="module")
+def transcripts(llm: LLM, setup, recordings: dict[str, Recording]
+                ) -> dict[str, list[LongSegment]]:
+    results = transcribe_offline(llm, [r.samples for r in recordings.values()], setup)
+    return dict(zip(recordings, results))
+
+
+def _text(setup, segments: list[LongSegment]) -> str:
+    return join_texts([setup.tokenizer.decode(s.token_ids) for s in segments])
+
+
+def _covered(sentence: str, text: str) -> bool:
+    """Most of the sentence's words appear, in order, in the text (tiny.en mishears some)."""
+    words, heard = normalize_words(sentence), normalize_words(text)
+    found, at = 0, 0
+    for word in words:
+        if word in heard[at:]:
+            at = heard.index(word, at) + 1
+            found += 1
+    return found >= 0.6 * len(words)
+
+
+def test_no_sentence_dropped_and_wer(setup, recordings: dict[str, Recording],
+                                     transcripts: dict[str, list[LongSegment]]) -> None:
+    errors, words = 0.0, 0
+    for name, rec in recordings.items():
+        segments = transcripts[name]
+        text = _text(setup, segments)
+        # Each sentence appears in the transcript, near its place in time.
+        for sentence, (start, end) in zip(rec.sentences, rec.spans):
+            near = _text(setup, [s for s in segments if s.end > start - 2 and s.start < end + 2])
+            assert _covered(sentence, near), (name, sentence, text)
+        starts = [s.start for s in segments]
+        assert starts == sorted(starts), name
+        assert all(0.0 <= s.start <= s.end <= rec.seconds + 1e-6 for s in segments), name
+        errors += word_error_rate(rec.text, text) * len(normalize_words(rec.text))
+        words += len(normalize_words(rec.text))
+    assert errors / words < 0.2  # tiny.en on espeak-ng voices: 0.16 measured
+
+
+def test_repeated_clip_and_silences(setup, recordings: dict[str, Recording],
+                                    transcripts: dict[str, list[LongSegment]]) -> None:
+    repeated = normalize_words(_text(setup, transcripts["repeated 10 times"]))
+    assert " ".join(repeated).count("library") == 10
+    gap = transcripts["28 s of silence"]
+    assert _covered(SENTENCES[13], _text(setup, gap))
+    assert _covered(SENTENCES[26], _text(setup, [s for s in gap if s.start > 28.0]))
+    # Silence is never decoded: one speech window for the 40 s file.
+    quiet = recordings["mostly silence"]
+    assert len(plan_windows(quiet.samples)) == 1
+    for segments in transcripts.values():
+        for s in segments:
+            assert 0.0 <= s.no_speech_prob <= 1.0 and s.avg_logprob <= 0.0
+            assert s.temperature in setup.temperatures and s.compression_ratio > 0.0
+
+
+def test_silence_only_window_is_dropped(llm: LLM, setup) -> None:
+    """A window of noise: the no-speech probe and the low average logprob drop it."""
+    noise = (np.random.default_rng(0).standard_normal(4 * RATE) * 0.05).astype(np.float32)
+    decoder = WindowDecoder(noise, WindowMap([Piece(0, noise.shape[0])]), setup)
+    requests = decoder.requests()
+    assert len(requests) == 2 and requests[1][1].max_tokens == 1  # decode + probe
+    outputs = llm.generate([p for p, _ in requests], [s for _, s in requests],
+                           use_tqdm=False)
+    decoder.feed(outputs)
+    probe = outputs[1].outputs[0].logprobs
+    assert probe is not None and setup.no_speech_id in probe[0]
+    assert decoder.done and decoder.all_segments() == []
+
+
+def test_word_timestamps(llm: LLM, setup) -> None:
+    audio, bounds = word_clip(WORDS, WORD_GAPS)
+    segments = transcribe_offline(llm, [audio], setup)[0]
+    aligner = WhisperAligner.from_model_dir(default_whisper_model_path(), setup.tokenizer)
+    per_segment = word_timings(aligner, audio, segments, setup)
+    words = [w for ws in per_segment for w in ws]
+    for segment, ws in zip(segments, per_segment):
+        assert all(segment.start <= w.start <= w.end <= segment.end for w in ws)
+    assert [w.start for w in words] == sorted(w.start for w in words)
+    assert all(a.end <= b.start + 1e-6 for a, b in zip(words, words[1:]))
+    heard = {normalize_words(w.word)[0]: w for w in words if normalize_words(w.word)}
+    matched = [(heard[word], bound) for word, bound in zip(WORDS, bounds) if word in heard]
+    assert len(matched) >= 6
+    for timing, (start, end) in matched:
+        assert abs(timing.start - start) <= 0.3 and abs(timing.end - end) <= 0.3, timing
