@@ -154,6 +154,29 @@ def test_long_audio_is_split_and_joined(client: openai.OpenAI, offline: LLM,
     assert 25.0 < verbose.segments[-1].end <= verbose.duration + 1e-6
 
 
+def test_word_timestamps_and_subtitles(client: openai.OpenAI) -> None:
+    """verbose_json with word timings (the alignment pass), and srt / vtt cues that are the
+    same segments."""
+    name = "train_station.wav"
+    verbose = transcribe(client, DATA / name, response_format="verbose_json",
+                         timestamp_granularities=["word", "segment"])
+    assert normalize_words(verbose.text) == normalize_words(CLIPS[name])
+    words = verbose.words
+    assert words is not None
+    assert normalize_words(" ".join(w.word for w in words)) == normalize_words(verbose.text)
+    starts = [w.start for w in words]
+    assert starts == sorted(starts) and all(w.start <= w.end for w in words)
+    segments = verbose.segments
+    assert segments is not None
+    assert all(any(s.start <= w.start and w.end <= s.end for s in segments) for w in words)
+    assert words[-1].end - words[0].start > 1.0  # spread over the speech, not stacked
+    srt = transcribe(client, DATA / name, response_format="srt")
+    vtt = transcribe(client, DATA / name, response_format="vtt")
+    cues = [line for line in srt.splitlines() if "-->" in line]
+    assert len(cues) == len(segments) and vtt.startswith("WEBVTT")
+    assert cues[0].replace(",", ".") in vtt
+
+
 def test_formats_prompt_and_cli(client: openai.OpenAI, offline: LLM, tmp_path: Path,
                                 capsys: pytest.CaptureFixture) -> None:
     samples, sentence = read_clip("train_station.wav"), CLIPS["train_station.wav"]
