@@ -23,6 +23,8 @@ from tests.longform_audio import (
 from tests.wer import normalize_words, word_error_rate
 from vllm import LLM, SamplingParams
 from vllm.entrypoints.longform import (
+    FALLBACK_TEMPERATURES,
+    DecodeSetup,
     LongSegment,
     WindowDecoder,
     make_setup,
@@ -32,8 +34,10 @@ from vllm.entrypoints.longform import (
 )
 from vllm.entrypoints.word_alignment import WhisperAligner, WordTiming, dtw, snap_to_pauses
 from vllm.inputs.vad import Piece, WindowMap, pack_windows, speech_regions
-from vllm.inputs.whisper import decoder_prompt, join_texts
+from vllm.inputs.whisper import WhisperTokens, decoder_prompt, join_texts
+from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.transformers_utils.default_model import default_whisper_model_path
+from vllm.v1.outputs import Logprob
 
 RATE = 16_000
 WORDS = "the green garden needs water every morning before breakfast".split()
@@ -86,6 +90,85 @@ def test_dtw_and_pause_snapping() -> None:
     snapped = snap_to_pauses(words, loud, 0.1)
     assert [w.word for w in snapped] == ["a", "b"]
     assert np.allclose([(w.start, w.end) for w in snapped], [(0.1, 0.3), (0.5, 0.7)])
+
+
+# ---- WindowDecoder on hand-made outputs ------------------------------------------------
+
+TOKENS = WhisperTokens(start_of_transcript=50257, start_of_prev=50360, no_timestamps=50362,
+                       timestamp_begin=50363, end_of_text=50256)
+NO_SPEECH = 50361
+
+
+class _Letters:
+    """A tokenizer whose token i < 26 is the letter 'a' + i."""
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(ord("a") + i) for i in ids)
+
+
+def _ts(seconds: float) -> int:
+    return TOKENS.timestamp_begin + round(seconds / 0.02)
+
+
+def _output(token_ids: list[int], logprob: float = -0.1,
+            probe: dict[int, float] | None = None) -> RequestOutput:
+    entries = [{t: Logprob(logprob)} for t in token_ids] if probe is None else \
+        [{t: Logprob(lp) for t, lp in probe.items()}]
+    return RequestOutput("r", None, None, None, [CompletionOutput(
+        0, "", token_ids, None, entries, "stop")], True)
+
+
+def _decoder(seconds: float, pieces: list[Piece] | None = None) -> WindowDecoder:
+    setup = DecodeSetup(_Letters(), TOKENS, [TOKENS.start_of_transcript, _ts(0.0)],
+                        SamplingParams(temperature=0.0, max_tokens=224),
+                        FALLBACK_TEMPERATURES, NO_SPEECH)
+    audio = np.ones(int(seconds * RATE), np.float32)
+    return WindowDecoder(audio, WindowMap(pieces or [Piece(0, audio.shape[0])]), setup)
+
+
+def _probe(no_speech: float) -> RequestOutput:
+    return _output([TOKENS.no_timestamps], probe={TOKENS.no_timestamps: np.log(0.5),
+                                                  NO_SPEECH: np.log(no_speech)})
+
+
+def test_window_decoder_accepts_reseeks_and_falls_back() -> None:
+    decoder = _decoder(10.0)
+    requests = decoder.requests()
+    assert [p["decoder_prompt"]["prompt_token_ids"] for p, _ in requests] == \
+        [[TOKENS.start_of_transcript, _ts(0.0)], [TOKENS.start_of_transcript]]
+    assert requests[0][1].logprobs == 0 and requests[0][1].max_tokens == 16 + 70
+    # Two segments, the second cut off at 4.0 s: the first is kept, the rest re-decoded.
+    decoder.feed([_output([0, 1, 2, _ts(2.0), _ts(4.0), 3, 4, TOKENS.end_of_text]),
+                  _probe(0.01)])
+    assert not decoder.done and decoder.window.pieces == [Piece(4 * RATE, 10 * RATE)]
+    assert [(s.start, s.end, s.token_ids) for s in decoder.segments] == [(0.0, 2.0, [0, 1, 2])]
+    assert decoder.segments[0].no_speech_prob == pytest.approx(0.01)
+    assert decoder.segments[0].avg_logprob == pytest.approx(-0.1)
+    assert len(decoder.requests()) == 2  # the re-seek's own probe
+    # A repetitive text fails the compression ratio; the window is short: temperature 0.2.
+    decoder.feed([_output([0, 1] * 60 + [_ts(6.0), TOKENS.end_of_text]), _probe(0.01)])
+    (request,) = decoder.requests()
+    assert request[1].temperature == 0.2 and not decoder.done
+    decoder.feed([_output([5, 6, _ts(5.9), TOKENS.end_of_text])])
+    assert decoder.done
+    last = decoder.segments[-1]
+    assert (last.start, last.end, last.token_ids, last.temperature) == (4.0, 9.9, [5, 6], 0.2)
+
+
+def test_window_decoder_no_speech_and_split() -> None:
+    quiet = _decoder(5.0)
+    quiet.feed([_output([0, _ts(1.0), TOKENS.end_of_text], logprob=-2.0), _probe(0.9)])
+    assert quiet.done and quiet.all_segments() == []
+    pieces = [Piece(0, 5 * RATE), Piece(8 * RATE, 14 * RATE)]
+    loop = _decoder(14.0, pieces)
+    loop.feed([_output([0, 1] * 60, logprob=-0.05), _probe(0.01)])
+    halves = loop.requests()
+    assert len(halves) == 4 and not loop.done  # two halves, each its decode and probe
+    loop.feed([_output([0, _ts(4.9), TOKENS.end_of_text]), _probe(0.01),
+               _output([1, _ts(5.9), TOKENS.end_of_text]), _probe(0.01)])
+    assert loop.done
+    assert [(s.start, s.end, s.token_ids) for s in loop.all_segments()] == \
+        [(0.0, 4.9, [0]), (8.0, 13.9, [1])]
 
 
 # ---- tiny.en end to end ----------------------------------------------------------------
