@@ -40,7 +40,7 @@ from vllm.transformers_utils.default_model import default_whisper_model_path
 from vllm.v1.outputs import Logprob
 
 RATE = 16_000
-WORDS = "the green garden needs water every morning before breakfast".split()
+WORDS: list[str] = "the green garden needs water every morning before breakfast".split()
 WORD_GAPS = [0.25, 0.4, 0.2, 0.6, 0.3, 0.35, 0.5, 0.3, 0.2]
 
 
