@@ -27,6 +27,7 @@ from vllm.entrypoints.longform import (
     DecodeSetup,
     LongSegment,
     WindowDecoder,
+    decode_async,
     make_setup,
     plan_windows,
     transcribe_offline,
@@ -295,3 +296,24 @@ def test_word_timestamps(llm: LLM, setup) -> None:
     assert len(matched) >= 6
     for timing, (start, end) in matched:
         assert abs(timing.start - start) <= 0.3 and abs(timing.end - end) <= 0.3, timing
+
+
+def test_decode_async_batches_windows_and_raises_the_first_error() -> None:
+    import asyncio
+
+    rounds: list[int] = []
+
+    async def generate(requests):
+        rounds.append(len(requests))
+        await asyncio.sleep(0)
+        return [_output([0, _ts(4.9), TOKENS.end_of_text]), _probe(0.01)]
+
+    decoders = [_decoder(5.0), _decoder(5.0)]
+    asyncio.run(decode_async(decoders, generate))
+    assert rounds == [2, 2] and all(d.done for d in decoders)
+
+    async def failing(requests):
+        raise ValueError("bad window")
+
+    with pytest.raises(ValueError, match="bad window"):
+        asyncio.run(decode_async([_decoder(5.0), _decoder(5.0)], failing))

@@ -321,12 +321,18 @@ async def decode_async(decoders: list[WindowDecoder],
                        generate: Callable[[list[EngineRequest]], Awaitable[list[RequestOutput]]]
                        ) -> None:
     """Each window on its own task: its attempts follow each other while every other
-    window's run beside it on the engine."""
+    window's run beside it on the engine. A failure (or cancellation) cancels them all, and
+    `generate` aborts its requests when cancelled."""
     async def run(decoder: WindowDecoder) -> None:
         while requests := decoder.requests():
             decoder.feed(await generate(requests))
 
-    await asyncio.gather(*(run(d) for d in decoders))
+    try:
+        async with asyncio.TaskGroup() as group:
+            for decoder in decoders:
+                group.create_task(run(decoder))
+    except BaseExceptionGroup as failed:  # the first window's error, as the caller expects
+        raise failed.exceptions[0] from None
 
 
 def decode_rounds(decoders: list[WindowDecoder],
