@@ -128,6 +128,9 @@ class SamplingParams:
     return_hidden_states: bool = False
     # Constrain the output to a JSON schema, regex, choice or grammar (None: unconstrained).
     structured_outputs: StructuredOutputsParams | None = None
+    # Sample only among these token ids (None: the whole vocabulary); e.g. Whisper's
+    # language tokens for language detection.
+    allowed_token_ids: list[int] | None = None
     # Filled in by the processor: the tokenizer's end-of-sequence token and any extra
     # ids that also end generation (e.g. from generation_config.json).
     eos_token_id: int | None = field(default=None, repr=False)
@@ -185,6 +188,10 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be non-negative integers")
         if not isinstance(self.return_hidden_states, bool):
             raise bad("return_hidden_states", "must be a bool")
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
+                or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)):
+            raise bad("allowed_token_ids", "must be a non-empty list of non-negative integers")
         if self.structured_outputs is not None and not isinstance(
                 self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", "must be a StructuredOutputsParams")

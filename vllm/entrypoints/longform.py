@@ -162,8 +162,13 @@ class WindowDecoder:
         temperature = setup.temperatures[self._temperature_index]
         audio = {"audio": (self.window.audio(self.waveform), SAMPLE_RATE)}
         encoder_prompt = {"prompt": "", "multi_modal_data": audio}
+        # The automatic fallback is seeded (0 unless the caller gave a seed), so the same
+        # upload gets the same answer.
+        seed = setup.params.seed
+        if seed is None and setup.params.temperature == 0.0 and temperature > 0.0:
+            seed = 0
         params = dataclasses.replace(setup.params, temperature=temperature, logprobs=0,
-                                     max_tokens=self._max_tokens())
+                                     max_tokens=self._max_tokens(), seed=seed)
         requests = [({"encoder_prompt": encoder_prompt,
                       "decoder_prompt": {"prompt_token_ids": setup.prompt_ids}}, params)]
         if self._no_speech_prob is None and setup.no_speech_id is not None:

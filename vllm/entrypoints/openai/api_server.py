@@ -14,7 +14,7 @@ import hmac
 import logging
 import os
 import signal
-from collections.abc import AsyncGenerator, Coroutine
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Annotated, Any
@@ -266,16 +266,10 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
-    @app.post("/v1/completions")
-    async def completions(request: CompletionRequest, raw_request: Request) -> Response:
-        return _respond(await with_cancellation(
-            state.completion.create_completion(request), raw_request))
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: ChatCompletionRequest, raw_request: Request
-                               ) -> Response:
-        return _respond(await with_cancellation(
-            state.chat.create_chat_completion(request), raw_request))
+    if state.transcription.is_whisper:
+        _add_missing_text_routes(app, state)
+    else:
+        _add_text_routes(app, state)
 
     @app.post("/v1/audio/transcriptions")
     async def transcriptions(request: Annotated[TranscriptionRequest, Form()],
@@ -288,6 +282,37 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
                            raw_request: Request) -> Response:
         return _respond(await with_cancellation(
             state.transcription.create_transcription(request, "translate"), raw_request))
+
+
+def _add_text_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest, raw_request: Request) -> Response:
+        return _respond(await with_cancellation(
+            state.completion.create_completion(request), raw_request))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest, raw_request: Request
+                               ) -> Response:
+        return _respond(await with_cancellation(
+            state.chat.create_chat_completion(request), raw_request))
+
+
+def _add_missing_text_routes(app: FastAPI, state: ServerState) -> None:
+    """A speech-to-text model has no text endpoints: vLLM answers 404 there (whatever the
+    body); so does this server, in the OpenAI error form and saying where to go instead."""
+    for path, api in (("/v1/completions", "Completions"),
+                      ("/v1/chat/completions", "Chat Completions")):
+        app.add_api_route(path, _not_found(
+            f"The model `{state.served_model_names[0]}` does not support the {api} API: it "
+            "is a speech-to-text model; use /v1/audio/transcriptions or "
+            "/v1/audio/translations."), methods=["POST"], include_in_schema=False)
+
+
+def _not_found(message: str) -> Callable[[], Awaitable[Response]]:
+    async def not_found() -> Response:
+        return error_json(message, "NotFoundError", HTTPStatus.NOT_FOUND)
+
+    return not_found
 
 
 def _add_tokenizer_routes(app: FastAPI, state: ServerState) -> None:

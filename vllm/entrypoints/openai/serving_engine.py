@@ -18,9 +18,7 @@ from vllm.outputs import RequestOutput
 from vllm.pipeline.async_pipeline import AsyncPipeline
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.async_llm import AsyncLLM, RequestStream
-
-# vLLM's default cap on logprobs per token.
-MAX_LOGPROBS = 20
+from vllm.v1.engine.processor import MAX_LOGPROBS
 
 
 class OpenAIError(Exception):

@@ -240,6 +240,10 @@ class Processor:
         bad = [t for t in params.stop_token_ids or [] if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids {bad} are out of the vocabulary (size {vocab}).")
+        bad = [t for t in params.allowed_token_ids or [] if t >= vocab]
+        if bad:
+            raise ValueError(f"allowed_token_ids {bad} are out of the vocabulary "
+                             f"(size {vocab}).")
         if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
             raise ValueError(f"logprobs must be at most {MAX_LOGPROBS}, got {params.logprobs}.")
         if params.min_tokens > max_len:
