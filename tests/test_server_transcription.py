@@ -511,6 +511,14 @@ def test_language_detection_and_translation(multilingual: tuple[str, RemoteServe
     translated = ask("translations").json()["text"]
     assert translated == ask("translations", language=code).json()["text"]
     assert translated != detected
-    events = [json.loads(line[6:]) for line in ask("translations", stream="true")
-              .text.splitlines() if line.startswith("data: {")]
-    assert events[-1]["text"] == translated and events[-1]["object"] == "translation.chunk"
+    # Streams decode plain 30 s windows without timestamps (not the long-form pipeline), so
+    # on this random model their text differs from the answers above: the stream detects
+    # the same language as one given the language.
+    def stream(**fields) -> list[dict]:
+        return [json.loads(line[6:]) for line in ask("translations", stream="true", **fields)
+                .text.splitlines() if line.startswith("data: {")]
+
+    events = stream()
+    assert events[-1]["text"] == "".join(e["delta"] for e in events[:-1])
+    assert events[-1]["object"] == "translation.chunk"
+    assert events[-1]["text"] == stream(language=code)[-1]["text"]
