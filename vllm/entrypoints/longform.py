@@ -6,7 +6,10 @@ where they fail, and read back as segments in the file's clock.
         attempt at temperature T: the window's decode (timestamps on) + a one-step no-speech
         probe (the <|nospeech|> probability right after <|startoftranscript|>)
           no_speech_prob > 0.6 and avg_logprob < -1.0      -> silence: no segments
-          compression ratio > 2.4 or avg_logprob < -1.0   -> again at the next temperature
+          compression ratio > 2.4 or avg_logprob < -1.0   -> a window of 8 s or more: split
+                                                               in two, each decoded anew;
+                                                               a shorter one: again at the
+                                                               next temperature (seeded)
           the last segment not closed by a timestamp, or ≥ 2 s of audio after the last
           timestamp                                         -> keep the closed segments and
                                                                re-seek from the last timestamp
