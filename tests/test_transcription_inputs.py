@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import soundfile
 
+from vllm.entrypoints.longform import compression_ratio
 from vllm.entrypoints.openai.protocol import TranscriptionSegment
-from vllm.entrypoints.openai.serving_transcription import compression_ratio, subtitles
+from vllm.entrypoints.openai.serving_transcription import subtitles
 from vllm.inputs.audio_file import (
     AudioWindow,
     decode_audio_file,

@@ -79,11 +79,12 @@ def _transcribe_args(parser: argparse.ArgumentParser) -> None:
 
 @subcommand("transcribe", _transcribe_args)
 def _transcribe(args: argparse.Namespace) -> int:
-    """Offline twin of POST /v1/audio/transcriptions: windows of at most 30 s, cut at quiet
-    points, transcribed as one batch and joined in order."""
+    """Offline twin of POST /v1/audio/transcriptions: the long-form pipeline (speech windows
+    of at most 30 s, timestamps, fallback and re-seek), every window in one batch."""
     from vllm import LLM, SamplingParams
-    from vllm.inputs.audio_file import decode_audio_file, is_silent, split_windows
-    from vllm.inputs.whisper import decoder_prompt, join_texts, language_code, window_prompt
+    from vllm.entrypoints.longform import make_setup, transcribe_offline
+    from vllm.inputs.audio_file import decode_audio_file
+    from vllm.inputs.whisper import decoder_prompt, join_texts, language_code
     from vllm.transformers_utils.default_model import default_whisper_model_path
 
     with open(args.file, "rb") as f:
@@ -96,16 +97,14 @@ def _transcribe(args: argparse.Namespace) -> int:
     previous = args.prompt.strip()
     prompt_ids = decoder_prompt(
         tokenizer, config.hf_config, language=language_code(args.language, config.hf_config),
-        task="transcribe", timestamps=False, max_model_len=config.max_model_len,
+        task="transcribe", timestamps=True, max_model_len=config.max_model_len,
         previous_text_ids=tokenizer.encode(" " + previous, add_special_tokens=False)
         if previous else [])
-    windows = [w for w in split_windows(waveform) if not is_silent(waveform[w.start:w.end])]
     params = SamplingParams(temperature=args.temperature, seed=args.seed,
                             max_tokens=min(config.max_model_len // 2,
                                            config.max_model_len - len(prompt_ids)))
-    outputs = llm.generate([window_prompt(waveform, w, prompt_ids) for w in windows], params,
-                           use_tqdm=False)
-    print(join_texts([o.outputs[0].text for o in outputs]).strip())
+    segments = transcribe_offline(llm, [waveform], make_setup(tokenizer, prompt_ids, params))[0]
+    print(join_texts([tokenizer.decode(s.token_ids) for s in segments]).strip())
     return 0
 
 

@@ -112,14 +112,14 @@ def split_windows(waveform: np.ndarray, window: int = WINDOW_SAMPLES,
     windows = []
     start, total = 0, waveform.shape[0]
     while total - start > window:
-        cut = _quietest_point(waveform, start + window - search, start + window)
+        cut = quietest_point(waveform, start + window - search, start + window)
         windows.append(AudioWindow(start, cut))
         start = cut
     windows.append(AudioWindow(start, total))
     return windows
 
 
-def _quietest_point(waveform: np.ndarray, lo: int, hi: int) -> int:
+def quietest_point(waveform: np.ndarray, lo: int, hi: int) -> int:
     """The centre of the 100 ms stretch in [lo, hi) with the least energy (the earliest one
     on ties); every candidate stretch lies inside [lo, hi), so the cut is in (lo, hi).
 

@@ -488,12 +488,19 @@ class TranscriptionSegment(OpenAIBaseModel):
     no_speech_prob: float
 
 
+class TranscriptionWord(OpenAIBaseModel):
+    word: str
+    start: float
+    end: float
+
+
 class TranscriptionResponseVerbose(OpenAIBaseModel):
     task: Literal["transcribe", "translate"] = "transcribe"
     language: str
     duration: float
     text: str
     segments: list[TranscriptionSegment]
+    words: list[TranscriptionWord] | None = None  # with timestamp_granularities[]=word
     usage: TranscriptionUsage | None = None
 
 

@@ -1,15 +1,13 @@
 """`POST /v1/audio/transcriptions` and `/v1/audio/translations` on Whisper models.
 
-One upload -> decoded and split off the event loop -> one engine request per 30 s window
-(run in parallel by continuous batching) -> texts joined in window order:
+Non-streamed requests go through the long-form pipeline (vllm/entrypoints/longform.py):
 
-    file bytes ─► decode_audio_file (soundfile, mono, soxr 16 kHz) ─► split_windows
-         window i ─► {"encoder_prompt": audio, "decoder_prompt": Whisper prompt} ─► AsyncLLM
-    outputs in window order ─► json | text | verbose_json | srt | vtt, or SSE text deltas
+    file bytes ─► decode_audio_file ─► VAD speech windows (≤ 30 s, silences left out)
+         every window ─► WindowDecoder (timestamps, no-speech probe, fallback, re-seek) ─► AsyncLLM
+    segments in the file's clock ─► json | text | verbose_json (+ words) | srt | vtt
 
-`verbose_json`, `srt` and `vtt` decode with timestamp tokens (the prompt ends in `<|0.00|>`
-instead of `<|notimestamps|>`) and read segments from them, as OpenAI's Whisper does;
-`json`, `text` and streams decode without, like offline `LLM.generate` by default.
+Streams cut the audio into plain 30 s windows at quiet points (`split_windows`), one engine
+request each without timestamps, and send each window's text deltas live, in window order.
 
 A multilingual model given no `language` first detects it, as Whisper does: one decoder
 step over the first audible window from `<|startoftranscript|>` alone, sampled greedily
@@ -26,8 +24,8 @@ A stream's events are both vLLM's chunks and OpenAI's transcription events:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
-import zlib
 from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -35,6 +33,17 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
+from vllm.entrypoints.longform import (
+    DecodeSetup,
+    EngineRequest,
+    LongSegment,
+    WindowDecoder,
+    collect,
+    decode_async,
+    make_setup,
+    plan_windows,
+    word_timings,
+)
 from vllm.entrypoints.openai.protocol import (
     DeltaMessage,
     TranscriptionRequest,
@@ -46,6 +55,7 @@ from vllm.entrypoints.openai.protocol import (
     TranscriptionTextDelta,
     TranscriptionTextDone,
     TranscriptionUsage,
+    TranscriptionWord,
 )
 from vllm.entrypoints.openai.serving_engine import (
     OpenAIError,
@@ -55,9 +65,11 @@ from vllm.entrypoints.openai.serving_engine import (
     sse,
     stream_error,
 )
+from vllm.entrypoints.word_alignment import WhisperAligner
 from vllm.inputs.audio import SAMPLE_RATE
 from vllm.inputs.audio_file import AudioWindow, decode_audio_file, is_silent, split_windows
 from vllm.inputs.encoder_decoder import is_multilingual_whisper
+from vllm.inputs.vad import WindowMap
 from vllm.inputs.whisper import (
     WhisperTokens,
     decoder_prompt,
@@ -65,7 +77,6 @@ from vllm.inputs.whisper import (
     language_code,
     language_name,
     language_token_ids,
-    timed_segments,
     window_prompt,
 )
 from vllm.outputs import RequestOutput
@@ -75,7 +86,6 @@ from vllm.v1.engine.async_llm import RequestStream
 Task = Literal["transcribe", "translate"]
 _ENDPOINTS = {"transcribe": "transcriptions", "translate": "translations"}
 _TIMED_FORMATS = ("verbose_json", "srt", "vtt")
-_FRAMES_PER_SECOND = 100  # Whisper's `seek` counts 10 ms mel frames
 
 
 @dataclass(slots=True)
@@ -106,6 +116,11 @@ class Job(NamedTuple):
     streams: list[RequestStream | None]
 
 
+def _decode_and_plan(data: bytes, max_seconds: float) -> tuple[np.ndarray, list[WindowMap]]:
+    waveform = decode_audio_file(data, max_seconds)
+    return waveform, plan_windows(waveform)
+
+
 def decode_upload(data: bytes, max_seconds: float) -> DecodedUpload:
     waveform = decode_audio_file(data, max_seconds)
     windows = split_windows(waveform)
@@ -130,28 +145,73 @@ class OpenAIServingTranscription(OpenAIServing):
         self.language_ids = (language_token_ids(self.tokenizer, hf_config.vocab_size)
                              if self.is_multilingual and self.tokens is not None else {})
         self._audio_pool = ThreadPoolExecutor(2, thread_name_prefix="audio-decode")
+        self._aligner: WhisperAligner | None = None  # for word timestamps, loaded on first use
+        self._aligner_lock = asyncio.Lock()
 
     async def create_transcription(self, request: TranscriptionRequest, task: Task
                                    ) -> Any:
         """A response model, plain text, or an SSE generator; raises OpenAIError."""
         arrival = time.monotonic()
+        if not request.stream:
+            return await self._transcribe_long_form(request, task, arrival)
         try:
             job = await self._submit(request, task)
         except OpenAIError:
             self._record(task, False, 0.0, arrival)
             raise
-        if request.stream:
-            return self._stream(job, arrival)
+        return self._stream(job, arrival)
+
+    async def _transcribe_long_form(self, request: TranscriptionRequest, task: Task,
+                                    arrival: float) -> Any:
+        """The whole file through the long-form pipeline (vllm/entrypoints/longform.py):
+        speech windows of this and every other request share the engine."""
+        ok, seconds = False, 0.0
         try:
-            outputs = await self.final_outputs([s for s in job.streams if s is not None])
-        except BaseException:
-            self._record(task, False, 0.0, arrival)
-            raise
-        results = iter(outputs)
-        window_outputs = [None if s is None else next(results) for s in job.streams]
-        response = self._response(job, window_outputs)
-        self._record(task, True, job.upload.duration, arrival)
-        return response
+            self.check_model(request.model)
+            language = self._check_request(request, task)
+            data = await self._read_file(request)
+            loop = asyncio.get_running_loop()
+            try:
+                waveform, windows = await loop.run_in_executor(
+                    self._audio_pool, _decode_and_plan, data, self.limits.max_seconds)
+            except ValueError as e:
+                raise OpenAIError(str(e)) from None
+            request_id = random_id("trsc" if task == "transcribe" else "trsl")
+            if language is None and self.is_multilingual:
+                language = await self._detect_language(
+                    request_id, windows[0].audio(waveform) if windows else None)
+            setup = await self._long_form_setup(request, task, language)
+            numbers = itertools.count()
+
+            async def generate(requests: list[EngineRequest]) -> list[RequestOutput]:
+                streams = [(await self.add_requests(f"{request_id}-{next(numbers)}",
+                                                    [prompt], params))[0]
+                           for prompt, params in requests]
+                return await self.final_outputs(streams)
+
+            decoders = [WindowDecoder(waveform, w, setup) for w in windows]
+            await decode_async(decoders, generate)
+            seconds = waveform.shape[0] / SAMPLE_RATE
+            segments = collect(decoders)
+            words = (await self._word_timings(waveform, segments, setup)
+                     if "word" in request.timestamp_granularities else None)
+            response = self._long_form_response(request, task, language or "en", seconds,
+                                                segments, words)
+            ok = True
+            return response
+        finally:
+            self._record(task, ok, seconds if ok else 0.0, arrival)
+
+    async def _long_form_setup(self, request: TranscriptionRequest, task: Task,
+                               language: str | None) -> DecodeSetup:
+        previous = request.prompt.strip()
+        previous_ids = (await self.tokenize(" " + previous, add_special_tokens=False)
+                        if previous else [])
+        prompt_ids = decoder_prompt(
+            self.tokenizer, self.model_config.hf_config, language=language, task=task,
+            previous_text_ids=previous_ids, max_model_len=self.max_model_len, timestamps=True)
+        return make_setup(self.tokenizer, prompt_ids,
+                          self._sampling_params(request, len(prompt_ids)))
 
     # ---- checks and submission ----------------------------------------------------------
 
@@ -167,7 +227,10 @@ class OpenAIServingTranscription(OpenAIServing):
             raise OpenAIError(str(e)) from None
         request_id = random_id("trsc" if task == "transcribe" else "trsl")
         if language is None and self.is_multilingual:
-            language = await self._detect_language(request_id, upload)
+            first = next((w for w, audible in zip(upload.windows, upload.audible) if audible),
+                         None)
+            language = await self._detect_language(
+                request_id, None if first is None else upload.waveform[first.start:first.end])
         previous = request.prompt.strip()
         previous_ids = (await self.tokenize(" " + previous, add_special_tokens=False)
                         if previous else [])
@@ -204,23 +267,26 @@ class OpenAIServingTranscription(OpenAIServing):
         if request.stream and request.response_format not in ("json", "text"):
             raise OpenAIError("stream is supported with response_format json or text, not "
                               f"{request.response_format}.")
-        granularities = [g for g in request.timestamp_granularities if g != "segment"]
-        if granularities:
-            raise OpenAIError(f"timestamp_granularities {granularities} are not supported; "
-                              "segment timestamps come with response_format verbose_json.")
+        unknown = [g for g in request.timestamp_granularities if g not in ("segment", "word")]
+        if unknown:
+            raise OpenAIError(f"timestamp_granularities {unknown} are not supported: give "
+                              "'segment' and/or 'word'.")
+        if request.timestamp_granularities and request.response_format != "verbose_json":
+            raise OpenAIError("timestamp_granularities need response_format verbose_json, "
+                              f"not {request.response_format}.")
         try:
             return language_code(request.language, self.model_config.hf_config)
         except ValueError as e:
             raise OpenAIError(str(e)) from None
 
-    async def _detect_language(self, request_id: str, upload: DecodedUpload) -> str:
-        """The language code of the first audible window, from Whisper's language tokens
-        (English when nothing is audible)."""
-        first = next((w for w, audible in zip(upload.windows, upload.audible) if audible),
-                     None)
-        if first is None or self.tokens is None:
+    async def _detect_language(self, request_id: str, audio: np.ndarray | None) -> str:
+        """The language code of `audio` (the first audible window), from Whisper's language
+        tokens (English when nothing is audible)."""
+        if audio is None or self.tokens is None:
             return "en"
-        prompt = window_prompt(upload.waveform, first, [self.tokens.start_of_transcript])
+        prompt = {"encoder_prompt": {"prompt": "",
+                                     "multi_modal_data": {"audio": (audio, SAMPLE_RATE)}},
+                  "decoder_prompt": {"prompt_token_ids": [self.tokens.start_of_transcript]}}
         params = SamplingParams(temperature=0.0, max_tokens=1,
                                 allowed_token_ids=list(self.language_ids),
                                 output_kind=RequestOutputKind.FINAL_ONLY)
@@ -261,42 +327,42 @@ class OpenAIServingTranscription(OpenAIServing):
 
     # ---- answers --------------------------------------------------------------------
 
-    def _response(self, job: Job, outputs: list[RequestOutput | None]) -> Any:
-        upload, fmt = job.upload, job.request.response_format
-        usage = TranscriptionUsage(seconds=int(np.ceil(upload.duration)))
-        if fmt in ("json", "text"):
-            text = join_texts([o.outputs[0].text if o else "" for o in outputs])
-            return text if fmt == "text" else TranscriptionResponse(text=text, usage=usage)
-        segments = self._segments(job, outputs)
-        if fmt == "srt":
-            return subtitles(segments, srt=True)
-        if fmt == "vtt":
-            return subtitles(segments, srt=False)
-        return TranscriptionResponseVerbose(
-            task=job.task, language=language_name(job.language), duration=upload.duration,
-            text=join_texts([s.text for s in segments]), segments=segments, usage=usage)
+    async def _word_timings(self, waveform: np.ndarray, segments: list[LongSegment],
+                            setup: DecodeSetup) -> list[TranscriptionWord]:
+        """Word timings from a second pass (word_alignment.py) off the event loop; its model
+        is loaded on the first request that asks for words."""
+        loop = asyncio.get_running_loop()
+        async with self._aligner_lock:
+            if self._aligner is None:
+                self._aligner = await loop.run_in_executor(
+                    self._audio_pool, WhisperAligner.from_model_dir, self.model_config.model,
+                    self.tokenizer)
+        per_segment = await loop.run_in_executor(self._audio_pool, word_timings,
+                                                 self._aligner, waveform, segments, setup)
+        return [TranscriptionWord(word=w.word.strip(), start=round(w.start, 3),
+                                  end=round(w.end, 3)) for ws in per_segment for w in ws]
 
-    def _segments(self, job: Job, outputs: list[RequestOutput | None]
-                  ) -> list[TranscriptionSegment]:
-        segments: list[TranscriptionSegment] = []
-        tokens = self.tokens
-        assert tokens is not None  # _check_request refused the request otherwise
-        for window, output in zip(job.upload.windows, outputs):
-            if output is None:
-                continue
-            completion = output.outputs[0]
-            logprobs = _sampled_logprobs(completion.token_ids, completion.logprobs)
-            for seg in timed_segments(completion.token_ids, tokens, window.seconds,
-                                      logprobs):
-                text = self.tokenizer.decode(seg.token_ids)
-                segments.append(TranscriptionSegment(
-                    id=len(segments), seek=window.start * _FRAMES_PER_SECOND // SAMPLE_RATE,
-                    start=round(window.start_seconds + seg.start, 3),
-                    end=round(window.start_seconds + seg.end, 3), text=text,
-                    tokens=seg.token_ids, temperature=job.request.temperature,
-                    avg_logprob=float(np.mean(seg.logprobs)),
-                    compression_ratio=compression_ratio(text), no_speech_prob=0.0))
-        return segments
+    def _long_form_response(self, request: TranscriptionRequest, task: Task, language: str,
+                            duration: float, segments: list[LongSegment],
+                            words: list[TranscriptionWord] | None) -> Any:
+        fmt = request.response_format
+        texts = [self.tokenizer.decode(s.token_ids) for s in segments]
+        usage = TranscriptionUsage(seconds=int(np.ceil(duration)))
+        if fmt in ("json", "text"):
+            text = join_texts(texts)
+            return text if fmt == "text" else TranscriptionResponse(text=text, usage=usage)
+        answer = [TranscriptionSegment(
+            id=i, seek=s.seek, start=round(s.start, 3), end=round(s.end, 3), text=text,
+            tokens=s.token_ids, temperature=s.temperature, avg_logprob=s.avg_logprob,
+            compression_ratio=s.compression_ratio, no_speech_prob=s.no_speech_prob)
+            for i, (s, text) in enumerate(zip(segments, texts))]
+        if fmt == "srt":
+            return subtitles(answer, srt=True)
+        if fmt == "vtt":
+            return subtitles(answer, srt=False)
+        return TranscriptionResponseVerbose(
+            task=task, language=language_name(language), duration=duration,
+            text=join_texts(texts), segments=answer, words=words, usage=usage)
 
     async def _stream(self, job: Job, arrival: float) -> AsyncGenerator[str, None]:
         """Text deltas in window order: window i streams live while later windows' outputs
@@ -381,18 +447,6 @@ class _StreamEvents:
         return sse(TranscriptionTextDone(id=self.request_id, object=self.kind,
                                          model=self.model, choices=choices, text=self.text,
                                          usage=usage))
-
-
-def _sampled_logprobs(token_ids: list[int], logprobs: Any) -> list[float]:
-    if not logprobs:
-        return [0.0] * len(token_ids)
-    return [entry[token].logprob for token, entry in zip(token_ids, logprobs)]
-
-
-def compression_ratio(text: str) -> float:
-    """Whisper's repetition measure: text bytes over their zlib-compressed size."""
-    data = text.encode("utf-8")
-    return len(data) / len(zlib.compress(data)) if data else 0.0
 
 
 def subtitles(segments: list[TranscriptionSegment], srt: bool) -> str:
