@@ -43,9 +43,10 @@ generate: install
 	$(BIN)/vllm generate "What is the capital of France?" --chat --max-tokens 48
 
 # The long-form transcription tests synthesize speech with espeak-ng (a Debian package):
-# installed when missing (needs root, as on this project's machines and CI).
+# installed when missing (root, or sudo where the user is not root).
 espeak:
-	@command -v espeak-ng >/dev/null || (apt-get update -qq && apt-get install -y -qq espeak-ng)
+	@command -v espeak-ng >/dev/null || { sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$sudo apt-get update -qq && $$sudo apt-get install -y -qq espeak-ng; }
 
 # In file order; `make test-random` runs it in random orders (pytest-randomly), one per seed.
 test: install espeak
