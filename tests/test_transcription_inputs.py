@@ -13,7 +13,7 @@ import soundfile
 
 from vllm.entrypoints.longform import compression_ratio
 from vllm.entrypoints.openai.protocol import TranscriptionSegment
-from vllm.entrypoints.openai.serving_transcription import subtitles
+from vllm.entrypoints.openai.serving_transcription import stream_pieces, subtitles
 from vllm.inputs.audio_file import decode_audio_file
 from vllm.inputs.vad import Piece, split_region
 from vllm.inputs.whisper import (
@@ -240,3 +240,15 @@ def test_subtitles_and_compression_ratio() -> None:
 def test_speech_clip_list_matches_files() -> None:
     names = json.loads((DATA / "speech_clips.json").read_text())
     assert all((DATA / name).is_file() for name in names)
+
+
+def test_stream_pieces_add_up_to_the_joined_text() -> None:
+    assert stream_pieces(" Hi.", ["Bye.", "", " Go."]) == [" Bye.", " Go."]
+    assert stream_pieces("", ["Hi.", "Bye."]) == ["Hi.", " Bye."]
+    assert stream_pieces("Hi ", ["there", ""]) == ["there"]
+    texts = [" A.", "B.", "", "C. ", "D."]
+    sent = ""
+    for window in (texts[:2], texts[2:4], texts[4:]):
+        sent += "".join(stream_pieces(sent, window))
+    assert sent == join_texts(texts)
+

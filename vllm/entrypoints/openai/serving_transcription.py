@@ -258,7 +258,7 @@ class OpenAIServingTranscription(OpenAIServing):
             raise OpenAIError(str(e)) from None
 
     async def _detect_language(self, request_id: str, audio: np.ndarray | None) -> str:
-        """The language code of `audio` (the first audible window), from Whisper's language
+        """The language code of `audio` (the first speech window), from Whisper's language
         tokens (English when nothing is audible)."""
         if audio is None or self.tokens is None:
             return "en"
@@ -363,16 +363,16 @@ class OpenAIServingTranscription(OpenAIServing):
                     if decoder.cut_off():
                         finish_reason = "length"
                     last = index == len(job.decoders) - 1
-                    texts = [self.tokenizer.decode(s.token_ids) for s in collect([decoder])]
-                    pieces = [piece for piece in (events.joined(t) for t in texts) if piece]
+                    pieces = stream_pieces(events.text, [self.tokenizer.decode(s.token_ids)
+                                                         for s in collect([decoder])])
                     if last and not pieces:
                         pieces = [""]  # the finishing delta has no text of its own
                     for i, piece in enumerate(pieces):
                         done = last and i == len(pieces) - 1
-                        yield events.delta(piece, finish_reason if done else None, None)
+                        yield events.delta(piece, finish_reason if done else None)
             if not job.decoders:  # only silence: one empty, finished delta
-                yield events.delta("", finish_reason, None)
-            yield events.done(finish_reason, None, request.stream_include_usage)
+                yield events.delta("", finish_reason)
+            yield events.done(finish_reason, request.stream_include_usage)
             ok = True
         except Exception as e:
             yield sse(stream_error(e))
@@ -397,32 +397,36 @@ class _StreamEvents:
     def usage(self) -> TranscriptionStreamUsage:
         return TranscriptionStreamUsage.of(self.job.prompt_tokens, self.job.completion_tokens)
 
-    def joined(self, piece: str) -> str:
-        """`piece` as it continues the text sent so far (`join_texts`' space rule)."""
-        tail = self.text[-1:]
-        return join_texts([tail, piece])[len(tail):]
-
-    def delta(self, text: str, finish_reason: str | None, stop_reason: int | str | None
-              ) -> str:
+    def delta(self, text: str, finish_reason: str | None) -> str:
         self.text += text
         choice = TranscriptionStreamChoice(delta=DeltaMessage(content=text),
-                                           finish_reason=finish_reason,
-                                           stop_reason=stop_reason)
+                                           finish_reason=finish_reason)
         return sse(TranscriptionTextDelta(
             id=self.request_id, object=self.kind, model=self.model, choices=[choice],
             delta=text, usage=self.usage() if self.continuous_usage else None))
 
-    def done(self, finish_reason: str, stop_reason: int | str | None, include_usage: bool
-             ) -> str:
+    def done(self, finish_reason: str, include_usage: bool) -> str:
         """vLLM's usage chunk (no choices) when the usage was asked for; otherwise a
         chunk whose one choice adds no text, so readers of `choices[0]` need no check."""
         choices = [] if include_usage else [TranscriptionStreamChoice(
-            delta=DeltaMessage(content=""), finish_reason=finish_reason,
-            stop_reason=stop_reason)]
+            delta=DeltaMessage(content=""), finish_reason=finish_reason)]
         usage = self.usage() if include_usage or self.continuous_usage else None
         return sse(TranscriptionTextDone(id=self.request_id, object=self.kind,
                                          model=self.model, choices=choices, text=self.text,
                                          usage=usage))
+
+
+def stream_pieces(sent: str, texts: list[str]) -> list[str]:
+    """The non-empty `texts` (segments) as they continue the `sent` text, with `join_texts`'
+    space rule, so that a stream's deltas add up to the non-streamed text. Example: sent
+    " Hi.", texts ["Bye.", "", " Go."] -> [" Bye.", " Go."]."""
+    pieces, tail = [], sent[-1:]
+    for text in texts:
+        piece = join_texts([tail, text])[len(tail):]
+        if piece:
+            pieces.append(piece)
+            tail = piece[-1]
+    return pieces
 
 
 def subtitles(segments: list[TranscriptionSegment], srt: bool) -> str:
