@@ -124,6 +124,12 @@ def long_audio(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     return path, " ".join(CLIPS[name] for name in names)
 
 
+@pytest.fixture(scope="module")
+def long_expected(offline: LLM, long_audio: tuple[Path, str]) -> str:
+    """The offline long-form text of `long_audio` (computed once: two tests need it)."""
+    return offline_texts(offline, [read_clip(long_audio[0])])[0]
+
+
 def transcribe(client: openai.OpenAI, data: bytes | Path, **kwargs):
     file = data.read_bytes() if isinstance(data, Path) else data
     return client.audio.transcriptions.create(model=NAME, file=("audio.wav", file), **kwargs)
@@ -164,12 +170,12 @@ def test_formats_agree(client: openai.OpenAI, offline: LLM) -> None:
     assert len(chunks) == len(verbose.segments) + 1 and "".join(chunks) == expected
 
 
-def test_long_audio_is_split_and_joined(client: openai.OpenAI, offline: LLM,
-                                        long_audio: tuple[Path, str]) -> None:
+def test_long_audio_is_split_and_joined(client: openai.OpenAI, long_audio: tuple[Path, str],
+                                        long_expected: str) -> None:
     path, sentences = long_audio
     samples = read_clip(path)
     assert len(plan_windows(samples)) == 1  # its 1 s silences left out: 22 s of speech
-    expected = offline_texts(offline, [samples])[0]
+    expected = long_expected
     assert normalize_words(expected) == normalize_words(sentences)
     assert transcribe(client, path).text == expected
     stream = transcribe(client, path, stream=True, extra_body={"stream_include_usage": True})
@@ -365,11 +371,10 @@ def _bad_uploads(tmp_path: Path) -> dict[str, tuple[dict, dict, str]]:
     }
 
 
-def test_bad_inputs_are_400_while_serving_another(server: RemoteServer, offline: LLM,
+def test_bad_inputs_are_400_while_serving_another(server: RemoteServer,
                                                   long_audio: tuple[Path, str],
-                                                  tmp_path: Path) -> None:
+                                                  long_expected: str, tmp_path: Path) -> None:
     path, _ = long_audio
-    expected = offline_texts(offline, [read_clip(path)])[0]
     headers = {"Authorization": f"Bearer {API_KEY}"}
 
     async def run() -> tuple[str, dict[str, httpx.Response]]:
@@ -404,7 +409,7 @@ def test_bad_inputs_are_400_while_serving_another(server: RemoteServer, offline:
         assert response.status_code == 400, (name, response.text)
         error = response.json()["error"]
         assert error["code"] == 400 and phrases[name] in error["message"], (name, error)
-    assert streamed == expected
+    assert streamed == long_expected
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
