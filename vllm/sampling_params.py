@@ -147,6 +147,9 @@ class BeamSearchParams:
         return max(2, 1 + num_stop_ids) * self.beam_width
 
 
+# vLLM's default cap on returned logprobs per token (the processor and the server check it).
+MAX_LOGPROBS = 20
+
 # Beams of one request run as that many sequences; a bound keeps one request's share sane.
 MAX_BEAM_WIDTH = 64
 

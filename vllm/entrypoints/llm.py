@@ -11,7 +11,12 @@ from tqdm import tqdm
 from vllm.beam_search import BeamSearchOutput, BeamSearchSequence
 from vllm.engine.arg_utils import EngineArgs
 from vllm.outputs import RequestOutput
-from vllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from vllm.sampling_params import (
+    MAX_LOGPROBS,
+    BeamSearchParams,
+    RequestOutputKind,
+    SamplingParams,
+)
 from vllm.v1.engine.llm_engine import LLMEngine
 
 
@@ -154,10 +159,6 @@ class LLM:
         finally:
             bar.close()
         return [finished[r] for r in request_ids]
-
-
-# What a beam's `logprobs` may hold per token (the engine's limit on returned logprobs).
-MAX_LOGPROBS = 20
 
 
 def _beam_search_output(output: RequestOutput) -> BeamSearchOutput:

@@ -16,11 +16,10 @@ from vllm.entrypoints.openai.protocol import (
 )
 from vllm.outputs import RequestOutput
 from vllm.pipeline.async_pipeline import AsyncPipeline
-from vllm.sampling_params import SamplingParams
+from vllm.sampling_params import MAX_LOGPROBS, SamplingParams
 from vllm.v1.engine.async_llm import AsyncLLM, RequestStream
 
 # vLLM's default cap on logprobs per token.
-MAX_LOGPROBS = 20
 
 
 class OpenAIError(Exception):
