@@ -347,3 +347,47 @@ def test_whisper_beams_equal_transformers(tiny_whisper_dir):
                        decoder_input_ids=torch.tensor([decoder]))
         _assert_beams_equal(ours, 2, hf, WIDTH)
     assert not math.isnan(outputs[0].sequences[0].cum_logprob)
+
+
+def test_beams_waiting_for_their_group_make_room_and_a_failing_beam_fails_its_request():
+    """Four usable blocks of 4. Two beams of a 7-token prompt hold 3; at position 8 each needs
+    one more: the first gets the last free block and reports, the second is preempted. It
+    cannot come back while the first (parked, waiting for it) holds the blocks: the parked
+    beam is preempted instead (its candidates kept), the second runs, the group finishes."""
+    scheduler = make_scheduler(block_size=4, num_blocks=5)
+    params = BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True)
+    scheduler.add_request(make_request("r", list(range(10, 17)), max_tokens=3, ignore_eos=True,
+                                       temperature=0, beam_search=params))
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, make_runner_output(
+        out, {"r#0": [40]}, {"r#0": _candidates({40: -0.1, 41: -0.2, 42: -3.0, 43: -4.0})}))
+    out = scheduler.schedule()
+    rows = {"r#0": _candidates({50: -0.1, 51: -5.0, 52: -6.0, 53: -7.0}),
+            "r#1": _candidates({60: -0.1, 61: -5.0, 62: -6.0, 63: -7.0})}
+    scheduler.update_from_output(out, make_runner_output(out, {"r#0": [50], "r#1": [60]}, rows))
+    out = scheduler.schedule()
+    assert list(out.num_scheduled_tokens) == ["r#0"] and out.preempted_req_ids == ["r#1"]
+    scheduler.update_from_output(out, make_runner_output(
+        out, {"r#0": [70]}, {"r#0": _candidates({70: -0.1, 71: -0.5, 72: -6.0, 73: -7.0})}))
+    out = scheduler.schedule()
+    assert out.preempted_req_ids == ["r#0"]
+    assert [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs] == [("r#1", 8)]
+    result = scheduler.update_from_output(out, make_runner_output(
+        out, {"r#1": [80]}, {"r#1": _candidates({80: -0.1, 81: -9.0, 82: -9.5, 83: -9.9})}))
+    [final] = result.outputs
+    assert [b.token_ids for b in final.beams or []] == [[40, 50, 70], [41, 60, 80]]
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 4
+    # A beam that fails alone fails its whole request; every beam is freed.
+    scheduler.add_request(make_request("s", list(range(20, 27)), max_tokens=3, ignore_eos=True,
+                                       temperature=0, beam_search=params))
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, make_runner_output(
+        out, {"s#0": [40]}, {"s#0": _candidates({40: -0.1, 41: -0.2, 42: -3.0, 43: -4.0})}))
+    out = scheduler.schedule()
+    scheduler.recover_from_failed_step(out)  # two beams: both become suspects
+    out = scheduler.schedule()
+    assert list(out.num_scheduled_tokens) == ["s#0"]
+    [failed] = scheduler.recover_from_failed_step(out).outputs
+    assert (failed.request_id, failed.finish_reason) == ("s", FinishReason.ERROR)
+    assert not scheduler.requests and not scheduler.beam_groups
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 4
