@@ -279,6 +279,12 @@ class SamplingParams:
         if self.stop or self.stop_token_ids:
             raise ValueError("stop / stop_token_ids cannot be combined with beam search.")
 
+    def end_of_sequence_ids(self) -> list[int]:
+        """The ids that end a sequence unless `ignore_eos`: the tokenizer's EOS and the
+        model's other end ids (generation_config.json), as the processor filled them in."""
+        eos = [] if self.eos_token_id is None else [self.eos_token_id]
+        return [*eos, *self.all_stop_token_ids]
+
     def clone(self) -> SamplingParams:
         copy = SamplingParams.__new__(SamplingParams)
         for name in self.__slots__:

@@ -201,11 +201,8 @@ class Scheduler:
         params = engine_request.sampling_params
         beam_params = params.beam_search
         assert beam_params is not None
-        if engine_request.eos_token_id is not None:
-            stop_ids = {engine_request.eos_token_id, *params.all_stop_token_ids}
-        else:
-            stop_ids = set(params.all_stop_token_ids)
-        group = BeamGroup(engine_request.request_id, beam_params, stop_ids, 0)
+        group = BeamGroup(engine_request.request_id, beam_params,
+                          set(params.end_of_sequence_ids()), 0)
         row_params = SamplingParams(temperature=0.0, max_tokens=beam_params.max_tokens,
                                     ignore_eos=True, logprobs=group.num_keep)
         root = Request.from_engine_core_request(
@@ -653,11 +650,9 @@ class Scheduler:
         params = request.sampling_params
         if request.num_output_tokens < params.min_tokens:
             return False
-        if not params.ignore_eos and (token == request.eos_token_id
-                                      or token in params.all_stop_token_ids):
-            # EOS, or another end-of-sequence id of the model (generation_config.json).
+        if not params.ignore_eos and token in params.end_of_sequence_ids():
             request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = None if token == request.eos_token_id else token
+            request.stop_reason = None if token == params.eos_token_id else token
             return True
         if token in (params.stop_token_ids or ()):  # a list once constructed
             request.status = RequestStatus.FINISHED_STOPPED
