@@ -163,6 +163,34 @@ class SamplingRequest(OpenAIBaseModel):
             structured_outputs=self.structured_outputs_params(),
         )
 
+    def beam_search_params(self, beam_width: int, length_penalty: float, max_tokens: int,
+                           logprobs: int | None) -> SamplingParams:
+        """The params of a beam search (`use_beam_search`) returning the n best of
+        `beam_width` beams. Fields that only sampling means (temperature > 0, top_p,
+        penalties, stop, a seed, ...) are refused by name (ValueError), as is streaming: the
+        beams are known only at the end."""
+        self._check_unhonoured()
+        if self.stream:
+            raise ValueError("use_beam_search cannot be combined with stream=true: the beams "
+                             "are only known when the search ends.")
+        beam = BeamSearchParams(
+            beam_width=beam_width, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
+            temperature=self.temperature or 0.0, length_penalty=length_penalty,
+            include_stop_str_in_output=self.include_stop_str_in_output)
+        return SamplingParams(
+            n=self.n, presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=(1.0 if self.repetition_penalty is None
+                                else self.repetition_penalty),
+            temperature=0.0, top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0, min_p=self.min_p or 0.0, seed=self.seed, stop=self.stop,
+            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+            structured_outputs=self.structured_outputs_params(), beam_search=beam)
+
     def _sampling_fields(self, defaults: Mapping[str, Any]) -> dict[str, Any]:
         """temperature, top_p, top_k, min_p and repetition_penalty: the request's where
         set, else the model's default, else SamplingParams'."""
@@ -237,34 +265,13 @@ class CompletionRequest(SamplingRequest):
     length_penalty: float = 1.0
 
     def to_beam_search_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """`use_beam_search`: the params of a beam search of max(n, best_of) beams. Fields
-        that only sampling means (temperature > 0, top_p, penalties, stop, ...) are refused
-        by name (ValueError), as is streaming: beams are known only at the end."""
-        self._check_unhonoured()
-        if self.stream:
-            raise ValueError("use_beam_search cannot be combined with stream=true: the beams "
-                             "are only known when the search ends.")
+        """`use_beam_search`: max(n, best_of) beams, the n best returned."""
         if self.best_of is not None and self.best_of < self.n:
             raise ValueError(f"best_of must be at least n={self.n}, got {self.best_of}.")
-        beam = BeamSearchParams(
-            beam_width=max(self.n, self.best_of or self.n), max_tokens=max_tokens,
-            ignore_eos=self.ignore_eos, temperature=self.temperature or 0.0,
-            length_penalty=self.length_penalty,
-            include_stop_str_in_output=self.include_stop_str_in_output)
-        return SamplingParams(
-            n=self.n, presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=(1.0 if self.repetition_penalty is None
-                                else self.repetition_penalty),
-            temperature=0.0, top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0, min_p=self.min_p or 0.0, seed=self.seed, stop=self.stop,
-            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-            max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
-            prompt_logprobs=self.prompt_logprobs,
-            skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output,
-            output_kind=RequestOutputKind.FINAL_ONLY,
-            structured_outputs=self.structured_outputs_params(), beam_search=beam)
+        params = self.beam_search_params(max(self.n, self.best_of or self.n),
+                                         self.length_penalty, max_tokens, logprobs)
+        params.prompt_logprobs = self.prompt_logprobs  # refused by the processor, by name
+        return params
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -349,6 +356,9 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     # Only honoured by a server started with --trust-request-chat-template.
     chat_template: str | None = None
+    # vLLM extensions: beam search, n beams returned best first.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
 
 class FunctionCall(OpenAIBaseModel):
