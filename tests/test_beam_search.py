@@ -257,16 +257,21 @@ def llama_beams(llama_two_eos_dir):
                enable_prompt_embeds=True, max_num_seqs=8)
 
 
-def test_decoder_only_beams_equal_transformers(llama_two_eos_dir, llama_beams):
+def test_decoder_only_beams_equal_transformers(llama_two_eos_dir, llama_beams, monkeypatch):
     path, eos = llama_two_eos_dir
     tokenizer = llama_beams.get_tokenizer()
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     params = BeamSearchParams(beam_width=WIDTH, max_tokens=MAX_TOKENS)
     scheduler = llama_beams.llm_engine.engine_core.scheduler
     ids = [tokenizer(p).input_ids for p in PROMPTS]
-    # Text and token-id prompts at once (the second repeats the first: prefix hits).
+    kv = scheduler.kv_cache_manager
+    hits: list[int] = []
+    lookup = kv.record_prefix_lookup
+    monkeypatch.setattr(kv, "record_prefix_lookup",
+                        lambda num, hit: (hits.append(hit), lookup(num, hit))[1])
+    # Text and token-id prompts at once (the last repeats the first: prefix hits).
     outputs = llama_beams.beam_search([*PROMPTS, {"prompt_token_ids": ids[0]}], params)
-    assert scheduler.num_preemptions > 0
+    assert scheduler.num_preemptions > 0 and sum(hits) > 0
     finished_early = 0
     for prompt_ids, ours in zip([*ids, ids[0]], outputs, strict=True):
         hf = _hf_beams(model, WIDTH, MAX_TOKENS, eos, input_ids=torch.tensor([prompt_ids]))
