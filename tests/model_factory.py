@@ -303,11 +303,12 @@ def make_tiny_bart(path: str, seed: int = 0) -> str:
     return path
 
 
-def make_tiny_whisper(path: str, seed: int = 0) -> str:
+def make_tiny_whisper(path: str, seed: int = 0, multilingual: bool = False) -> str:
     """Write a tiny random-weight WhisperForConditionalGeneration (2 + 2 layers, d_model 64,
     80 mel bins, English-only vocabulary) with the real tiny.en tokenizer to ``path``, so
     that text decoder prompts and the default decoder prompt work. The encoder's sinusoidal
-    positions are kept. Returns ``path``."""
+    positions are kept. ``multilingual``: the multilingual vocabulary's layout instead (see
+    `_multilingual_whisper_tokenizer`). Returns ``path``."""
     import transformers
 
     from vllm.model_executor.model_loader.ct2_loader import load_ct2_tokenizer
@@ -315,13 +316,38 @@ def make_tiny_whisper(path: str, seed: int = 0) -> str:
 
     os.makedirs(path, exist_ok=True)
     load_ct2_tokenizer(default_whisper_model_path()).save_pretrained(path)
+    special: dict[str, int] = {}
+    if multilingual:
+        _multilingual_whisper_tokenizer(path)
+        # <|endoftext|> 50257, <|startoftranscript|> 50258 (English-only: 50256, 50257).
+        special = dict(bos_token_id=50257, eos_token_id=50257, pad_token_id=50257,
+                       decoder_start_token_id=50258)
     config = transformers.WhisperConfig(
-        vocab_size=51864, d_model=64, encoder_layers=2, decoder_layers=2,
-        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
-        decoder_ffn_dim=128, num_mel_bins=80, max_source_positions=1500,
-        max_target_positions=448)
+        vocab_size=51865 if multilingual else 51864, d_model=64, encoder_layers=2,
+        decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+        encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=80,
+        max_source_positions=1500, max_target_positions=448, **special)
     torch.manual_seed(seed)
     model = transformers.WhisperForConditionalGeneration(config).to(torch.float32).eval()
     _randomize_encoder_decoder(model, seed, keep=("encoder.embed_positions",))
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def _multilingual_whisper_tokenizer(path: str) -> None:
+    """Rewrites the English-only Whisper tokenizer in ``path`` to the multilingual layout:
+    one more text token (an unused filler at 50256), so that every special and timestamp
+    token moves up by one (<|endoftext|> 50257, <|startoftranscript|> 50258, <|en|> 50259,
+    ... <|translate|> 50358, <|transcribe|> 50359, <|notimestamps|> 50363) and the vocabulary
+    has 51865 ids. The language tokens are the same 99 in both."""
+    file = os.path.join(path, "tokenizer.json")
+    with open(file) as f:
+        spec = json.load(f)
+    first_special = spec["model"]["vocab"]["<|endoftext|>"]
+    spec["model"]["vocab"]["<|endoftext|>"] = first_special + 1
+    spec["model"]["vocab"]["<|filler|>"] = first_special
+    for token in spec["added_tokens"]:
+        if token["id"] >= first_special:
+            token["id"] += 1
+    with open(file, "w") as f:
+        json.dump(spec, f)

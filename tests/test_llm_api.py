@@ -134,6 +134,19 @@ def test_penalties_change_the_distribution(llm):
         assert len(set(penalized)) > len(set(base)), kwargs
 
 
+def test_allowed_token_ids_restrict_every_sampled_token(llm):
+    free = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=1),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    allowed = [t for t in range(100, 108) if t != free[0]]
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature=temperature, seed=1, max_tokens=6,
+                                allowed_token_ids=allowed)
+        tokens = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids
+        assert len(tokens) == 6 and set(tokens) <= set(allowed), temperature
+    with pytest.raises(ValueError, match=r"allowed_token_ids \[10000000\] are out of"):
+        llm.generate(PROMPT, SamplingParams(allowed_token_ids=[1, 10**7]), use_tqdm=False)
+
+
 def test_too_long_prompt_names_both_lengths(llm):
     with pytest.raises(ValueError, match=r"length 300.*maximum model length of 256"):
         llm.generate({"prompt_token_ids": [5] * 300}, use_tqdm=False)

@@ -251,6 +251,25 @@ def test_min_tokens_blocks_stop_tokens() -> None:
     assert logits[0].tolist() == [0.0, 5.0, 4.0, 3.0]  # the caller's logits are untouched
 
 
+def test_allowed_token_ids_restrict_greedy_random_and_logprobs() -> None:
+    logits = torch.tensor([[0.0, 5.0, 4.0, 3.0], [0.0, 5.0, 4.0, 3.0]])
+    md = metadata(2, temperature=0.0)
+    md.allowed_token_ids = {0: torch.tensor([0, 3])}
+    assert sampler(logits, md).sampled_token_ids.tolist() == [3, 1]
+    assert logits[0].tolist() == [0.0, 5.0, 4.0, 3.0]  # the caller's logits are untouched
+    # Sampled rows only ever draw allowed ids; logprobs stay those of the raw logits.
+    md = metadata(2, temperature=1.0, seeds={0: 1, 1: 2}, max_num_logprobs=1)
+    md.allowed_token_ids = {0: torch.tensor([0, 2]), 1: torch.tensor([3])}
+    for _ in range(20):
+        out = sampler(logits, md)
+        row0, row1 = out.sampled_token_ids.tolist()
+        assert row0 in (0, 2) and row1 == 3
+    assert out.logprobs is not None
+    raw = torch.log_softmax(logits[1], dim=-1)
+    assert out.logprobs.token_ids[1] == [3, 1]
+    assert out.logprobs.logprobs[1] == pytest.approx([raw[3].item(), raw[1].item()])
+
+
 # ---- penalties ------------------------------------------------------------------------------
 
 
@@ -368,7 +387,8 @@ def test_runner_sampling_metadata_from_the_batch() -> None:
     # An embeds prompt: its placeholder ids (0) are not prompt tokens for the penalties.
     e = NewRequestData(
         req_id="e", prompt_token_ids=[0, 0], prompt_embeds=torch.zeros(2, HIDDEN),
-        output_token_ids=[4], sampling_params=make_params(temperature=0.0),
+        output_token_ids=[4], sampling_params=make_params(temperature=0.0,
+                                                          allowed_token_ids=[4, 9]),
         block_ids=[3], num_computed_tokens=2)
     out = SchedulerOutput(scheduled_new_reqs=[a, e], scheduled_cached_reqs=CachedRequestData(),
                           num_scheduled_tokens={"a": 1, "e": 1}, total_num_scheduled_tokens=2,
@@ -382,6 +402,7 @@ def test_runner_sampling_metadata_from_the_batch() -> None:
     assert list(md.generators) == [0]
     assert md.generators[0] is runner.requests["a"].generator
     assert md.min_tokens_blocked == {0: [7, 2]}  # stop ids, then eos
+    assert list(md.allowed_token_ids) == [1] and md.allowed_token_ids[1].tolist() == [4, 9]
     assert md.max_num_logprobs is None
     counts = torch.zeros(2, vocab, dtype=torch.int32)
     counts[0, 5], counts[0, 3], counts[1, 4] = 2, 1, 1
@@ -431,7 +452,7 @@ def test_runner_sampling_metadata_without_penalties_or_filters() -> None:
     assert (md.all_greedy, md.all_random) == (True, False)
     assert md.top_k is None and md.top_p is None and md.min_p is None
     assert md.penalties is None
-    assert md.generators == {} and md.min_tokens_blocked == {}
+    assert md.generators == {} and md.min_tokens_blocked == {} and md.allowed_token_ids == {}
     assert md.max_num_logprobs == 3
 
 
@@ -451,7 +472,8 @@ def test_sampling_params_normalise_stop_and_top_k() -> None:
     ("n", 0), ("presence_penalty", 2.5), ("frequency_penalty", -2.5),
     ("repetition_penalty", 0.0), ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5),
     ("min_p", 1.5), ("max_tokens", 0), ("min_tokens", -1), ("logprobs", -1),
-    ("stop", [""]), ("stop_token_ids", [-1]),
+    ("stop", [""]), ("stop_token_ids", [-1]), ("allowed_token_ids", []),
+    ("allowed_token_ids", [3, -1]),
 ])
 def test_sampling_params_reject_invalid_values_naming_the_field(field: str,
                                                                 value: object) -> None:

@@ -71,7 +71,10 @@ async def one_request(http: httpx.AsyncClient, i: int) -> str:
 async def run_mix(url: str, count: int) -> dict[str, int]:
     tally: dict[str, int] = {}
     counter = itertools.count()
-    limits = httpx.Limits(max_connections=CONCURRENCY)
+    # The client drops idle connections well before the server's keep-alive (5 s) closes
+    # them: otherwise a request sent on a connection the server is closing at that moment
+    # fails with a ReadError (the keep-alive race; seen on a heavily loaded machine).
+    limits = httpx.Limits(max_connections=CONCURRENCY, keepalive_expiry=1)
     async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as http:
         async def worker() -> None:
             while (i := next(counter)) < count:

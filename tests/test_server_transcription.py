@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import math
 import os
 from pathlib import Path
 
@@ -19,13 +20,14 @@ import openai
 import pytest
 import soundfile
 
+from tests.model_factory import make_tiny_whisper
 from tests.server_utils import RemoteServer, scrape_metrics
 from tests.wer import normalize_words
 from vllm import LLM, SamplingParams
 from vllm.entrypoints import cli
 from vllm.entrypoints.openai.serving_transcription import decode_upload
 from vllm.inputs.audio_file import split_windows
-from vllm.inputs.whisper import join_texts, window_prompt
+from vllm.inputs.whisper import join_texts, language_name, language_token_ids, window_prompt
 from vllm.transformers_utils.default_model import default_whisper_model_path
 
 DATA = Path(__file__).parent / "data"
@@ -144,7 +146,7 @@ def test_long_audio_is_split_and_joined(client: openai.OpenAI, offline: LLM,
     stream = transcribe(client, path, stream=True, extra_body={"stream_include_usage": True})
     chunks = list(stream)
     assert "".join(c.choices[0]["delta"]["content"] for c in chunks if c.choices) == expected
-    assert chunks[-1].usage["completion_tokens"] > 0
+    assert chunks[-1].text == expected and chunks[-1].usage.completion_tokens > 0
     verbose = transcribe(client, path, response_format="verbose_json")
     assert normalize_words(verbose.text) == normalize_words(sentences)
     assert verbose.duration == pytest.approx(len(samples) / RATE)
@@ -259,6 +261,15 @@ def _bad_uploads(tmp_path: Path) -> dict[str, tuple[dict, dict, str]]:
         "word timestamps": ({"timestamp_granularities[]": "word",
                              "response_format": "verbose_json"}, {"file": ("a.wav", clip)},
                             "not supported"),
+        "usage without stream": ({"stream_include_usage": "true"}, {"file": ("a.wav", clip)},
+                                 "stream_include_usage can only be given with stream=true"),
+        "continuous usage without stream": (
+            {"stream_continuous_usage_stats": "true"}, {"file": ("a.wav", clip)},
+            "stream_continuous_usage_stats can only be given with stream=true"),
+        "no completion tokens": ({"max_completion_tokens": "0"}, {"file": ("a.wav", clip)},
+                                 "max_completion_tokens must be at least 1"),
+        "unknown language": ({"language": "hh"}, {"file": ("a.wav", clip)},
+                             "Unknown language"),
     }
 
 
@@ -353,10 +364,137 @@ def test_every_transcription_field_is_honoured_or_refused(server: RemoteServer) 
     checked = {"file", "model", "temperature", "seed", "top_p", "top_k", "min_p",
                "repetition_penalty", "frequency_penalty", "presence_penalty",
                "max_completion_tokens", "stream", "stream_include_usage",
-               "language", "prompt", "response_format", "timestamp_granularities",
-               "use_beam_search", "best_of", "length_penalty"}
+               "stream_continuous_usage_stats", "language", "prompt", "response_format",
+               "timestamp_granularities", "use_beam_search", "best_of", "length_penalty"}
     assert checked == set(TranscriptionRequest.model_fields)
     for field in ("chunking_strategy", "include[]", "known_speaker_names[]",
                   "to_language", "vllm_xargs"):
         response = post(**{field: "true"})
         assert response.status_code == 400 and field in response.json()["error"]["message"]
+
+
+# ---- vLLM's transcription API: usage, streams for both readers, 404s, fields -----------
+
+
+def test_usage_and_streams_read_by_openai_and_vllm_clients(client: openai.OpenAI,
+                                                           offline: LLM) -> None:
+    """Non-streamed answers carry vLLM's duration usage; every stream event is both an
+    OpenAI transcription event and a vLLM chunk (vLLM's own test cases read `choices[0]`
+    of every chunk, and expect a last chunk without choices when the usage is asked for)."""
+    path, samples = DATA / "call_me.wav", read_clip("call_me.wav")
+    seconds = math.ceil(len(samples) / RATE)
+    plain = transcribe(client, path)
+    assert (plain.usage.type, plain.usage.seconds) == ("duration", seconds)
+    verbose = transcribe(client, path, response_format="verbose_json")
+    assert (verbose.usage.type, verbose.usage.seconds) == ("duration", seconds)
+    [reference] = offline.generate({"prompt": "", "multi_modal_data": {"audio": (samples, RATE)}},
+                                   SamplingParams(temperature=0, max_tokens=224),
+                                   use_tqdm=False)
+    assert plain.text == reference.outputs[0].text
+
+    *deltas, done = transcribe(client, path, stream=True)
+    assert {e.type for e in deltas} == {"transcript.text.delta"} and len(deltas) > 2
+    assert done.type == "transcript.text.done" and done.usage is None
+    assert "".join(e.delta for e in deltas) == done.text == plain.text
+    assert "".join(e.choices[0]["delta"]["content"] for e in [*deltas, done]) == plain.text
+    assert [e.choices[0]["finish_reason"] for e in [*deltas, done]][-3:] == \
+        [None, "stop", "stop"]
+    assert {e.object for e in [*deltas, done]} == {"transcription.chunk"}
+
+    *deltas, done = transcribe(client, path, stream=True, extra_body={
+        "stream_include_usage": True, "stream_continuous_usage_stats": True})
+    assert all(e.choices for e in deltas) and done.choices == []
+    assert "".join(e.delta for e in deltas) == done.text == plain.text
+    running = [e.usage["completion_tokens"] for e in deltas]
+    assert running == sorted(running) and running[-1] == done.usage.completion_tokens
+    completion_tokens = len(reference.outputs[0].token_ids)
+    prompt_tokens = len(reference.prompt_token_ids or [])  # <|startoftranscript|> ...
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == \
+        (prompt_tokens, completion_tokens)
+    assert (done.usage.type, done.usage.input_tokens, done.usage.output_tokens,
+            done.usage.total_tokens) == ("tokens", prompt_tokens, completion_tokens,
+                                         prompt_tokens + completion_tokens)
+
+
+def test_vllm_api_cases(client: openai.OpenAI, server: RemoteServer, offline: LLM) -> None:
+    """vLLM's Whisper server tests on this server: text endpoints are 404s (whatever the
+    body), a token cap of 1 gives one token and a huge one is capped at the model's limit,
+    extreme sampling values change the text (on audio whose words repeat, as vLLM's clip's
+    do: with the filters this narrow only the repetition penalty can act)."""
+    for call in (lambda: client.chat.completions.create(
+                     model=NAME, messages=[{"role": "system", "content": "Hi."}]),
+                 lambda: client.completions.create(model=NAME, prompt="Hello")):
+        with pytest.raises(openai.NotFoundError, match="speech-to-text model"):
+            call()
+    assert httpx.post(f"{server.url}/v1/completions", content=b"not json",
+                      headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 404
+    clip = DATA / "train_station.wav"
+    greedy = transcribe(client, clip, temperature=0.0).text
+    one = transcribe(client, clip, extra_body={"max_completion_tokens": 1}).text
+    tokenizer = offline.get_tokenizer()
+    assert len(tokenizer(one, add_special_tokens=False).input_ids) == 1
+    assert transcribe(client, clip, extra_body={"max_completion_tokens": 10**6}).text == greedy
+    silence = np.zeros(RATE // 2, np.float32)
+    repeated = wav_bytes(np.concatenate([read_clip("sun_sky.wav"), silence] * 3))
+    sampled = transcribe(client, repeated, temperature=0.8, extra_body={
+        "seed": 42, "repetition_penalty": 1.9, "top_k": 12, "top_p": 0.4, "min_p": 0.5,
+        "frequency_penalty": 1.8, "presence_penalty": 2.0, "max_completion_tokens": 40})
+    greedy = transcribe(client, repeated, temperature=0.0, extra_body={"seed": 42}).text
+    assert sampled.text != greedy
+
+
+# ---- a multilingual model: language detection and translations -------------------------
+
+
+@pytest.fixture(scope="module")
+def multilingual(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny random multilingual Whisper (seed 0 detects Somali in every clip), served."""
+    path = make_tiny_whisper(str(tmp_path_factory.mktemp("multilingual")), multilingual=True)
+    srv = RemoteServer(path, ["--served-model-name", "tiny-multi", "--dtype", "float32",
+                              "--kv-cache-memory-bytes", "64MiB"])
+    yield path, srv
+    assert srv.stop() == 0, srv.final_log
+
+
+def test_language_detection_and_translation(multilingual: tuple[str, RemoteServer]) -> None:
+    """With `language` omitted the model's language tokens at the first decoder step pick
+    it (transformers' `detect_language` on the same model agrees); the windows are then
+    decoded as with that language given. Translations put `<|translate|>` after it."""
+    import transformers
+
+    path, srv = multilingual
+    client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+    model = transformers.WhisperForConditionalGeneration.from_pretrained(path).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    languages = language_token_ids(tokenizer, model.config.vocab_size)
+    assert len(languages) == 99 and languages[50259] == "en"
+    generation = transformers.GenerationConfig(
+        decoder_start_token_id=50258, lang_to_id={f"<|{c}|>": i for i, c in languages.items()})
+    features = transformers.WhisperFeatureExtractor(feature_size=80)(
+        read_clip("sun_sky.wav"), sampling_rate=RATE, return_tensors="pt").input_features
+    code = languages[int(model.detect_language(features, generation_config=generation)[0])]
+    assert code != "en"  # so English, the default, cannot pass for a detection
+
+    audio = (DATA / "sun_sky.wav").read_bytes()
+
+    def ask(endpoint: str, **fields) -> httpx.Response:
+        response = httpx.post(f"{srv.url}/v1/audio/{endpoint}", timeout=120, data={
+            "model": "tiny-multi", "max_completion_tokens": "12", **fields},
+            files={"file": ("a.wav", audio)})
+        assert response.status_code == 200, response.text
+        return response
+
+    verbose = client.audio.transcriptions.create(
+        model="tiny-multi", file=("a.wav", audio), response_format="verbose_json",
+        extra_body={"max_completion_tokens": 12})
+    assert verbose.language == language_name(code)
+    detected = ask("transcriptions").json()["text"]
+    assert detected == ask("transcriptions", language=code).json()["text"]
+    assert detected != ask("transcriptions", language="en").json()["text"]
+    translated = ask("translations").json()["text"]
+    assert translated == ask("translations", language=code).json()["text"]
+    assert translated != detected
+    events = [json.loads(line[6:]) for line in ask("translations", stream="true")
+              .text.splitlines() if line.startswith("data: {")]
+    assert events[-1]["text"] == translated and events[-1]["object"] == "translation.chunk"

@@ -24,6 +24,7 @@ from vllm.inputs.whisper import (
     decoder_prompt,
     join_texts,
     language_code,
+    language_token_ids,
     timed_segments,
 )
 
@@ -168,6 +169,24 @@ def test_decoder_prompts(tokenizer) -> None:
     # Whisper keeps the last max_model_len // 2 - 1 previous-text tokens.
     long = prompt(previous_text_ids=list(range(1000)), max_model_len=10)
     assert long == [50360, 996, 997, 998, 999, 50257, 50362]
+
+
+def test_language_tokens(tokenizer) -> None:
+    """The 99 language tokens sit between <|startoftranscript|> and <|translate|>; the
+    vocabulary spells Hebrew with its old code `iw`, read and written as `he`."""
+    languages = language_token_ids(tokenizer, 51864)
+    assert len(languages) == 99 and list(languages)[:3] == [50258, 50259, 50260]
+    assert (languages[50258], languages[50259], languages[50356]) == ("en", "zh", "su")
+    hebrew = tokenizer.convert_tokens_to_ids("<|iw|>")
+    assert languages[hebrew] == "he" and "iw" not in languages.values()
+    assert language_token_ids(tokenizer, 50260) == {50258: "en", 50259: "zh"}
+
+    def prompt(language: str, task: str) -> list[int]:
+        return decoder_prompt(tokenizer, Multilingual, language=language, task=task,
+                              previous_text_ids=[], timestamps=False, max_model_len=448)
+
+    assert prompt("de", "transcribe") == [50257, 50260, 50358, 50362]
+    assert prompt("he", "translate") == [50257, hebrew, 50357, 50362]
 
 
 def test_languages() -> None:

@@ -178,6 +178,19 @@ class SchedulerConfig:
     prompt_embeds_batching: PromptEmbedsBatching = "mixed"
     # Encoder input tokens per step (encoder/decoder models); an input is never split.
     max_num_encoder_input_tokens: int = 2048
+    # LoRA: distinct adapters one step may hold (the slots); None: LoRA is off.
+    max_loras: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAConfig:
+    """LoRA serving (`enable_lora`): `max_loras` slots per layer (distinct adapters in one
+    step), ranks up to `max_lora_rank`, up to `max_cpu_loras` loaded adapters kept on the
+    CPU (at least `max_loras`)."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 1
 
 
 @dataclass(slots=True)
@@ -252,6 +265,7 @@ class VllmConfig:
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    lora_config: LoRAConfig | None = None  # None: LoRA is off
 
 
 def default_device() -> str:

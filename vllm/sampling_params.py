@@ -187,6 +187,9 @@ class SamplingParams:
     return_hidden_states: bool = False
     # Constrain the output to a JSON schema, regex, choice or grammar (None: unconstrained).
     structured_outputs: StructuredOutputsParams | None = None
+    # Sample only among these token ids (None: the whole vocabulary); e.g. Whisper's
+    # language tokens for language detection.
+    allowed_token_ids: list[int] | None = None
     # Beam search instead of sampling (`LLM.beam_search`, the server's use_beam_search):
     # the final output holds the n best of beam_search.beam_width beams. Only max_tokens,
     # n and the output fields of these params apply then (see `_verify_beam_search`).
@@ -248,6 +251,10 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be non-negative integers")
         if not isinstance(self.return_hidden_states, bool):
             raise bad("return_hidden_states", "must be a bool")
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
+                or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)):
+            raise bad("allowed_token_ids", "must be a non-empty list of non-negative integers")
         if self.structured_outputs is not None and not isinstance(
                 self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", "must be a StructuredOutputsParams")
@@ -266,7 +273,8 @@ class SamplingParams:
         defaults = {"presence_penalty": 0.0, "frequency_penalty": 0.0,
                     "repetition_penalty": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
                     "seed": None, "min_tokens": 0, "prompt_logprobs": None,
-                    "return_hidden_states": False, "structured_outputs": None}
+                    "return_hidden_states": False, "structured_outputs": None,
+                    "allowed_token_ids": None}
         for name, default in defaults.items():
             if getattr(self, name) != default:
                 raise ValueError(f"{name} cannot be combined with beam search, got "

@@ -14,6 +14,7 @@ from vllm.config import (
     CacheConfig,
     CompilationConfig,
     DeviceConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -63,6 +64,11 @@ class EngineArgs:
     # Default sampling parameters: "auto" from the model's generation_config.json, "vllm"
     # SamplingParams' own, or a folder holding a generation_config.json.
     generation_config: str = "auto"
+    # LoRA adapters (vLLM's names and defaults; max_cpu_loras None: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -92,6 +98,22 @@ class EngineArgs:
         if self.quantization == "gguf" and not model.endswith(".gguf"):
             raise ValueError("quantization='gguf' keeps a GGUF file's quantized tensors; "
                              f"{model!r} is not a .gguf file.")
+
+    def _lora_config(self, model_config: ModelConfig) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        max_cpu = self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+        if not isinstance(max_cpu, int) or isinstance(max_cpu, bool) or max_cpu < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({max_cpu!r}) must be an integer >= max_loras "
+                             f"({self.max_loras}).")
+        if model_config.is_encoder_decoder:
+            raise ValueError("enable_lora: LoRA adapters are supported on decoder-only "
+                             "models, not encoder/decoder ones.")
+        return LoRAConfig(self.max_loras, self.max_lora_rank, max_cpu)
 
     def _parallel_config(self, hf_config, device: str) -> ParallelConfig:
         """Sizes and backend checked against the model and the machine before anything
@@ -200,9 +222,12 @@ class EngineArgs:
             max_num_encoder_input_tokens=self._max_num_encoder_input_tokens(
                 max_batched, model_config.max_encoder_len),
         )
+        lora_config = self._lora_config(model_config)
+        if lora_config is not None:
+            scheduler_config.max_loras = lora_config.max_loras
         return VllmConfig(model_config, cache_config, scheduler_config, DeviceConfig(device),
                           CompilationConfig.from_user(self.compilation_config),
-                          parallel_config)
+                          parallel_config, lora_config)
 
 
 def max_decoder_positions(hf_config) -> int:

@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from vllm.beam_search import BeamSearchOutput, BeamSearchSequence
 from vllm.engine.arg_utils import EngineArgs
+from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import (
     MAX_LOGPROBS,
@@ -29,7 +30,8 @@ class LLM:
         **kwargs: engine arguments with vLLM's names (dtype, max_model_len, max_num_seqs,
             max_num_batched_tokens, block_size, kv_cache_memory_bytes,
             enable_prefix_caching, enable_chunked_prefill, enable_prompt_embeds,
-            enable_return_hidden_states, seed, ...).
+            enable_return_hidden_states, seed, enable_lora, max_loras, max_lora_rank,
+            max_cpu_loras, ...).
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
@@ -48,14 +50,16 @@ class LLM:
             **self.llm_engine.vllm_config.model_config.generation_defaults)
 
     def generate(self, prompts: Any, sampling_params: SamplingParams
-                 | Sequence[SamplingParams] | None = None, use_tqdm: bool = True
+                 | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
                  ) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in prompt order.
 
         A prompt is a str, {"prompt": str}, {"prompt_token_ids": [...]},
         {"prompt_embeds": tensor} or {"prompt_segments": [str | list[int] | tensor, ...]}
         (text, ids and embeds rows in order; see `vllm.inputs.SegmentsPrompt`); a list of
-        them is a batch.
+        them is a batch. `lora_request`: the LoRA adapter of every prompt, or a list with
+        one per prompt (None: the base model); the engine needs `enable_lora=True`.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -69,10 +73,18 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"Got {len(params_list)} sampling params for "
                                  f"{len(prompts)} prompts.")
-        request_ids = self._add_requests(prompts, params_list)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras: list[LoRARequest | None] = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"Got {len(loras)} LoRA requests for {len(prompts)} "
+                                 "prompts.")
+        request_ids = self._add_requests(prompts, params_list, loras)
         return self._run_engine(request_ids, use_tqdm)
 
     def beam_search(self, prompts: Any, params: BeamSearchParams,
+                    lora_request: LoRARequest | None = None,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """Beam search over every prompt (any form `generate` takes, audio included); one
         `BeamSearchOutput` per prompt, its `beam_width` best sequences best first.
@@ -88,8 +100,9 @@ class LLM:
         prompts = list(prompts)
         sampling = params.sampling_params(n=params.beam_width,
                                           logprobs=min(2 * params.beam_width, MAX_LOGPROBS))
-        request_ids = self._add_requests(prompts, [sampling] * len(prompts))
-        return [_beam_search_output(output)
+        request_ids = self._add_requests(prompts, [sampling] * len(prompts),
+                                         [lora_request] * len(prompts))
+        return [_beam_search_output(output, lora_request)
                 for output in self._run_engine(request_ids, use_tqdm)]
 
     def chat(self, messages: Any, sampling_params: SamplingParams
@@ -97,7 +110,9 @@ class LLM:
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False,
              chat_template_kwargs: dict[str, Any] | None = None,
-             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+             tools: list[dict[str, Any]] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
         """Generates replies to conversations rendered with the tokenizer's chat template
         (or `chat_template`; `tools`, OpenAI's function definitions, and
         `chat_template_kwargs` go to the template).
@@ -125,17 +140,18 @@ class LLM:
                                continue_final_message, chat_template_kwargs, chat_template,
                                budget.max_model_len, budget.hidden_size, tools)
                    for conversation in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
-    def _add_requests(self, prompts: list, params_list: list[SamplingParams]) -> list[str]:
+    def _add_requests(self, prompts: list, params_list: list[SamplingParams],
+                      loras: list[LoRARequest | None]) -> list[str]:
         engine = self.llm_engine
         request_ids: list[str] = []
         try:
-            for prompt, params in zip(prompts, params_list):
+            for prompt, params, lora in zip(prompts, params_list, loras, strict=True):
                 params = params.clone()
                 params.output_kind = RequestOutputKind.FINAL_ONLY
                 request_id = str(next(self._request_counter))
-                engine.add_request(request_id, prompt, params)
+                engine.add_request(request_id, prompt, params, lora_request=lora)
                 request_ids.append(request_id)
         except Exception:
             engine.abort_request(request_ids)  # a bad prompt fails the whole call cleanly
@@ -161,10 +177,12 @@ class LLM:
         return [finished[r] for r in request_ids]
 
 
-def _beam_search_output(output: RequestOutput) -> BeamSearchOutput:
+def _beam_search_output(output: RequestOutput, lora_request: LoRARequest | None
+                        ) -> BeamSearchOutput:
     prompt = output.prompt_token_ids or []
     return BeamSearchOutput([
         BeamSearchSequence(tokens=[*prompt, *c.token_ids], logprobs=c.logprobs or [],
+                           lora_request=lora_request,
                            cum_logprob=c.cumulative_logprob or 0.0, text=c.text,
                            finish_reason=c.finish_reason, stop_reason=c.stop_reason)
         for c in output.outputs])

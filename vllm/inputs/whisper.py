@@ -64,6 +64,31 @@ def language_code(language: str | None, hf_config: Any) -> str | None:
     return code
 
 
+# Language tokens some Whisper vocabularies spell with an older ISO-639 code.
+_OLD_CODES = {"iw": "he"}
+
+
+def language_token_ids(tokenizer: Any, vocab_size: int) -> dict[int, str]:
+    """Whisper's language tokens, the ids between <|startoftranscript|> and <|translate|>:
+    id -> ISO-639-1 code. Example (multilingual vocabulary): {50259: "en", 50260: "zh",
+    ..., 50357: "su"}; `<|iw|>` reads as "he"."""
+    first = special_token_id(tokenizer, "<|startoftranscript|>") + 1
+    end = min(special_token_id(tokenizer, "<|translate|>"), vocab_size)
+    tokens = tokenizer.convert_ids_to_tokens(list(range(first, end)))
+    codes = [str(token)[2:-2] for token in tokens]
+    return {first + i: _OLD_CODES.get(code, code) for i, code in enumerate(codes)}
+
+
+def language_token(tokenizer: Any, code: str) -> int:
+    """The id of the language token of `code` (a code from `language_code`), under its
+    older spelling where the vocabulary has only that."""
+    older = {new: old for old, new in _OLD_CODES.items()}.get(code)
+    if older is not None and tokenizer.convert_tokens_to_ids(f"<|{code}|>") in (
+            None, getattr(tokenizer, "unk_token_id", None)):
+        code = older
+    return special_token_id(tokenizer, f"<|{code}|>")
+
+
 def language_name(code: str) -> str:
     from transformers.models.whisper.tokenization_whisper import LANGUAGES
 
@@ -85,7 +110,7 @@ def decoder_prompt(tokenizer: Any, hf_config: Any, *, language: str | None, task
         prompt = [tokens.start_of_prev, *previous_text_ids[-(max_model_len // 2 - 1):]]
     prompt.append(tokens.start_of_transcript)
     if is_multilingual_whisper(hf_config):
-        prompt += [special_token_id(tokenizer, f"<|{language or 'en'}|>"),
+        prompt += [language_token(tokenizer, language or "en"),
                    special_token_id(tokenizer, f"<|{task}|>")]
     prompt.append(tokens.timestamp_begin if timestamps else tokens.no_timestamps)
     return prompt

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import EmbedsLayout, EncoderInput, EngineCoreRequest, FinishReason
 from vllm.v1.structured_output.backend import StructuredOutputGrammar
@@ -67,8 +68,12 @@ class Request:
         encoder_input: EncoderInput | None = None,
         cache_salt: str | None = None,
         prompt_is_token_ids: torch.Tensor | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
+        # Its LoRA adapter: mixed into the first block's hash, and it holds a slot while
+        # it runs.
+        self.lora_request = lora_request
         self.cache_salt = cache_salt  # mixed into the first block's hash
         # Encoder/decoder models: the encoder's input, kept until the request finishes (a
         # preempted request whose cross blocks were evicted runs the encoder again).
@@ -123,7 +128,7 @@ class Request:
         return cls(request.request_id, request.prompt_token_ids, request.prompt_embeds,
                    request.sampling_params, request.eos_token_id, request.arrival_time,
                    max_model_len, block_hasher, request.encoder_input, request.cache_salt,
-                   request.prompt_is_token_ids)
+                   request.prompt_is_token_ids, request.lora_request)
 
     @property
     def all_token_ids(self) -> list[int]:

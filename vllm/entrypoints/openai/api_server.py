@@ -14,7 +14,7 @@ import hmac
 import logging
 import os
 import signal
-from collections.abc import AsyncGenerator, Coroutine
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Annotated, Any
@@ -31,11 +31,13 @@ from vllm.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
     TranscriptionRequest,
+    UnloadLoRAAdapterRequest,
 )
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -44,6 +46,11 @@ from vllm.entrypoints.openai.serving_engine import (
     OpenAIError,
     OpenAIServing,
     ServingOptions,
+)
+from vllm.entrypoints.openai.serving_models import (
+    ServedLoRAs,
+    parse_lora_module,
+    runtime_updating_allowed,
 )
 from vllm.entrypoints.openai.serving_transcription import AudioLimits, OpenAIServingTranscription
 from vllm.pipeline.async_pipeline import AsyncPipeline
@@ -63,6 +70,7 @@ class ServerState:
     chat: OpenAIServingChat
     transcription: OpenAIServingTranscription
     base: OpenAIServing  # model checks and tokenizer for /tokenize, /detokenize
+    loras: ServedLoRAs | None = None  # with --enable-lora
 
     @classmethod
     def create(cls, engine: AsyncLLM | AsyncPipeline, served_model_names: list[str],
@@ -73,7 +81,8 @@ class ServerState:
                    OpenAIServingChat(engine, served_model_names, options, completion.embeds),
                    OpenAIServingTranscription(engine, served_model_names, audio_limits,
                                               metrics),
-                   OpenAIServing(engine, served_model_names, options))
+                   OpenAIServing(engine, served_model_names, options),
+                   options.loras if options is not None else None)
 
     @property
     def max_request_body_bytes(self) -> int:
@@ -217,6 +226,8 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     _add_info_routes(app, state)
+    if state.loras is not None and runtime_updating_allowed():
+        _add_lora_routes(app, state)
     _add_generation_routes(app, state)
     _add_tokenizer_routes(app, state)
     return app
@@ -262,20 +273,47 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
         mc = state.engine.vllm_config.model_config
         cards = [ModelCard(id=name, root=mc.model, max_model_len=mc.max_model_len)
                  for name in state.served_model_names]
+        if state.loras is not None:
+            cards += state.loras.cards(mc.max_model_len)
         return ModelList(data=cards).model_dump()
 
 
-def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
-    @app.post("/v1/completions")
-    async def completions(request: CompletionRequest, raw_request: Request) -> Response:
-        return _respond(await with_cancellation(
-            state.completion.create_completion(request), raw_request))
+def _add_lora_routes(app: FastAPI, state: ServerState) -> None:
+    """`/v1/load_lora_adapter` and `/v1/unload_lora_adapter` (vLLM's bodies and replies;
+    only with VLLM_ALLOW_RUNTIME_LORA_UPDATING set and LoRA enabled)."""
+    loras = state.loras
+    engine = state.engine
+    assert loras is not None and isinstance(engine, AsyncLLM)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: ChatCompletionRequest, raw_request: Request
-                               ) -> Response:
-        return _respond(await with_cancellation(
-            state.chat.create_chat_completion(request), raw_request))
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> Response:
+        lora = loras.make_request(request.lora_name, request.lora_path)
+        try:
+            await engine.add_lora(lora)
+        except (ValueError, RuntimeError) as e:
+            raise OpenAIError(str(e)) from None
+        loras.add(lora)
+        return PlainTextResponse(f"Success: LoRA adapter '{lora.lora_name}' added "
+                                 "successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> Response:
+        known = loras.resolve(request.lora_name)
+        if (known is not None and request.lora_int_id is not None
+                and request.lora_int_id != known.lora_int_id):
+            raise OpenAIError(f"lora_int_id {request.lora_int_id} is not the id of the lora "
+                              f"adapter '{request.lora_name}' ({known.lora_int_id}).")
+        lora = loras.remove(request.lora_name)
+        await engine.remove_lora(lora.lora_int_id)
+        return PlainTextResponse(f"Success: LoRA adapter '{lora.lora_name}' removed "
+                                 "successfully.")
+
+
+def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
+    if state.transcription.is_whisper:
+        _add_missing_text_routes(app, state)
+    else:
+        _add_text_routes(app, state)
 
     @app.post("/v1/audio/transcriptions")
     async def transcriptions(request: Annotated[TranscriptionRequest, Form()],
@@ -288,6 +326,47 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
                            raw_request: Request) -> Response:
         return _respond(await with_cancellation(
             state.transcription.create_transcription(request, "translate"), raw_request))
+
+
+def _keep_alive_seconds() -> int:
+    """How long an idle HTTP connection stays open: vLLM's `VLLM_HTTP_TIMEOUT_KEEP_ALIVE`
+    (whole seconds, default 5)."""
+    value = os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5")
+    if not value.strip().isdigit() or int(value) < 1:
+        raise ValueError(f"VLLM_HTTP_TIMEOUT_KEEP_ALIVE must be a whole number of seconds "
+                         f">= 1, got {value!r}")
+    return int(value)
+
+
+def _add_text_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest, raw_request: Request) -> Response:
+        return _respond(await with_cancellation(
+            state.completion.create_completion(request), raw_request))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest, raw_request: Request
+                               ) -> Response:
+        return _respond(await with_cancellation(
+            state.chat.create_chat_completion(request), raw_request))
+
+
+def _add_missing_text_routes(app: FastAPI, state: ServerState) -> None:
+    """A speech-to-text model has no text endpoints: vLLM answers 404 there (whatever the
+    body); so does this server, in the OpenAI error form and saying where to go instead."""
+    for path, api in (("/v1/completions", "Completions"),
+                      ("/v1/chat/completions", "Chat Completions")):
+        app.add_api_route(path, _not_found(
+            f"The model `{state.served_model_names[0]}` does not support the {api} API: it "
+            "is a speech-to-text model; use /v1/audio/transcriptions or "
+            "/v1/audio/translations."), methods=["POST"], include_in_schema=False)
+
+
+def _not_found(message: str) -> Callable[[], Awaitable[Response]]:
+    async def not_found() -> Response:
+        return error_json(message, "NotFoundError", HTTPStatus.NOT_FOUND)
+
+    return not_found
 
 
 def _add_tokenizer_routes(app: FastAPI, state: ServerState) -> None:
@@ -348,9 +427,7 @@ async def run_server(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGINT, _exit_on_signal)
     signal.signal(signal.SIGTERM, _exit_on_signal)
     audio_limits = audio_limits_from_namespace(args)
-    options = ServingOptions(args.max_prompt_embeds_bytes_in_flight,
-                             args.trust_request_chat_template, chat_template_of(args),
-                             tool_parser_of(args))
+    loras = None
     if args.pipeline:
         engine, names, metrics = _start_pipeline(args)
     else:
@@ -362,17 +439,40 @@ async def run_server(args: argparse.Namespace) -> None:
                                        vllm_config.parallel_config.data_parallel_size)
         engine = AsyncLLM(vllm_config, stat_loggers=[metrics])
     try:
+        if args.pipeline and (args.enable_lora or args.lora_modules):
+            raise ValueError("--enable-lora / --lora-modules serve one model, not a "
+                             "--pipeline.")
+        if args.enable_lora:
+            assert isinstance(engine, AsyncLLM)
+            loras = await _served_loras(engine, names[0], args.lora_modules or [])
+        elif args.lora_modules:
+            raise ValueError("--lora-modules needs --enable-lora.")
+        options = ServingOptions(args.max_prompt_embeds_bytes_in_flight,
+                                 args.trust_request_chat_template, chat_template_of(args),
+                                 tool_parser_of(args), loras)
         state = ServerState.create(engine, names, metrics, audio_limits, options)
         app = build_app(state, args.api_key)
         config = uvicorn.Config(app, host=args.host, port=args.port,
                                 log_level=args.uvicorn_log_level,
                                 access_log=not args.disable_uvicorn_access_log,
-                                timeout_keep_alive=5, timeout_graceful_shutdown=5)
+                                timeout_keep_alive=_keep_alive_seconds(),
+                                timeout_graceful_shutdown=5)
         logger.info("Serving %s on http://%s:%d", names[0], args.host, args.port)
         await uvicorn.Server(config).serve()
     finally:
         engine.shutdown()
         logger.info("Engine stopped; server shut down.")
+
+
+async def _served_loras(engine: AsyncLLM, base_name: str, modules: list[str]) -> ServedLoRAs:
+    """The `--lora-modules` adapters, each checked and loaded before the server starts."""
+    loras = ServedLoRAs(base_name)
+    for text in modules:
+        lora = loras.make_request(*parse_lora_module(text))
+        await engine.add_lora(lora)
+        loras.add(lora)
+        logger.info("Serving LoRA adapter %s from %s.", lora.lora_name, lora.lora_path)
+    return loras
 
 
 def _start_pipeline(args: argparse.Namespace

@@ -45,6 +45,20 @@ class ModelCard(OpenAIBaseModel):
     max_model_len: int | None = None
 
 
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    """`/v1/load_lora_adapter` (vLLM's body)."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    """`/v1/unload_lora_adapter` (vLLM's body; an id, if given, must be the adapter's)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 class ModelList(OpenAIBaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard] = Field(default_factory=list)
@@ -468,7 +482,10 @@ class TranscriptionRequest(OpenAIBaseModel):
                                                alias="timestamp_granularities[]")
     stream: bool = False
     # vLLM extensions
+    # stream_options, flattened for the form: a last event with the usage, and usage on
+    # every event (only with stream=true).
     stream_include_usage: bool = False
+    stream_continuous_usage_stats: bool = False
     seed: int | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -561,13 +578,49 @@ class TranscriptionStreamChoice(OpenAIBaseModel):
     stop_reason: int | str | None = None
 
 
+class TranscriptionStreamUsage(UsageInfo):
+    """A stream's token usage in both spellings: vLLM's (`prompt_tokens`,
+    `completion_tokens`) and OpenAI's streamed-transcription usage (`type` "tokens",
+    `input_tokens`, `output_tokens`); `total_tokens` is common to both."""
+
+    type: Literal["tokens"] = "tokens"
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> TranscriptionStreamUsage:
+        total = prompt_tokens + completion_tokens
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=total, input_tokens=prompt_tokens,
+                   output_tokens=completion_tokens)
+
+
 class TranscriptionStreamResponse(OpenAIBaseModel):
+    """One event of a transcription stream, readable both as vLLM's chunk (`object`,
+    `choices[0].delta.content`, `usage`) and as OpenAI's event (`type` and its fields, in
+    the subclasses below)."""
+
     id: str
     object: Literal["transcription.chunk", "translation.chunk"] = "transcription.chunk"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[TranscriptionStreamChoice]
-    usage: UsageInfo | None = None
+    usage: TranscriptionStreamUsage | None = None
+
+
+class TranscriptionTextDelta(TranscriptionStreamResponse):
+    """A piece of text: OpenAI's `delta` is the choice's `delta.content`."""
+
+    type: Literal["transcript.text.delta"] = "transcript.text.delta"
+    delta: str
+
+
+class TranscriptionTextDone(TranscriptionStreamResponse):
+    """The last event: the whole text. Its `choices` are vLLM's usage chunk's (none) when
+    the usage was asked for, else one empty delta that repeats the finish reason."""
+
+    type: Literal["transcript.text.done"] = "transcript.text.done"
+    text: str
 
 
 # ---- /tokenize, /detokenize ---------------------------------------------------------

@@ -101,6 +101,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         default=True, help="reuse KV blocks of shared prompt prefixes")
     engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                         default=True, help="split long prompts across steps")
+    lora = parser.add_argument_group("LoRA")
+    lora.add_argument("--enable-lora", action="store_true",
+                      help="serve LoRA adapters (a request's `model` names one)")
+    lora.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                      help="adapters served from the start: name=path, or JSON "
+                           '{"name": ..., "path": ..., "base_model_name": ...}')
+    lora.add_argument("--max-loras", type=int, default=1,
+                      help="distinct adapters in one step (slots; default: 1)")
+    lora.add_argument("--max-lora-rank", type=int, default=16, help="(default: 16)")
+    lora.add_argument("--max-cpu-loras", type=int, default=None,
+                      help="loaded adapters kept on the CPU (default: --max-loras)")
     engine.add_argument("--enable-prompt-embeds", action="store_true",
                         help="accept prompt_embeds (base64 of torch.save(tensor)) in "
                              "/v1/completions")
@@ -234,6 +245,10 @@ def engine_args_from_namespace(args: argparse.Namespace) -> EngineArgs:
         data_parallel_size=args.data_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
         attention_backend=args.attention_backend,
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
     )
 
 

@@ -213,7 +213,8 @@ class OpenAIServingChat(OpenAIServing):
         request_id = random_id("chatcmpl", request.request_id)
         if request.cache_salt is not None:
             prompt["cache_salt"] = request.cache_salt
-        stream = (await self.add_requests(request_id, [prompt], params))[0]
+        stream = (await self.add_requests(request_id, [prompt], params,
+                                          self.check_model(request.model)))[0]
         if request.stream:
             return self._stream(request, request_id, stream, tool_parser)
         output = (await self.final_outputs([stream]))[0]
@@ -224,8 +225,8 @@ class OpenAIServingChat(OpenAIServing):
                           completion_tokens=completion_tokens,
                           total_tokens=output.num_prompt_tokens + completion_tokens,
                           prompt_tokens_details=cached_tokens_usage([output]))
-        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                      usage=usage)
+        return ChatCompletionResponse(id=request_id, model=self.response_model(request.model),
+                                      choices=choices, usage=usage)
 
     async def _segments_prompt(self, request: ChatCompletionRequest, text: str, parts: EmbedsParts,
                                lease: EmbedsLease) -> tuple[dict[str, Any], int]:
@@ -313,8 +314,9 @@ class OpenAIServingChat(OpenAIServing):
 
         def chunk(choices: list[ChatCompletionResponseStreamChoice],
                   usage: UsageInfo | None = None) -> str:
-            return sse(ChatCompletionStreamResponse(id=request_id, model=self.model_name,
-                                                    choices=choices, usage=usage))
+            return sse(ChatCompletionStreamResponse(
+                id=request_id, model=self.response_model(request.model), choices=choices,
+                usage=usage))
 
         usage = UsageInfo()
         try:

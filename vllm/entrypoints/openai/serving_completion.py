@@ -164,8 +164,8 @@ class OpenAIServingCompletion(OpenAIServing):
             raise OpenAIError(str(e)) from None
         params.return_hidden_states = request.return_hidden_states
         request_id = random_id("cmpl", request.request_id)
-        streams = await self.add_requests(request_id,
-                                          [p.engine_prompt for p in prompts], params)
+        streams = await self.add_requests(request_id, [p.engine_prompt for p in prompts],
+                                          params, self.check_model(request.model))
         if request.stream:
             return self._stream(request, request_id, prompts, streams)
         outputs = await self.final_outputs(streams)
@@ -263,8 +263,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     hidden_states=_hidden_states(completion),
                 ))
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-        return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                  usage=usage)
+        return CompletionResponse(id=request_id, model=self.response_model(request.model),
+                                  choices=choices, usage=usage)
 
     async def _stream(self, request: CompletionRequest, request_id: str,
                       prompts: list[CompletionPrompt], streams: list[Any]
@@ -291,7 +291,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     if not (text or logprobs or completion.finish_reason):
                         continue
                     yield sse(CompletionStreamResponse(
-                        id=request_id, model=self.model_name,
+                        id=request_id, model=self.response_model(request.model),
                         choices=[CompletionResponseChoice(
                             index=index, text=text, logprobs=logprobs,
                             finish_reason=completion.finish_reason,
@@ -300,8 +300,9 @@ class OpenAIServingCompletion(OpenAIServing):
             if request.include_usage_in_stream:
                 usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
                 usage.prompt_tokens_details = PromptTokenUsageInfo(cached_tokens=cached_tokens)
-                yield sse(CompletionStreamResponse(id=request_id, model=self.model_name,
-                                                   choices=[], usage=usage))
+                yield sse(CompletionStreamResponse(
+                    id=request_id, model=self.response_model(request.model), choices=[],
+                    usage=usage))
         except Exception as e:
             yield sse(stream_error(e))
         yield "data: [DONE]\n\n"

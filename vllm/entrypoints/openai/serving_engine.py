@@ -6,7 +6,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.entrypoints.openai.protocol import (
     ErrorInfo,
@@ -14,12 +14,14 @@ from vllm.entrypoints.openai.protocol import (
     OpenAIBaseModel,
     PromptTokenUsageInfo,
 )
+from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestOutput
 from vllm.pipeline.async_pipeline import AsyncPipeline
 from vllm.sampling_params import MAX_LOGPROBS, SamplingParams
 from vllm.v1.engine.async_llm import AsyncLLM, RequestStream
 
-# vLLM's default cap on logprobs per token.
+if TYPE_CHECKING:
+    from vllm.entrypoints.openai.serving_models import ServedLoRAs
 
 
 class OpenAIError(Exception):
@@ -59,6 +61,8 @@ class ServingOptions:
     # The parser that finds tool calls under tool_choice "auto" (--enable-auto-tool-choice
     # --tool-call-parser NAME); None: "auto" is refused.
     tool_parser: str | None = None
+    # The LoRA adapters served beside the model (--enable-lora --lora-modules), by name.
+    loras: ServedLoRAs | None = None
 
 
 def raise_if_failed(output: RequestOutput) -> None:
@@ -139,9 +143,21 @@ class OpenAIServing:
     def model_name(self) -> str:
         return self.served_model_names[0]
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.served_model_names:
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the base model); an unknown name
+        is vLLM's 404."""
+        if model is None or model in self.served_model_names:
+            return None
+        lora = self.options.loras.resolve(model) if self.options.loras is not None else None
+        if lora is None:
             raise OpenAIError(f"The model `{model}` does not exist.", "NotFoundError", 404)
+        return lora
+
+    def response_model(self, model: str | None) -> str:
+        """The `model` a reply names: the adapter a request ran with, else the model's."""
+        loras = self.options.loras
+        lora = loras.resolve(model) if loras is not None and model else None
+        return self.model_name if lora is None else lora.lora_name
 
     def require_tokenizer(self) -> Any:
         if self.tokenizer is None:
@@ -178,15 +194,19 @@ class OpenAIServing:
             raise OpenAIError(f"{name} must be between 0 and {MAX_LOGPROBS}, got {num}.")
 
     async def add_requests(self, request_id: str, prompts: list[Any],
-                           params: SamplingParams) -> list[RequestStream]:
+                           params: SamplingParams, lora_request: LoRARequest | None = None
+                           ) -> list[RequestStream]:
         """Submits every prompt, or none: a bad prompt aborts the ones already added. With
         data parallel, every prompt goes to the engine core the first was routed to."""
         streams: list[RequestStream] = []
         engine_index: int | None = None
+        # Only with an adapter: a pipeline (which serves none) takes no such argument.
+        lora: dict[str, Any] = {} if lora_request is None else {"lora_request": lora_request}
         try:
             for i, prompt in enumerate(prompts):
                 stream = await self.engine.add_request(f"{request_id}-{i}", prompt, params,
-                                                       data_parallel_rank=engine_index)
+                                                       data_parallel_rank=engine_index,
+                                                       **lora)
                 streams.append(stream)
                 engine_index = stream.engine_index
         except ValueError as e:

@@ -10,6 +10,17 @@ One upload -> decoded and split off the event loop -> one engine request per 30 
 `verbose_json`, `srt` and `vtt` decode with timestamp tokens (the prompt ends in `<|0.00|>`
 instead of `<|notimestamps|>`) and read segments from them, as OpenAI's Whisper does;
 `json`, `text` and streams decode without, like offline `LLM.generate` by default.
+
+A multilingual model given no `language` first detects it, as Whisper does: one decoder
+step over the first audible window from `<|startoftranscript|>` alone, sampled greedily
+among the language tokens (the windows' requests then reuse that window's encoder output).
+
+A stream's events are both vLLM's chunks and OpenAI's transcription events:
+
+    {"object": "transcription.chunk", "choices": [{"delta": {"content": " Hi"}}],
+     "type": "transcript.text.delta", "delta": " Hi", ...}          one per text piece
+    {"object": "transcription.chunk", "choices": [...], "usage": {...},
+     "type": "transcript.text.done", "text": " Hi there.", ...}     the last, then [DONE]
 """
 
 from __future__ import annotations
@@ -31,9 +42,10 @@ from vllm.entrypoints.openai.protocol import (
     TranscriptionResponseVerbose,
     TranscriptionSegment,
     TranscriptionStreamChoice,
-    TranscriptionStreamResponse,
+    TranscriptionStreamUsage,
+    TranscriptionTextDelta,
+    TranscriptionTextDone,
     TranscriptionUsage,
-    UsageInfo,
 )
 from vllm.entrypoints.openai.serving_engine import (
     OpenAIError,
@@ -52,10 +64,12 @@ from vllm.inputs.whisper import (
     join_texts,
     language_code,
     language_name,
+    language_token_ids,
     timed_segments,
     window_prompt,
 )
 from vllm.outputs import RequestOutput
+from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine.async_llm import RequestStream
 
 Task = Literal["transcribe", "translate"]
@@ -112,6 +126,9 @@ class OpenAIServingTranscription(OpenAIServing):
         self.is_multilingual = self.is_whisper and is_multilingual_whisper(hf_config)
         self.tokens = (WhisperTokens.from_tokenizer(self.tokenizer)
                        if self.is_whisper and self.tokenizer is not None else None)
+        # Language token id -> code, for detecting the language of multilingual models.
+        self.language_ids = (language_token_ids(self.tokenizer, hf_config.vocab_size)
+                             if self.is_multilingual and self.tokens is not None else {})
         self._audio_pool = ThreadPoolExecutor(2, thread_name_prefix="audio-decode")
 
     async def create_transcription(self, request: TranscriptionRequest, task: Task
@@ -148,6 +165,9 @@ class OpenAIServingTranscription(OpenAIServing):
                                                 self.limits.max_seconds)
         except ValueError as e:
             raise OpenAIError(str(e)) from None
+        request_id = random_id("trsc" if task == "transcribe" else "trsl")
+        if language is None and self.is_multilingual:
+            language = await self._detect_language(request_id, upload)
         previous = request.prompt.strip()
         previous_ids = (await self.tokenize(" " + previous, add_special_tokens=False)
                         if previous else [])
@@ -156,7 +176,6 @@ class OpenAIServingTranscription(OpenAIServing):
             previous_text_ids=previous_ids, max_model_len=self.max_model_len,
             timestamps=request.response_format in _TIMED_FORMATS)
         params = self._sampling_params(request, len(prompt_ids))
-        request_id = random_id("trsc" if task == "transcribe" else "trsl")
         prompts = [window_prompt(upload.waveform, w, prompt_ids)
                    for w, audible in zip(upload.windows, upload.audible) if audible]
         submitted = iter(await self.add_requests(request_id, prompts, params))
@@ -167,7 +186,8 @@ class OpenAIServingTranscription(OpenAIServing):
         """Everything that needs no audio; returns the language code (None: not given)."""
         if not self.is_whisper:
             raise OpenAIError(f"The model `{self.model_name}` is not a speech-to-text model: "
-                              "the audio endpoints need a Whisper model.")
+                              "the audio endpoints need a Whisper model.", "NotFoundError",
+                              404)
         if self.tokens is None:
             raise OpenAIError("The audio endpoints need the tokenizer (skip_tokenizer_init "
                               "is set).")
@@ -175,6 +195,12 @@ class OpenAIServingTranscription(OpenAIServing):
             raise OpenAIError(f"The model `{self.model_name}` is English-only (a .en Whisper "
                               "model): it cannot translate. Use /v1/audio/transcriptions, or "
                               "serve a multilingual Whisper model.")
+        for option in ("stream_include_usage", "stream_continuous_usage_stats"):
+            if getattr(request, option) and not request.stream:
+                raise OpenAIError(f"{option} can only be given with stream=true.")
+        if request.max_completion_tokens is not None and request.max_completion_tokens < 1:
+            raise OpenAIError("max_completion_tokens must be at least 1, got "
+                              f"{request.max_completion_tokens}.")
         if request.stream and request.response_format not in ("json", "text"):
             raise OpenAIError("stream is supported with response_format json or text, not "
                               f"{request.response_format}.")
@@ -186,6 +212,21 @@ class OpenAIServingTranscription(OpenAIServing):
             return language_code(request.language, self.model_config.hf_config)
         except ValueError as e:
             raise OpenAIError(str(e)) from None
+
+    async def _detect_language(self, request_id: str, upload: DecodedUpload) -> str:
+        """The language code of the first audible window, from Whisper's language tokens
+        (English when nothing is audible)."""
+        first = next((w for w, audible in zip(upload.windows, upload.audible) if audible),
+                     None)
+        if first is None or self.tokens is None:
+            return "en"
+        prompt = window_prompt(upload.waveform, first, [self.tokens.start_of_transcript])
+        params = SamplingParams(temperature=0.0, max_tokens=1,
+                                allowed_token_ids=list(self.language_ids),
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        streams = await self.add_requests(f"{request_id}-language", [prompt], params)
+        (output,) = await self.final_outputs(streams)
+        return self.language_ids[output.outputs[0].token_ids[0]]
 
     async def _read_file(self, request: TranscriptionRequest) -> bytes:
         """The upload's bytes; its size is checked first, so nothing too large is decoded."""
@@ -203,7 +244,8 @@ class OpenAIServingTranscription(OpenAIServing):
         return data
 
     def _sampling_params(self, request: TranscriptionRequest, num_prompt_tokens: int):
-        # Whisper's own cap on the sampled length of a window: half the decoder context.
+        # Whisper's own cap on the sampled length of a window: half the decoder context;
+        # a larger max_completion_tokens is capped at what the context has room for.
         room = self.max_model_len - num_prompt_tokens
         max_tokens = min(request.max_completion_tokens or self.max_model_len // 2, room)
         logprobs = 0 if request.response_format == "verbose_json" else None
@@ -258,43 +300,39 @@ class OpenAIServingTranscription(OpenAIServing):
 
     async def _stream(self, job: Job, arrival: float) -> AsyncGenerator[str, None]:
         """Text deltas in window order: window i streams live while later windows' outputs
-        wait in their own queues; a disconnect aborts every unfinished window."""
-        request_id, name = job.request_id, self.model_name
-        kind = "transcription.chunk" if job.task == "transcribe" else "translation.chunk"
-        usage = UsageInfo()
+        wait in their own queues; a disconnect aborts every unfinished window. The last
+        event has the whole text (and the usage when asked for)."""
+        request = job.request
         streams = [s for s in job.streams if s is not None]
-        last_char, finish_reason, ok = "", "stop", False
+        events = _StreamEvents(job.request_id, self.model_name,
+                               "transcription.chunk" if job.task == "transcribe"
+                               else "translation.chunk", request.stream_continuous_usage_stats)
+        last_char, finish_reason, stop_reason, ok = "", "stop", None, False
         try:
-            if not streams:  # only silence: one empty, finished chunk
-                yield sse(TranscriptionStreamResponse(
-                    id=request_id, object=kind, model=name, choices=[
-                        TranscriptionStreamChoice(delta=DeltaMessage(content=""),
-                                                  finish_reason=finish_reason)]))
+            if not streams:  # only silence: one empty, finished delta
+                yield events.delta("", finish_reason, None)
             for index, stream in enumerate(streams):
-                window_start = True
+                first_output, window_start = True, True
                 async for output in self.engine.iterate(stream):
                     completion = output.outputs[0]
                     text = completion.text
+                    if first_output:
+                        events.prompt_tokens += output.num_prompt_tokens
+                        first_output = False
                     if window_start and text:  # the boundary between two windows' texts
                         text = join_texts([last_char, text])[len(last_char):]
                         window_start = False
                     last_char = (last_char + text)[-1:]
-                    usage.completion_tokens += len(completion.token_ids)
-                    if output.finished:
-                        usage.prompt_tokens += output.num_prompt_tokens
-                        if completion.finish_reason == "length":
-                            finish_reason = "length"
+                    events.completion_tokens += len(completion.token_ids)
+                    if output.finished and completion.finish_reason == "length":
+                        finish_reason = "length"
                     done = output.finished and index == len(streams) - 1
+                    if done and finish_reason == "stop":
+                        stop_reason = completion.stop_reason
                     if text or done:
-                        yield sse(TranscriptionStreamResponse(
-                            id=request_id, object=kind, model=name,
-                            choices=[TranscriptionStreamChoice(
-                                delta=DeltaMessage(content=text),
-                                finish_reason=finish_reason if done else None)]))
-            if job.request.stream_include_usage:
-                usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-                yield sse(TranscriptionStreamResponse(id=request_id, object=kind, model=name,
-                                                      choices=[], usage=usage))
+                        yield events.delta(text, finish_reason if done else None,
+                                           stop_reason if done else None)
+            yield events.done(finish_reason, stop_reason, request.stream_include_usage)
             ok = True
         except Exception as e:
             yield sse(stream_error(e))
@@ -304,6 +342,45 @@ class OpenAIServingTranscription(OpenAIServing):
                 self.engine.abort_nowait(unfinished)
             self._record(job.task, ok, job.upload.duration if ok else 0.0, arrival)
         yield "data: [DONE]\n\n"
+
+
+class _StreamEvents:
+    """Builds one stream's SSE events and keeps its text and token counts."""
+
+    def __init__(self, request_id: str, model: str,
+                 kind: Literal["transcription.chunk", "translation.chunk"],
+                 continuous_usage: bool) -> None:
+        self.request_id, self.model = request_id, model
+        self.kind: Literal["transcription.chunk", "translation.chunk"] = kind
+        self.continuous_usage = continuous_usage
+        self.text = ""
+        self.prompt_tokens = 0  # the windows' decoder prompts
+        self.completion_tokens = 0
+
+    def usage(self) -> TranscriptionStreamUsage:
+        return TranscriptionStreamUsage.of(self.prompt_tokens, self.completion_tokens)
+
+    def delta(self, text: str, finish_reason: str | None, stop_reason: int | str | None
+              ) -> str:
+        self.text += text
+        choice = TranscriptionStreamChoice(delta=DeltaMessage(content=text),
+                                           finish_reason=finish_reason,
+                                           stop_reason=stop_reason)
+        return sse(TranscriptionTextDelta(
+            id=self.request_id, object=self.kind, model=self.model, choices=[choice],
+            delta=text, usage=self.usage() if self.continuous_usage else None))
+
+    def done(self, finish_reason: str, stop_reason: int | str | None, include_usage: bool
+             ) -> str:
+        """vLLM's usage chunk (no choices) when the usage was asked for; otherwise a
+        chunk whose one choice adds no text, so readers of `choices[0]` need no check."""
+        choices = [] if include_usage else [TranscriptionStreamChoice(
+            delta=DeltaMessage(content=""), finish_reason=finish_reason,
+            stop_reason=stop_reason)]
+        usage = self.usage() if include_usage or self.continuous_usage else None
+        return sse(TranscriptionTextDone(id=self.request_id, object=self.kind,
+                                         model=self.model, choices=choices, text=self.text,
+                                         usage=usage))
 
 
 def _sampled_logprobs(token_ids: list[int], logprobs: Any) -> list[float]:

@@ -144,13 +144,20 @@ def cross_block_hashes(encoder_hash: bytes, num_blocks: int) -> list[BlockHash]:
 
 def chain_start(request: Request) -> BlockHash | None:
     """The parent of a request's first block: the encoder input's hash (encoder/decoder
-    models) and the cache salt, or None for an unsalted decoder-only request."""
+    models), the cache salt and the LoRA adapter (its id and path: K/V computed through
+    one adapter is never another's), or None for an unsalted base-model decoder request."""
     parent = request.encoder_input.content_hash if request.encoder_input is not None else None
-    if request.cache_salt is None:
-        return parent
-    salt = request.cache_salt.encode()
-    return hashlib.sha256(b"S" + len(salt).to_bytes(8, "little") + salt
-                          + (parent or b"")).digest()
+    if request.cache_salt is not None:
+        salt = request.cache_salt.encode()
+        parent = hashlib.sha256(b"S" + len(salt).to_bytes(8, "little") + salt
+                                + (parent or b"")).digest()
+    lora = request.lora_request
+    if lora is not None:
+        path = lora.lora_path.encode()
+        parent = hashlib.sha256(b"L" + lora.lora_int_id.to_bytes(8, "little")
+                                + len(path).to_bytes(8, "little") + path
+                                + (parent or b"")).digest()
+    return parent
 
 
 def make_block_hasher(block_size: int) -> Callable[[Request], list[BlockHash]]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
 from vllm.v1.outputs import LogprobsLists
 
@@ -107,6 +108,8 @@ class EngineCoreRequest:
     cache_salt: str | None = None
     # Mixed prompts only: bool [num_prompt_tokens], True at positions holding real ids.
     prompt_is_token_ids: torch.Tensor | None = None
+    # The LoRA adapter the request runs with (None: the base model).
+    lora_request: LoRARequest | None = None
 
     @property
     def embeds_layout(self) -> EmbedsLayout | None:

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.inputs.parse import ParsedPrompt
+from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
@@ -95,7 +96,7 @@ class AsyncLLM:
                  stat_loggers: list[StatLogger] | None = None) -> None:
         self.vllm_config = vllm_config
         self.tokenizer, self.processor, self.output_processor = build_front_end(
-            vllm_config.model_config)
+            vllm_config.model_config, vllm_config.lora_config)
         self.stats_tracker = RequestStatsTracker()
         self.stat_loggers = list(stat_loggers or [])
         self.engine_core = (DPAsyncMPClient(vllm_config)
@@ -138,7 +139,8 @@ class AsyncLLM:
 
     async def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
                           arrival_time: float | None = None,
-                          data_parallel_rank: int | None = None) -> RequestStream:
+                          data_parallel_rank: int | None = None,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
         """Validates and queues one prompt; raises ValueError (bad input or an id a live
         request has, nothing queued) or EngineDeadError. `data_parallel_rank` picks the
         engine core (None: the router's choice); `stream.engine_index` says which served."""
@@ -151,13 +153,13 @@ class AsyncLLM:
         self._adding.add(request_id)
         try:
             return await self._add_request(request_id, prompt, params, arrival_time,
-                                           data_parallel_rank)
+                                           data_parallel_rank, lora_request)
         finally:
             self._adding.discard(request_id)
 
     async def _add_request(self, request_id: str, prompt: Any, params: SamplingParams,
-                           arrival_time: float | None, engine_index: int | None
-                           ) -> RequestStream:
+                           arrival_time: float | None, engine_index: int | None,
+                           lora_request: LoRARequest | None = None) -> RequestStream:
         core_id = f"{request_id}-{next(self._submissions)}"
         if self.processor.is_audio_model:
             # Log-mel features take tens of milliseconds per window: off the event loop.
@@ -165,7 +167,7 @@ class AsyncLLM:
                 self.processor.process_inputs, core_id, prompt, params, arrival_time)
         else:
             request, parsed = self.processor.process_inputs(core_id, prompt, params,
-                                                            arrival_time)
+                                                            arrival_time, lora_request)
         self._ensure_output_handler()
         stream = RequestStream(request_id, params.output_kind == RequestOutputKind.DELTA)
         parent, requests = fan_out(request, params.n, params.output_kind)
@@ -190,12 +192,14 @@ class AsyncLLM:
         return engine_index
 
     async def generate(self, prompt: Any, sampling_params: SamplingParams,
-                       request_id: str) -> AsyncGenerator[RequestOutput, None]:
+                       request_id: str, lora_request: LoRARequest | None = None
+                       ) -> AsyncGenerator[RequestOutput, None]:
         """Yields the request's outputs (per `sampling_params.output_kind`) until finished.
 
         Closing or cancelling the iterator early aborts the request.
         """
-        stream = await self.add_request(request_id, prompt, sampling_params)
+        stream = await self.add_request(request_id, prompt, sampling_params,
+                                        lora_request=lora_request)
         async for output in self.iterate(stream):
             yield output
 
@@ -294,6 +298,18 @@ class AsyncLLM:
 
     async def reset_prefix_cache(self) -> bool:
         return await self.engine_core.reset_prefix_cache_async()
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Checks an adapter here (a ValueError if bad) and loads it into every engine
+        core's workers ahead of its requests."""
+        self.processor.check_lora(lora_request)
+        lora = lora_request
+        await self.call_engines("add_lora", lora.lora_name, lora.lora_int_id, lora.lora_path,
+                                lora.base_model_name)
+        return True
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return any(await self.call_engines("remove_lora", lora_int_id))
 
     async def get_scheduler_stats(self) -> list[dict[str, Any]]:
         """Running/waiting requests and KV usage of each live engine core, asked now."""

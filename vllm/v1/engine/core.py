@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 
 import torch
 
 from vllm.config import VllmConfig
+from vllm.lora.request import LoRARequest
 from vllm.utils import cdiv
 from vllm.v1.core.kv_cache_groups import blocks_needed
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -56,9 +58,40 @@ class EngineCore:
         self.structured_output_manager = _structured_output_manager(vllm_config, grammar_compiler)
         self.scheduler = Scheduler(vllm_config.scheduler_config, cache, groups,
                                    self.structured_output_manager)
+        self._recent_loras: OrderedDict[int, None] = OrderedDict()
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        if request.lora_request is not None:
+            self._preload_lora(request.lora_request)
         self.scheduler.add_request(request)
+
+    def _preload_lora(self, lora_request: LoRARequest) -> None:
+        """Reads an adapter into the workers' CPU caches when its first request arrives,
+        not in the step that first runs it. `_recent_loras` mirrors the workers' cache
+        (most recent last) so that requests of a cached adapter cost no call; an adapter
+        the workers dropped meanwhile is read again when a step needs it."""
+        lora_id = lora_request.lora_int_id
+        if lora_id in self._recent_loras:
+            self._recent_loras.move_to_end(lora_id)
+            return
+        self.model_executor.add_lora(lora_request)
+        self._recent_loras[lora_id] = None
+        lora_config = self.vllm_config.lora_config
+        while lora_config is not None and len(self._recent_loras) > lora_config.max_cpu_loras:
+            self._recent_loras.popitem(last=False)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Loads an adapter ahead of its requests (a ValueError if bad)."""
+        if self.vllm_config.lora_config is None:
+            raise ValueError("LoRA is not enabled (enable_lora=True).")
+        self._recent_loras.pop(lora_request.lora_int_id, None)
+        self._preload_lora(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drops an adapter from the workers (requests using it must be finished)."""
+        self._recent_loras.pop(lora_int_id, None)
+        return self.model_executor.remove_lora(lora_int_id)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

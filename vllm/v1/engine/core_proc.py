@@ -32,6 +32,7 @@ import zmq
 import zmq.utils.monitor
 
 from vllm.config import VllmConfig
+from vllm.lora.request import LoRARequest
 from vllm.v1.engine import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -136,7 +137,8 @@ class EngineCoreProc:
     """Owns one `EngineCore` and its two sockets; steps while there is work, sleeps on the
     input socket when there is none."""
 
-    UTILITY_METHODS = ("reset_prefix_cache", "get_scheduler_stats", "get_engine_state", "ping")
+    UTILITY_METHODS = ("reset_prefix_cache", "get_scheduler_stats", "get_engine_state", "ping",
+                       "add_lora", "remove_lora")
 
     def __init__(self, engine_core: EngineCore, input_addr: str, output_addr: str,
                  parent_pid: int | None) -> None:
@@ -222,6 +224,14 @@ class EngineCoreProc:
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
+
+    def add_lora(self, lora_name: str, lora_int_id: int, lora_path: str,
+                 base_model_name: str | None) -> bool:
+        return self.engine_core.add_lora(LoRARequest(lora_name, lora_int_id, lora_path,
+                                                     base_model_name))
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.engine_core.remove_lora(lora_int_id)
 
     def get_scheduler_stats(self) -> dict[str, Any]:
         """Running/waiting counts and KV usage now (leaves the streamed prefix deltas be)."""

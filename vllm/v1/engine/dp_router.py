@@ -37,14 +37,16 @@ def prefix_block_hashes(request: EngineCoreRequest, block_size: int,
                         max_blocks: int = MAX_ROUTED_BLOCKS) -> list[int]:
     """Chained hashes of the request's full prompt blocks, as the engine's prefix cache
     would key them: token ids, and for blocks with embedded positions the positions' kinds
-    and the bytes of their rows; the chain starts from
-    the cache salt and the encoder input's hash (requests with different salts or encoder
-    inputs never share blocks). In-process `hash()`: only this process compares them.
+    and the bytes of their rows; the chain starts from the cache salt, the encoder input's
+    hash and the LoRA adapter (requests with different salts, encoder inputs or adapters
+    never share blocks). In-process `hash()`: only this process compares them.
 
     Example: block_size 4, 10 prompt tokens -> 2 hashes (the last 2 tokens fill no block).
     """
     encoder_hash = request.encoder_input.content_hash if request.encoder_input else None
-    parent = hash((request.cache_salt, encoder_hash))
+    lora = request.lora_request
+    parent = hash((request.cache_salt, encoder_hash,
+                   None if lora is None else (lora.lora_int_id, lora.lora_path)))
     num_blocks = min(request.num_prompt_tokens // block_size, max_blocks)
     layout = request.embeds_layout
     ids = request.prompt_token_ids

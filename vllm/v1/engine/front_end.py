@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
-from vllm.config import ModelConfig
+from vllm.config import LoRAConfig, ModelConfig
 from vllm.inputs.parse import ParsedPrompt
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.transformers_utils.tokenizer import get_tokenizer
@@ -61,7 +61,9 @@ class FrontEnd(NamedTuple):
     output_processor: OutputProcessor
 
 
-def build_front_end(model_config: ModelConfig) -> FrontEnd:
+def build_front_end(model_config: ModelConfig,
+                    lora_config: LoRAConfig | None = None) -> FrontEnd:
     tokenizer = (None if model_config.skip_tokenizer_init
                  else get_tokenizer(model_config.tokenizer))
-    return FrontEnd(tokenizer, Processor(model_config, tokenizer), OutputProcessor(tokenizer))
+    return FrontEnd(tokenizer, Processor(model_config, tokenizer, lora_config),
+                    OutputProcessor(tokenizer))

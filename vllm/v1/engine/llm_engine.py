@@ -6,6 +6,7 @@ from typing import Any
 
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import EngineArgs
+from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.core import EngineCore
@@ -25,7 +26,7 @@ class LLMEngine:
                 "offline.")
         self.vllm_config = vllm_config
         self.tokenizer, self.processor, self.output_processor = build_front_end(
-            vllm_config.model_config)
+            vllm_config.model_config, vllm_config.lora_config)
         self.engine_core = EngineCore(vllm_config, self.processor.grammar_compiler)
 
     @classmethod
@@ -33,11 +34,12 @@ class LLMEngine:
         return cls(engine_args.create_engine_config())
 
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """Validates and queues one prompt; raises ValueError, touching nothing, if bad."""
         self.output_processor.check_request_id(request_id)
         request, parsed = self.processor.process_inputs(request_id, prompt, params,
-                                                        arrival_time)
+                                                        arrival_time, lora_request)
         parent, requests = fan_out(request, params.n, params.output_kind)
         for index, core_request in enumerate(requests):
             register_request(self.output_processor, core_request, parsed, parent, index)

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm.config import ModelConfig
+from vllm.config import LoRAConfig, ModelConfig
 from vllm.inputs.audio import audio_to_features, load_feature_extractor
 from vllm.inputs.encoder_decoder import (
     default_decoder_prompt,
@@ -19,6 +19,7 @@ from vllm.inputs.encoder_decoder import (
     with_decoder_start,
 )
 from vllm.inputs.parse import ParsedPrompt, parse_prompt, validate_prompt_embeds
+from vllm.lora.request import LoRARequest
 from vllm.sampling_params import MAX_LOGPROBS, SamplingParams
 from vllm.v1.engine import EncoderInput, EngineCoreRequest
 from vllm.v1.request import EMBEDS_PLACEHOLDER_TOKEN_ID
@@ -34,8 +35,12 @@ PROMPT_LOGPROBS_WITH_EMBEDS = "prompt_logprobs is not compatible with prompt emb
 class Processor:
     """Tokenizes, validates and stamps requests; errors are `ValueError`s naming the field."""
 
-    def __init__(self, model_config: ModelConfig, tokenizer: Any) -> None:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any,
+                 lora_config: LoRAConfig | None = None) -> None:
         self.model_config = model_config
+        self.lora_config = lora_config
+        # Adapters already checked, (id, path): each is read once, not per request.
+        self._checked_loras: dict[tuple[int, str], None] = {}
         self.tokenizer = tokenizer
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
         if self.eos_token_id is None:
@@ -53,10 +58,12 @@ class Processor:
             if self.is_audio_model else None)
 
     def process_inputs(self, request_id: str, prompt: Any, params: SamplingParams,
-                       arrival_time: float | None = None
+                       arrival_time: float | None = None,
+                       lora_request: LoRARequest | None = None
                        ) -> tuple[EngineCoreRequest, ParsedPrompt]:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"Expected SamplingParams, got {type(params).__name__}.")
+        self.check_lora(lora_request)
         encoder_input = None
         if self.model_config.is_encoder_decoder:
             parsed, encoder_input = self._process_encoder_decoder(prompt)
@@ -100,10 +107,34 @@ class Processor:
             encoder_input=encoder_input,
             cache_salt=cache_salt,
             prompt_is_token_ids=is_token,
+            lora_request=lora_request,
         )
         if is_token is not None:  # a mixed prompt has no text nor ids to show
             return request, parsed._replace(prompt_segments=None)
         return request, parsed._replace(prompt_token_ids=token_ids, prompt_embeds=embeds)
+
+    def check_lora(self, lora_request: LoRARequest | None) -> None:
+        """A request's adapter: LoRA must be on, and the adapter fit the base model (rank,
+        targets, shapes; see `vllm.lora.peft.check_adapter`)."""
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got "
+                             f"{type(lora_request).__name__}.")
+        if self.lora_config is None:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} requested, but LoRA is "
+                             "not enabled: create the engine with enable_lora=True "
+                             "(server: --enable-lora).")
+        key = (lora_request.lora_int_id, lora_request.lora_path)
+        if key in self._checked_loras:
+            return
+        from vllm.lora.peft import check_adapter
+
+        check_adapter(lora_request.lora_path, self.model_config.hf_config,
+                      self.lora_config.max_lora_rank)
+        if len(self._checked_loras) >= 1024:
+            self._checked_loras.pop(next(iter(self._checked_loras)))
+        self._checked_loras[key] = None
 
     def _segments(self, segments: list, add_special_tokens: bool
                   ) -> tuple[list[int] | None, torch.Tensor | None, torch.Tensor | None]:
@@ -238,6 +269,10 @@ class Processor:
         bad = [t for t in params.stop_token_ids or [] if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids {bad} are out of the vocabulary (size {vocab}).")
+        bad = [t for t in params.allowed_token_ids or [] if t >= vocab]
+        if bad:
+            raise ValueError(f"allowed_token_ids {bad} are out of the vocabulary "
+                             f"(size {vocab}).")
         if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
             raise ValueError(f"logprobs must be at most {MAX_LOGPROBS}, got {params.logprobs}.")
         if params.min_tokens > max_len:

@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 from vllm.config import ParallelConfig, VllmConfig
+from vllm.lora.request import LoRARequest
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import ModelRunnerOutput
 
@@ -69,6 +70,14 @@ class Executor(ABC):
 
     def get_state(self) -> dict[str, int]:
         return self.collective_rpc("get_state")[0]
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Loads an adapter into every rank's CPU cache (a ValueError if bad); True if it
+        was not there."""
+        return self.collective_rpc("add_lora", (lora_request,))[0]
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.collective_rpc("remove_lora", (lora_int_id,))[0]
 
     def shutdown(self) -> None:
         self.collective_rpc("shutdown")

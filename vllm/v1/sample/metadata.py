@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,3 +34,5 @@ class SamplingMetadata:
     # Rows still below min_tokens, with the token ids they must not produce yet.
     min_tokens_blocked: dict[int, list[int]]
     max_num_logprobs: int | None  # None: no row wants logprobs
+    # Rows restricted to some token ids (SamplingParams.allowed_token_ids) -> those ids.
+    allowed_token_ids: dict[int, torch.Tensor] = field(default_factory=dict)  # [k] int64

@@ -18,10 +18,10 @@ class SamplerOutput(NamedTuple):
 
 
 class Sampler(nn.Module):
-    """Order: min_tokens mask, penalties, temperature, top-k/top-p/min-p, then inverse-CDF
-    sampling with one uniform per row, drawn from each seeded request's own generator
-    (unseeded rows share one draw from the global generator). Logprobs are those of the
-    raw model output.
+    """Order: allowed_token_ids and min_tokens masks, penalties, temperature,
+    top-k/top-p/min-p, then inverse-CDF sampling with one uniform per row, drawn from each
+    seeded request's own generator (unseeded rows share one draw from the global
+    generator). Logprobs are those of the raw model output.
 
     Logits come in the model dtype. An all-greedy step without logprobs, min_tokens or
     penalties only takes the argmax, of the logits as they are: on CPU by the native
@@ -32,15 +32,21 @@ class Sampler(nn.Module):
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         if (metadata.all_greedy and metadata.max_num_logprobs is None
-                and not metadata.min_tokens_blocked and metadata.penalties is None):
+                and not metadata.min_tokens_blocked and not metadata.allowed_token_ids
+                and metadata.penalties is None):
             return SamplerOutput(greedy_tokens(logits), None)
         model_logits, logits = logits, logits.float()  # a copy unless already float32
         num_logprobs = metadata.max_num_logprobs
         raw_logprobs = None
         if num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        if metadata.min_tokens_blocked and logits is model_logits:
+        if (metadata.min_tokens_blocked or metadata.allowed_token_ids) \
+                and logits is model_logits:
             logits = logits.clone()  # the caller's logits stay untouched
+        for row, allowed in metadata.allowed_token_ids.items():
+            kept = logits[row, allowed]
+            logits[row] = float("-inf")
+            logits[row, allowed] = kept
         for row, token_ids in metadata.min_tokens_blocked.items():
             logits[row, token_ids] = float("-inf")
         if metadata.penalties is not None:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import numpy as np
 import torch
+from torch import nn
 
 from vllm.config import VllmConfig
 from vllm.forward_context import set_forward_context
@@ -33,10 +34,20 @@ from vllm.v1.sample.sampler import Sampler, SamplerOutput
 from vllm.v1.structured_output.bitmask import apply_grammar_bitmask
 from vllm.v1.worker.block_table import mask_out_of_window
 from vllm.v1.worker.encoder_runner import EncoderRunner
-from vllm.v1.worker.graph_capture import CompiledGraphs, CudaGraphs, default_capture_sizes
+from vllm.v1.worker.graph_capture import (
+    ANY_MIN_TOKENS,
+    CPU_MAX_DEFAULT_CAPTURE_SIZE,
+    CompiledGraphs,
+    CudaGraphs,
+    default_capture_sizes,
+)
 from vllm.v1.worker.input_batch import CachedRequestState, InputBatch
 from vllm.v1.worker.sampling_inputs import SamplingInputsBuilder
 from vllm.v1.worker.stage_output_cache import HIDDEN_STATES, OutputSpec, StageOutputCache
+
+if TYPE_CHECKING:
+    from vllm.lora.layers import LoRAState
+    from vllm.lora.manager import LoRAModelManager
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +156,7 @@ class GPUModelRunner:
         self.model: VllmModel | None = None
         self.encoder_runner: EncoderRunner | None = None
         self.graphs: CompiledGraphs | CudaGraphs | None = None
+        self.lora_manager: LoRAModelManager | None = None  # with enable_lora
         # Tests only: a step with a request whose prompt holds this token id raises.
         fail_id = os.environ.get("VLLM_TEST_FAIL_ON_TOKEN_ID")
         self.fail_on_token_id = int(fail_id) if fail_id else None
@@ -153,6 +165,13 @@ class GPUModelRunner:
 
     def load_model(self) -> None:
         self.model = model = get_model(self.model_config, self.attn_backend, self.device)
+        lora_config = self.vllm_config.lora_config
+        if lora_config is not None:
+            from vllm.lora.manager import LoRAModelManager
+
+            self.lora_manager = LoRAModelManager(
+                cast(nn.Module, model), lora_config, self.model_config.hf_config,
+                self._max_step_tokens(), self.device, self.dtype)
         if self.is_encoder_decoder:
             if not is_encoder_decoder(model):
                 raise TypeError(f"{type(model).__name__} is configured as an encoder/decoder "
@@ -162,6 +181,18 @@ class GPUModelRunner:
             from vllm._custom_ops import cpu_ops
 
             cpu_ops()  # build or load the native kernels now, not on the first request
+
+    def _max_step_tokens(self) -> int:
+        """The most tokens a forward may hold: a step's budget, or a captured graph's
+        padded size (or the dummy step compiling the graphs for any larger size)."""
+        sizes = self.vllm_config.compilation_config.cudagraph_capture_sizes or (0,)
+        return max(self.scheduler_config.max_num_batched_tokens, max(sizes),
+                   CPU_MAX_DEFAULT_CAPTURE_SIZE, ANY_MIN_TOKENS) + 1
+
+    def lora(self) -> LoRAModelManager:
+        if self.lora_manager is None:
+            raise ValueError("LoRA is not enabled (enable_lora=True).")
+        return self.lora_manager
 
     def get_kv_cache_block_bytes(self) -> int:
         model_config = self.model_config
@@ -219,16 +250,21 @@ class GPUModelRunner:
                 return
             self.graphs = CudaGraphs(model, sizes, model_config.enable_prompt_embeds,
                                      model_config.hidden_size, self.dtype, self.device,
-                                     self.block_size, self.max_model_len, self.attn_backend)
+                                     self.block_size, self.max_model_len, self.attn_backend,
+                                     self._lora_state())
             with torch.inference_mode():
                 self.graphs.capture(self.kv_caches, set_forward_context)
         else:
             self.graphs = CompiledGraphs(model, sizes, model_config.enable_prompt_embeds,
-                                         model_config.hidden_size, self.dtype, self.device)
+                                         model_config.hidden_size, self.dtype, self.device,
+                                         self._lora_state())
             with torch.inference_mode():
                 self.graphs.capture(self._dummy_step)
         for kv_cache in self.kv_caches:  # the dummy steps wrote K/V into the null block
             kv_cache.zero_()
+
+    def _lora_state(self) -> LoRAState | None:
+        return None if self.lora_manager is None else self.lora_manager.state
 
     def _dummy_step(self, num_tokens: int, forward) -> None:
         """Runs `forward()` under the metadata of `num_tokens` one-token requests at
@@ -306,6 +342,7 @@ class GPUModelRunner:
                                     if new.encoder_input is not None else 0),
                 embeds_layout=EmbedsLayout.of(len(new.prompt_token_ids), new.prompt_embeds,
                                               new.prompt_is_token_ids),
+                lora_request=new.lora_request,
             )
             self.requests[new.req_id] = state
             to_add.append(state)
@@ -356,6 +393,9 @@ class GPUModelRunner:
                                  dtype=np.int32)
         idx = compute_step_indices(num_scheduled, batch.num_computed_tokens_cpu[:num_reqs],
                                    self.max_model_len)
+        if self.lora_manager is not None:  # every token's adapter slot
+            self.lora_manager.set_step([batch.state(row).lora_request
+                                        for row in range(num_reqs)], num_scheduled)
         input_ids_np = batch.token_ids_cpu.reshape(-1)[idx.token_indices]
         is_token_np = batch.is_token_ids.reshape(-1)[idx.token_indices]
         num_tokens = int(idx.query_start_loc[-1])

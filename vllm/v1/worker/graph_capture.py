@@ -46,11 +46,15 @@ import logging
 import time
 import types
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from vllm.model_executor.models.interfaces import GraphModel
 from vllm.v1.attention.backends.abstract import AttentionBackend, CommonAttentionMetadata
+
+if TYPE_CHECKING:
+    from vllm.lora.layers import LoRAState
 
 logger = logging.getLogger(__name__)
 
@@ -113,8 +117,14 @@ class CompiledGraphs:
     """
 
     def __init__(self, model: GraphModel, sizes: list[int], with_embeds: bool,
-                 hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+                 hidden_size: int, dtype: torch.dtype, device: torch.device,
+                 lora_state: LoRAState | None = None) -> None:
         self.model = model
+        # With LoRA, every (set, size) is compiled twice: with the adapters' product (its
+        # row indices a graph input: any mix of adapters) and without, for steps that have
+        # no adapter rows (`LoRAState.active`).
+        self.lora_state = lora_state
+        self.lora_variants = (False, True) if lora_state is not None else (False,)
         self.sizes = sorted(set(sizes))
         self.kinds = (IDS, EMBEDS) if with_embeds else (IDS,)
         self.max_size = self.sizes[-1]
@@ -133,16 +143,17 @@ class CompiledGraphs:
         # tell its size apart from the others': one request's step ran ~10% slower with
         # five sizes captured than with one). The ANY copies take a symbolic token count
         # (parameters and buffers keep their static shapes).
-        self._pieces: dict[tuple[str, int], tuple[Callable, Callable, Callable]] = {}
+        self._pieces: dict[tuple[str, int, bool], tuple[Callable, Callable, Callable]] = {}
         for kind in self.kinds:
             prepare = _prepare_ids if kind == IDS else _prepare_embeds
             for size in self.sizes + [ANY]:
                 compile_ = functools.partial(torch.compile, dynamic=size == ANY,
                                              fullgraph=True)
-                tag = f"{kind}_{size or 'any'}"
-                self._pieces[(kind, size)] = (compile_(_own_code(prepare, tag)),
-                                              compile_(_own_code(_layer, tag)),
-                                              compile_(_own_code(_finish, tag)))
+                for lora in self.lora_variants:
+                    tag = f"{kind}_{size or 'any'}{'_lora' if lora else ''}"
+                    self._pieces[(kind, size, lora)] = (compile_(_own_code(prepare, tag)),
+                                                        compile_(_own_code(_layer, tag)),
+                                                        compile_(_own_code(_finish, tag)))
 
     def padded_size(self, num_tokens: int) -> int | None:
         return padded_size(self.sizes, num_tokens)
@@ -151,6 +162,18 @@ class CompiledGraphs:
         """Compiles every (kind, size), each through one real forward: `run_dummy_step(size,
         fn)` must call `fn()` inside a forward context of `size` real decode tokens."""
         start = time.perf_counter()
+        for lora in self.lora_variants:
+            if self.lora_state is not None:
+                self.lora_state.active = lora  # the dummy steps' rows have no adapter
+            self._capture_variant(run_dummy_step)
+        if self.lora_state is not None:
+            self.lora_state.active = False
+        logger.info("Captured %d graph sets (%s%s) for sizes %s and any larger size in %.1f s.",
+                    len(self.captured), " and ".join(self.kinds),
+                    ", with and without LoRA" if self.lora_state is not None else "",
+                    self.sizes, time.perf_counter() - start)
+
+    def _capture_variant(self, run_dummy_step: Callable) -> None:
         for kind in self.kinds:
             for size in reversed(self.sizes):
                 run_dummy_step(size, functools.partial(self._forward, kind, size))
@@ -164,16 +187,14 @@ class CompiledGraphs:
             run_dummy_step(n, functools.partial(self._run_pieces, kind, ANY, inputs,
                                                 positions))
             self.captured.add((kind, ANY))
-        logger.info("Captured %d graph sets (%s) for sizes %s and any larger size in %.1f s.",
-                    len(self.captured), " and ".join(self.kinds), self.sizes,
-                    time.perf_counter() - start)
 
     def _forward(self, kind: str, size: int) -> torch.Tensor:
         return self._run_pieces(kind, size, self.inputs[kind][:size], self.positions[:size])
 
     def _run_pieces(self, kind: str, size: int, inputs: torch.Tensor,
                     positions: torch.Tensor) -> torch.Tensor:
-        prepare, layer_fn, finish = self._pieces[(kind, size)]
+        lora = self.lora_state is not None and self.lora_state.active
+        prepare, layer_fn, finish = self._pieces[(kind, size, lora)]
         h, cos, sin = prepare(self.model, inputs, positions)
         for layer in self.model.layers:
             h = layer_fn(layer, cos, sin, h)
@@ -266,8 +287,12 @@ class CudaGraphs:
     def __init__(self, model: GraphModel, sizes: list[int], with_embeds: bool,
                  hidden_size: int, dtype: torch.dtype, device: torch.device,
                  block_size: int, max_model_len: int,
-                 attn_backend: type[AttentionBackend]) -> None:
+                 attn_backend: type[AttentionBackend],
+                 lora_state: LoRAState | None = None) -> None:
         self.model = model
+        # With LoRA the graphs always compute the adapters' product (rows without an
+        # adapter add zeros): a CUDA graph cannot branch on the step.
+        self.lora_state = lora_state
         self.sizes = sorted(set(sizes))
         self.kinds = (IDS, EMBEDS) if with_embeds else (IDS,)
         self.max_size = self.sizes[-1]
@@ -303,10 +328,14 @@ class CudaGraphs:
         kv_caches)` is `set_forward_context`. Every buffer row is padding (as
         `init_graph_buffers` left the attention's)."""
         start = time.perf_counter()
+        if self.lora_state is not None:
+            self.lora_state.active = True
         for kind in self.kinds:
             for size in reversed(self.sizes):
                 with set_context(self._metadata(size), kv_caches):
                     self.captured[(kind, size)] = self._capture_graph(kind, size)
+        if self.lora_state is not None:
+            self.lora_state.active = False
         logger.info("Captured %d CUDA graphs (%s) for sizes %s in %.1f s.", len(self.captured),
                     " and ".join(self.kinds), self.sizes, time.perf_counter() - start)
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import EmbedsLayout
 from vllm.v1.worker.block_table import BlockTable
@@ -27,6 +28,7 @@ class CachedRequestState:
     num_encoder_tokens: int = 0
     # Which prompt positions read embeds rows (None: a prompt of token ids only).
     embeds_layout: EmbedsLayout | None = None
+    lora_request: LoRARequest | None = None  # its adapter (None: the base model)
 
     def __post_init__(self) -> None:
         if self.embeds_layout is None:  # embeds without a layout: an embeds-only prompt

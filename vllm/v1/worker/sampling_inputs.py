@@ -67,10 +67,13 @@ class SamplingInputsBuilder:
         greedy = batch.temperature[rows] < 1e-5
         top_k, top_p, min_p = batch.top_k[rows], batch.top_p[rows], batch.min_p[rows]
         generators: dict[int, torch.Generator] = {}
-        for i, row in enumerate(rows.tolist()):
-            generator = batch.state(row).generator
-            if generator is not None:
-                generators[i] = generator
+        allowed: dict[int, torch.Tensor] = {}
+        for i, state in enumerate(states):
+            if state.generator is not None:
+                generators[i] = state.generator
+            allowed_ids = state.sampling_params.allowed_token_ids
+            if allowed_ids is not None:
+                allowed[i] = torch.tensor(allowed_ids, dtype=torch.int64, device=self.device)
         num_logprobs = batch.num_logprobs[rows]
         metadata = SamplingMetadata(
             temperature=torch.from_numpy(batch.temperature[rows]).to(self.device),
@@ -84,6 +87,7 @@ class SamplingInputsBuilder:
             penalties=None,
             min_tokens_blocked={},
             max_num_logprobs=int(num_logprobs.max()) if (num_logprobs >= 0).any() else None,
+            allowed_token_ids=allowed,
         )
         any_penalties = bool((batch.presence_penalty[rows] != 0).any()
                              or (batch.frequency_penalty[rows] != 0).any()

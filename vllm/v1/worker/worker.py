@@ -17,6 +17,7 @@ from vllm.distributed.utils import (
     memory_node_for_rank,
     visible_memory_nodes,
 )
+from vllm.lora.request import LoRARequest
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -140,6 +141,12 @@ class Worker:
 
     def drop_requests(self, req_ids: list[str]) -> None:
         self.runner.drop_requests(req_ids)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self.runner.lora().add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.runner.lora().remove_lora(lora_int_id)
 
     def get_state(self) -> dict[str, int]:
         runner = self.runner

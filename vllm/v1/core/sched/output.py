@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import EncoderInput
 from vllm.v1.request import Request
@@ -29,6 +30,7 @@ class NewRequestData:
     cross_block_ids: list[int] = field(default_factory=list)
     # Mixed prompts: bool [num_prompt_tokens], True at real ids (None: all one kind).
     prompt_is_token_ids: torch.Tensor | None = None
+    lora_request: LoRARequest | None = None  # its adapter (None: the base model)
 
     @classmethod
     def from_request(cls, request: Request, block_ids: list[int],
@@ -44,6 +46,7 @@ class NewRequestData:
             encoder_input=request.encoder_input,
             cross_block_ids=cross_block_ids or [],
             prompt_is_token_ids=request.prompt_is_token_ids,
+            lora_request=request.lora_request,
         )
 
 

@@ -59,6 +59,40 @@ class _Step:
     only: str | None = None  # a suspect of a failed step, run alone
 
 
+class _LoRASlots:
+    """The LoRA adapters of the running requests, against the slots a step has
+    (`max_loras`; None: LoRA is off). A waiting request whose adapter is new is admitted
+    only while a slot is free; once one waits for a slot, every later request with an
+    adapter waits too (the running adapters drain and the first in line gets the slot:
+    no request starves behind a stream of others using the running adapters).
+
+    Example: max_loras 2, running adapters [1, 2], waiting [A3, A1, base] -> A3 waits (no
+    slot), A1 waits behind it, the base-model request is admitted.
+    """
+
+    def __init__(self, max_loras: int | None, running: list[Request]) -> None:
+        self.max_loras = max_loras
+        self.active: list[int] = []  # adapter ids holding slots, in first-use order
+        self.blocked = False
+        for request in running:
+            self.add(request)
+
+    def admits(self, request: Request) -> bool:
+        lora = request.lora_request
+        if lora is None or self.max_loras is None:
+            return True
+        if not self.blocked and (lora.lora_int_id in self.active
+                                 or len(self.active) < self.max_loras):
+            return True
+        self.blocked = True
+        return False
+
+    def add(self, request: Request) -> None:
+        lora = request.lora_request
+        if lora is not None and lora.lora_int_id not in self.active:
+            self.active.append(lora.lora_int_id)
+
+
 class Scheduler:
     """Decides, each step, how many tokens of which requests to compute.
 
@@ -66,6 +100,9 @@ class Scheduler:
     running requests (oldest first) and then waiting ones a share of the token budget. A
     prompt that does not fit is chunked; a request that cannot get KV blocks preempts the
     newest running request, which restarts from scratch later (its outputs are kept).
+
+    With LoRA, the running requests never use more distinct adapters than there are slots
+    (`max_loras`): a request whose adapter would need one more waits (`_LoRASlots`).
 
     Encoder/decoder requests run their encoder in the step that first schedules them (or
     re-schedules them after a preemption), unless their cross-attention blocks are still
@@ -378,6 +415,7 @@ class Scheduler:
 
     def _schedule_waiting(self, step: _Step, kind: bool | None) -> None:
         skipped: list[Request] = []
+        loras = _LoRASlots(self.config.max_loras, self.running)
         # Beams waiting for their group's other beams hold no batch row.
         num_parked = sum(map(_is_parked, self.running))
         while (self.waiting and step.budget > 0
@@ -386,7 +424,8 @@ class Scheduler:
             request = self.waiting[0]
             if (request.status == RequestStatus.WAITING_FOR_GRAMMAR or _is_parked(request)
                     or (kind is not None and request.is_token_prompt != kind)
-                    or (step.only is not None and request.request_id != step.only)):
+                    or (step.only is not None and request.request_id != step.only)
+                    or not loras.admits(request)):
                 skipped.append(self.waiting.popleft())
                 continue
             hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
@@ -412,6 +451,7 @@ class Scheduler:
             request.resend_in_full = False
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            loras.add(request)
             step.new_reqs.append(request)
             step.num_scheduled[request.request_id] = num_new
             step.budget -= num_new

@@ -1,0 +1,299 @@
+"""LoRA adapters: PEFT parity (float32: greedy tokens equal the merged PEFT model's,
+logprobs within 1e-4) on tiny Llama / Qwen2 and the default model, batches mixing adapters
+and the base model, more adapters than slots, preemption, chunked prefill, prompt embeds,
+graphs, prefix-cache separation; bad adapters; the slot / CPU-cache manager and the
+scheduler's slot limit exactly."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from typing import cast
+
+import numpy as np
+import pytest
+import torch
+
+from tests.core_factories import make_request, make_scheduler
+from tests.hf_reference import assert_identical_greedy, hf_greedy, load_hf_model
+from tests.lora_utils import make_adapter, merged_model
+from tests.model_factory import make_tiny_model
+from vllm import LLM, SamplingParams
+from vllm.lora.request import LoRARequest
+from vllm.v1.request import RequestStatus
+
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# name -> (rank, alpha, targets, rslora): several ranks and target sets
+SPECS = {
+    "all8": (8, 16, ALL, False),
+    "qdown4_rs": (4, 8, ("q_proj", "down_proj"), True),
+    "kvo2": (2, 4, ("k_proj", "v_proj", "o_proj"), False),
+    "gateup8": (8, 8, ("gate_proj", "up_proj"), False),
+}
+
+
+def _adapters(base: str, root: str, names: list[str]) -> dict[str, LoRARequest]:
+    out = {}
+    for i, name in enumerate(names):
+        rank, alpha, targets, rslora = SPECS[name]
+        path = make_adapter(base, os.path.join(root, name), rank=rank, alpha=alpha,
+                            targets=targets, use_rslora=rslora, seed=10 + i)
+        out[name] = LoRARequest(name, i + 1, path)
+    return out
+
+
+def _reference(base: str, lora: LoRARequest | None, prompt_ids: list[int] | None,
+               max_tokens: int, embeds: torch.Tensor | None = None):
+    model = load_hf_model(base) if lora is None else merged_model(base, lora.lora_path)
+    return hf_greedy(model, prompt_ids, max_tokens, inputs_embeds=embeds)
+
+
+def _runner(llm: LLM):
+    return llm.llm_engine.engine_core.model_executor.model_runner  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="module")
+def llama_loras(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory):
+    root = str(tmp_path_factory.mktemp("llama_loras"))
+    return _adapters(tiny_llama_dir, root, list(SPECS))
+
+
+@pytest.fixture(scope="module")
+def llama_llm(tiny_llama_dir: str, llama_loras) -> LLM:
+    """Two slots for four adapters, three of them on the CPU; a small KV cache (preemption)
+    and token budget (chunked prefill); prompt embeds on; eager."""
+    return LLM(tiny_llama_dir, dtype="float32", enable_lora=True, max_loras=2,
+               max_lora_rank=8, max_cpu_loras=3, enforce_eager=True,
+               enable_prompt_embeds=True, block_size=4, num_gpu_blocks_override=17,
+               max_model_len=64, max_num_batched_tokens=24)
+
+
+def test_mixed_batch_of_four_adapters_and_base_equals_merged_peft(
+        tiny_llama_dir: str, llama_loras, llama_llm: LLM) -> None:
+    names = [*SPECS, None, *SPECS, None]
+    loras = [None if n is None else llama_loras[n] for n in names]
+    prompts = [[5 + 7 * i + j for j in range(6 + 2 * i)] for i in range(len(names))]
+    embeds_index = 2  # this prompt goes in as embeds rows, with its adapter
+    embeds = load_hf_model(tiny_llama_dir).get_input_embeddings()(
+        torch.tensor(prompts[embeds_index])).detach()
+    inputs: list = [{"prompt_token_ids": p} for p in prompts]
+    inputs[embeds_index] = {"prompt_embeds": embeds}
+    params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=1)
+    core = llama_llm.llm_engine.engine_core
+    preemptions = core.scheduler.num_preemptions
+    outputs = llama_llm.generate(inputs, params, lora_request=loras, use_tqdm=False)
+    refs = [_reference(tiny_llama_dir, lora, None if i == embeds_index else prompt, 10,
+                       embeds if i == embeds_index else None)
+            for i, (lora, prompt) in enumerate(zip(loras, prompts))]
+    assert_identical_greedy(outputs, refs)
+    assert core.scheduler.num_preemptions > preemptions  # the small cache preempted
+    manager = _runner(llama_llm).lora_manager
+    assert len(manager.cpu_cache) <= 3 and len(manager.slots) == 2
+    # Each adapter really changes the output (the references differ from the base's).
+    base_ref = _reference(tiny_llama_dir, None, prompts[0], 10)
+    assert refs[0].token_ids != base_ref.token_ids
+
+
+def test_tensor_parallel_shards_adapters_like_their_layers(tiny_llama_dir: str,
+                                                          llama_loras) -> None:
+    """Two ranks: A and B sliced with their layers (q/k/v and gate/up parts by rows, o and
+    down by input columns with the partial x A^T all-reduced), equal to the merged model."""
+    llm = LLM(tiny_llama_dir, dtype="float32", tensor_parallel_size=2, enable_lora=True,
+              max_loras=2, max_lora_rank=8, enforce_eager=True, max_model_len=128,
+              kv_cache_memory_bytes=8 * 2**20)
+    loras = [llama_loras["all8"], llama_loras["qdown4_rs"], None]
+    prompts = [[5, 6, 7, 8, 9], [20, 21, 22], [30, 31, 32, 33]]
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=1)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                           lora_request=loras, use_tqdm=False)
+    assert_identical_greedy(outputs, [_reference(tiny_llama_dir, lora, p, 8)
+                                      for lora, p in zip(loras, prompts)])
+
+
+def test_bad_adapters_are_clear_errors(tiny_llama_dir: str, llama_loras, llama_llm: LLM,
+                                       tmp_path) -> None:
+    params = SamplingParams(max_tokens=2)
+
+    def fails(lora: LoRARequest, match: str) -> None:
+        with pytest.raises(ValueError, match=match):
+            llama_llm.generate("hello", params, lora_request=lora, use_tqdm=False)
+
+    big = make_adapter(tiny_llama_dir, str(tmp_path / "big"), rank=16)
+    fails(LoRARequest("big", 90, big), "rank 16, over max_lora_rank=8")
+    deep = _renamed_adapter(llama_loras["all8"].lora_path, str(tmp_path / "deep"),
+                            "layers.1.", "layers.7.")  # the model has 2 layers
+    fails(LoRARequest("deep", 91, deep),
+          r"targets .model\.layers\.7\.\S+, which the base model lacks")
+    fused = _renamed_adapter(llama_loras["all8"].lora_path, str(tmp_path / "fused"),
+                             "q_proj", "c_attn")
+    fails(LoRARequest("fused", 95, fused), "targets 'model.layers.0.self_attn.c_attn'")
+    other = make_tiny_model(str(tmp_path / "other"), "llama", hidden_size=32,
+                            intermediate_size=64)
+    foreign = make_adapter(other, str(tmp_path / "foreign"))
+    fails(LoRARequest("foreign", 92, foreign), r"q_proj.lora_A.weight has shape \(8, 32\)")
+    missing = str(tmp_path / "missing")
+    shutil.copytree(llama_loras["all8"].lora_path, missing)
+    os.remove(os.path.join(missing, "adapter_model.safetensors"))
+    fails(LoRARequest("missing", 93, missing), "has no adapter_model.safetensors")
+    fails(LoRARequest("nowhere", 94, str(tmp_path / "nowhere")), "does not exist")
+    with pytest.raises(ValueError, match="Got 1 LoRA requests for 2 prompts"):
+        llama_llm.generate(["a", "b"], params, lora_request=[llama_loras["all8"]])
+    with pytest.raises(ValueError, match="lora_int_id must be an integer >= 1"):
+        LoRARequest("zero", 0, big)
+    # The engine still serves after the refusals.
+    assert llama_llm.generate("hello", params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def _renamed_adapter(source: str, target: str, old: str, new: str) -> str:
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, target)
+    path = os.path.join(target, "adapter_model.safetensors")
+    save_file({k.replace(old, new): v for k, v in load_file(path).items()}, path)
+    return target
+
+
+def test_structured_output_with_an_adapter(llama_loras, llama_llm: LLM) -> None:
+    from vllm.sampling_params import StructuredOutputsParams
+
+    choices = ["the quick fox", "a lazy dog"]
+    params = SamplingParams(max_tokens=16, temperature=0.0,
+                            structured_outputs=StructuredOutputsParams(choice=choices))
+    outputs = llama_llm.generate(["hello there", "once upon"], params, use_tqdm=False,
+                                 lora_request=[llama_loras["all8"], llama_loras["kvo2"]])
+    assert all(o.outputs[0].text in choices for o in outputs)
+
+
+def test_lora_off_refuses_an_adapter(tiny_llama_dir: str, llama_loras) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.processor import Processor
+
+    config = EngineArgs(model=tiny_llama_dir, dtype="float32").create_engine_config()
+    processor = Processor(config.model_config, None)
+    with pytest.raises(ValueError, match="LoRA is not enabled"):
+        processor.process_inputs("r", {"prompt_token_ids": [5, 6]}, SamplingParams(),
+                                 lora_request=llama_loras["all8"])
+    with pytest.raises(ValueError, match="max_cpu_loras"):
+        EngineArgs(model=tiny_llama_dir, enable_lora=True, max_loras=4,
+                   max_cpu_loras=2).create_engine_config()
+
+
+def test_qwen2_graphs_and_prefix_cache_separation(tiny_qwen2_dir: str, tmp_path) -> None:
+    loras = _adapters(tiny_qwen2_dir, str(tmp_path), ["all8", "kvo2"])
+    llm = LLM(tiny_qwen2_dir, dtype="float32", enable_lora=True, max_loras=4,
+              max_lora_rank=8, compilation_config={"cudagraph_capture_sizes": [4]})
+    prompt = {"prompt_token_ids": list(range(5, 29))}  # 24 tokens: one full block of 16
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=1)
+    order = [loras["all8"], loras["kvo2"], loras["all8"], None]
+    outputs = [llm.generate(prompt, params, lora_request=lora, use_tqdm=False)[0]
+               for lora in order]
+    refs = [_reference(tiny_qwen2_dir, lora, prompt["prompt_token_ids"], 6) for lora in order]
+    assert_identical_greedy(outputs, refs)
+    # Blocks computed through one adapter serve only that adapter.
+    assert [o.num_cached_tokens for o in outputs] == [0, 0, 16, 0]
+    # A batch mixing both adapters and the base model, through the graphs.
+    graphs = _runner(llm).graphs
+    before = sum(graphs.replays.values())
+    mixed = llm.generate([{"prompt_token_ids": [7, 8, 9]}] * 3, params,
+                         lora_request=[loras["kvo2"], None, loras["all8"]], use_tqdm=False)
+    assert sum(graphs.replays.values()) > before
+    assert_identical_greedy(mixed, [_reference(tiny_qwen2_dir, lora, [7, 8, 9], 6)
+                                    for lora in (loras["kvo2"], None, loras["all8"])])
+
+
+def test_default_model_with_an_adapter(default_model_path: str, tmp_path) -> None:
+    path = make_adapter(default_model_path, str(tmp_path / "smol"), rank=8,
+                        targets=("q_proj", "v_proj", "down_proj"), std=0.05)
+    lora = LoRARequest("smol", 1, path)
+    llm = LLM(default_model_path, dtype="float32", enable_lora=True, max_lora_rank=8,
+              enforce_eager=True, max_model_len=128, kv_cache_memory_bytes=32 * 2**20)
+    tokenizer = llm.get_tokenizer()
+    ids = tokenizer("The capital of France is")["input_ids"]
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=1)
+    outputs = llm.generate({"prompt_token_ids": ids}, params, lora_request=lora,
+                           use_tqdm=False)
+    assert_identical_greedy(outputs, [_reference(default_model_path, lora, ids, 4)])
+
+
+# ---- the slot / CPU-cache manager and the LoRA layer, exactly --------------------------------
+
+
+def test_manager_slots_lru_and_layer_product(tiny_llama_dir: str, llama_loras) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.lora.manager import LoRAModelManager
+    from vllm.model_executor.model_loader.loader import get_model
+    from vllm.v1.attention.backends import get_attn_backend
+
+    config = EngineArgs(model=tiny_llama_dir, dtype="float32", enable_lora=True, max_loras=2,
+                        max_lora_rank=8, max_cpu_loras=3).create_engine_config()
+    assert config.lora_config is not None
+    model = get_model(config.model_config, get_attn_backend(None), torch.device("cpu"))
+    base_qkv = model.layers[0].self_attn.qkv_proj  # type: ignore[attr-defined]
+    manager = LoRAModelManager(cast(torch.nn.Module, model), config.lora_config,
+                               config.model_config.hf_config, 16, torch.device("cpu"),
+                               torch.float32)
+    assert len(manager.layers) == 2 * 4  # qkv, o, gate_up, down per layer
+    a1, a2, a3, a4 = (llama_loras[n] for n in SPECS)
+    manager.set_step([a1, None, a2], np.array([2, 1, 3]))
+    assert manager.slots == [1, 2]
+    assert manager.state.indices[:8].tolist() == [0, 0, -1, 1, 1, 1, -1, -1]
+    assert manager.state.active
+    # a3 takes the slot of a2 (not needed by this step); a1 keeps its slot.
+    manager.set_step([a3, a1], np.array([1, 1]))
+    assert manager.slots == [1, 3] and manager.state.indices[:3].tolist() == [1, 0, -1]
+    assert manager.list_loras() == [1, 2, 3]
+    manager.add_lora(a4)  # the least recently used adapter in no slot goes: a2
+    assert manager.list_loras() == [1, 3, 4]
+    with pytest.raises(RuntimeError, match="3 adapters, over max_loras=2"):
+        manager.set_step([a1, a3, a4], np.array([1, 1, 1]))
+    manager.set_step([None, None], np.array([2, 2]))
+    assert not manager.state.active and manager.state.indices.max().item() == -1
+    # The layer: rows with an adapter add x A^T (scaling B)^T per q/k/v part; others are
+    # exactly the base layer's output.
+    layer = model.layers[0].self_attn.qkv_proj  # type: ignore[attr-defined]
+    assert layer.base_layer is base_qkv
+    manager.set_step([a1, None, a3], np.array([1, 1, 1]))
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        out, base = layer(x), base_qkv(x)
+    assert torch.equal(out[1], base[1])
+    for row, lora in ((0, a1), (2, a3)):
+        weights = manager.cpu_cache[lora.lora_int_id].weights
+        assert weights is not None
+        expected = []
+        for part in ("q_proj", "k_proj", "v_proj"):
+            pair = weights.get(f"model.layers.0.self_attn.{part}")
+            size = 64 if part == "q_proj" else 32
+            expected.append(torch.zeros(size) if pair is None else pair[1] @ (pair[0] @ x[row]))
+        torch.testing.assert_close(out[row] - base[row], torch.cat(expected), atol=1e-5,
+                                   rtol=1e-5)
+    assert manager.remove_lora(1) and manager.slots == [None, 3]
+
+
+def _lora_request(request_id: str, lora_id: int | None):
+    request = make_request(request_id, [1, 2, 3, 4], max_tokens=4)
+    lora = None if lora_id is None else LoRARequest(f"a{lora_id}", lora_id, "/nowhere")
+    return dataclasses.replace(request, lora_request=lora)
+
+
+def test_scheduler_never_schedules_more_adapters_than_slots() -> None:
+    scheduler = make_scheduler()
+    scheduler.config.max_loras = 2
+    for request_id, lora_id in (("r1", 1), ("r2", 2), ("r3", 3), ("r4", 1), ("r5", None),
+                                ("r6", 2)):
+        scheduler.add_request(_lora_request(request_id, lora_id))
+    out = scheduler.schedule()
+    # r3 needs a third slot and waits; r4 and r6 (running adapters) wait behind it so that
+    # it cannot starve; the base-model request goes ahead.
+    assert list(out.num_scheduled_tokens) == ["r1", "r2", "r5"]
+    assert [r.request_id for r in scheduler.waiting] == ["r3", "r4", "r6"]
+    scheduler.finish_requests(["r1"], RequestStatus.FINISHED_ABORTED)
+    out = scheduler.schedule()
+    # A slot is free: r3 takes it; r4 (adapter 1) would need a third one; r6 waits behind.
+    assert [r.req_id for r in out.scheduled_new_reqs] == ["r3"]
+    assert [r.request_id for r in scheduler.waiting] == ["r4", "r6"]
+    scheduler.finish_requests(["r2", "r3"], RequestStatus.FINISHED_ABORTED)
+    out = scheduler.schedule()
+    assert [r.req_id for r in out.scheduled_new_reqs] == ["r4", "r6"]
+    assert out.scheduled_new_reqs[0].lora_request == LoRARequest("a1", 1, "/nowhere")
