@@ -206,7 +206,8 @@ class GPUModelRunner:
                 self.graphs.capture(self.kv_caches, set_forward_context)
         else:
             self.graphs = CompiledGraphs(model, sizes, model_config.enable_prompt_embeds,
-                                         model_config.hidden_size, self.dtype, self.device)
+                                         model_config.hidden_size, self.dtype, self.device,
+                                         scheduler_config.max_num_batched_tokens)
             with torch.inference_mode():
                 self.graphs.capture(self._dummy_step)
         for kv_cache in self.kv_caches:  # the dummy steps wrote K/V into the null block
