@@ -257,6 +257,7 @@ class GPUModelRunner:
         else:
             self.graphs = CompiledGraphs(model, sizes, model_config.enable_prompt_embeds,
                                          model_config.hidden_size, self.dtype, self.device,
+                                         scheduler_config.max_num_batched_tokens,
                                          self._lora_state())
             with torch.inference_mode():
                 self.graphs.capture(self._dummy_step)
