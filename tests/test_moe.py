@@ -23,6 +23,7 @@ from vllm import LLM, SamplingParams
 from vllm.model_executor.layers.fused_moe import FusedMoE, group_by_expert, select_experts
 from vllm.model_executor.layers.packed_linear import can_pack
 from vllm.model_executor.model_loader.weight_utils import resolve_expert_name, resolve_name
+from vllm.v1.executor.uniproc import UniProcExecutor
 
 # ---- routing and grouping ---------------------------------------------------------------
 
@@ -170,9 +171,6 @@ PROMPTS = [
     "She ordered a café au lait and a croissant; 日本語 🙂",
 ]
 MAX_TOKENS = 24
-# Graphs for the two families with their own attention (per-head and whole-projection q/k
-# norms); the experts op is the same in every family, which the other two run eagerly.
-GRAPH_ARCHS = ("qwen3_moe", "olmoe")
 
 
 def _check(outputs, refs) -> None:
@@ -182,14 +180,12 @@ def _check(outputs, refs) -> None:
 @pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "mixtral", "olmoe"])
 def test_moe_family_matches_transformers(arch: str, tmp_path) -> None:
     """One engine: chunks of 16 tokens, blocks of 4, a cache too small for the batch
-    (preemptions), prompt embeds on (graphs for `GRAPH_ARCHS`): text prompts, then two of
-    them again (a prefix hit) beside two others' embeddings."""
+    (preemptions), prompt embeds on, graphs of 4 tokens (both sets replayed): text prompts,
+    then two of them again (a prefix hit) beside two others' embeddings."""
     path = make_tiny_model(str(tmp_path / arch), arch)
-    graphs = ({"compilation_config": {"cudagraph_capture_sizes": [4]}}
-              if arch in GRAPH_ARCHS else {"enforce_eager": True})
     llm = LLM(path, dtype="float32", max_model_len=96, block_size=4,
               num_gpu_blocks_override=26, max_num_batched_tokens=16, max_num_seqs=4,
-              enable_prompt_embeds=True, **graphs)
+              enable_prompt_embeds=True, compilation_config={"cudagraph_capture_sizes": [4]})
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
     first = llm.generate(PROMPTS, params, use_tqdm=False)
     model = load_hf_model(path)
@@ -203,9 +199,10 @@ def test_moe_family_matches_transformers(arch: str, tmp_path) -> None:
     second = llm.generate([PROMPTS[4], PROMPTS[3], *embeds], params, use_tqdm=False)
     _check(second, [refs[4], refs[3], refs[0], refs[1]])
     assert second[0].num_cached_tokens > 0
-    if arch in GRAPH_ARCHS:
-        replays = core.model_executor.model_runner.graphs.replays
-        assert {kind for kind, _ in replays} == {"ids", "embeds"}
+    assert isinstance(core.model_executor, UniProcExecutor)
+    graphs = core.model_executor.model_runner.graphs
+    assert graphs is not None
+    assert {kind for kind, _ in graphs.replays} == {"ids", "embeds"}
 
 
 # ---- tensor parallel ----------------------------------------------------------------------

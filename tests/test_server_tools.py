@@ -327,8 +327,8 @@ def test_every_completions_and_chat_field_is_honoured_or_refused(
         server: RemoteServer, default_model_path: str) -> None:
     """Each field the request models define is sent and seen to act (or refused by name);
     the test fails when a field is added without a check here. Fields no request model
-    defines (OpenAI's `audio`, `prediction`, `service_tier`, vLLM's `use_beam_search`,
-    `priority`, ...) are refused by name."""
+    defines (OpenAI's `audio`, `prediction`, `service_tier`, vLLM's `priority`, ...) are
+    refused by name."""
     f = Fields(server, get_tokenizer(default_model_path))
     from vllm.entrypoints.openai.protocol import CompletionRequest, SamplingRequest
 
@@ -344,10 +344,21 @@ def test_every_completions_and_chat_field_is_honoured_or_refused(
         assert f.cmpl(add_special_tokens=flag, max_tokens=1)["usage"]["prompt_tokens"] == len(
             f.tokenizer(PROMPT, add_special_tokens=flag).input_ids)
     for field, value in (("best_of", 2), ("suffix", "x"), ("prompt_logprobs", 1),
-                         ("prompt_embeds", "AAAA"), ("return_hidden_states", True)):
+                         ("prompt_embeds", "AAAA"), ("return_hidden_states", True),
+                         ("length_penalty", 0.5)):
         f.refused("completions", field, **{field: value})
+    # Beam search: one beam is greedy; n of best_of beams come back best first; streaming
+    # and sampling fields are refused by name (the ranking's parity: test_beam_search.py).
+    assert text(f.cmpl(use_beam_search=True)) == text(greedy)
+    beams = f.cmpl(use_beam_search=True, n=2, best_of=3, length_penalty=0.5, logprobs=1)
+    assert len(beams["choices"]) == 2 and text(beams) != beams["choices"][1]["text"]
+    assert len(beams["choices"][1]["logprobs"]["tokens"]) == 8
+    f.refused("completions", "use_beam_search", use_beam_search=True, stream=True)
+    f.refused("completions", "top_p", use_beam_search=True, top_p=0.5)
+    f.refused("completions", "best_of", use_beam_search=True, n=2, best_of=1)
     completion = {"prompt", "echo", "logprobs", "max_tokens", "best_of", "add_special_tokens",
-                  "suffix", "prompt_logprobs", "prompt_embeds", "return_hidden_states"}
+                  "suffix", "prompt_logprobs", "prompt_embeds", "return_hidden_states",
+                  "use_beam_search", "length_penalty"}
     assert shared | completion == set(CompletionRequest.model_fields)
 
     base = f.chat(max_tokens=8)
@@ -372,14 +383,19 @@ def test_every_completions_and_chat_field_is_honoured_or_refused(
     f.refused("chat/completions", "chat_template", chat_template="{{ 'x' }}")
     f.refused("chat/completions", "chat_template_kwargs", chat_template_kwargs={"tools": 1})
     assert text(f.chat(max_tokens=8, chat_template_kwargs={"unused": 1})) == text(base)
+    assert text(f.chat(max_tokens=8, use_beam_search=True)) == text(base)
+    beams = f.chat(max_tokens=8, use_beam_search=True, n=2, length_penalty=0.5)
+    assert len(beams["choices"]) == 2 and text(beams) != text(beams, 1)
+    f.refused("chat/completions", "use_beam_search", use_beam_search=True, stream=True)
+    f.refused("chat/completions", "length_penalty", length_penalty=0.5)
     chat_fields = {"messages", "logprobs", "top_logprobs", "max_tokens",
                    "max_completion_tokens", "add_generation_prompt", "continue_final_message",
                    "add_special_tokens", "chat_template", "chat_template_kwargs",
-                   "tools", "tool_choice", "parallel_tool_calls"}  # tools: tests above
+                   "tools", "tool_choice", "parallel_tool_calls",  # tools: tests above
+                   "use_beam_search", "length_penalty"}
     assert shared | chat_fields == set(ChatCompletionRequest.model_fields)
 
-    for field, value in (("use_beam_search", True), ("audio", {"voice": "alloy"}),
+    for field, value in (("audio", {"voice": "alloy"}),
                          ("prediction", {"type": "content", "content": "x"}),
                          ("service_tier", "auto"), ("priority", 1), ("functions", [])):
         f.refused("chat/completions", field, **{field: value})
-    f.refused("completions", "use_beam_search", use_beam_search=True)

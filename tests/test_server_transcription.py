@@ -416,7 +416,7 @@ def test_bad_inputs_are_400_while_serving_another(server: RemoteServer,
 def test_every_transcription_field_is_honoured_or_refused(server: RemoteServer) -> None:
     """The field audit of the audio endpoints: each form field the request model defines is
     sent and seen to act (the formats, prompt, language and timestamp checks are above);
-    fields it does not define, such as vLLM's `use_beam_search`, are refused by name."""
+    fields it does not define, such as `chunking_strategy`, are refused by name."""
     from vllm.entrypoints.openai.protocol import TranscriptionRequest
 
     audio = (DATA / "call_me.wav").read_bytes()
@@ -447,13 +447,24 @@ def test_every_transcription_field_is_honoured_or_refused(server: RemoteServer) 
               .text.splitlines() if line.startswith("data: {")]
     assert "".join(e["choices"][0]["delta"]["content"] for e in events if e["choices"]) \
         == greedy and events[-1]["usage"]["completion_tokens"] > 0
+    # Beam search: one beam is greedy; 5 (the default) transcribe the clip too; streaming,
+    # sampling fields, and beam fields without beams are refused by name.
+    assert text(use_beam_search="true", best_of="1") == greedy
+    assert text(use_beam_search="true", length_penalty="0.5").strip()
+    for fields, name in (({"stream": "true"}, "use_beam_search"),
+                         ({"top_p": "0.5"}, "top_p")):
+        response = post(use_beam_search="true", **fields)
+        assert response.status_code == 400 and name in response.json()["error"]["message"]
+    for field in ("best_of", "length_penalty"):
+        response = post(**{field: "2"})
+        assert response.status_code == 400 and field in response.json()["error"]["message"]
     checked = {"file", "model", "temperature", "seed", "top_p", "top_k", "min_p",
                "repetition_penalty", "frequency_penalty", "presence_penalty",
                "max_completion_tokens", "stream", "stream_include_usage",
                "stream_continuous_usage_stats", "language", "prompt", "response_format",
-               "timestamp_granularities"}
+               "timestamp_granularities", "use_beam_search", "best_of", "length_penalty"}
     assert checked == set(TranscriptionRequest.model_fields)
-    for field in ("use_beam_search", "chunking_strategy", "include[]", "known_speaker_names[]",
+    for field in ("chunking_strategy", "include[]", "known_speaker_names[]",
                   "to_language", "vllm_xargs"):
         response = post(**{field: "true"})
         assert response.status_code == 400 and field in response.json()["error"]["message"]

@@ -96,6 +96,65 @@ class StructuredOutputsParams:
 
 
 @dataclass(slots=True)
+class BeamSearchParams:
+    """Beam search (vLLM's names): keep the `beam_width` best hypotheses by cumulative
+    log-probability, return the `beam_width` best finished ones.
+
+    Ranking follows `transformers`' `generate(num_beams=k, do_sample=False)` with its
+    default `early_stopping=False`: a finished hypothesis scores
+    `cum_logprob / num_generated_tokens ** length_penalty` (its EOS counted), and the search
+    stops once no running beam can beat the worst of `beam_width` finished ones, or at
+    `max_tokens`. The search is deterministic, so `temperature` must be 0 (the only value
+    accepted; vLLM samples one extra candidate per step when it is not).
+    `include_stop_str_in_output` keeps a final EOS token's text in `text`.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"{name} {why}, got {getattr(self, name)!r}.")
+
+        if not isinstance(self.beam_width, int) or not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
+            raise bad("beam_width", f"must be an integer in [1, {MAX_BEAM_WIDTH}]")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise bad("max_tokens", "must be at least 1")
+        if self.temperature != 0:
+            raise bad("temperature", "must be 0 for beam search (it is deterministic here)")
+        if not isinstance(self.length_penalty, int | float) or self.length_penalty != \
+                self.length_penalty:
+            raise bad("length_penalty", "must be a number")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be a bool")
+
+    def sampling_params(self, n: int = 1, **output_fields: Any) -> SamplingParams:
+        """The `SamplingParams` that carry these beams through the engine, returning the `n`
+        best; `output_fields`: logprobs, skip_special_tokens, output_kind, ..."""
+        return SamplingParams(n=n, temperature=0.0, max_tokens=self.max_tokens,
+                              ignore_eos=self.ignore_eos,
+                              include_stop_str_in_output=self.include_stop_str_in_output,
+                              beam_search=self, **output_fields)
+
+    def num_candidates(self, num_stop_ids: int) -> int:
+        """Candidates kept per step (transformers' rule): enough that `beam_width` of them
+        do not end, whichever of the `num_stop_ids` end-of-sequence ids the others chose."""
+        return max(2, 1 + num_stop_ids) * self.beam_width
+
+
+# vLLM's default cap on returned logprobs per token (the processor and the server check it).
+MAX_LOGPROBS = 20
+
+# Beams of one request run as that many sequences; a bound keeps one request's share sane.
+MAX_BEAM_WIDTH = 64
+
+
+@dataclass(slots=True)
 class SamplingParams:
     """How to sample the completion of one prompt.
 
@@ -131,6 +190,10 @@ class SamplingParams:
     # Sample only among these token ids (None: the whole vocabulary); e.g. Whisper's
     # language tokens for language detection.
     allowed_token_ids: list[int] | None = None
+    # Beam search instead of sampling (`LLM.beam_search`, the server's use_beam_search):
+    # the final output holds the n best of beam_search.beam_width beams. Only max_tokens,
+    # n and the output fields of these params apply then (see `_verify_beam_search`).
+    beam_search: BeamSearchParams | None = None
     # Filled in by the processor: the tokenizer's end-of-sequence token and any extra
     # ids that also end generation (e.g. from generation_config.json).
     eos_token_id: int | None = field(default=None, repr=False)
@@ -195,6 +258,40 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(
                 self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", "must be a StructuredOutputsParams")
+        if self.beam_search is not None:
+            self._verify_beam_search()
+
+    def _verify_beam_search(self) -> None:
+        """Beam search ranks raw log-probabilities: refuses what would change them or what
+        sampling alone means, naming the field, rather than ignore it."""
+        beam = self.beam_search
+        if not isinstance(beam, BeamSearchParams):
+            raise ValueError(f"beam_search must be a BeamSearchParams, got {beam!r}.")
+        if self.n > beam.beam_width:
+            raise ValueError(f"n={self.n} cannot exceed beam_search.beam_width="
+                             f"{beam.beam_width}.")
+        defaults = {"presence_penalty": 0.0, "frequency_penalty": 0.0,
+                    "repetition_penalty": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                    "seed": None, "min_tokens": 0, "prompt_logprobs": None,
+                    "return_hidden_states": False, "structured_outputs": None,
+                    "allowed_token_ids": None}
+        for name, default in defaults.items():
+            if getattr(self, name) != default:
+                raise ValueError(f"{name} cannot be combined with beam search, got "
+                                 f"{getattr(self, name)!r}.")
+        if self.temperature != 0:
+            raise ValueError(f"temperature must be 0 with beam search, got {self.temperature}.")
+        if self.max_tokens != beam.max_tokens or self.ignore_eos != beam.ignore_eos:
+            raise ValueError("max_tokens and ignore_eos must equal beam_search's (build these "
+                             "params with BeamSearchParams.sampling_params()).")
+        if self.stop or self.stop_token_ids:
+            raise ValueError("stop / stop_token_ids cannot be combined with beam search.")
+
+    def end_of_sequence_ids(self) -> list[int]:
+        """The ids that end a sequence unless `ignore_eos`: the tokenizer's EOS and the
+        model's other end ids (generation_config.json), as the processor filled them in."""
+        eos = [] if self.eos_token_id is None else [self.eos_token_id]
+        return [*eos, *self.all_stop_token_ids]
 
     def clone(self) -> SamplingParams:
         copy = SamplingParams.__new__(SamplingParams)

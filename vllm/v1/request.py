@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import enum
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Any
 
 import torch
 
@@ -109,6 +111,11 @@ class Request:
         # with every token it accepts (kept across preemptions: the outputs are kept too).
         self.grammar_future: Future[StructuredOutputGrammar] | None = None
         self.grammar: StructuredOutputGrammar | None = None
+        # Beam search: the `BeamGroup` this beam belongs to, and whether the runner must get
+        # this request in full at its next schedule (its tokens changed behind the runner's
+        # back: a beam's chosen token is not the one the runner sampled).
+        self.beam_group: Any = None
+        self.resend_in_full = False
         self.block_hashes: list[bytes] = []
         self._block_hasher = block_hasher
         if block_hasher is not None:
@@ -149,6 +156,18 @@ class Request:
         self._all_token_ids.extend(token_ids)
         if self._block_hasher is not None:
             self.block_hashes.extend(self._block_hasher(self))
+
+    def fork(self, request_id: str) -> Request:
+        """A beam forked from this one: the same tokens, progress and block hashes (its
+        blocks come from `KVCacheManager.fork`); runs under `request_id`."""
+        child = copy.copy(self)
+        child.request_id = request_id
+        child.output_token_ids = list(self.output_token_ids)
+        child._all_token_ids = list(self._all_token_ids)
+        child.block_hashes = list(self.block_hashes)
+        child.num_preemptions = 0
+        child.resend_in_full = True
+        return child
 
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)

@@ -10,7 +10,12 @@ from typing import Any, Literal
 from fastapi import UploadFile
 from pydantic import BaseModel, ConfigDict, Field
 
-from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from vllm.sampling_params import (
+    BeamSearchParams,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 
 class OpenAIBaseModel(BaseModel):
@@ -172,6 +177,34 @@ class SamplingRequest(OpenAIBaseModel):
             structured_outputs=self.structured_outputs_params(),
         )
 
+    def beam_search_params(self, beam_width: int, length_penalty: float, max_tokens: int,
+                           logprobs: int | None) -> SamplingParams:
+        """The params of a beam search (`use_beam_search`) returning the n best of
+        `beam_width` beams. Fields that only sampling means (temperature > 0, top_p,
+        penalties, stop, a seed, ...) are refused by name (ValueError), as is streaming: the
+        beams are known only at the end."""
+        self._check_unhonoured()
+        if self.stream:
+            raise ValueError("use_beam_search cannot be combined with stream=true: the beams "
+                             "are only known when the search ends.")
+        beam = BeamSearchParams(
+            beam_width=beam_width, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
+            temperature=self.temperature or 0.0, length_penalty=length_penalty,
+            include_stop_str_in_output=self.include_stop_str_in_output)
+        return SamplingParams(
+            n=self.n, presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=(1.0 if self.repetition_penalty is None
+                                else self.repetition_penalty),
+            temperature=0.0, top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0, min_p=self.min_p or 0.0, seed=self.seed, stop=self.stop,
+            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+            structured_outputs=self.structured_outputs_params(), beam_search=beam)
+
     def _sampling_fields(self, defaults: Mapping[str, Any]) -> dict[str, Any]:
         """temperature, top_p, top_k, min_p and repetition_penalty: the request's where
         set, else the model's default, else SamplingParams'."""
@@ -241,6 +274,18 @@ class CompletionRequest(SamplingRequest):
     add_special_tokens: bool = True
     # vLLM extension: each choice carries its last hidden states (see CompletionResponseChoice).
     return_hidden_states: bool = False
+    # vLLM extensions: beam search, max(n, best_of) beams, the n best returned.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+
+    def to_beam_search_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """`use_beam_search`: max(n, best_of) beams, the n best returned."""
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of must be at least n={self.n}, got {self.best_of}.")
+        params = self.beam_search_params(max(self.n, self.best_of or self.n),
+                                         self.length_penalty, max_tokens, logprobs)
+        params.prompt_logprobs = self.prompt_logprobs  # refused by the processor, by name
+        return params
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -325,6 +370,9 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     # Only honoured by a server started with --trust-request-chat-template.
     chat_template: str | None = None
+    # vLLM extensions: beam search, n beams returned best first.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
 
 class FunctionCall(OpenAIBaseModel):
@@ -446,9 +494,19 @@ class TranscriptionRequest(OpenAIBaseModel):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     max_completion_tokens: int | None = None
+    # Beam search over each window: best_of beams (default 5, as faster-whisper's and
+    # OpenAI whisper's beam_size), the best one's text returned.
+    use_beam_search: bool = False
+    best_of: int | None = None
+    length_penalty: float = 1.0
 
     def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """Raises ValueError (naming the field) for out-of-range values."""
+        """Raises ValueError (naming the field) for out-of-range values, and for sampling
+        fields given with use_beam_search (or beam fields without it)."""
+        if self.use_beam_search:
+            return self._beam_search_params(max_tokens, logprobs)
+        if self.best_of is not None or self.length_penalty != 1.0:
+            raise ValueError("best_of and length_penalty apply only with use_beam_search=true.")
         return SamplingParams(
             temperature=self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -464,6 +522,23 @@ class TranscriptionRequest(OpenAIBaseModel):
             # Streamed or not, a window's text is read once it is final (serving_transcription).
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
+
+
+    def _beam_search_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        if self.stream:
+            raise ValueError("use_beam_search cannot be combined with stream=true: the beams "
+                             "are only known when the search ends.")
+        sampling_only = {"temperature": self.temperature or None, "seed": self.seed,
+                         "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+                         "repetition_penalty": self.repetition_penalty,
+                         "frequency_penalty": self.frequency_penalty,
+                         "presence_penalty": self.presence_penalty}
+        given = [name for name, value in sampling_only.items() if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} cannot be combined with use_beam_search.")
+        beam = BeamSearchParams(beam_width=5 if self.best_of is None else self.best_of,
+                                max_tokens=max_tokens, length_penalty=self.length_penalty)
+        return beam.sampling_params(logprobs=logprobs, output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 class TranscriptionUsage(OpenAIBaseModel):

@@ -255,6 +255,10 @@ class OpenAIServingChat(OpenAIServing):
         """The request's sampling (unset fields: the model's defaults), with the
         tool-choice schema as its output constraint."""
         try:
+            if request.use_beam_search:
+                return self._beam_search_params(request, max_tokens, num_logprobs)
+            if request.length_penalty != 1.0:
+                raise ValueError("length_penalty applies only with use_beam_search=true.")
             params = request.to_sampling_params(max_tokens, num_logprobs,
                                                 defaults=self.model_config.generation_defaults)
             schema = tool_choice_schema(request)
@@ -268,6 +272,16 @@ class OpenAIServingChat(OpenAIServing):
         except ValueError as e:
             raise OpenAIError(str(e)) from None
         return params
+
+    def _beam_search_params(self, request: ChatCompletionRequest, max_tokens: int | None,
+                            num_logprobs: int | None) -> SamplingParams:
+        """`use_beam_search`: n beams (the completions' best_of has no chat spelling)."""
+        if tool_choice_schema(request) is not None:
+            raise ValueError("use_beam_search cannot be combined with tool_choice \"required\" "
+                             "or a named function (their output constraint).")
+        return request.beam_search_params(request.n, request.length_penalty,
+                                          max_tokens or self.model_config.max_model_len,
+                                          num_logprobs)
 
     @staticmethod
     def _choice(c: CompletionOutput, num_logprobs: int | None, tool_parser: ToolParser | None,

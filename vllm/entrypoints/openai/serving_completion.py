@@ -153,9 +153,13 @@ class OpenAIServingCompletion(OpenAIServing):
         for prompt in prompts:
             self.check_max_tokens(prompt.num_tokens, request.max_tokens)
         try:
-            params = request.to_sampling_params(request.max_tokens, request.logprobs,
-                                                request.prompt_logprobs,
-                                                self.model_config.generation_defaults)
+            if request.use_beam_search:
+                params = request.to_beam_search_params(
+                    request.max_tokens or self.model_config.max_model_len, request.logprobs)
+            else:
+                params = request.to_sampling_params(request.max_tokens, request.logprobs,
+                                                    request.prompt_logprobs,
+                                                    self.model_config.generation_defaults)
         except ValueError as e:
             raise OpenAIError(str(e)) from None
         params.return_hidden_states = request.return_hidden_states
@@ -185,8 +189,12 @@ class OpenAIServingCompletion(OpenAIServing):
             raise OpenAIError("suffix is not supported.")
         if request.logit_bias:
             raise OpenAIError("logit_bias is not supported.")
-        if request.best_of is not None and request.best_of != request.n:
-            raise OpenAIError("best_of is not supported (other than best_of == n).")
+        if not request.use_beam_search:
+            if request.best_of is not None and request.best_of != request.n:
+                raise OpenAIError("best_of is supported only with use_beam_search (beams) "
+                                  "or equal to n.")
+            if request.length_penalty != 1.0:
+                raise OpenAIError("length_penalty applies only with use_beam_search=true.")
         self.check_logprobs(request.logprobs, "logprobs")
 
     # ---- prompts ----------------------------------------------------------------------

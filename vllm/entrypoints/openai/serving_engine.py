@@ -17,9 +17,8 @@ from vllm.entrypoints.openai.protocol import (
 from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestOutput
 from vllm.pipeline.async_pipeline import AsyncPipeline
-from vllm.sampling_params import SamplingParams
+from vllm.sampling_params import MAX_LOGPROBS, SamplingParams
 from vllm.v1.engine.async_llm import AsyncLLM, RequestStream
-from vllm.v1.engine.processor import MAX_LOGPROBS
 
 if TYPE_CHECKING:
     from vllm.entrypoints.openai.serving_models import ServedLoRAs

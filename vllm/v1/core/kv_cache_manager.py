@@ -224,6 +224,38 @@ class KVCacheManager:
         self.block_pool.free_blocks(self.req_to_cross_blocks.pop(request.request_id, []))
         self.num_cached_blocks.pop(request.request_id, None)
 
+    def fork(self, parent: Request, child: Request) -> list[tuple[int, int]] | None:
+        """Gives `child` (a beam forked from `parent`, the same tokens, as many computed)
+        the parent's blocks: full blocks shared (one more reference each), the partly
+        filled last block of each group copied into a new block, cross blocks shared.
+
+        Example (block size 4, parent computed 10 tokens in blocks [5, 6, 7]): the child
+        holds [5, 6, 9] with 5 and 6 referenced twice, and (7, 9) is to be copied.
+
+        Returns:
+            (source, destination) block ids the runner copies before the next forward; None
+            (nothing changed) if the parent holds no blocks or the pool has no free block
+            for the copies: the child then starts from scratch (prefix hits still apply).
+        """
+        held = self.req_to_blocks.get(parent.request_id)
+        if not held:
+            return None
+        num_full = parent.num_computed_tokens // self.block_size * self.num_groups
+        shared, partial = held[:num_full], [b for b in held[num_full:] if not b.is_null]
+        if len(partial) > self.block_pool.get_num_free_blocks():
+            return None
+        self.block_pool.touch(shared)
+        copies = self.block_pool.get_new_blocks(len(partial))
+        self.req_to_blocks[child.request_id] = [*shared, *copies]
+        cross = self.req_to_cross_blocks.get(parent.request_id)
+        if cross is not None:
+            self.block_pool.touch(cross)
+            self.req_to_cross_blocks[child.request_id] = list(cross)
+        if parent.request_id in self.num_cached_blocks:
+            self.num_cached_blocks[child.request_id] = min(
+                self.num_cached_blocks[parent.request_id], num_full // self.num_groups)
+        return [(src.block_id, dst.block_id) for src, dst in zip(partial, copies)]
+
     def uncache_uncomputed(self, request: Request, num_computed_before: int,
                            encoder_ran: bool) -> None:
         """After a failed step: blocks that step was to fill (from position

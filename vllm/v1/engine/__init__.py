@@ -125,6 +125,20 @@ class EngineCoreRequest:
 
 
 @dataclass(slots=True)
+class BeamHypothesis:
+    """One finished beam of a beam-search request: its generated tokens and, per token,
+    the candidates its beam ranked at that step (row i: [chosen, top candidates...] with
+    their log-probabilities; `ranks[i]`: the chosen token's rank)."""
+
+    token_ids: list[int]
+    cum_logprob: float
+    score: float  # cum_logprob / len(token_ids) ** length_penalty
+    finish_reason: FinishReason
+    stop_reason: int | None
+    logprobs: LogprobsLists
+
+
+@dataclass(slots=True)
 class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
@@ -135,6 +149,8 @@ class EngineCoreOutput:
     # On the final output of a request that asked for them (return_hidden_states):
     # [num_tokens - 1, hidden_size], model dtype; crosses the process boundary as a raw frame.
     hidden_states: torch.Tensor | None = None
+    # On the final output of a beam-search request: its finished beams, best first.
+    beams: list[BeamHypothesis] | None = None
 
     @property
     def finished(self) -> bool:

@@ -29,8 +29,9 @@ def fan_out(request: EngineCoreRequest, n: int, output_kind: RequestOutputKind
             ) -> tuple[ParentRequest | None, list[EngineCoreRequest]]:
     """The engine-core requests for one user request: the request itself when n == 1,
     else n children (ids `{index}_{request_id}`, distinct seeds) under a `ParentRequest`.
-    Children share the prompt (embeds included) rather than copying it."""
-    if n == 1:
+    Children share the prompt (embeds included) rather than copying it. A beam-search
+    request is never split: its one request returns its n best beams."""
+    if n == 1 or request.sampling_params.beam_search is not None:
         return None, [request]
     parent = ParentRequest(request.request_id, n, output_kind)
     children = [dataclasses.replace(request, request_id=f"{index}_{request.request_id}",

@@ -9,7 +9,7 @@ import torch
 
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
-from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from vllm.v1.engine import BeamHypothesis, EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.engine.detokenizer import IncrementalDetokenizer
 from vllm.v1.outputs import Logprob, LogprobsLists
 
@@ -132,7 +132,10 @@ class OutputProcessor:
             state = self.request_states.get(out.request_id)
             if state is None:
                 continue  # aborted meanwhile
-            if state.awaiting_rows is not None:
+            if out.beams is not None:
+                self._forget_finished(state)
+                request_output = self._beam_output(state, out.beams, out.num_cached_tokens)
+            elif state.awaiting_rows is not None:
                 request_output = self._finish_with_rows(state, out, state.awaiting_rows)
             else:
                 request_output = self._process_output(state, out, reqs_to_stop)
@@ -174,6 +177,36 @@ class OutputProcessor:
         if rows is not None:
             rows = rows[:state.num_prompt_tokens + len(state.detokenizer.token_ids) - 1]
         return self._make_request_output(state, *awaiting_rows, rows)
+
+    def _beam_output(self, state: RequestState, beams: list[BeamHypothesis],
+                     num_cached_tokens: int) -> RequestOutput:
+        """A beam-search request's one output: its n best beams as completions, best first
+        (`cumulative_logprob` is the beam's; with `logprobs`, each token's dict holds the
+        chosen token and up to `logprobs` of the candidates its beam ranked)."""
+        params = state.params
+        k = params.logprobs
+        detok = state.detokenizer
+        completions = []
+        for index, beam in enumerate(beams[:params.n]):
+            tokens = beam.token_ids
+            if beam.finish_reason == FinishReason.STOP and not params.include_stop_str_in_output:
+                tokens = tokens[:-1]  # the end-of-sequence token's text is left out
+            text = ("" if self.tokenizer is None else self.tokenizer.decode(
+                tokens, skip_special_tokens=params.skip_special_tokens))
+            logprobs = None
+            if k is not None:
+                logprobs = []
+                for ids, values, rank in zip(*beam.logprobs):
+                    entry = {ids[0]: Logprob(values[0], rank, detok.decode_token(ids[0]))}
+                    for r, (tid, value) in enumerate(zip(ids[1:k + 1], values[1:k + 1]), 1):
+                        entry.setdefault(tid, Logprob(value, r, detok.decode_token(tid)))
+                    logprobs.append(entry)
+            completions.append(CompletionOutput(
+                index=index, text=text, token_ids=list(beam.token_ids),
+                cumulative_logprob=beam.cum_logprob, logprobs=logprobs,
+                finish_reason=str(beam.finish_reason), stop_reason=beam.stop_reason))
+        state.num_cached_tokens = num_cached_tokens
+        return self._request_output(state, completions, True)
 
     def _forget_finished(self, state: RequestState) -> None:
         del self.request_states[state.request_id]

@@ -20,13 +20,11 @@ from vllm.inputs.encoder_decoder import (
 )
 from vllm.inputs.parse import ParsedPrompt, parse_prompt, validate_prompt_embeds
 from vllm.lora.request import LoRARequest
-from vllm.sampling_params import SamplingParams
+from vllm.sampling_params import MAX_LOGPROBS, SamplingParams
 from vllm.v1.engine import EncoderInput, EngineCoreRequest
 from vllm.v1.request import EMBEDS_PLACEHOLDER_TOKEN_ID
 from vllm.v1.structured_output.manager import GrammarCompiler
 
-# vLLM's default cap on returned logprobs per token.
-MAX_LOGPROBS = 20
 # Samples per prompt; each one is a request of its own in the engine core.
 MAX_N = 128
 MAX_CACHE_SALT_CHARS = 1024

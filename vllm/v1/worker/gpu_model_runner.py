@@ -89,6 +89,20 @@ def compute_step_indices(num_scheduled: np.ndarray, num_computed: np.ndarray,
     return StepIndices(req_indices, positions, token_indices, query_start_loc, seq_lens)
 
 
+def copy_kv_blocks(kv_caches: list[torch.Tensor], block_dim: int,
+                   pairs: list[tuple[int, int]]) -> None:
+    """Copies whole KV blocks `src -> dst` in every layer's cache (beam search forks: a
+    beam's copy of its parent's partly filled last block). Layers sharing one tensor (KV
+    cache groups) are copied once."""
+    if not pairs:
+        return
+    device = kv_caches[0].device
+    src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=device)
+    dst = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=device)
+    for cache in {id(c): c for c in kv_caches}.values():
+        cache.index_copy_(block_dim, dst, cache.index_select(block_dim, src))
+
+
 class ModelInputs(NamedTuple):
     input_ids: torch.Tensor | None  # [num_tokens] int64; None when embeds are given
     inputs_embeds: torch.Tensor | None  # [num_tokens, hidden_size]
@@ -137,6 +151,7 @@ class GPUModelRunner:
         self.sampling_inputs = SamplingInputsBuilder(self.input_batch, device,
                                                      self.max_model_len)
         self.kv_caches: list[torch.Tensor] = []
+        self._kv_block_dim = 0  # the dimension of a KV cache tensor that block ids index
         self.stage_outputs = StageOutputCache(0, self.block_size, {})
         self.model: VllmModel | None = None
         self.encoder_runner: EncoderRunner | None = None
@@ -205,6 +220,9 @@ class GPUModelRunner:
         slots = layer_slots(self.kv_cache_groups) if len(self.kv_cache_groups) > 1 else {}
         self.kv_caches = [tensors[slots[layer][1] if slots else layer]
                           for layer in range(model_config.num_layers)]
+        bigger = self.attn_backend.get_kv_cache_shape(
+            num_blocks + 1, self.block_size, self.num_kv_heads, model_config.head_dim)
+        self._kv_block_dim = next(d for d, (a, b) in enumerate(zip(shape, bigger)) if a != b)
         self.stage_outputs = StageOutputCache(num_blocks, self.block_size,
                                               self.stage_output_specs())
 
@@ -239,6 +257,7 @@ class GPUModelRunner:
         else:
             self.graphs = CompiledGraphs(model, sizes, model_config.enable_prompt_embeds,
                                          model_config.hidden_size, self.dtype, self.device,
+                                         scheduler_config.max_num_batched_tokens,
                                          self._lora_state())
             with torch.inference_mode():
                 self.graphs.capture(self._dummy_step)
@@ -263,6 +282,7 @@ class GPUModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
+        copy_kv_blocks(self.kv_caches, self._kv_block_dim, scheduler_output.blocks_to_copy)
         finished_rows = self.stage_outputs.gather_finished(scheduler_output.rows_to_gather)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], {}, [], hidden_states=finished_rows)

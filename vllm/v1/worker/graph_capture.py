@@ -7,7 +7,7 @@ embedding lookup is inside the graph) even when prompt embeds are enabled, so to
 traffic never pays for embeds; a step with any embeds rows replays the embeds set. Steps
 larger than the largest size run eagerly on CUDA; on CPU they run one more graph of each
 set, compiled once for any token count past `ANY_MIN_TOKENS` and the largest size (size
-`ANY`), unpadded.
+`ANY`), unpadded; it is not compiled when the token budget allows no such step.
 
     sizes [1, 2, 4, 8]:  n=3 -> replay size 4 (one padded token), n=8 -> size 8,
                          n=9 -> size ANY on CPU (9 rows), eager on CUDA
@@ -118,7 +118,7 @@ class CompiledGraphs:
 
     def __init__(self, model: GraphModel, sizes: list[int], with_embeds: bool,
                  hidden_size: int, dtype: torch.dtype, device: torch.device,
-                 lora_state: LoRAState | None = None) -> None:
+                 max_num_tokens: int, lora_state: LoRAState | None = None) -> None:
         self.model = model
         # With LoRA, every (set, size) is compiled twice: with the adapters' product (its
         # row indices a graph input: any mix of adapters) and without, for steps that have
@@ -129,6 +129,9 @@ class CompiledGraphs:
         self.kinds = (IDS, EMBEDS) if with_embeds else (IDS,)
         self.max_size = self.sizes[-1]
         self.any_min = max(self.max_size, ANY_MIN_TOKENS)  # ANY takes steps of more tokens
+        # A step holds at most `max_num_tokens` (the token budget): with a budget of 8 and
+        # sizes [4], steps of 5-8 tokens run eagerly and no step would ever replay ANY.
+        self.any_sizes = [ANY] if max_num_tokens > self.any_min else []
         self.positions = torch.zeros(self.max_size, dtype=torch.int64, device=device)
         # Each set's input buffer: ids, or embeds rows.
         self.inputs = {IDS: torch.zeros(self.max_size, dtype=torch.int64, device=device)}
@@ -146,7 +149,7 @@ class CompiledGraphs:
         self._pieces: dict[tuple[str, int, bool], tuple[Callable, Callable, Callable]] = {}
         for kind in self.kinds:
             prepare = _prepare_ids if kind == IDS else _prepare_embeds
-            for size in self.sizes + [ANY]:
+            for size in self.sizes + self.any_sizes:
                 compile_ = functools.partial(torch.compile, dynamic=size == ANY,
                                              fullgraph=True)
                 for lora in self.lora_variants:
@@ -168,16 +171,19 @@ class CompiledGraphs:
             self._capture_variant(run_dummy_step)
         if self.lora_state is not None:
             self.lora_state.active = False
-        logger.info("Captured %d graph sets (%s%s) for sizes %s and any larger size in %.1f s.",
+        logger.info("Captured %d graph sets (%s%s) for sizes %s%s in %.1f s.",
                     len(self.captured), " and ".join(self.kinds),
                     ", with and without LoRA" if self.lora_state is not None else "",
-                    self.sizes, time.perf_counter() - start)
+                    self.sizes, " and any larger size" if self.any_sizes else "",
+                    time.perf_counter() - start)
 
     def _capture_variant(self, run_dummy_step: Callable) -> None:
         for kind in self.kinds:
             for size in reversed(self.sizes):
                 run_dummy_step(size, functools.partial(self._forward, kind, size))
                 self.captured.add((kind, size))
+            if not self.any_sizes:
+                continue
             # Any larger size: compiled through a step of any_min + 1 tokens (the inputs
             # are fresh tensors, not the padded buffers).
             n = self.any_min + 1

@@ -106,9 +106,7 @@ class SamplingInputsBuilder:
             params = state.sampling_params
             blocked = list(params.stop_token_ids or ())  # a list once constructed
             if not params.ignore_eos:
-                blocked += params.all_stop_token_ids
-                if params.eos_token_id is not None:
-                    blocked.append(params.eos_token_id)
+                blocked += params.end_of_sequence_ids()
             if blocked:
                 blocked_rows[i] = blocked
         return blocked_rows

@@ -93,3 +93,6 @@ class SchedulerOutput:
     # token t), one row each: [len(structured_output_request_ids), ceil(vocab / 32)] int32.
     structured_output_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: torch.Tensor | None = None
+    # Beam search: (source, destination) KV blocks to copy before this step's forward (a
+    # forked beam's copy of its parent's partly filled last block).
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, wait
@@ -10,9 +11,11 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm.config import CacheConfig, SchedulerConfig
+from vllm.sampling_params import SamplingParams
 from vllm.v1.core.kv_cache_groups import KVCacheGroupSpec
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import make_block_hasher
+from vllm.v1.core.sched.beam_search import Beam, BeamGroup, Child, extend_history
 from vllm.v1.core.sched.output import (
     CachedRequestData,
     NewRequestData,
@@ -140,12 +143,20 @@ class Scheduler:
         # wait (WAITING_FOR_GRAMMAR); a grammar that fails ends only its request.
         self.structured_output_manager = structured_output_manager
         self.grammar_failures: list[EngineCoreOutput] = []  # sent with the next outputs
+        # Beam search: groups by their request's id (each beam is a request of its own), and
+        # the block copies that forked beams wait for, sent with the next step.
+        self.beam_groups: dict[str, BeamGroup] = {}
+        self.block_copies: list[tuple[int, int]] = []
 
     # ---- requests in and out -------------------------------------------------------
 
     def add_request(self, engine_request: EngineCoreRequest) -> None:
-        if engine_request.request_id in self.requests:
+        if (engine_request.request_id in self.requests
+                or engine_request.request_id in self.beam_groups):
             raise ValueError(f"Request id {engine_request.request_id!r} is already running.")
+        if engine_request.sampling_params.beam_search is not None:
+            self._add_beam_group(engine_request)
+            return
         request = Request.from_engine_core_request(engine_request, self.max_model_len,
                                                    self.block_hasher)
         constraint = request.sampling_params.structured_outputs
@@ -160,8 +171,13 @@ class Scheduler:
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
         """Ends requests from outside: an abort, or a stop string the front end matched
         (FINISHED_STOPPED; a request that asked for its hidden states still returns them).
-        Unknown ids are ignored."""
+        A beam-search request ends with all its beams. Unknown ids are ignored."""
         for req_id in request_ids:
+            group = self.beam_groups.pop(req_id, None)
+            if group is not None:
+                for beam in group.beams:
+                    self._drop_beam(beam.request)
+                continue
             request = self.requests.get(req_id)
             if request is None:
                 continue
@@ -214,6 +230,114 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    # ---- beam search ----------------------------------------------------------------
+
+    def _add_beam_group(self, engine_request: EngineCoreRequest) -> None:
+        """A beam-search request: its root beam (`{id}#0`) runs the prompt, sampling
+        greedily with its top candidates' log-probabilities; the group does the rest."""
+        params = engine_request.sampling_params
+        beam_params = params.beam_search
+        assert beam_params is not None
+        group = BeamGroup(engine_request.request_id, beam_params,
+                          set(params.end_of_sequence_ids()), 0)
+        row_params = SamplingParams(temperature=0.0, max_tokens=beam_params.max_tokens,
+                                    ignore_eos=True, logprobs=group.num_keep)
+        root = Request.from_engine_core_request(
+            dataclasses.replace(engine_request, request_id=group.next_beam_id(),
+                                sampling_params=row_params),
+            self.max_model_len, self.block_hasher)
+        root.beam_group = group
+        group.max_tokens = root.max_tokens
+        group.beams.append(Beam(root))
+        self.beam_groups[group.request_id] = group
+        self.requests[root.request_id] = root
+        self.waiting.append(root)
+
+    def _beam_sampled(self, request: Request, logprobs: LogprobsLists,
+                      outputs: list[EngineCoreOutput]) -> None:
+        """A beam's candidates are in; once its group has them all, the group moves on:
+        beams continue (their chosen token appended), fork or are dropped, or the group
+        finishes with its best hypotheses."""
+        group: BeamGroup = request.beam_group
+        if request.num_computed_tokens < request.num_tokens:
+            return  # it got its next token after this step was scheduled: a stale result
+        if not group.record(request, logprobs):
+            return
+        children = group.advance()
+        if group.done:
+            del self.beam_groups[group.request_id]
+            for beam in group.beams:
+                self._drop_beam(beam.request)
+            best = group.finished[0]
+            outputs.append(EngineCoreOutput(
+                group.request_id, [], finish_reason=best.finish_reason,
+                stop_reason=best.stop_reason,
+                num_cached_tokens=group.beams[0].request.num_cached_tokens or 0,
+                beams=group.finished))
+            return
+        group.beams = self._apply_children(group, children)
+
+    def _apply_children(self, group: BeamGroup, children: list[Child]) -> list[Beam]:
+        """The next step's beams: a parent's first child continues in the parent's request,
+        its other children fork (before the parent grows), parents without children go."""
+        beams, continued = [], set()
+        for parent, candidate in children:
+            if id(parent) in continued:
+                beams.append(Beam(self._fork_beam(group, parent.request)))
+            else:
+                continued.add(id(parent))
+                beams.append(Beam(parent.request))
+            beam = beams[-1]
+            beam.token_rows, beam.logprob_rows, beam.ranks = extend_history(parent, candidate)
+            beam.cum_logprob = candidate.cum_logprob
+        for parent in group.beams:
+            if id(parent) not in continued:
+                self._drop_beam(parent.request)
+        for beam, (_, candidate) in zip(beams, children):
+            beam.request.append_output_token_ids([candidate.token_id])
+            beam.request.resend_in_full = True
+        return beams
+
+    def _fork_beam(self, group: BeamGroup, parent: Request) -> Request:
+        child = parent.fork(group.next_beam_id())
+        copies = self.kv_cache_manager.fork(parent, child)
+        self.requests[child.request_id] = child
+        if copies is not None:
+            self.block_copies += copies
+            if parent.status == RequestStatus.RUNNING:
+                self.running.append(child)
+                return child
+        child.num_computed_tokens = 0
+        child.status = RequestStatus.WAITING
+        self.waiting.appendleft(child)
+        return child
+
+    def _preempt_parked_beam(self, step: _Step) -> bool:
+        """When nothing could be scheduled because beams that wait for the rest of their
+        group hold the blocks a waiting request needs, preempts the newest of them (its
+        candidates are kept: it is recomputed only once its group moves on)."""
+        if not any(r.status != RequestStatus.WAITING_FOR_GRAMMAR and not _is_parked(r)
+                   for r in self.waiting):
+            return False
+        victim = next((r for r in reversed(self.running) if _is_parked(r)), None)
+        if victim is None:
+            return False
+        self.running.remove(victim)
+        self._preempt(victim)
+        step.preempted.append(victim)
+        return True
+
+    def _drop_beam(self, request: Request) -> None:
+        """A beam that ends (not chosen, its group done or aborted): it leaves the queues and
+        gives its blocks back; the runner forgets it."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED_ABORTED
+        self._release(request)
+        self.finished_req_ids.append(request.request_id)
+
     def has_finished_requests(self) -> bool:
         """Finished ids not yet delivered to the runner (it frees their state then), or
         finished requests whose rows it has yet to read."""
@@ -246,6 +370,8 @@ class Scheduler:
         self._schedule_running(step, kind)
         if not step.preempted:
             self._schedule_waiting(step, kind)
+        while not step.num_scheduled and self._preempt_parked_beam(step):
+            self._schedule_waiting(step, kind)
         if step.only is not None and not step.num_scheduled:
             # The suspect waits for blocks that running requests hold: let them progress.
             step.only = None
@@ -262,7 +388,8 @@ class Scheduler:
     def _schedule_running(self, step: _Step, kind: bool | None) -> None:
         """Running requests, oldest first; a request short of blocks preempts the newest."""
         index = 0
-        while index < len(self.running) and step.budget > 0:
+        while (index < len(self.running) and step.budget > 0
+               and len(step.num_scheduled) < self.config.max_num_seqs):
             request = self.running[index]
             num_new = self._num_new_tokens(request, step.budget)
             if ((kind is not None and request.is_token_prompt != kind) or num_new == 0
@@ -276,7 +403,11 @@ class Scheduler:
                 step.preempted.append(victim)
                 if victim is request:
                     return
-            step.cached_reqs.append(request)
+            if request.resend_in_full:  # a beam whose tokens the runner does not know
+                request.resend_in_full = False
+                step.new_reqs.append(request)
+            else:
+                step.cached_reqs.append(request)
             step.new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
             step.num_scheduled[request.request_id] = num_new
             step.budget -= num_new
@@ -285,9 +416,13 @@ class Scheduler:
     def _schedule_waiting(self, step: _Step, kind: bool | None) -> None:
         skipped: list[Request] = []
         loras = _LoRASlots(self.config.max_loras, self.running)
-        while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # Beams waiting for their group's other beams hold no batch row.
+        num_parked = sum(map(_is_parked, self.running))
+        while (self.waiting and step.budget > 0
+               and len(self.running) - num_parked < self.config.max_num_seqs
+               and len(step.num_scheduled) < self.config.max_num_seqs):
             request = self.waiting[0]
-            if (request.status == RequestStatus.WAITING_FOR_GRAMMAR
+            if (request.status == RequestStatus.WAITING_FOR_GRAMMAR or _is_parked(request)
                     or (kind is not None and request.is_token_prompt != kind)
                     or (step.only is not None and request.request_id != step.only)
                     or not loras.admits(request)):
@@ -313,6 +448,7 @@ class Scheduler:
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_hit
             request.num_computed_tokens = num_hit
+            request.resend_in_full = False
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             loras.add(request)
@@ -349,6 +485,7 @@ class Scheduler:
                              self.requests[req_id].num_tokens - 1)
                 for req_id in self.held_for_rows]
         grammar_ids, bitmask = self._grammar_bitmask(step)
+        copies, self.block_copies = self.block_copies, []
         return SchedulerOutput(
             scheduled_new_reqs=new_data,
             scheduled_cached_reqs=cached,
@@ -360,6 +497,7 @@ class Scheduler:
             rows_to_gather=rows,
             structured_output_request_ids=grammar_ids,
             grammar_bitmask=bitmask,
+            blocks_to_copy=copies,
         )
 
     # ---- structured outputs ---------------------------------------------------------
@@ -432,6 +570,11 @@ class Scheduler:
                 continue  # a prefill chunk that did not reach the end of the prompt
             if req_id in self.suspects:
                 self.suspects.remove(req_id)  # it ran alone to a sampled token: cleared
+            if request.beam_group is not None:
+                candidates = _row(logprobs, index)
+                assert candidates is not None  # beam rows always ask for their candidates
+                self._beam_sampled(request, candidates, outputs)
+                continue
             request.append_output_token_ids(new_token_ids)
             if request.grammar is not None and not request.grammar.accept_tokens(new_token_ids):
                 logger.warning("Request %s: its grammar rejected sampled token(s) %s.",
@@ -501,6 +644,10 @@ class Scheduler:
             raise EngineStepError(f"{self.lone_failures} requests in a row failed alone.")
         if request.request_id in self.suspects:
             self.suspects.remove(request.request_id)
+        group: BeamGroup | None = request.beam_group
+        if group is not None:  # a failing beam fails its whole request
+            self.finish_requests([group.request_id], RequestStatus.FINISHED_ERROR)
+            return EngineCoreOutput(group.request_id, [], finish_reason=FinishReason.ERROR)
         self.running.remove(request)
         request.status = RequestStatus.FINISHED_ERROR
         self._release(request)
@@ -543,11 +690,9 @@ class Scheduler:
         params = request.sampling_params
         if request.num_output_tokens < params.min_tokens:
             return False
-        if not params.ignore_eos and (token == request.eos_token_id
-                                      or token in params.all_stop_token_ids):
-            # EOS, or another end-of-sequence id of the model (generation_config.json).
+        if not params.ignore_eos and token in params.end_of_sequence_ids():
             request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = None if token == request.eos_token_id else token
+            request.stop_reason = None if token == params.eos_token_id else token
             return True
         if token in (params.stop_token_ids or ()):  # a list once constructed
             request.status = RequestStatus.FINISHED_STOPPED
@@ -565,6 +710,12 @@ class Scheduler:
             prefix_cache_hits=prefix.hits,
             num_preemptions=self.num_preemptions,
         )
+
+
+def _is_parked(request: Request) -> bool:
+    """A beam that has reported its candidates and waits for its group's other beams."""
+    group = request.beam_group
+    return group is not None and group.has_reported(request)
 
 
 def _wants_rows(request: Request) -> bool:
