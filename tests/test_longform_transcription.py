@@ -28,6 +28,7 @@ from vllm.entrypoints.longform import (
     LongSegment,
     WindowDecoder,
     decode_async,
+    decode_in_order,
     make_setup,
     plan_windows,
     transcribe_offline,
@@ -335,3 +336,54 @@ def test_decode_async_batches_windows_and_raises_the_first_error() -> None:
 
     with pytest.raises(ValueError, match="bad window"):
         asyncio.run(decode_async([_decoder(5.0), _decoder(5.0)], failing))
+
+
+def test_decode_in_order_hands_windows_back_in_order_and_fails_at_once() -> None:
+    """What a stream relies on: a later window that finishes first waits for the earlier
+    one; a window that fails ends the decode at once and cancels the ones still running."""
+    import asyncio
+    import contextlib
+
+    def seconds_of(requests) -> float:
+        audio, _ = requests[0][0]["encoder_prompt"]["multi_modal_data"]["audio"]
+        return audio.shape[0] / RATE
+
+    async def in_order() -> tuple[list[float], list[WindowDecoder], list[WindowDecoder]]:
+        release, finished = asyncio.Event(), []
+
+        async def generate(requests):
+            seconds = seconds_of(requests)
+            if seconds == 6.0:  # the first window waits until the second is done
+                await release.wait()
+            finished.append(seconds)
+            release.set()
+            return [_output([0, _ts(4.9), TOKENS.end_of_text]), _probe(0.01)]
+
+        decoders = [_decoder(6.0), _decoder(5.0)]
+        async with contextlib.aclosing(decode_in_order(decoders, generate)) as windows:
+            return finished, [d async for d in windows], decoders
+
+    finished, yielded, decoders = asyncio.run(in_order())
+    assert finished == [5.0, 6.0] and yielded == decoders and all(d.done for d in decoders)
+
+    async def failing() -> list[str]:
+        events = []
+
+        async def generate(requests):
+            if seconds_of(requests) == 6.0:
+                try:
+                    await asyncio.Event().wait()  # never finishes on its own
+                except asyncio.CancelledError:
+                    events.append("first window cancelled")
+                    raise
+            raise ValueError("bad window")
+
+        decoders = [_decoder(6.0), _decoder(5.0)]
+        with pytest.raises(ValueError, match="bad window"):
+            async with contextlib.aclosing(decode_in_order(decoders, generate)) as windows:
+                async for _ in windows:
+                    events.append("a window was handed back")
+        return events
+
+    assert asyncio.run(failing()) == ["first window cancelled"]
+

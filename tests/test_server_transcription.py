@@ -20,14 +20,22 @@ import openai
 import pytest
 import soundfile
 
+from tests.longform_audio import SENTENCES, recording
 from tests.model_factory import make_tiny_whisper
 from tests.server_utils import RemoteServer, scrape_metrics
 from tests.wer import normalize_words
 from vllm import LLM, SamplingParams
 from vllm.entrypoints import cli
-from vllm.entrypoints.openai.serving_transcription import decode_upload
-from vllm.inputs.audio_file import split_windows
-from vllm.inputs.whisper import join_texts, language_name, language_token_ids, window_prompt
+from vllm.entrypoints.longform import (
+    EngineRequest,
+    WindowDecoder,
+    collect,
+    decode_rounds,
+    make_setup,
+    plan_windows,
+)
+from vllm.inputs.audio_file import decode_audio_file
+from vllm.inputs.whisper import decoder_prompt, join_texts, language_name, language_token_ids
 from vllm.transformers_utils.default_model import default_whisper_model_path
 
 DATA = Path(__file__).parent / "data"
@@ -73,15 +81,35 @@ def wav_bytes(samples: np.ndarray, rate: int = RATE) -> bytes:
     return buffer.getvalue()
 
 
+def offline_long_form(offline: LLM, audios: list[np.ndarray]) -> tuple[list[str], int, int]:
+    """What the long-form pipeline gives on `vllm.LLM` for each audio (greedy, as the server
+    by default), in one batch per round; and the prompt and completion tokens of all its
+    engine requests (attempts and no-speech probes)."""
+    tokenizer = offline.get_tokenizer()
+    config = offline.llm_engine.vllm_config.model_config
+    prompt_ids = decoder_prompt(tokenizer, config.hf_config, language=None, task="transcribe",
+                                previous_text_ids=[], timestamps=True,
+                                max_model_len=config.max_model_len)
+    setup = make_setup(tokenizer, prompt_ids, SamplingParams(temperature=0, max_tokens=224))
+    decoders = [[WindowDecoder(samples, w, setup) for w in plan_windows(samples)]
+                for samples in audios]
+    used = [0, 0]
+
+    def generate(requests: list[EngineRequest]):
+        outputs = offline.generate([p for p, _ in requests], [sp for _, sp in requests],
+                                   use_tqdm=False)
+        used[0] += sum(len(o.prompt_token_ids or []) for o in outputs)
+        used[1] += sum(len(o.outputs[0].token_ids) for o in outputs)
+        return outputs
+
+    decode_rounds([d for file in decoders for d in file], generate)
+    texts = [join_texts([tokenizer.decode(s.token_ids) for s in collect(file)])
+             for file in decoders]
+    return texts, used[0], used[1]
+
+
 def offline_texts(offline: LLM, audios: list[np.ndarray]) -> list[str]:
-    """What `vllm.LLM` gives for each window of each audio, joined per audio (one window:
-    the plain offline transcription), in one batch."""
-    windows = [split_windows(samples) for samples in audios]
-    prompts = [{"prompt": "", "multi_modal_data": {"audio": (samples[w.start:w.end], RATE)}}
-               for samples, ws in zip(audios, windows) for w in ws]
-    outputs = iter(offline.generate(prompts, SamplingParams(temperature=0, max_tokens=224),
-                                    use_tqdm=False))
-    return [join_texts([next(outputs).outputs[0].text for _ in ws]) for ws in windows]
+    return offline_long_form(offline, audios)[0]
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +122,12 @@ def long_audio(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     path = tmp_path_factory.mktemp("audio") / "long.wav"
     path.write_bytes(wav_bytes(samples))
     return path, " ".join(CLIPS[name] for name in names)
+
+
+@pytest.fixture(scope="module")
+def long_expected(offline: LLM, long_audio: tuple[Path, str]) -> str:
+    """The offline long-form text of `long_audio` (computed once: two tests need it)."""
+    return offline_texts(offline, [read_clip(long_audio[0])])[0]
 
 
 def transcribe(client: openai.OpenAI, data: bytes | Path, **kwargs):
@@ -132,15 +166,16 @@ def test_formats_agree(client: openai.OpenAI, offline: LLM) -> None:
     assert 0.0 == verbose.segments[0].start < verbose.segments[0].end <= verbose.duration
     stream = transcribe(client, DATA / name, stream=True)
     chunks = [c.choices[0]["delta"]["content"] for c in stream if c.choices]
-    assert len(chunks) > 2 and "".join(chunks) == expected
+    # One delta per segment (sent once its window is final), then the done event's "".
+    assert len(chunks) == len(verbose.segments) + 1 and "".join(chunks) == expected
 
 
-def test_long_audio_is_split_and_joined(client: openai.OpenAI, offline: LLM,
-                                        long_audio: tuple[Path, str]) -> None:
+def test_long_audio_is_split_and_joined(client: openai.OpenAI, long_audio: tuple[Path, str],
+                                        long_expected: str) -> None:
     path, sentences = long_audio
     samples = read_clip(path)
-    assert len(split_windows(samples)) == 2
-    expected = offline_texts(offline, [samples])[0]
+    assert len(plan_windows(samples)) == 1  # its 1 s silences left out: 22 s of speech
+    expected = long_expected
     assert normalize_words(expected) == normalize_words(sentences)
     assert transcribe(client, path).text == expected
     stream = transcribe(client, path, stream=True, extra_body={"stream_include_usage": True})
@@ -151,9 +186,42 @@ def test_long_audio_is_split_and_joined(client: openai.OpenAI, offline: LLM,
     assert normalize_words(verbose.text) == normalize_words(sentences)
     assert verbose.duration == pytest.approx(len(samples) / RATE)
     starts = [s.start for s in verbose.segments]
-    # Segments come from timestamp tokens, in the file's clock, across both 30 s windows.
+    # Segments come from timestamp tokens, in the file's clock (the window's pieces mapped).
     assert starts == sorted(starts) and 0.0 <= starts[0] < 1.0
     assert 25.0 < verbose.segments[-1].end <= verbose.duration + 1e-6
+
+
+def test_stream_equals_long_form_across_long_pauses(server: RemoteServer, offline: LLM
+                                                    ) -> None:
+    """A recording with a 12 s and a 5 s pause (three speech windows; the issue's lost
+    speech came after such a pause): the stream sends each window's text in order and ends
+    with exactly the non-streamed text, which is the offline long-form text; its usage counts
+    every engine request (attempts and no-speech probes), as offline."""
+    speech = recording([SENTENCES[i] for i in (3, 11, 16, 24, 7)], [0.6, 12.0, 0.5, 5.0, 0.5])
+    assert len(plan_windows(speech.samples)) == 3
+    data = wav_bytes(speech.samples)
+    [expected], prompt_tokens, completion_tokens = offline_long_form(
+        offline, [decode_audio_file(data, MAX_SECONDS)])
+    heard = normalize_words(expected)
+    assert all(normalize_words(s)[-1] in heard for s in speech.sentences)  # nothing lost
+
+    def post(**fields) -> httpx.Response:
+        response = httpx.post(f"{server.url}/v1/audio/transcriptions", timeout=120,
+                              headers={"Authorization": f"Bearer {API_KEY}"},
+                              data={"model": NAME, **fields}, files={"file": ("a.wav", data)})
+        assert response.status_code == 200, response.text
+        return response
+
+    assert post().json()["text"] == expected
+    events = [json.loads(line[6:]) for line in post(stream="true", stream_include_usage="true")
+              .text.splitlines() if line.startswith("data: {")]
+    *deltas, done = events
+    assert len(deltas) >= 3 and all(e["delta"] for e in deltas)  # a delta per segment
+    assert "".join(e["delta"] for e in deltas) == done["text"] == expected
+    assert [e["choices"][0]["finish_reason"] for e in deltas] == [None] * (len(deltas) - 1) + \
+        ["stop"]
+    assert (done["usage"]["prompt_tokens"], done["usage"]["completion_tokens"]) == \
+        (prompt_tokens, completion_tokens)
 
 
 def test_word_timestamps_and_subtitles(client: openai.OpenAI) -> None:
@@ -205,8 +273,11 @@ def test_identical_uploads_run_the_encoder_once(offline: LLM) -> None:
     data = (DATA / "call_me.wav").read_bytes()
     prompts = []
     for _ in range(2):
-        upload = decode_upload(data, MAX_SECONDS)
-        prompts += [window_prompt(upload.waveform, w, [50257, 50362]) for w in upload.windows]
+        waveform = decode_audio_file(data, MAX_SECONDS)
+        prompts += [{"encoder_prompt": {"prompt": "", "multi_modal_data": {
+                         "audio": (w.audio(waveform), RATE)}},
+                     "decoder_prompt": {"prompt_token_ids": [50257, 50362]}}
+                    for w in plan_windows(waveform)]
     runner = offline.llm_engine.engine_core.model_executor.model_runner.encoder_runner
     offline.llm_engine.reset_prefix_cache()
     before = runner.num_inputs_encoded
@@ -300,11 +371,10 @@ def _bad_uploads(tmp_path: Path) -> dict[str, tuple[dict, dict, str]]:
     }
 
 
-def test_bad_inputs_are_400_while_serving_another(server: RemoteServer, offline: LLM,
+def test_bad_inputs_are_400_while_serving_another(server: RemoteServer,
                                                   long_audio: tuple[Path, str],
-                                                  tmp_path: Path) -> None:
+                                                  long_expected: str, tmp_path: Path) -> None:
     path, _ = long_audio
-    expected = offline_texts(offline, [read_clip(path)])[0]
     headers = {"Authorization": f"Bearer {API_KEY}"}
 
     async def run() -> tuple[str, dict[str, httpx.Response]]:
@@ -339,7 +409,7 @@ def test_bad_inputs_are_400_while_serving_another(server: RemoteServer, offline:
         assert response.status_code == 400, (name, response.text)
         error = response.json()["error"]
         assert error["code"] == 400 and phrases[name] in error["message"], (name, error)
-    assert streamed == expected
+    assert streamed == long_expected
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
@@ -420,12 +490,12 @@ def test_usage_and_streams_read_by_openai_and_vllm_clients(client: openai.OpenAI
     assert plain.text == reference.outputs[0].text
 
     *deltas, done = transcribe(client, path, stream=True)
-    assert {e.type for e in deltas} == {"transcript.text.delta"} and len(deltas) > 2
+    assert {e.type for e in deltas} == {"transcript.text.delta"} and len(deltas) >= 1
     assert done.type == "transcript.text.done" and done.usage is None
     assert "".join(e.delta for e in deltas) == done.text == plain.text
     assert "".join(e.choices[0]["delta"]["content"] for e in [*deltas, done]) == plain.text
-    assert [e.choices[0]["finish_reason"] for e in [*deltas, done]][-3:] == \
-        [None, "stop", "stop"]
+    assert [e.choices[0]["finish_reason"] for e in [*deltas, done]] == \
+        [None] * (len(deltas) - 1) + ["stop", "stop"]
     assert {e.object for e in [*deltas, done]} == {"transcription.chunk"}
 
     *deltas, done = transcribe(client, path, stream=True, extra_body={
@@ -434,8 +504,10 @@ def test_usage_and_streams_read_by_openai_and_vllm_clients(client: openai.OpenAI
     assert "".join(e.delta for e in deltas) == done.text == plain.text
     running = [e.usage["completion_tokens"] for e in deltas]
     assert running == sorted(running) and running[-1] == done.usage.completion_tokens
-    completion_tokens = len(reference.outputs[0].token_ids)
-    prompt_tokens = len(reference.prompt_token_ids or [])  # <|startoftranscript|> ...
+    # Every engine request of the long-form pipeline: the timestamped decode (its prompt
+    # <|startoftranscript|><|0.00|>) and the no-speech probe (<|startoftranscript|>, 1 step).
+    _, prompt_tokens, completion_tokens = offline_long_form(offline, [samples])
+    assert prompt_tokens == 2 + 1
     assert (done.usage.prompt_tokens, done.usage.completion_tokens) == \
         (prompt_tokens, completion_tokens)
     assert (done.usage.type, done.usage.input_tokens, done.usage.output_tokens,
@@ -522,9 +594,8 @@ def test_language_detection_and_translation(multilingual: tuple[str, RemoteServe
     translated = ask("translations").json()["text"]
     assert translated == ask("translations", language=code).json()["text"]
     assert translated != detected
-    # Streams decode plain 30 s windows without timestamps (not the long-form pipeline), so
-    # on this random model their text differs from the answers above: the stream detects
-    # the same language as one given the language.
+    # Streams go through the same long-form pipeline: the streamed translation is the
+    # non-streamed one, and its language the detected one.
     def stream(**fields) -> list[dict]:
         return [json.loads(line[6:]) for line in ask("translations", stream="true", **fields)
                 .text.splitlines() if line.startswith("data: {")]
@@ -532,4 +603,4 @@ def test_language_detection_and_translation(multilingual: tuple[str, RemoteServe
     events = stream()
     assert events[-1]["text"] == "".join(e["delta"] for e in events[:-1])
     assert events[-1]["object"] == "translation.chunk"
-    assert events[-1]["text"] == stream(language=code)[-1]["text"]
+    assert events[-1]["text"] == translated == stream(language=code)[-1]["text"]

@@ -1,5 +1,5 @@
-"""Audio files, 30 s windows, Whisper prompts and segments: the pieces of the transcription
-endpoint that need no model, with exact expectations."""
+"""Audio files, long speech regions cut into 30 s pieces, Whisper prompts and segments: the
+pieces of the transcription endpoint that need no model, with exact expectations."""
 
 from __future__ import annotations
 
@@ -13,13 +13,9 @@ import soundfile
 
 from vllm.entrypoints.longform import compression_ratio
 from vllm.entrypoints.openai.protocol import TranscriptionSegment
-from vllm.entrypoints.openai.serving_transcription import subtitles
-from vllm.inputs.audio_file import (
-    AudioWindow,
-    decode_audio_file,
-    is_silent,
-    split_windows,
-)
+from vllm.entrypoints.openai.serving_transcription import stream_pieces, subtitles
+from vllm.inputs.audio_file import decode_audio_file
+from vllm.inputs.vad import Piece, split_region
 from vllm.inputs.whisper import (
     WhisperTokens,
     decoder_prompt,
@@ -94,8 +90,9 @@ def test_bad_files_name_their_problem() -> None:
 # ---- windows --------------------------------------------------------------------------
 
 
-def test_short_audio_is_one_window() -> None:
-    assert split_windows(np.ones(RATE * 30, np.float32)) == [AudioWindow(0, RATE * 30)]
+def test_short_region_is_one_piece() -> None:
+    audio = np.ones(RATE * 40, np.float32)
+    assert split_region(audio, Piece(RATE, RATE * 31)) == [Piece(RATE, RATE * 31)]
 
 
 def test_long_audio_is_cut_in_the_quietest_stretch_before_each_30_s() -> None:
@@ -106,26 +103,20 @@ def test_long_audio_is_cut_in_the_quietest_stretch_before_each_30_s() -> None:
     audio = np.full(70 * RATE, 0.5, np.float32)
     audio[27 * RATE:28 * RATE] = 0.0
     audio[52 * RATE:53 * RATE] = 0.0
-    windows = split_windows(audio)
-    assert windows == [AudioWindow(0, 432_800), AudioWindow(432_800, 833_600),
-                       AudioWindow(833_600, 70 * RATE)]
-    assert all(w.seconds <= 30.0 for w in windows)
-    assert windows[1].start_seconds == 27.05
+    pieces = split_region(audio, Piece(0, audio.shape[0]))
+    assert pieces == [Piece(0, 432_800), Piece(432_800, 833_600), Piece(833_600, 70 * RATE)]
+    assert all(p.end - p.start <= 30 * RATE for p in pieces)
+    assert pieces[1].start / RATE == 27.05
 
 
 def test_without_pauses_the_cut_stays_inside_the_window() -> None:
     audio = tone(61.0)
-    windows = split_windows(audio)
-    assert [w.start for w in windows[1:]] == [w.end for w in windows[:-1]]
-    assert windows[-1].end == audio.shape[0]
-    assert all(0 < w.seconds <= 30.0 for w in windows)
-    assert all(w.end - w.start >= 25 * RATE for w in windows[:-1])
-
-
-def test_digital_silence_is_silent() -> None:
-    assert is_silent(np.zeros(100, np.float32))
-    assert is_silent(np.full(100, 5e-5, np.float32))
-    assert not is_silent(tone(0.1))
+    region = Piece(RATE // 2, audio.shape[0])  # a region starting inside the file
+    pieces = split_region(audio, region)
+    assert [p.start for p in pieces[1:]] == [p.end for p in pieces[:-1]]
+    assert (pieces[0].start, pieces[-1].end) == region
+    assert all(0 < p.end - p.start <= 30 * RATE for p in pieces)
+    assert all(p.end - p.start >= 25 * RATE for p in pieces[:-1])
 
 
 # ---- Whisper prompts and segments -------------------------------------------------------
@@ -249,3 +240,15 @@ def test_subtitles_and_compression_ratio() -> None:
 def test_speech_clip_list_matches_files() -> None:
     names = json.loads((DATA / "speech_clips.json").read_text())
     assert all((DATA / name).is_file() for name in names)
+
+
+def test_stream_pieces_add_up_to_the_joined_text() -> None:
+    assert stream_pieces(" Hi.", ["Bye.", "", " Go."]) == [" Bye.", " Go."]
+    assert stream_pieces("", ["Hi.", "Bye."]) == ["Hi.", " Bye."]
+    assert stream_pieces("Hi ", ["there", ""]) == ["there"]
+    texts = [" A.", "B.", "", "C. ", "D."]
+    sent = ""
+    for window in (texts[:2], texts[2:4], texts[4:]):
+        sent += "".join(stream_pieces(sent, window))
+    assert sent == join_texts(texts)
+

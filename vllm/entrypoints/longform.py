@@ -16,7 +16,8 @@ where they fail, and read back as segments in the file's clock.
     segments in order ─► text | verbose_json | srt | vtt (+ word timings: word_alignment.py)
 
 A `WindowDecoder` is a small state machine (`requests()` then `feed(outputs)`) so that the
-server (`decode_async`: every window its own task on the shared AsyncLLM) and offline callers
+server (`decode_in_order`: every window its own task on the shared AsyncLLM, the finished
+windows handed back in order, which is what a stream sends) and offline callers
 (`decode_rounds`: one `LLM.generate` per round over all windows still running) share it.
 Windows are decoded independently (no previous-window text), so all of them batch together.
 """
@@ -24,9 +25,10 @@ Windows are decoded independently (no previous-window text), so all of them batc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import zlib
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -34,12 +36,19 @@ import numpy as np
 
 from vllm.entrypoints.word_alignment import WordTiming, snap_to_pauses, split_words
 from vllm.inputs.audio import SAMPLE_RATE
-from vllm.inputs.audio_file import quietest_point
 from vllm.inputs.encoder_decoder import special_token_id
-from vllm.inputs.vad import FRAME, Piece, WindowMap, pack_windows, speech_frames, speech_regions
+from vllm.inputs.vad import (
+    FRAME,
+    Piece,
+    WindowMap,
+    pack_windows,
+    quietest_point,
+    speech_frames,
+    speech_regions,
+)
 from vllm.inputs.whisper import TIME_PRECISION, WhisperTokens, timed_segments
 from vllm.outputs import RequestOutput
-from vllm.sampling_params import SamplingParams
+from vllm.sampling_params import RequestOutputKind, SamplingParams
 
 FALLBACK_TEMPERATURES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 _MAX_RESEEKS = 16  # per window; every re-seek moves forward by at least one timestamp step
@@ -148,6 +157,7 @@ class WindowDecoder:
         self._reseeks = 0
         self._failed: list[_Attempt] = []  # this window's failed attempts, in order
         self._halves: list[WindowDecoder] = []  # once split (see _split)
+        self._cut_off = False  # an accepted attempt ended at its token cap, not re-seeked
         self._done = window.num_samples == 0
 
     @property
@@ -181,17 +191,19 @@ class WindowDecoder:
         return requests
 
     def _params(self, temperature: float, seed: int | None) -> SamplingParams:
-        """One attempt's params: the caller's at `temperature` with this window's token cap.
+        """One attempt's params: the caller's at `temperature` with this window's token cap,
+        its output read once final (streamed requests too: see serving_transcription).
         A beam search (`use_beam_search`) runs at temperature 0; its fallback attempts sample,
         as faster-whisper's and OpenAI's do."""
         params = self.setup.params
         beam = params.beam_search
         if beam is not None and temperature == 0.0:
             beam = dataclasses.replace(beam, max_tokens=self._max_tokens())
-            return beam.sampling_params(logprobs=0, output_kind=params.output_kind,
+            return beam.sampling_params(logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY,
                                         skip_special_tokens=params.skip_special_tokens)
         return dataclasses.replace(params, temperature=temperature, logprobs=0,
-                                   max_tokens=self._max_tokens(), seed=seed, beam_search=None)
+                                   max_tokens=self._max_tokens(), seed=seed, beam_search=None,
+                                   output_kind=RequestOutputKind.FINAL_ONLY)
 
     def _max_tokens(self) -> int:
         """The caller's cap, lowered to what speech of this length can need, so that a
@@ -253,6 +265,11 @@ class WindowDecoder:
     def all_segments(self) -> list[LongSegment]:
         return self.segments + [s for half in self._halves for s in half.all_segments()]
 
+    def cut_off(self) -> bool:
+        """Whether some text of this window was cut by the token cap (finish reason
+        `length`) rather than closed by the model or re-seeked."""
+        return self._cut_off or any(half.cut_off() for half in self._halves)
+
     def _read(self, output: RequestOutput) -> _Attempt:
         completion = output.outputs[0]
         token_ids = list(completion.token_ids)
@@ -285,6 +302,7 @@ class WindowDecoder:
                 window.file_seconds(seg.start), window.file_seconds(seg.end, end=True),
                 seg.token_ids, seek, attempt.avg_logprob, attempt.compression_ratio,
                 self._no_speech_prob or 0.0, temperature, window, seg.start, seg.end))
+        self._cut_off |= attempt.finish_reason == "length" and not reseek
         if reseek:
             self.window = window.after(last_time)
             self._reseeks += 1
@@ -337,22 +355,45 @@ def collect(decoders: list[WindowDecoder]) -> list[LongSegment]:
 # ---- drivers --------------------------------------------------------------------------
 
 
-async def decode_async(decoders: list[WindowDecoder],
-                       generate: Callable[[list[EngineRequest]], Awaitable[list[RequestOutput]]]
-                       ) -> None:
-    """Each window on its own task: its attempts follow each other while every other
-    window's run beside it on the engine. A failure (or cancellation) cancels them all, and
-    `generate` aborts its requests when cancelled."""
+async def decode_in_order(decoders: list[WindowDecoder],
+                          generate: Callable[[list[EngineRequest]],
+                                             Awaitable[list[RequestOutput]]]
+                          ) -> AsyncGenerator[WindowDecoder, None]:
+    """Each window on its own task (its attempts follow each other while every other
+    window's run beside it on the engine); yields the decoders in window order, each as soon
+    as it and every earlier one are final, so a stream can send window i's text while later
+    windows still run. The first window to fail raises its error at once; a failure, or
+    closing the generator early, cancels every window still running (and `generate` aborts
+    its requests when cancelled). Use it inside `contextlib.aclosing`."""
     async def run(decoder: WindowDecoder) -> None:
         while requests := decoder.requests():
             decoder.feed(await generate(requests))
 
+    tasks = [asyncio.ensure_future(run(decoder)) for decoder in decoders]
     try:
-        async with asyncio.TaskGroup() as group:
-            for decoder in decoders:
-                group.create_task(run(decoder))
-    except BaseExceptionGroup as failed:  # the first window's error, as the caller expects
-        raise failed.exceptions[0] from None
+        for decoder, task in zip(decoders, tasks):
+            while not task.done():
+                await asyncio.wait([t for t in tasks if not t.done()],
+                                   return_when=asyncio.FIRST_COMPLETED)
+                failed = next((t for t in tasks if t.done() and not t.cancelled()
+                               and t.exception() is not None), None)
+                if failed is not None:
+                    failed.result()  # raises the window's error
+            task.result()
+            yield decoder
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def decode_async(decoders: list[WindowDecoder],
+                       generate: Callable[[list[EngineRequest]], Awaitable[list[RequestOutput]]]
+                       ) -> None:
+    """Every window decoded (see `decode_in_order`); the first failure is raised."""
+    async with contextlib.aclosing(decode_in_order(decoders, generate)) as finished:
+        async for _ in finished:
+            pass
 
 
 def decode_rounds(decoders: list[WindowDecoder],

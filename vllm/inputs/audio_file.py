@@ -1,48 +1,21 @@
-"""Audio files -> a mono 16 kHz waveform, and long audio -> Whisper windows cut at quiet points.
+"""Audio files -> a mono 16 kHz waveform (speech windows: `vllm/inputs/vad.py`).
 
 Decoding is `soundfile` (libsndfile: WAV, FLAC, OGG/Vorbis/Opus, MP3 and more), read in
 blocks that are mixed down to mono and resampled with a streaming `soxr` resampler, so that
 memory stays near the size of the 16 kHz result whatever the file's rate and channels. The
 length in the file's header is checked against the limit before anything is decoded.
-
-Splitting (audio longer than one 30 s window): each cut is at the quietest 100 ms of the
-last `SPLIT_SEARCH_SECONDS` before the window's end::
-
-    |<--------------- 30 s window --------------->|
-    |                              |<- search 5 s ->|
-    start                          quietest 100 ms: cut at its centre, next window starts there
 """
 
 from __future__ import annotations
 
 import io
 import math
-from typing import NamedTuple
 
 import numpy as np
 
-from vllm.inputs.audio import MAX_AUDIO_SECONDS, SAMPLE_RATE
+from vllm.inputs.audio import SAMPLE_RATE
 
-WINDOW_SAMPLES = int(MAX_AUDIO_SECONDS * SAMPLE_RATE)  # 480_000
-SPLIT_SEARCH_SECONDS = 5.0
-_ENERGY_FRAME = SAMPLE_RATE // 10  # 100 ms: the stretch whose energy is compared
-_ENERGY_HOP = SAMPLE_RATE // 100  # 10 ms between compared stretches
 _DECODE_BLOCK_SECONDS = 10
-# A window whose samples all stay below this is digital silence: nothing to transcribe.
-SILENCE_PEAK = 1e-4
-
-
-class AudioWindow(NamedTuple):
-    start: int  # first sample, at 16 kHz
-    end: int  # one past the last sample
-
-    @property
-    def start_seconds(self) -> float:
-        return self.start / SAMPLE_RATE
-
-    @property
-    def seconds(self) -> float:
-        return (self.end - self.start) / SAMPLE_RATE
 
 
 def decode_audio_file(data: bytes, max_seconds: float) -> np.ndarray:
@@ -99,39 +72,3 @@ def _read_mono_16k(file, rate: int, max_frames: int) -> np.ndarray:
     if not parts:
         return np.zeros(0, np.float32)
     return np.ascontiguousarray(np.concatenate(parts), dtype=np.float32)
-
-
-def split_windows(waveform: np.ndarray, window: int = WINDOW_SAMPLES,
-                  search: int = int(SPLIT_SEARCH_SECONDS * SAMPLE_RATE)) -> list[AudioWindow]:
-    """Windows of at most `window` samples covering `waveform` in order, each cut at the
-    quietest point of the last `search` samples before its end.
-
-    Example (window 30 s, search 5 s): 70 s of speech with pauses near 27 s and 55 s ->
-    [(0, 27.x s), (27.x s, 55.x s), (55.x s, 70 s)].
-    """
-    windows = []
-    start, total = 0, waveform.shape[0]
-    while total - start > window:
-        cut = quietest_point(waveform, start + window - search, start + window)
-        windows.append(AudioWindow(start, cut))
-        start = cut
-    windows.append(AudioWindow(start, total))
-    return windows
-
-
-def quietest_point(waveform: np.ndarray, lo: int, hi: int) -> int:
-    """The centre of the 100 ms stretch in [lo, hi) with the least energy (the earliest one
-    on ties); every candidate stretch lies inside [lo, hi), so the cut is in (lo, hi).
-
-    Energies come from one cumulative sum: energy(s) = cumsum[s + frame] - cumsum[s]. With
-    lo = 0, hi = 4000, frame 1600, hop 160: stretches start at 0, 160, ..., 2400.
-    """
-    segment = waveform[lo:hi].astype(np.float64)
-    cumsum = np.concatenate([[0.0], np.cumsum(segment * segment)])
-    starts = np.arange(0, hi - lo - _ENERGY_FRAME + 1, _ENERGY_HOP)
-    energy = cumsum[starts + _ENERGY_FRAME] - cumsum[starts]
-    return lo + int(starts[int(np.argmin(energy))]) + _ENERGY_FRAME // 2
-
-
-def is_silent(samples: np.ndarray) -> bool:
-    return samples.shape[0] == 0 or float(np.abs(samples).max()) < SILENCE_PEAK

@@ -23,7 +23,6 @@ from typing import NamedTuple
 import numpy as np
 
 from vllm.inputs.audio import MAX_AUDIO_SECONDS, SAMPLE_RATE
-from vllm.inputs.audio_file import split_windows
 
 FRAME = SAMPLE_RATE // 50  # 20 ms
 PAD = int(0.2 * SAMPLE_RATE)  # kept on both sides of every region
@@ -36,6 +35,10 @@ WINDOW_SAMPLES = int(MAX_AUDIO_SECONDS * SAMPLE_RATE)
 # Regions further apart than this start a new window: the model's timestamps then place the
 # text on the right side of a long pause (tiny models often write one segment per window).
 MAX_JOINED_GAP = int(3.0 * SAMPLE_RATE)
+# A region longer than a window is cut at the quietest 100 ms of the last 5 s before each end.
+SPLIT_SEARCH = int(5.0 * SAMPLE_RATE)
+_ENERGY_FRAME = SAMPLE_RATE // 10  # 100 ms: the stretch whose energy is compared
+_ENERGY_HOP = SAMPLE_RATE // 100  # 10 ms between compared stretches
 
 
 class Piece(NamedTuple):
@@ -98,15 +101,14 @@ def pack_windows(waveform: np.ndarray, regions: list[Piece],
                  ) -> list[list[Piece]]:
     """Regions packed in order into windows of at most `window` samples of audio each,
     never joining two regions more than `max_gap` apart; a region longer than a window is
-    first cut at quiet points (`split_windows`).
+    first cut at quiet points (`split_region`).
 
     Example (window 30 s, regions 1 s apart): 10 s, 15 s, 8 s -> [[10 s, 15 s], [8 s]];
     with 12 s of silence before the 15 s one -> [[10 s], [15 s, 8 s]].
     """
     pieces: list[Piece] = []
     for region in regions:
-        for cut in split_windows(waveform[region.start:region.end], window):
-            pieces.append(Piece(region.start + cut.start, region.start + cut.end))
+        pieces += split_region(waveform, region, window)
     windows: list[list[Piece]] = []
     length = 0
     for piece in pieces:
@@ -119,6 +121,42 @@ def pack_windows(waveform: np.ndarray, regions: list[Piece],
             windows.append([piece])
             length = size
     return windows
+
+
+def split_region(waveform: np.ndarray, region: Piece, window: int = WINDOW_SAMPLES,
+                 search: int = SPLIT_SEARCH) -> list[Piece]:
+    """`region` in pieces of at most `window` samples, in order, each cut at the quietest
+    point of the last `search` samples before its end::
+
+        |<--------------- 30 s window --------------->|
+        |                              |<- search 5 s ->|
+        start                          quietest 100 ms: cut at its centre, the next starts there
+
+    Example (window 30 s, search 5 s): 70 s of speech with pauses near 27 s and 55 s ->
+    [(0, 27.x s), (27.x s, 55.x s), (55.x s, 70 s)].
+    """
+    pieces = []
+    start = region.start
+    while region.end - start > window:
+        cut = quietest_point(waveform, start + window - search, start + window)
+        pieces.append(Piece(start, cut))
+        start = cut
+    pieces.append(Piece(start, region.end))
+    return pieces
+
+
+def quietest_point(waveform: np.ndarray, lo: int, hi: int) -> int:
+    """The centre of the 100 ms stretch in [lo, hi) with the least energy (the earliest one
+    on ties); every candidate stretch lies inside [lo, hi), so the cut is in (lo, hi).
+
+    Energies come from one cumulative sum: energy(s) = cumsum[s + frame] - cumsum[s]. With
+    lo = 0, hi = 4000, frame 1600, hop 160: stretches start at 0, 160, ..., 2400.
+    """
+    segment = waveform[lo:hi].astype(np.float64)
+    cumsum = np.concatenate([[0.0], np.cumsum(segment * segment)])
+    starts = np.arange(0, hi - lo - _ENERGY_FRAME + 1, _ENERGY_HOP)
+    energy = cumsum[starts + _ENERGY_FRAME] - cumsum[starts]
+    return lo + int(starts[int(np.argmin(energy))]) + _ENERGY_FRAME // 2
 
 
 class WindowMap:

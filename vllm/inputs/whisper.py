@@ -16,10 +16,6 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-import numpy as np
-
-from vllm.inputs.audio import SAMPLE_RATE
-from vllm.inputs.audio_file import AudioWindow
 from vllm.inputs.encoder_decoder import is_multilingual_whisper, special_token_id
 
 TIME_PRECISION = 0.02  # seconds per timestamp token step
@@ -114,15 +110,6 @@ def decoder_prompt(tokenizer: Any, hf_config: Any, *, language: str | None, task
                    special_token_id(tokenizer, f"<|{task}|>")]
     prompt.append(tokens.timestamp_begin if timestamps else tokens.no_timestamps)
     return prompt
-
-
-def window_prompt(waveform: np.ndarray, window: AudioWindow, prompt_ids: list[int]
-                  ) -> dict[str, Any]:
-    """The engine prompt of one window: its audio to the encoder, `prompt_ids` (from
-    `decoder_prompt`) to the decoder."""
-    audio = (waveform[window.start:window.end], SAMPLE_RATE)
-    return {"encoder_prompt": {"prompt": "", "multi_modal_data": {"audio": audio}},
-            "decoder_prompt": {"prompt_token_ids": prompt_ids}}
 
 
 def join_texts(pieces: list[str]) -> str:

@@ -519,7 +519,8 @@ class TranscriptionRequest(OpenAIBaseModel):
             presence_penalty=self.presence_penalty or 0.0,
             max_tokens=max_tokens,
             logprobs=logprobs,
-            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            # Streamed or not, a window's text is read once it is final (serving_transcription).
+            output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
 

@@ -1,16 +1,20 @@
 """`POST /v1/audio/transcriptions` and `/v1/audio/translations` on Whisper models.
 
-Non-streamed requests go through the long-form pipeline (vllm/entrypoints/longform.py):
+Every request, streamed or not, goes through the long-form pipeline
+(vllm/entrypoints/longform.py):
 
     file bytes ─► decode_audio_file ─► VAD speech windows (≤ 30 s, silences left out)
          every window ─► WindowDecoder (timestamps, no-speech probe, fallback, re-seek) ─► AsyncLLM
     segments in the file's clock ─► json | text | verbose_json (+ words) | srt | vtt
+                                 or ─► a stream: each window's segments as soon as it and
+                                       every earlier window are final (`decode_in_order`)
 
-Streams cut the audio into plain 30 s windows at quiet points (`split_windows`), one engine
-request each without timestamps, and send each window's text deltas live, in window order.
+A stream sends no text before its window is final: a window's text can still change (a
+failed attempt is decoded again at a higher temperature, or split), and sent text is never
+taken back. So the first text arrives when the first window is done, not token by token.
 
 A multilingual model given no `language` first detects it, as Whisper does: one decoder
-step over the first audible window from `<|startoftranscript|>` alone, sampled greedily
+step over the first speech window from `<|startoftranscript|>` alone, sampled greedily
 among the language tokens (the windows' requests then reuse that window's encoder output).
 
 A stream's events are both vLLM's chunks and OpenAI's transcription events:
@@ -24,12 +28,13 @@ A stream's events are both vLLM's chunks and OpenAI's transcription events:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import numpy as np
 
@@ -40,6 +45,7 @@ from vllm.entrypoints.longform import (
     WindowDecoder,
     collect,
     decode_async,
+    decode_in_order,
     make_setup,
     plan_windows,
     word_timings,
@@ -67,7 +73,7 @@ from vllm.entrypoints.openai.serving_engine import (
 )
 from vllm.entrypoints.word_alignment import WhisperAligner
 from vllm.inputs.audio import SAMPLE_RATE
-from vllm.inputs.audio_file import AudioWindow, decode_audio_file, is_silent, split_windows
+from vllm.inputs.audio_file import decode_audio_file
 from vllm.inputs.encoder_decoder import is_multilingual_whisper
 from vllm.inputs.vad import WindowMap
 from vllm.inputs.whisper import (
@@ -77,11 +83,9 @@ from vllm.inputs.whisper import (
     language_code,
     language_name,
     language_token_ids,
-    window_prompt,
 )
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
-from vllm.v1.engine.async_llm import RequestStream
 
 Task = Literal["transcribe", "translate"]
 _ENDPOINTS = {"transcribe": "transcriptions", "translate": "translations"}
@@ -94,38 +98,29 @@ class AudioLimits:
     max_seconds: float = 1800.0
 
 
-class DecodedUpload(NamedTuple):
+@dataclass(slots=True)
+class Job:
+    """One transcription in flight: its speech windows' decoders and what its engine
+    requests have used so far (the stream's token usage)."""
+
+    request_id: str
+    request: TranscriptionRequest
+    task: Task
+    language: str
     waveform: np.ndarray  # [num_samples] float32, 16 kHz mono
-    windows: list[AudioWindow]
-    audible: list[bool]  # per window; digital silence gets no engine request
+    setup: DecodeSetup
+    decoders: list[WindowDecoder]
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
 
     @property
     def duration(self) -> float:
         return self.waveform.shape[0] / SAMPLE_RATE
 
 
-class Job(NamedTuple):
-    """One transcription in flight: its windows and their engine streams (None for a silent
-    window, which gets no request)."""
-
-    request_id: str
-    request: TranscriptionRequest
-    task: Task
-    language: str
-    upload: DecodedUpload
-    streams: list[RequestStream | None]
-
-
 def _decode_and_plan(data: bytes, max_seconds: float) -> tuple[np.ndarray, list[WindowMap]]:
     waveform = decode_audio_file(data, max_seconds)
     return waveform, plan_windows(waveform)
-
-
-def decode_upload(data: bytes, max_seconds: float) -> DecodedUpload:
-    waveform = decode_audio_file(data, max_seconds)
-    windows = split_windows(waveform)
-    return DecodedUpload(waveform, windows,
-                         [not is_silent(waveform[w.start:w.end]) for w in windows])
 
 
 class OpenAIServingTranscription(OpenAIServing):
@@ -152,55 +147,68 @@ class OpenAIServingTranscription(OpenAIServing):
                                    ) -> Any:
         """A response model, plain text, or an SSE generator; raises OpenAIError."""
         arrival = time.monotonic()
-        if not request.stream:
-            return await self._transcribe_long_form(request, task, arrival)
         try:
-            job = await self._submit(request, task)
-        except OpenAIError:
+            job = await self._start(request, task)
+        except BaseException:
             self._record(task, False, 0.0, arrival)
             raise
-        return self._stream(job, arrival)
+        if request.stream:
+            return self._stream(job, arrival)
+        return await self._answer(job, arrival)
 
-    async def _transcribe_long_form(self, request: TranscriptionRequest, task: Task,
-                                    arrival: float) -> Any:
+    async def _start(self, request: TranscriptionRequest, task: Task) -> Job:
+        """Checks the request, decodes the upload and plans its speech windows (VAD), and
+        detects the language when it is needed and not given; nothing is decoded yet."""
+        self.check_model(request.model)
+        language = self._check_request(request, task)
+        data = await self._read_file(request)
+        loop = asyncio.get_running_loop()
+        try:
+            waveform, windows = await loop.run_in_executor(
+                self._audio_pool, _decode_and_plan, data, self.limits.max_seconds)
+        except ValueError as e:
+            raise OpenAIError(str(e)) from None
+        request_id = random_id("trsc" if task == "transcribe" else "trsl")
+        if language is None and self.is_multilingual:
+            language = await self._detect_language(
+                request_id, windows[0].audio(waveform) if windows else None)
+        setup = await self._long_form_setup(request, task, language)
+        decoders = [WindowDecoder(waveform, w, setup) for w in windows]
+        return Job(request_id, request, task, language or "en", waveform, setup, decoders)
+
+    def _generate(self, job: Job
+                  ) -> Callable[[list[EngineRequest]], Awaitable[list[RequestOutput]]]:
+        """The long-form pipeline's engine call for `job`: its requests on the shared engine,
+        their finished outputs (aborted if cancelled), their tokens added to the job's."""
+        numbers = itertools.count()
+
+        async def generate(requests: list[EngineRequest]) -> list[RequestOutput]:
+            streams = [(await self.add_requests(f"{job.request_id}-{next(numbers)}",
+                                                [prompt], params))[0]
+                       for prompt, params in requests]
+            outputs = await self.final_outputs(streams)
+            for output in outputs:
+                job.prompt_tokens += output.num_prompt_tokens
+                job.completion_tokens += len(output.outputs[0].token_ids)
+            return outputs
+
+        return generate
+
+    async def _answer(self, job: Job, arrival: float) -> Any:
         """The whole file through the long-form pipeline (vllm/entrypoints/longform.py):
         speech windows of this and every other request share the engine."""
-        ok, seconds = False, 0.0
+        ok = False
         try:
-            self.check_model(request.model)
-            language = self._check_request(request, task)
-            data = await self._read_file(request)
-            loop = asyncio.get_running_loop()
-            try:
-                waveform, windows = await loop.run_in_executor(
-                    self._audio_pool, _decode_and_plan, data, self.limits.max_seconds)
-            except ValueError as e:
-                raise OpenAIError(str(e)) from None
-            request_id = random_id("trsc" if task == "transcribe" else "trsl")
-            if language is None and self.is_multilingual:
-                language = await self._detect_language(
-                    request_id, windows[0].audio(waveform) if windows else None)
-            setup = await self._long_form_setup(request, task, language)
-            numbers = itertools.count()
-
-            async def generate(requests: list[EngineRequest]) -> list[RequestOutput]:
-                streams = [(await self.add_requests(f"{request_id}-{next(numbers)}",
-                                                    [prompt], params))[0]
-                           for prompt, params in requests]
-                return await self.final_outputs(streams)
-
-            decoders = [WindowDecoder(waveform, w, setup) for w in windows]
-            await decode_async(decoders, generate)
-            seconds = waveform.shape[0] / SAMPLE_RATE
-            segments = collect(decoders)
-            words = (await self._word_timings(waveform, segments, setup)
-                     if "word" in request.timestamp_granularities else None)
-            response = self._long_form_response(request, task, language or "en", seconds,
-                                                segments, words)
+            await decode_async(job.decoders, self._generate(job))
+            segments = collect(job.decoders)
+            words = (await self._word_timings(job.waveform, segments, job.setup)
+                     if "word" in job.request.timestamp_granularities else None)
+            response = self._long_form_response(job.request, job.task, job.language,
+                                                job.duration, segments, words)
             ok = True
             return response
         finally:
-            self._record(task, ok, seconds if ok else 0.0, arrival)
+            self._record(job.task, ok, job.duration if ok else 0.0, arrival)
 
     async def _long_form_setup(self, request: TranscriptionRequest, task: Task,
                                language: str | None) -> DecodeSetup:
@@ -213,37 +221,7 @@ class OpenAIServingTranscription(OpenAIServing):
         return make_setup(self.tokenizer, prompt_ids,
                           self._sampling_params(request, len(prompt_ids)))
 
-    # ---- checks and submission ----------------------------------------------------------
-
-    async def _submit(self, request: TranscriptionRequest, task: Task) -> Job:
-        self.check_model(request.model)
-        language = self._check_request(request, task)
-        data = await self._read_file(request)
-        loop = asyncio.get_running_loop()
-        try:
-            upload = await loop.run_in_executor(self._audio_pool, decode_upload, data,
-                                                self.limits.max_seconds)
-        except ValueError as e:
-            raise OpenAIError(str(e)) from None
-        request_id = random_id("trsc" if task == "transcribe" else "trsl")
-        if language is None and self.is_multilingual:
-            first = next((w for w, audible in zip(upload.windows, upload.audible) if audible),
-                         None)
-            language = await self._detect_language(
-                request_id, None if first is None else upload.waveform[first.start:first.end])
-        previous = request.prompt.strip()
-        previous_ids = (await self.tokenize(" " + previous, add_special_tokens=False)
-                        if previous else [])
-        prompt_ids = decoder_prompt(
-            self.tokenizer, self.model_config.hf_config, language=language, task=task,
-            previous_text_ids=previous_ids, max_model_len=self.max_model_len,
-            timestamps=request.response_format in _TIMED_FORMATS)
-        params = self._sampling_params(request, len(prompt_ids))
-        prompts = [window_prompt(upload.waveform, w, prompt_ids)
-                   for w, audible in zip(upload.windows, upload.audible) if audible]
-        submitted = iter(await self.add_requests(request_id, prompts, params))
-        streams = [next(submitted) if audible else None for audible in upload.audible]
-        return Job(request_id, request, task, language or "en", upload, streams)
+    # ---- checks ---------------------------------------------------------------------
 
     def _check_request(self, request: TranscriptionRequest, task: Task) -> str | None:
         """Everything that needs no audio; returns the language code (None: not given)."""
@@ -280,7 +258,7 @@ class OpenAIServingTranscription(OpenAIServing):
             raise OpenAIError(str(e)) from None
 
     async def _detect_language(self, request_id: str, audio: np.ndarray | None) -> str:
-        """The language code of `audio` (the first audible window), from Whisper's language
+        """The language code of `audio` (the first speech window), from Whisper's language
         tokens (English when nothing is audible)."""
         if audio is None or self.tokens is None:
             return "en"
@@ -365,88 +343,90 @@ class OpenAIServingTranscription(OpenAIServing):
             text=join_texts(texts), segments=answer, words=words, usage=usage)
 
     async def _stream(self, job: Job, arrival: float) -> AsyncGenerator[str, None]:
-        """Text deltas in window order: window i streams live while later windows' outputs
-        wait in their own queues; a disconnect aborts every unfinished window. The last
-        event has the whole text (and the usage when asked for)."""
+        """The long-form pipeline's text in window order: every window decodes at once, and
+        each one's segments are sent as soon as it and every earlier window are final (after
+        their re-seeks, splits and fallbacks, so no sent text is ever taken back). A
+        disconnect aborts every unfinished window. The last delta carries the finish reason;
+        the done event has the whole text (and the usage when asked for)."""
         request = job.request
-        streams = [s for s in job.streams if s is not None]
         events = _StreamEvents(job.request_id, self.model_name,
                                "transcription.chunk" if job.task == "transcribe"
-                               else "translation.chunk", request.stream_continuous_usage_stats)
-        last_char, finish_reason, stop_reason, ok = "", "stop", None, False
+                               else "translation.chunk", request.stream_continuous_usage_stats,
+                               job)
+        finish_reason, ok = "stop", False
         try:
-            if not streams:  # only silence: one empty, finished delta
-                yield events.delta("", finish_reason, None)
-            for index, stream in enumerate(streams):
-                first_output, window_start = True, True
-                async for output in self.engine.iterate(stream):
-                    completion = output.outputs[0]
-                    text = completion.text
-                    if first_output:
-                        events.prompt_tokens += output.num_prompt_tokens
-                        first_output = False
-                    if window_start and text:  # the boundary between two windows' texts
-                        text = join_texts([last_char, text])[len(last_char):]
-                        window_start = False
-                    last_char = (last_char + text)[-1:]
-                    events.completion_tokens += len(completion.token_ids)
-                    if output.finished and completion.finish_reason == "length":
+            async with contextlib.aclosing(
+                    decode_in_order(job.decoders, self._generate(job))) as finished:
+                index = -1
+                async for decoder in finished:
+                    index += 1
+                    if decoder.cut_off():
                         finish_reason = "length"
-                    done = output.finished and index == len(streams) - 1
-                    if done and finish_reason == "stop":
-                        stop_reason = completion.stop_reason
-                    if text or done:
-                        yield events.delta(text, finish_reason if done else None,
-                                           stop_reason if done else None)
-            yield events.done(finish_reason, stop_reason, request.stream_include_usage)
+                    last = index == len(job.decoders) - 1
+                    pieces = stream_pieces(events.text, [self.tokenizer.decode(s.token_ids)
+                                                         for s in collect([decoder])])
+                    if last and not pieces:
+                        pieces = [""]  # the finishing delta has no text of its own
+                    for i, piece in enumerate(pieces):
+                        done = last and i == len(pieces) - 1
+                        yield events.delta(piece, finish_reason if done else None)
+            if not job.decoders:  # only silence: one empty, finished delta
+                yield events.delta("", finish_reason)
+            yield events.done(finish_reason, request.stream_include_usage)
             ok = True
         except Exception as e:
             yield sse(stream_error(e))
         finally:
-            unfinished = [s.request_id for s in streams if not s.finished]
-            if unfinished:
-                self.engine.abort_nowait(unfinished)
-            self._record(job.task, ok, job.upload.duration if ok else 0.0, arrival)
+            self._record(job.task, ok, job.duration if ok else 0.0, arrival)
         yield "data: [DONE]\n\n"
 
 
 class _StreamEvents:
-    """Builds one stream's SSE events and keeps its text and token counts."""
+    """Builds one stream's SSE events and keeps its text; the token counts are the job's
+    (every engine request so far: the windows' attempts and no-speech probes)."""
 
     def __init__(self, request_id: str, model: str,
                  kind: Literal["transcription.chunk", "translation.chunk"],
-                 continuous_usage: bool) -> None:
+                 continuous_usage: bool, job: Job) -> None:
         self.request_id, self.model = request_id, model
         self.kind: Literal["transcription.chunk", "translation.chunk"] = kind
         self.continuous_usage = continuous_usage
+        self.job = job
         self.text = ""
-        self.prompt_tokens = 0  # the windows' decoder prompts
-        self.completion_tokens = 0
 
     def usage(self) -> TranscriptionStreamUsage:
-        return TranscriptionStreamUsage.of(self.prompt_tokens, self.completion_tokens)
+        return TranscriptionStreamUsage.of(self.job.prompt_tokens, self.job.completion_tokens)
 
-    def delta(self, text: str, finish_reason: str | None, stop_reason: int | str | None
-              ) -> str:
+    def delta(self, text: str, finish_reason: str | None) -> str:
         self.text += text
         choice = TranscriptionStreamChoice(delta=DeltaMessage(content=text),
-                                           finish_reason=finish_reason,
-                                           stop_reason=stop_reason)
+                                           finish_reason=finish_reason)
         return sse(TranscriptionTextDelta(
             id=self.request_id, object=self.kind, model=self.model, choices=[choice],
             delta=text, usage=self.usage() if self.continuous_usage else None))
 
-    def done(self, finish_reason: str, stop_reason: int | str | None, include_usage: bool
-             ) -> str:
+    def done(self, finish_reason: str, include_usage: bool) -> str:
         """vLLM's usage chunk (no choices) when the usage was asked for; otherwise a
         chunk whose one choice adds no text, so readers of `choices[0]` need no check."""
         choices = [] if include_usage else [TranscriptionStreamChoice(
-            delta=DeltaMessage(content=""), finish_reason=finish_reason,
-            stop_reason=stop_reason)]
+            delta=DeltaMessage(content=""), finish_reason=finish_reason)]
         usage = self.usage() if include_usage or self.continuous_usage else None
         return sse(TranscriptionTextDone(id=self.request_id, object=self.kind,
                                          model=self.model, choices=choices, text=self.text,
                                          usage=usage))
+
+
+def stream_pieces(sent: str, texts: list[str]) -> list[str]:
+    """The non-empty `texts` (segments) as they continue the `sent` text, with `join_texts`'
+    space rule, so that a stream's deltas add up to the non-streamed text. Example: sent
+    " Hi.", texts ["Bye.", "", " Go."] -> [" Bye.", " Go."]."""
+    pieces, tail = [], sent[-1:]
+    for text in texts:
+        piece = join_texts([tail, text])[len(tail):]
+        if piece:
+            pieces.append(piece)
+            tail = piece[-1]
+    return pieces
 
 
 def subtitles(segments: list[TranscriptionSegment], srt: bool) -> str:
