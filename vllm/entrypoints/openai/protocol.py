@@ -93,22 +93,6 @@ class ResponseFormat(OpenAIBaseModel):
     json_schema: JsonSchemaResponseFormat | None = None
 
 
-class StructuredOutputsRequest(OpenAIBaseModel):
-    """vLLM's `structured_outputs` request field: `StructuredOutputsParams`' fields."""
-
-    model_config = ConfigDict(extra="forbid")
-    json_: dict[str, Any] | str | None = Field(None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-    structural_tag: str | None = None
-    disable_fallback: bool = False
-    disable_any_whitespace: bool = False
-    disable_additional_properties: bool = False
-    whitespace_pattern: str | None = None
-
-
 class SamplingRequest(OpenAIBaseModel):
     """Fields shared by completions and chat, mapped onto `SamplingParams`."""
 
@@ -145,7 +129,8 @@ class SamplingRequest(OpenAIBaseModel):
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, or the
     # older guided_* spellings; at most one constraint in all.
     response_format: ResponseFormat | None = None
-    structured_outputs: StructuredOutputsRequest | None = None
+    # Validated as the dataclass itself (its types, an unknown key, exactly one constraint).
+    structured_outputs: StructuredOutputsParams | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -230,8 +215,7 @@ class SamplingRequest(OpenAIBaseModel):
         Raises ValueError naming the fields when more than one constraint is given."""
         given: list[tuple[str, StructuredOutputsParams]] = []
         if self.structured_outputs is not None:
-            fields = self.structured_outputs.model_dump(exclude_unset=True, by_alias=True)
-            given.append(("structured_outputs", StructuredOutputsParams(**fields)))
+            given.append(("structured_outputs", self.structured_outputs))
         for name, kind in (("guided_json", "json"), ("guided_regex", "regex"),
                            ("guided_choice", "choice"), ("guided_grammar", "grammar")):
             value = getattr(self, name)
