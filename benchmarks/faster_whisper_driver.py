@@ -98,7 +98,7 @@ def run(model, kind: str, rest: list[str], clips: list[np.ndarray]) -> list[str]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=str(__doc__).splitlines()[0])
     parser.add_argument("model_dir")
     parser.add_argument("clip_dir")
     parser.add_argument("modes", nargs="+")
