@@ -122,6 +122,20 @@ def _ref_counts(scheduler, ids: list[int]) -> list[int]:
     return [scheduler.kv_cache_manager.block_pool.blocks[i].ref_cnt for i in ids]
 
 
+def _start_beams(scheduler, request_id: str, prompt: list[int], params: BeamSearchParams,
+                 candidates: dict[int, float]):
+    """Adds a beam search and runs its prompt step, the root's candidates `candidates` (the
+    first is the sampled token): the prompt step's scheduler output and its result."""
+    scheduler.add_request(make_request(request_id, prompt, max_tokens=params.max_tokens,
+                                       ignore_eos=params.ignore_eos, temperature=0,
+                                       beam_search=params))
+    out = scheduler.schedule()
+    root = f"{request_id}#0"
+    result = scheduler.update_from_output(out, make_runner_output(
+        out, {root: [next(iter(candidates))]}, {root: _candidates(candidates)}))
+    return out, result
+
+
 def test_forked_beams_share_full_blocks_and_copy_the_last():
     """Block size 4, prompt of 7 tokens in blocks [1, 2]. Width 2: after the prompt, both
     candidates come from the root: it goes on in place, its fork shares block 1 and gets
@@ -130,14 +144,11 @@ def test_forked_beams_share_full_blocks_and_copy_the_last():
     scheduler = make_scheduler(block_size=4, num_blocks=16)
     pool = scheduler.kv_cache_manager.block_pool
     params = BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True)
-    scheduler.add_request(make_request("r", list(range(10, 17)), max_tokens=4, ignore_eos=True,
-                                       temperature=0, beam_search=params))
-    out = scheduler.schedule()
+    out, result = _start_beams(scheduler, "r", list(range(10, 17)), params,
+                               {40: -0.1, 41: -0.2, 42: -3.0, 43: -4.0})
     assert [r.req_id for r in out.scheduled_new_reqs] == ["r#0"]
     assert out.scheduled_new_reqs[0].sampling_params.logprobs == 4  # 2 * width candidates
     assert scheduler.kv_cache_manager.get_block_ids("r#0") == [1, 2]
-    result = scheduler.update_from_output(out, make_runner_output(
-        out, {"r#0": [40]}, {"r#0": _candidates({40: -0.1, 41: -0.2, 42: -3.0, 43: -4.0})}))
     assert result.outputs == []
     assert scheduler.kv_cache_manager.get_block_ids("r#1") == [1, 3]
     assert _ref_counts(scheduler, [1, 2, 3]) == [2, 1, 1]
@@ -184,11 +195,8 @@ def test_forked_beams_share_full_blocks_and_copy_the_last():
 def test_aborting_a_beam_search_frees_every_beam():
     scheduler = make_scheduler(block_size=4, num_blocks=16)
     params = BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True)
-    scheduler.add_request(make_request("r", list(range(10, 16)), max_tokens=8, ignore_eos=True,
-                                       temperature=0, beam_search=params))
-    out = scheduler.schedule()
-    scheduler.update_from_output(out, make_runner_output(out, {"r#0": [40]}, {
-        "r#0": _candidates({40: -0.1, 41: -0.2, 42: -0.3, 43: -4.0, 44: -5.0, 45: -6.0})}))
+    _start_beams(scheduler, "r", list(range(10, 16)), params,
+                 {40: -0.1, 41: -0.2, 42: -0.3, 43: -4.0, 44: -5.0, 45: -6.0})
     assert sorted(scheduler.requests) == ["r#0", "r#1", "r#2"]
     scheduler.finish_requests(["r"], RequestStatus.FINISHED_ABORTED)
     assert not scheduler.requests and not scheduler.beam_groups
@@ -317,42 +325,42 @@ def test_width_one_is_greedy_and_embeds_equal_ids(llama_two_eos_dir, llama_beams
 # ---- encoder/decoder ----------------------------------------------------------------------
 
 
-def test_bart_beams_equal_transformers(tiny_bart_dir):
-    llm = LLM(tiny_bart_dir, dtype="float32", max_model_len=64, block_size=4, enforce_eager=True,
-              kv_cache_memory_bytes=4 * 1024**2)
-    model = transformers.BartForConditionalGeneration.from_pretrained(
-        tiny_bart_dir, dtype=torch.float32).eval()
+def _bart_case(path: str, llm: LLM) -> tuple[object, list, list[dict], list[int], int]:
+    """BART: text prompts; the decoder starts <DEC> <BOS>; EOS 2."""
+    model = transformers.BartForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
     tokenizer = llm.get_tokenizer()
-    params = BeamSearchParams(beam_width=WIDTH, max_tokens=MAX_TOKENS)
-    outputs = llm.beam_search(PROMPTS[:2], params)
-    for text, ours in zip(PROMPTS[:2], outputs):
-        decoder = [2, 1]  # <DEC> <BOS>
-        assert ours.sequences[0].tokens[:2] == decoder
-        hf = _hf_beams(model, WIDTH, MAX_TOKENS, [2],
-                       input_ids=torch.tensor([tokenizer(text).input_ids]),
-                       decoder_input_ids=torch.tensor([decoder]))
-        _assert_beams_equal(ours, 2, hf, WIDTH)
+    inputs = [{"input_ids": torch.tensor([tokenizer(text).input_ids])} for text in PROMPTS[:2]]
+    return model, PROMPTS[:2], inputs, [2, 1], 2
 
 
-def test_whisper_beams_equal_transformers(tiny_whisper_dir):
-    llm = LLM(tiny_whisper_dir, dtype="float32", max_model_len=64, block_size=16,
-              enforce_eager=True, kv_cache_memory_bytes=8 * 1024**2)
-    model = transformers.WhisperForConditionalGeneration.from_pretrained(
-        tiny_whisper_dir, dtype=torch.float32).eval()
+def _whisper_case(path: str, llm: LLM) -> tuple[object, list, list[dict], list[int], int]:
+    """Whisper: 1 s and 3 s of noise; the decoder starts <|startoftranscript|>
+    <|notimestamps|>; EOS <|endoftext|>."""
+    model = transformers.WhisperForConditionalGeneration.from_pretrained(path,
+                                                                         dtype=torch.float32)
     rng = np.random.default_rng(0)
     waves = [(0.1 * rng.standard_normal(16_000 * s)).astype(np.float32) for s in (1, 3)]
-    params = BeamSearchParams(beam_width=WIDTH, max_tokens=MAX_TOKENS)
-    outputs = llm.beam_search(
-        [{"prompt": "", "multi_modal_data": {"audio": (w, 16_000)}} for w in waves], params)
     extractor = transformers.WhisperFeatureExtractor(feature_size=80)
-    decoder = [50257, 50362]  # <|startoftranscript|> <|notimestamps|>
-    for wave, ours in zip(waves, outputs):
+    inputs = [{"input_features": extractor(w, sampling_rate=16_000,
+                                           return_tensors="pt").input_features} for w in waves]
+    prompts = [{"prompt": "", "multi_modal_data": {"audio": (w, 16_000)}} for w in waves]
+    return model, prompts, inputs, [50257, 50362], 50256
+
+
+@pytest.mark.parametrize(("kind", "block_size", "case"), [
+    ("bart", 4, _bart_case), ("whisper", 16, _whisper_case)], ids=["bart", "whisper"])
+def test_encoder_decoder_beams_equal_transformers(kind, block_size, case, request):
+    path = request.getfixturevalue(f"tiny_{kind}_dir")
+    llm = LLM(path, dtype="float32", max_model_len=64, block_size=block_size,
+              enforce_eager=True, kv_cache_memory_bytes=8 * 1024**2)
+    model, prompts, hf_inputs, decoder, eos = case(path, llm)
+    outputs = llm.beam_search(prompts, BeamSearchParams(beam_width=WIDTH, max_tokens=MAX_TOKENS))
+    for inputs, ours in zip(hf_inputs, outputs, strict=True):
         assert ours.sequences[0].tokens[:2] == decoder
-        features = extractor(wave, sampling_rate=16_000, return_tensors="pt").input_features
-        hf = _hf_beams(model, WIDTH, MAX_TOKENS, [50256], input_features=features,
-                       decoder_input_ids=torch.tensor([decoder]))
+        assert not math.isnan(ours.sequences[0].cum_logprob)
+        hf = _hf_beams(model.eval(), WIDTH, MAX_TOKENS, [eos],
+                       decoder_input_ids=torch.tensor([decoder]), **inputs)
         _assert_beams_equal(ours, 2, hf, WIDTH)
-    assert not math.isnan(outputs[0].sequences[0].cum_logprob)
 
 
 def test_beams_waiting_for_their_group_make_room_and_a_failing_beam_fails_its_request():
@@ -362,11 +370,8 @@ def test_beams_waiting_for_their_group_make_room_and_a_failing_beam_fails_its_re
     beam is preempted instead (its candidates kept), the second runs, the group finishes."""
     scheduler = make_scheduler(block_size=4, num_blocks=5)
     params = BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True)
-    scheduler.add_request(make_request("r", list(range(10, 17)), max_tokens=3, ignore_eos=True,
-                                       temperature=0, beam_search=params))
-    out = scheduler.schedule()
-    scheduler.update_from_output(out, make_runner_output(
-        out, {"r#0": [40]}, {"r#0": _candidates({40: -0.1, 41: -0.2, 42: -3.0, 43: -4.0})}))
+    first = {40: -0.1, 41: -0.2, 42: -3.0, 43: -4.0}
+    _start_beams(scheduler, "r", list(range(10, 17)), params, first)
     out = scheduler.schedule()
     rows = {"r#0": _candidates({50: -0.1, 51: -5.0, 52: -6.0, 53: -7.0}),
             "r#1": _candidates({60: -0.1, 61: -5.0, 62: -6.0, 63: -7.0})}
@@ -384,11 +389,7 @@ def test_beams_waiting_for_their_group_make_room_and_a_failing_beam_fails_its_re
     assert [b.token_ids for b in final.beams or []] == [[40, 50, 70], [41, 60, 80]]
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 4
     # A beam that fails alone fails its whole request; every beam is freed.
-    scheduler.add_request(make_request("s", list(range(20, 27)), max_tokens=3, ignore_eos=True,
-                                       temperature=0, beam_search=params))
-    out = scheduler.schedule()
-    scheduler.update_from_output(out, make_runner_output(
-        out, {"s#0": [40]}, {"s#0": _candidates({40: -0.1, 41: -0.2, 42: -3.0, 43: -4.0})}))
+    _start_beams(scheduler, "s", list(range(20, 27)), params, first)
     out = scheduler.schedule()
     scheduler.recover_from_failed_step(out)  # two beams: both become suspects
     out = scheduler.schedule()
