@@ -31,6 +31,8 @@ from vllm.v1.engine import EmbedsLayout
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler, SamplerOutput
+from vllm.v1.spec_decode.rejection_sampler import DraftLayout
+from vllm.v1.spec_decode.spec_runner import SpecDecodeRunner, make_spec_runner
 from vllm.v1.structured_output.bitmask import apply_grammar_bitmask
 from vllm.v1.worker.block_table import mask_out_of_window
 from vllm.v1.worker.encoder_runner import EncoderRunner
@@ -114,6 +116,9 @@ class ModelInputs(NamedTuple):
     slot_mapping: np.ndarray  # [num_tokens] int64 KV slot of each token (group 0)
     logits_indices: torch.Tensor  # [num_sampling_reqs] int64
     sampling_rows: np.ndarray  # [num_sampling_reqs] batch rows that sample this step
+    # Speculative decoding: the sampling rows' drafts (logits_indices then hold 1 + k
+    # positions per row); None in a step without drafts.
+    draft_layout: DraftLayout | None
     common: CommonAttentionMetadata  # the step's batch layout (for CUDA graph buffers)
 
 
@@ -157,6 +162,7 @@ class GPUModelRunner:
         self.encoder_runner: EncoderRunner | None = None
         self.graphs: CompiledGraphs | CudaGraphs | None = None
         self.lora_manager: LoRAModelManager | None = None  # with enable_lora
+        self.spec: SpecDecodeRunner | None = make_spec_runner(vllm_config, device)
         # Tests only: a step with a request whose prompt holds this token id raises.
         fail_id = os.environ.get("VLLM_TEST_FAIL_ON_TOKEN_ID")
         self.fail_on_token_id = int(fail_id) if fail_id else None
@@ -300,9 +306,20 @@ class GPUModelRunner:
         self.stage_outputs.write(inputs.slot_mapping, hidden_states=hidden_states)
         logits = model.compute_logits(hidden_states[inputs.logits_indices])
         if scheduler_output.grammar_bitmask is not None:
-            self._apply_grammar_bitmask(logits, inputs.sampling_rows, scheduler_output)
-        sampler_output = self.sampler(logits, self._sampling_metadata(inputs.sampling_rows))
-        return self._bookkeep(inputs.sampling_rows, sampler_output, finished_rows)
+            self._apply_grammar_bitmask(logits, inputs, scheduler_output)
+        metadata = self._sampling_metadata(inputs.sampling_rows)
+        if inputs.draft_layout is not None:
+            assert self.spec is not None  # drafts are scheduled only with it
+            output = self.spec.verify(logits, metadata, inputs.draft_layout, self.input_batch,
+                                      inputs.sampling_rows)
+            output.hidden_states = finished_rows or {}
+        else:
+            output = self._bookkeep(inputs.sampling_rows, self.sampler(logits, metadata),
+                                    finished_rows)
+        if self.spec is not None:
+            output.spec_token_ids = self.spec.propose(self.input_batch, inputs.sampling_rows,
+                                                      scheduler_output)
+        return output
 
     def _run_model(self, model: VllmModel, inputs: ModelInputs) -> torch.Tensor:
         """The one place that picks a captured graph (when one fits the step) or eager."""
@@ -362,6 +379,8 @@ class GPUModelRunner:
         batch.condense()
         for state in to_add:
             batch.add_request(state)
+        if self.spec is not None:
+            self.spec.write_drafts(batch, scheduler_output)
 
     def drop_requests(self, req_ids: list[str]) -> None:
         """Forgets the batch rows of a failed step's requests (the scheduler re-sends any
@@ -423,6 +442,12 @@ class GPUModelRunner:
         # that stops short of the prompt's end produces no token.
         sampling_rows = np.flatnonzero(idx.seq_lens >= batch.num_tokens[:num_reqs])
         logits_indices = idx.query_start_loc[sampling_rows + 1] - 1
+        draft_layout = None
+        if scheduler_output.scheduled_spec_decode_tokens:
+            assert self.spec is not None  # drafts are scheduled only with it
+            draft_layout = self.spec.layout(batch, sampling_rows, scheduler_output)
+            logits_indices = self.spec.logits_indices(idx.query_start_loc, sampling_rows,
+                                                      draft_layout)
         input_ids = torch.from_numpy(input_ids_np.astype(np.int64)).to(self.device)
         inputs_embeds = None
         if not is_token_np.all():
@@ -438,6 +463,7 @@ class GPUModelRunner:
             slot_mapping=slot_mapping,
             logits_indices=torch.from_numpy(logits_indices.astype(np.int64)).to(self.device),
             sampling_rows=sampling_rows,
+            draft_layout=draft_layout,
             common=common,
         )
 
@@ -503,11 +529,16 @@ class GPUModelRunner:
         embeds[target] = torch.cat(rows).to(device=self.device, dtype=embeds.dtype)
         return embeds
 
-    def _apply_grammar_bitmask(self, logits: torch.Tensor, rows: np.ndarray,
+    def _apply_grammar_bitmask(self, logits: torch.Tensor, inputs: ModelInputs,
                                scheduler_output: SchedulerOutput) -> None:
         assert scheduler_output.grammar_bitmask is not None
         req_ids = self.input_batch.req_ids_in_order
-        apply_grammar_bitmask(logits, [req_ids[row] for row in rows.tolist()],
+        logit_req_ids = [req_ids[row] for row in inputs.sampling_rows.tolist()]
+        if inputs.draft_layout is not None:  # constrained rows draft nothing: one row each
+            logit_req_ids = [logit_req_ids[row] if j == 0 else ""
+                             for row, j in zip(inputs.draft_layout.row_of_position.tolist(),
+                                               inputs.draft_layout.index_in_row.tolist())]
+        apply_grammar_bitmask(logits, logit_req_ids,
                               scheduler_output.structured_output_request_ids,
                               scheduler_output.grammar_bitmask)
 

@@ -1,0 +1,282 @@
+"""Speculative decoding: the ngram proposer and the rejection sampler exactly (and the
+sampler's output distribution statistically), greedy outputs token-identical to plain
+decoding end to end, and bad configurations refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.hf_reference import assert_identical_greedy, hf_greedy, load_hf_model
+from vllm import LLM, SamplingParams
+from vllm.config import SpeculativeConfig
+from vllm.v1.sample.metadata import Penalties, SamplingMetadata
+from vllm.v1.sample.sampler import sampling_probs
+from vllm.v1.spec_decode.ngram_proposer import NgramProposer
+from vllm.v1.spec_decode.rejection_sampler import DraftLayout, RejectionSampler, expand_metadata
+
+# ---- the ngram proposer ----------------------------------------------------------------
+
+
+def _propose(tokens, k=3, lo=1, hi=3, is_token=None):
+    mask = None if is_token is None else np.array(is_token, dtype=bool)
+    return NgramProposer(k, lo, hi).propose(np.array(tokens), mask)
+
+
+def test_ngram_longest_suffix_match_wins_and_latest_occurrence():
+    # Suffix [1 2 3] occurs at 0..2 (followed by 4 5 6); [2 3] alone also at 7..8 (then 9).
+    assert _propose([1, 2, 3, 4, 5, 6, 2, 3, 9, 1, 2, 3]) == [4, 5, 6]
+    # Only n <= 2 allowed: the latest [2 3] wins (followed by 9 1 2).
+    assert _propose([1, 2, 3, 4, 5, 6, 2, 3, 9, 1, 2, 3], hi=2) == [9, 1, 2]
+    # Fewer than k tokens follow the match: the drafts run into the suffix itself.
+    assert _propose([7, 8, 7, 8], k=5) == [7, 8]
+    assert _propose([1, 2, 3, 4, 1, 2, 3], k=2) == [4, 1]
+
+
+def test_ngram_min_max_and_no_match():
+    tokens = [5, 1, 2, 9, 1, 2, 7, 1, 2]
+    assert _propose(tokens, lo=1, hi=3) == [7, 1, 2]  # [1 2] matched (n 2)
+    assert _propose(tokens, lo=3, hi=3) == []  # [7 1 2] never occurred before
+    assert _propose([1, 2, 3, 4]) == []
+    assert _propose([4]) == []
+    assert _propose([3, 3, 3], lo=1, hi=1, k=1) == [3]
+
+
+def test_ngram_embeds_positions_never_match_nor_get_drafted():
+    # Position 3 holds an embeds row (placeholder 0): [0 1 2] never matches a suffix...
+    tokens, mask = [0, 1, 2, 0, 6, 0, 1, 2], [1, 1, 1, 0, 1, 0, 1, 1]
+    assert _propose(tokens, lo=3, hi=3, is_token=mask) == []
+    # ... and [1 2] at 1..2 is followed by the embeds position: no drafts from there.
+    assert _propose(tokens, lo=2, hi=2, is_token=mask) == []
+    mask = [1, 1, 1, 1, 0, 1, 1, 1]
+    assert _propose(tokens, lo=2, hi=2, is_token=mask) == [0]  # cut before position 4
+    # A suffix ending on an embeds position matches nothing.
+    assert _propose([4, 4, 4], is_token=[1, 1, 0]) == []
+
+
+# ---- the rejection sampler ---------------------------------------------------------------
+
+
+def _metadata(temperature: list[float], generators=None, **kwargs) -> SamplingMetadata:
+    t = torch.tensor(temperature)
+    fields = {"top_p": None, "top_k": None, "min_p": None, "penalties": None,
+              "max_num_logprobs": None, **kwargs}
+    return SamplingMetadata(temperature=t, all_greedy=bool((t == 0).all()),
+                            all_random=bool((t > 0).all()), generators=generators or {},
+                            min_tokens_blocked={}, **fields)
+
+
+def _verify(logits, drafts, metadata, num_outputs=None, min_tokens=None, stop_ids=None):
+    layout = DraftLayout.of(drafts)
+    n = len(drafts)
+    expanded = expand_metadata(metadata, layout, num_outputs or [0] * n, min_tokens or [0] * n,
+                               stop_ids or [[] for _ in range(n)])
+    return RejectionSampler()(logits, expanded, layout)
+
+
+def test_layout_positions():
+    layout = DraftLayout.of([[7, 8], [], [9]])
+    assert layout.starts.tolist() == [0, 3, 4, 6]
+    assert layout.row_of_position.tolist() == [0, 0, 0, 1, 2, 2]
+    assert layout.index_in_row.tolist() == [0, 1, 2, 0, 0, 1]
+
+
+def test_greedy_accepts_while_drafts_equal_the_argmax():
+    vocab = 6
+    argmax = [5, 6 % vocab, 2, 4, 1, 3, 3]  # per position: rows of 4, 1 and 2 positions
+    logits = torch.full((7, vocab), -1.0)
+    logits[torch.arange(7), torch.tensor(argmax)] = 1.0
+    drafts = [[5, 0, 4], [], [3]]  # row 0: 5, 0 accepted, 4 != 2 rejected; row 2: all
+    out = _verify(logits, drafts, _metadata([0.0, 0.0, 0.0]))
+    assert out.token_ids == [[5, 0, 2], [1], [3, 3]]
+    # min_tokens blocks the stop id while the row (1 output so far) is below 3 tokens:
+    # positions 0 and 1 of row 0 cannot pick 5 / 0 when those are stop ids.
+    out = _verify(logits, [[5, 0, 4]], _metadata([0.0]), num_outputs=[1], min_tokens=[3],
+                  stop_ids=[[5]])
+    assert out.token_ids[0][0] != 5 and len(out.token_ids[0]) == 1
+
+
+def test_penalties_count_earlier_drafts_as_outputs():
+    vocab = 4
+    logits = torch.tensor([[2.0, 1.9, 0.0, 0.0]] * 3)
+    zeros = torch.zeros(1, vocab, dtype=torch.int32)
+    penalties = Penalties(torch.tensor([0.5]), torch.zeros(1), torch.ones(1), zeros,
+                          torch.zeros(1, vocab, dtype=torch.bool))
+    metadata = _metadata([0.0])
+    metadata.penalties = penalties
+    # Position 0 picks 0 (2.0); after the accepted draft 0, token 0 scores 1.5 < 1.9.
+    out = _verify(logits, [[0, 0]], metadata)
+    assert out.token_ids == [[0, 1]]
+
+
+def test_rejection_sampling_matches_plain_sampling():
+    """N copies of one row with drafts [x0, x1] over a 5-token vocabulary: the first
+    emitted token must follow p0 and, after x0, the second must follow p1 (the position's
+    distribution with temperature and top-k applied). Bounds: 5 standard errors per token
+    (a wrong rule, e.g. accepting drafts always, is off by hundreds)."""
+    n, vocab, x0, x1 = 20000, 5, 1, 3
+    base = torch.tensor([[0.5, 1.2, 0.1, -0.3, 0.9], [1.0, 0.2, -0.5, 0.8, 0.0],
+                         [0.3, 0.3, 0.3, 0.3, 0.3]])
+    logits = base.repeat(n, 1)
+    metadata = _metadata([0.8] * n, top_k=torch.full((n,), 4, dtype=torch.int64))
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        out = _verify(logits, [[x0, x1]] * n, metadata)
+    p = sampling_probs(base, _metadata([0.8] * 3, top_k=torch.full((3,), 4,
+                                                                     dtype=torch.int64)))
+    p = p / p.sum(-1, keepdim=True)
+    first = torch.tensor([tokens[0] for tokens in out.token_ids])
+    second = torch.tensor([tokens[1] for tokens in out.token_ids if tokens[0] == x0])
+    for sample, probs in ((first, p[0]), (second, p[1])):
+        freq = torch.bincount(sample, minlength=vocab).float() / len(sample)
+        sigma = (probs * (1 - probs) / len(sample)).sqrt()
+        assert ((freq - probs).abs() <= 5 * sigma + 1e-9).all(), (freq, probs)
+    # Rows that accepted both drafts emitted a bonus token from p2.
+    assert any(len(tokens) == 3 for tokens in out.token_ids)
+
+
+def test_seeded_rows_repeat():
+    logits = torch.randn(4, 7, generator=torch.Generator().manual_seed(1))
+
+    def run():
+        gen = torch.Generator().manual_seed(42)
+        return _verify(logits, [[2, 5, 1]], _metadata([1.0], generators={0: gen})).token_ids
+
+    assert run() == run()
+
+
+# ---- configuration ----------------------------------------------------------------------
+
+
+def test_config_rules():
+    cfg = SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 3,
+                                       "prompt_lookup_max": 4})
+    assert cfg is not None and (cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (4, 4)
+    cfg = SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 2})
+    assert cfg is not None and (cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (5, 5)
+    bad = [
+        ({"method": "eagle", "num_speculative_tokens": 3}, "Unknown speculative_config method"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
+        ({"method": "ngram"}, "num_speculative_tokens must be"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
+          "prompt_lookup_max": 2}, r"prompt_lookup_min \(4\) must be <= prompt_lookup_max"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0},
+         "prompt_lookup_min must be an integer >= 1"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1},
+         "Unknown speculative_config keys"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
+    ]
+    for value, message in bad:
+        with pytest.raises(ValueError, match=message):
+            SpeculativeConfig.from_user(value)
+
+
+def test_k_out_of_range_is_refused(tiny_llama_dir):
+    with pytest.raises(ValueError, match="num_speculative_tokens=8 is out of range"):
+        LLM(tiny_llama_dir, max_num_batched_tokens=8, max_model_len=64,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 8})
+
+
+# ---- end to end ----------------------------------------------------------------------------
+
+MAX_TOKENS = 16
+PROMPTS = [
+    "Hello world, this is",
+    "The quick brown fox jumps over the lazy dog. Once upon a time there was",
+    "A",
+    "What is the capital of France? The capital of France is",
+]
+
+
+class OracleProposer:
+    """Drafts the reference continuation, every third draft corrupted: accepted runs,
+    rejections and bonus tokens all happen on a random tiny model."""
+
+    def __init__(self, refs: dict[tuple[int, ...], list[int]], k: int) -> None:
+        self.refs, self.k = refs, k
+        self.calls = 0
+
+    def propose_rows(self, batch, rows, scheduler_output):
+        drafts = {}
+        for row in rows:
+            state = batch.state(row)
+            ref = self.refs.get(tuple(state.prompt_token_ids))
+            if ref is None:
+                continue
+            done = len(state.output_token_ids)
+            self.calls += 1
+            drafts[row] = [t if (done + j) % 3 else (t + 1) % 700
+                           for j, t in enumerate(ref[done:done + self.k])]
+        return drafts
+
+
+def _ids(output) -> list[int]:
+    assert output.prompt_token_ids is not None
+    return output.prompt_token_ids
+
+
+def _greedy(**kwargs) -> SamplingParams:
+    return SamplingParams(**{"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True,
+                             "logprobs": 2, **kwargs})
+
+
+def test_ngram_greedy_identical_with_chunks_preemption_prefix_hits_embeds_graphs(
+        tiny_llama_dir):
+    """One engine: 8-token chunks, 23 blocks of 4 for 4 growing requests (preemptions),
+    the prompts twice (prefix hits), then as prompt embeds, graphs on. First the ngram
+    proposer, then an oracle proposer whose drafts are mostly right."""
+    llm = LLM(tiny_llama_dir, dtype="float32", max_model_len=64, block_size=4, max_num_seqs=4,
+              max_num_batched_tokens=8, num_gpu_blocks_override=23, enable_prompt_embeds=True,
+              compilation_config={"cudagraph_capture_sizes": [4]},
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                  "prompt_lookup_min": 1, "prompt_lookup_max": 2})
+    engine = llm.llm_engine
+    runner = engine.engine_core.model_executor.model_runner  # type: ignore[attr-defined]
+    scheduler = engine.engine_core.scheduler
+    first = llm.generate(PROMPTS, _greedy(), use_tqdm=False)
+    hf = load_hf_model(tiny_llama_dir)
+    refs = [hf_greedy(hf, out.prompt_token_ids, MAX_TOKENS) for out in first]
+    assert_identical_greedy(first, refs)
+    assert scheduler.num_preemptions > 0
+    stats = engine.spec_decoding_stats
+    assert stats is not None and stats.num_drafts > 0  # the ngram proposer drafted
+
+    runner.spec.proposer = oracle = OracleProposer(
+        {tuple(_ids(o)): r.token_ids for o, r in zip(first, refs)}, 3)
+    before = stats.num_accepted_tokens
+    again = llm.generate(PROMPTS, _greedy(), use_tqdm=False)
+    assert any(o.num_cached_tokens > 0 for o in again)
+    assert_identical_greedy(again, refs)
+    assert oracle.calls > 0 and stats.num_accepted_tokens > before
+
+    embeds = [{"prompt_embeds": hf.get_input_embeddings()(torch.tensor(_ids(o))).detach()}
+              for o in first[:2]]
+    oracle.refs = {(0,) * len(_ids(o)): r.token_ids
+                   for o, r in zip(first[:2], refs[:2])}
+    assert_identical_greedy(llm.generate(embeds, _greedy(), use_tqdm=False), refs[:2])
+    assert "ids" in {kind for kind, _ in runner.graphs.replays}  # verification steps too
+
+    # Stop conditions cut inside an accepted run: max_tokens, and a stop id.
+    short = llm.generate(PROMPTS[1], _greedy(max_tokens=5), use_tqdm=False)[0]
+    assert short.outputs[0].token_ids == refs[1].token_ids[:5]
+    stop_at = refs[1].token_ids[6]
+    stopped = llm.generate(PROMPTS[1], _greedy(stop_token_ids=[stop_at]), use_tqdm=False)[0]
+    assert stopped.outputs[0].token_ids == refs[1].token_ids[:refs[1].token_ids.index(stop_at)
+                                                             + 1]
+    assert stopped.outputs[0].finish_reason == "stop"
+
+    metrics = {m.name: m for m in llm.get_metrics()}
+    drafted = metrics["vllm:spec_decode_num_draft_tokens"].value  # type: ignore[attr-defined]
+    accepted = metrics["vllm:spec_decode_num_accepted_tokens"].value  # type: ignore[attr-defined]
+    per_pos = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"].values  # type: ignore[attr-defined]
+    assert 0 < accepted < drafted and sum(per_pos) == accepted
+    assert per_pos == sorted(per_pos, reverse=True)
+
+    # Random sampling with a seed runs through verification and repeats itself.
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=MAX_TOKENS,
+                            ignore_eos=True, logprobs=1)
+    a, b = (llm.generate(PROMPTS[1], params, use_tqdm=False)[0].outputs[0] for _ in range(2))
+    assert a.token_ids == b.token_ids and len(a.token_ids) == MAX_TOKENS
+    assert a.logprobs is not None and len(a.logprobs) == MAX_TOKENS
+    assert all(t in lp for t, lp in zip(a.token_ids, a.logprobs))
