@@ -4,11 +4,15 @@ decoding end to end, and bad configurations refused."""
 
 from __future__ import annotations
 
+import json
+import os
+
 import numpy as np
 import pytest
 import torch
 
 from tests.hf_reference import assert_identical_greedy, hf_greedy, load_hf_model
+from tests.model_factory import make_tiny_model
 from vllm import LLM, SamplingParams
 from vllm.config import SpeculativeConfig
 from vllm.v1.sample.metadata import Penalties, SamplingMetadata
@@ -280,3 +284,69 @@ def test_ngram_greedy_identical_with_chunks_preemption_prefix_hits_embeds_graphs
     assert a.token_ids == b.token_ids and len(a.token_ids) == MAX_TOKENS
     assert a.logprobs is not None and len(a.logprobs) == MAX_TOKENS
     assert all(t in lp for t, lp in zip(a.token_ids, a.logprobs))
+
+
+# ---- the draft model -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def drafters(tmp_path_factory) -> dict[str, str]:
+    """Tiny drafters beside the tiny Llama: another random one with its vocabulary (one
+    layer), one of another hidden size, one of another vocabulary size."""
+    root = tmp_path_factory.mktemp("drafters")
+    return {
+        "random": make_tiny_model(str(root / "random"), "llama", seed=3, num_hidden_layers=1),
+        "narrow": make_tiny_model(str(root / "narrow"), "llama", seed=4, hidden_size=32,
+                                  intermediate_size=64),
+        "vocab": _with_vocab_size(make_tiny_model(str(root / "vocab"), "llama", seed=5), 800),
+    }
+
+
+def _with_vocab_size(path: str, vocab_size: int) -> str:
+    """The config claims another vocabulary size (refused before any weight is read)."""
+    config_path = os.path.join(path, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["vocab_size"] = vocab_size
+    with open(config_path, "w") as f:
+        json.dump(config, f)
+    return path
+
+
+def test_draft_model_greedy_identical(tiny_llama_dir, drafters):
+    """The target itself as drafter accepts every draft; a random drafter with the same
+    vocabulary mostly not. Both give transformers' greedy tokens, with chunked prefill,
+    preemptions, prefix hits and prompt embeds (the drafter reads the same rows)."""
+    hf = load_hf_model(tiny_llama_dir)
+    for drafter, all_accepted in ((tiny_llama_dir, True), (drafters["random"], False)):
+        llm = LLM(tiny_llama_dir, dtype="float32", max_model_len=64, block_size=4,
+                  max_num_seqs=4, max_num_batched_tokens=16, num_gpu_blocks_override=19,
+                  enable_prompt_embeds=True, enforce_eager=True,
+                  speculative_config={"method": "draft_model", "model": drafter,
+                                      "num_speculative_tokens": 3})
+        first = llm.generate(PROMPTS, _greedy(), use_tqdm=False)
+        refs = [hf_greedy(hf, _ids(out), MAX_TOKENS) for out in first]
+        assert_identical_greedy(first, refs)
+        if all_accepted:  # (the slow machine's budget: these once)
+            again = llm.generate(PROMPTS[1:2], _greedy(), use_tqdm=False)
+            assert again[0].num_cached_tokens > 0
+            assert_identical_greedy(again, refs[1:2])
+            embeds = [{"prompt_embeds": hf.get_input_embeddings()(torch.tensor(_ids(first[3])))
+                       .detach()}]
+            assert_identical_greedy(llm.generate(embeds, _greedy(), use_tqdm=False), refs[3:])
+        assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
+        stats = llm.llm_engine.spec_decoding_stats
+        assert stats is not None and stats.num_draft_tokens > 0
+        assert (stats.num_accepted_tokens == stats.num_draft_tokens) == all_accepted
+
+
+def test_bad_drafters_are_refused(tiny_llama_dir, drafters):
+    def build(drafter, **kwargs):
+        LLM(tiny_llama_dir, max_model_len=64, enforce_eager=True,
+            speculative_config={"method": "draft_model", "model": drafter,
+                                "num_speculative_tokens": 2}, **kwargs)
+
+    with pytest.raises(ValueError, match="vocabulary of 800 tokens.*share the target's"):
+        build(drafters["vocab"])
+    with pytest.raises(ValueError, match="cannot read prompt embeds: its hidden size is 32"):
+        build(drafters["narrow"], enable_prompt_embeds=True)

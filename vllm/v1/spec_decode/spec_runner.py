@@ -12,12 +12,13 @@ its drafts for the next step from the proposer.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
 from vllm.config import SpeculativeConfig, VllmConfig
+from vllm.v1.attention.backends.abstract import AttentionBackend
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.sample.metadata import SamplingMetadata
@@ -31,6 +32,17 @@ class Proposer(Protocol):
                      scheduler_output: SchedulerOutput) -> dict[int, list[int]]:
         """Drafts for the given batch rows (each's known tokens end with its newest)."""
         ...
+
+
+@runtime_checkable
+class _HasModel(Protocol):
+    """A proposer with a model of its own (the draft model)."""
+
+    def load_model(self) -> None: ...
+
+    def kv_cache_block_bytes(self) -> int: ...
+
+    def initialize_kv_cache(self, num_blocks: int) -> None: ...
 
 
 class NgramRowProposer:
@@ -51,12 +63,27 @@ class NgramRowProposer:
 
 
 class SpecDecodeRunner:
-    """Writes drafts into the batch, picks the positions to score, verifies and proposes."""
+    """Writes drafts into the batch, picks the positions to score, verifies and proposes.
+    A draft model's proposer also owns a model and a KV cache (loaded and sized here)."""
 
     def __init__(self, config: SpeculativeConfig, proposer: Proposer) -> None:
         self.config = config
         self.proposer = proposer
         self.rejection_sampler = RejectionSampler()
+
+    def load_model(self) -> None:
+        if isinstance(self.proposer, _HasModel):
+            self.proposer.load_model()
+
+    def kv_cache_block_bytes(self) -> int:
+        """The drafter's KV bytes per block (0 without a draft model)."""
+        if isinstance(self.proposer, _HasModel):
+            return self.proposer.kv_cache_block_bytes()
+        return 0
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        if isinstance(self.proposer, _HasModel):
+            self.proposer.initialize_kv_cache(num_blocks)
 
     @staticmethod
     def write_drafts(batch: InputBatch, scheduler_output: SchedulerOutput) -> None:
@@ -126,9 +153,15 @@ class SpecDecodeRunner:
         return [drafts.get(row, []) for row in range(batch.num_reqs)]
 
 
-def make_spec_runner(vllm_config: VllmConfig, device: torch.device) -> SpecDecodeRunner | None:
+def make_spec_runner(vllm_config: VllmConfig, backend: type[AttentionBackend],
+                     device: torch.device) -> SpecDecodeRunner | None:
     """The runner's speculative decoding, or None when `speculative_config` is unset."""
     config = vllm_config.speculative_config
     if config is None:
         return None
+    if config.method == "draft_model":
+        from vllm.v1.spec_decode.draft_model import DraftModelProposer
+
+        return SpecDecodeRunner(config, DraftModelProposer(
+            config, backend, vllm_config.cache_config.block_size, device))
     return SpecDecodeRunner(config, NgramRowProposer(config))

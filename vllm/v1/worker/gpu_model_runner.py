@@ -162,7 +162,8 @@ class GPUModelRunner:
         self.encoder_runner: EncoderRunner | None = None
         self.graphs: CompiledGraphs | CudaGraphs | None = None
         self.lora_manager: LoRAModelManager | None = None  # with enable_lora
-        self.spec: SpecDecodeRunner | None = make_spec_runner(vllm_config, device)
+        self.spec: SpecDecodeRunner | None = make_spec_runner(vllm_config, self.attn_backend,
+                                                              device)
         # Tests only: a step with a request whose prompt holds this token id raises.
         fail_id = os.environ.get("VLLM_TEST_FAIL_ON_TOKEN_ID")
         self.fail_on_token_id = int(fail_id) if fail_id else None
@@ -178,6 +179,8 @@ class GPUModelRunner:
             self.lora_manager = LoRAModelManager(
                 cast(nn.Module, model), lora_config, self.model_config.hf_config,
                 self._max_step_tokens(), self.device, self.dtype)
+        if self.spec is not None:
+            self.spec.load_model()
         if self.is_encoder_decoder:
             if not is_encoder_decoder(model):
                 raise TypeError(f"{type(model).__name__} is configured as an encoder/decoder "
@@ -205,7 +208,8 @@ class GPUModelRunner:
         per_layer = int(np.prod(self.attn_backend.get_kv_cache_shape(
             1, self.block_size, self.num_kv_heads, model_config.head_dim)))
         # A block id indexes one tensor per layer of a group (see kv_cache_groups).
-        return per_layer * group_size(self.kv_cache_groups) * self.dtype.itemsize
+        drafter = self.spec.kv_cache_block_bytes() if self.spec is not None else 0
+        return per_layer * group_size(self.kv_cache_groups) * self.dtype.itemsize + drafter
 
     def stage_output_specs(self) -> dict[str, OutputSpec]:
         """The per-token outputs kept beside the KV cache: the last hidden states when the
@@ -231,6 +235,8 @@ class GPUModelRunner:
         self._kv_block_dim = next(d for d, (a, b) in enumerate(zip(shape, bigger)) if a != b)
         self.stage_outputs = StageOutputCache(num_blocks, self.block_size,
                                               self.stage_output_specs())
+        if self.spec is not None:
+            self.spec.initialize_kv_cache(num_blocks)
 
     def capture_model(self) -> None:
         """Captures the forward graphs (see `graph_capture`), unless eager execution is

@@ -403,7 +403,8 @@ class Scheduler:
                     or (step.only is not None and request.request_id != step.only)):
                 index += 1
                 continue
-            while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
+            while (new_blocks := self.kv_cache_manager.allocate_slots(
+                    request, num_new + self._lookahead(request, num_new))) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
                 step.preempted.append(victim)
@@ -445,8 +446,9 @@ class Scheduler:
             encoder_cost = request.num_encoder_tokens if cross_hits is None else 0
             if encoder_cost > step.encoder_budget:
                 break
-            if self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks, num_hit,
-                                                     cross_hits) is None:
+            lookahead = self._lookahead(request, num_new, num_hit)
+            if self.kv_cache_manager.allocate_slots(request, num_new + lookahead, hit_blocks,
+                                                     num_hit, cross_hits) is None:
                 break
             if encoder_cost:
                 step.encoder_budget -= encoder_cost
@@ -480,6 +482,14 @@ class Scheduler:
         room = min(budget - 1, self.max_model_len - request.num_tokens,
                    request.max_tokens - request.num_output_tokens - 1)
         return drafts[:max(0, room)]
+
+    def _lookahead(self, request: Request, num_new: int, num_hit: int = 0) -> int:
+        """KV slots past a step's tokens for the drafts a draft model writes after it
+        (none where the step does not reach the end of the known tokens)."""
+        end = request.num_computed_tokens + num_hit + num_new
+        if not self.config.num_lookahead_tokens or end < request.num_tokens:
+            return 0
+        return max(0, min(self.config.num_lookahead_tokens, self.max_model_len - end))
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
