@@ -350,3 +350,24 @@ def test_bad_drafters_are_refused(tiny_llama_dir, drafters):
         build(drafters["vocab"])
     with pytest.raises(ValueError, match="cannot read prompt embeds: its hidden size is 32"):
         build(drafters["narrow"], enable_prompt_embeds=True)
+
+
+def test_structured_outputs_verify_drafts_against_the_grammar(tiny_llama_dir):
+    """Drafts the grammar forbids are dropped before verification; each verified position
+    is masked by the grammar after the drafts before it; outputs equal plain decoding's."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    params = SamplingParams(temperature=0, max_tokens=24, structured_outputs=(
+        StructuredOutputsParams(regex=r"(the quick brown fox ){3}[a-z ]{0,30}")))
+    prompts = PROMPTS[:2]
+    plain = LLM(tiny_llama_dir, dtype="float32", enforce_eager=True, max_model_len=128)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    del plain
+    spec = LLM(tiny_llama_dir, dtype="float32", enforce_eager=True, max_model_len=128,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                   "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    outputs = spec.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert all(o.outputs[0].text.startswith("the quick brown fox " * 3) for o in outputs)
+    stats = spec.llm_engine.spec_decoding_stats
+    assert stats is not None and stats.num_accepted_tokens > 0

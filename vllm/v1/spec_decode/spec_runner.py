@@ -145,11 +145,9 @@ class SpecDecodeRunner:
 
     def propose(self, batch: InputBatch, sampling_rows: np.ndarray,
                 scheduler_output: SchedulerOutput) -> list[list[int]]:
-        """Drafts for each batch row that sampled this step ([] for the others and for
-        requests under a grammar)."""
-        rows = [row for row in sampling_rows.tolist()
-                if batch.state(row).sampling_params.structured_outputs is None]
-        drafts = self.proposer.propose_rows(batch, rows, scheduler_output)
+        """Drafts for each batch row that sampled this step ([] for the others; the
+        scheduler keeps of a constrained request's drafts those its grammar allows)."""
+        drafts = self.proposer.propose_rows(batch, sampling_rows.tolist(), scheduler_output)
         return [drafts.get(row, []) for row in range(batch.num_reqs)]
 
 

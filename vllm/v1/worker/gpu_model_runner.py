@@ -539,14 +539,15 @@ class GPUModelRunner:
                                scheduler_output: SchedulerOutput) -> None:
         assert scheduler_output.grammar_bitmask is not None
         req_ids = self.input_batch.req_ids_in_order
-        logit_req_ids = [req_ids[row] for row in inputs.sampling_rows.tolist()]
-        if inputs.draft_layout is not None:  # constrained rows draft nothing: one row each
-            logit_req_ids = [logit_req_ids[row] if j == 0 else ""
-                             for row, j in zip(inputs.draft_layout.row_of_position.tolist(),
-                                               inputs.draft_layout.index_in_row.tolist())]
-        apply_grammar_bitmask(logits, logit_req_ids,
-                              scheduler_output.structured_output_request_ids,
-                              scheduler_output.grammar_bitmask)
+        logit_keys = [req_ids[row] for row in inputs.sampling_rows.tolist()]
+        mask_keys = scheduler_output.structured_output_request_ids
+        if inputs.draft_layout is not None:  # a key per verified position: (id, j)
+            layout = inputs.draft_layout
+            logit_keys = [f"{logit_keys[row]}\0{j}" for row, j in
+                          zip(layout.row_of_position.tolist(), layout.index_in_row.tolist())]
+            mask_keys = [f"{req_id}\0{j}" for req_id, j in
+                         zip(mask_keys, _occurrence_index(mask_keys))]
+        apply_grammar_bitmask(logits, logit_keys, mask_keys, scheduler_output.grammar_bitmask)
 
     def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
         return self.sampling_inputs.build(rows)
@@ -573,3 +574,12 @@ class GPUModelRunner:
         return ModelRunnerOutput(req_ids, dict(batch.req_id_to_index), sampled_token_ids,
                                  logprobs, finished_rows or {})
 
+
+def _occurrence_index(keys: list[str]) -> list[int]:
+    """How many times each key occurred before: ["a", "a", "b", "a"] -> [0, 1, 0, 2]."""
+    seen: dict[str, int] = {}
+    out = []
+    for key in keys:
+        out.append(seen.get(key, 0))
+        seen[key] = out[-1] + 1
+    return out

@@ -481,7 +481,16 @@ class Scheduler:
             return []
         room = min(budget - 1, self.max_model_len - request.num_tokens,
                    request.max_tokens - request.num_output_tokens - 1)
-        return drafts[:max(0, room)]
+        drafts = drafts[:max(0, room)]
+        grammar = request.grammar
+        if grammar is not None:  # only the drafts its grammar allows, in order
+            num_valid = 0
+            while num_valid < len(drafts) and grammar.accept_tokens([drafts[num_valid]]):
+                num_valid += 1
+            if num_valid:
+                grammar.rollback(num_valid)
+            drafts = drafts[:num_valid]
+        return drafts
 
     def _lookahead(self, request: Request, num_new: int, num_hit: int = 0) -> int:
         """KV slots past a step's tokens for the drafts a draft model writes after it
@@ -563,7 +572,9 @@ class Scheduler:
 
     def _grammar_bitmask(self, step: _Step) -> tuple[list[str], torch.Tensor | None]:
         """The constrained requests that sample this step (their scheduled tokens reach the
-        end of what they know) and their packed allowed-token masks, one row each."""
+        end of what they know) and their packed allowed-token masks, one row each, or with
+        drafts one per verified position (the request's id repeated; row j: after the
+        first j drafts)."""
         rows = []
         for req_id, num_new in step.num_scheduled.items():
             request = self.requests[req_id]
@@ -573,8 +584,10 @@ class Scheduler:
         if not rows:
             return [], None
         assert self.structured_output_manager is not None  # requests got grammars from it
-        bitmask = self.structured_output_manager.grammar_bitmask([r.grammar for r in rows])
-        return [r.request_id for r in rows], bitmask
+        drafts = [step.spec_tokens.get(r.request_id, []) for r in rows]
+        bitmask = self.structured_output_manager.grammar_bitmask([r.grammar for r in rows],
+                                                                 drafts)
+        return [r.request_id for r, d in zip(rows, drafts) for _ in range(1 + len(d))], bitmask
 
     def _take_grammar_failures(self) -> list[EngineCoreOutput]:
         failures, self.grammar_failures = self.grammar_failures, []
