@@ -371,3 +371,31 @@ def test_structured_outputs_verify_drafts_against_the_grammar(tiny_llama_dir):
     assert all(o.outputs[0].text.startswith("the quick brown fox " * 3) for o in outputs)
     stats = spec.llm_engine.spec_decoding_stats
     assert stats is not None and stats.num_accepted_tokens > 0
+
+
+def test_serve_flag_and_prometheus_counters(tiny_llama_dir):
+    from vllm.entrypoints.openai.serve_args import engine_args_from_namespace, make_parser
+    from vllm.v1.engine import SchedulerStats
+    from vllm.v1.metrics.prometheus import PrometheusStatLogger
+    from vllm.v1.spec_decode.metrics import SpecDecodingStats
+
+    args = make_parser().parse_args([tiny_llama_dir, "--speculative-config",
+                                     '{"method": "ngram", "num_speculative_tokens": 4}'])
+    assert engine_args_from_namespace(args).speculative_config == {
+        "method": "ngram", "num_speculative_tokens": 4}
+    with pytest.raises(SystemExit):
+        make_parser().parse_args([tiny_llama_dir, "--speculative-config", "[1]"])
+
+    stats = SpecDecodingStats.new(3)
+    stats.observe(3, 2)
+    stats.observe(2, 0)
+    logger = PrometheusStatLogger("m")
+    logger.record(SchedulerStats(spec_decoding=stats), None)
+    text = logger.render().decode()
+    for line in ('vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 2.0',
+                 'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 5.0',
+                 'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 2.0',
+                 'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",'
+                 'position="1"} 1.0'):
+        assert line in text, line
+    assert stats.acceptance_rate == 2 / 5 and stats.mean_acceptance_length == 2.0
