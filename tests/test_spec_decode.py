@@ -215,6 +215,11 @@ class OracleProposer:
         return drafts
 
 
+class NoDrafts:
+    def propose_rows(self, batch, rows, scheduler_output):
+        return {}
+
+
 def _ids(output) -> list[int]:
     assert output.prompt_token_ids is not None
     return output.prompt_token_ids
@@ -399,3 +404,27 @@ def test_serve_flag_and_prometheus_counters(tiny_llama_dir):
                  'position="1"} 1.0'):
         assert line in text, line
     assert stats.acceptance_rate == 2 / 5 and stats.mean_acceptance_length == 2.0
+
+
+def test_default_model_copy_prompt_identical(default_model_path):
+    """The default model answering from a passage in its prompt: prompt lookup drafts most
+    of the answer, and greedy outputs (float32) equal plain decoding's."""
+    passage = ("The lighthouse on Merrow Point was built in 1871 by the engineer Clara Voss. "
+               "It stands thirty-two metres tall and was automated in 1989. ")
+    prompt = [{"role": "user", "content": f"{passage}\nRepeat the text above exactly."}]
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=1)
+    spec = LLM(default_model_path, dtype="float32", enforce_eager=True, max_model_len=256,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                   "prompt_lookup_min": 2, "prompt_lookup_max": 4})
+    runner = spec.llm_engine.engine_core.model_executor.model_runner  # type: ignore[attr-defined]
+    ngram, runner.spec.proposer = runner.spec.proposer, NoDrafts()  # plain decoding first
+    expected = spec.chat(prompt, params, use_tqdm=False)[0].outputs[0]
+    stats = spec.llm_engine.spec_decoding_stats
+    assert stats is not None and stats.num_drafts == 0
+    runner.spec.proposer = ngram
+    got = spec.chat(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == expected.token_ids and got.text == expected.text
+    assert expected.logprobs is not None and got.logprobs is not None
+    for ours, theirs, token in zip(got.logprobs, expected.logprobs, got.token_ids):
+        assert abs(ours[token].logprob - theirs[token].logprob) < 1e-4
+    assert stats.num_accepted_tokens >= 8
