@@ -321,12 +321,15 @@ def _with_vocab_size(path: str, vocab_size: int) -> str:
 def test_draft_model_greedy_identical(tiny_llama_dir, drafters):
     """The target itself as drafter accepts every draft; a random drafter with the same
     vocabulary mostly not. Both give transformers' greedy tokens, with chunked prefill,
-    preemptions, prefix hits and prompt embeds (the drafter reads the same rows)."""
+    preemptions, prefix hits and prompt embeds (the drafter reads the same rows); the
+    second with graphs (the drafter's too)."""
     hf = load_hf_model(tiny_llama_dir)
     for drafter, all_accepted in ((tiny_llama_dir, True), (drafters["random"], False)):
+        graphs = {} if all_accepted else {"cudagraph_capture_sizes": [4]}
         llm = LLM(tiny_llama_dir, dtype="float32", max_model_len=64, block_size=4,
                   max_num_seqs=4, max_num_batched_tokens=16, num_gpu_blocks_override=19,
-                  enable_prompt_embeds=True, enforce_eager=True,
+                  enable_prompt_embeds=True, enforce_eager=all_accepted,
+                  compilation_config=graphs or None,
                   speculative_config={"method": "draft_model", "model": drafter,
                                       "num_speculative_tokens": 3})
         first = llm.generate(PROMPTS, _greedy(), use_tqdm=False)
@@ -343,6 +346,10 @@ def test_draft_model_greedy_identical(tiny_llama_dir, drafters):
         stats = llm.llm_engine.spec_decoding_stats
         assert stats is not None and stats.num_draft_tokens > 0
         assert (stats.num_accepted_tokens == stats.num_draft_tokens) == all_accepted
+        proposer = llm.llm_engine.engine_core.model_executor.model_runner.spec.proposer  # type: ignore[attr-defined]
+        assert (proposer.graphs is None) == all_accepted
+        if proposer.graphs is not None:
+            assert proposer.graphs.replays[("ids", 4)] > 0
 
 
 def test_bad_drafters_are_refused(tiny_llama_dir, drafters):

@@ -6,7 +6,8 @@ where the drafter's cache stops being valid to the newest token, one batched for
 and the drafter then proposes k tokens greedily, one batched single-token forward per
 further draft. Its KV slots are the target's (the same block table; the scheduler
 allocates `num_lookahead_tokens` slots past each step for the drafts it writes).
-Drafts are the drafter's argmax, so verification treats them as one-hot proposals.
+Drafts are the drafter's argmax, so verification treats them as one-hot proposals. On CPU
+the drafter's forward is compiled like the target's when the target captures graphs.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ import torch
 
 from vllm.config import ModelConfig, SpeculativeConfig
 from vllm.forward_context import set_forward_context
-from vllm.model_executor.models.interfaces import VllmModel
+from vllm.model_executor.models.interfaces import VllmModel, supports_graph_capture
 from vllm.v1.attention.backends.abstract import AttentionBackend, CommonAttentionMetadata
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.worker.graph_capture import CompiledGraphs
 from vllm.v1.worker.input_batch import CachedRequestState, InputBatch
 
 
@@ -90,6 +92,7 @@ class DraftModelProposer:
         self.k = spec.num_speculative_tokens
         self.backend, self.block_size, self.device = backend, block_size, device
         self.model: VllmModel | None = None
+        self.graphs: CompiledGraphs | None = None  # CPU graphs when the target has them
         self.kv_caches: list[torch.Tensor] = []
         self.states: dict[str, _DrafterState] = {}
 
@@ -97,6 +100,27 @@ class DraftModelProposer:
         from vllm.model_executor.model_loader.loader import get_model
 
         self.model = get_model(self.config, self.backend, self.device)
+
+    def capture_model(self, sizes: list[int], max_num_tokens: int) -> None:
+        """Compiles the drafter's forward like the target's (CPU graphs, `sizes`)."""
+        model = self.model
+        assert model is not None, "load_model() first"
+        if not supports_graph_capture(model):
+            return
+        config = self.config
+        self.graphs = CompiledGraphs(model, sizes, config.enable_prompt_embeds,
+                                     config.hidden_size, config.dtype, self.device,
+                                     max_num_tokens)
+        with torch.inference_mode():
+            self.graphs.capture(self._dummy_step)
+        for kv_cache in self.kv_caches:  # the dummy steps wrote K/V into the null block
+            kv_cache.zero_()
+
+    def _dummy_step(self, num_tokens: int, forward) -> None:
+        common = CommonAttentionMetadata.padding_decodes(num_tokens)
+        metadata = self.backend.build_metadata(common, self.block_size, self.device)
+        with set_forward_context(metadata, self.kv_caches):
+            forward()
 
     def _kv_shape(self, num_blocks: int) -> tuple[int, ...]:
         return tuple(self.backend.get_kv_cache_shape(num_blocks, self.block_size,
@@ -195,9 +219,14 @@ class DraftModelProposer:
         if tokens is None:
             inputs_embeds = self._embeds(model, batch, row_array[req_indices], positions,
                                          input_ids)
+        ids = None if inputs_embeds is not None else input_ids
+        positions_t = torch.from_numpy(positions).to(self.device)
         with set_forward_context(metadata, self.kv_caches):
-            hidden = model(None if inputs_embeds is not None else input_ids,
-                           torch.from_numpy(positions).to(self.device), inputs_embeds)
+            hidden = None
+            if self.graphs is not None:
+                hidden = self.graphs.run(ids, positions_t, inputs_embeds, common)
+            if hidden is None:
+                hidden = model(ids, positions_t, inputs_embeds)
         last = torch.from_numpy(cu - 1).to(self.device)
         return model.compute_logits(hidden[last]).float().argmax(dim=-1).tolist()
 

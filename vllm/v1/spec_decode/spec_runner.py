@@ -44,6 +44,8 @@ class _HasModel(Protocol):
 
     def initialize_kv_cache(self, num_blocks: int) -> None: ...
 
+    def capture_model(self, sizes: list[int], max_num_tokens: int) -> None: ...
+
 
 class NgramRowProposer:
     """Prompt lookup over each row's token-id table."""
@@ -84,6 +86,11 @@ class SpecDecodeRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         if isinstance(self.proposer, _HasModel):
             self.proposer.initialize_kv_cache(num_blocks)
+
+    def capture_model(self, sizes: list[int], max_num_tokens: int) -> None:
+        """The drafter's CPU graphs (called when the target captures its own)."""
+        if isinstance(self.proposer, _HasModel):
+            self.proposer.capture_model(sizes, max_num_tokens)
 
     @staticmethod
     def write_drafts(batch: InputBatch, scheduler_output: SchedulerOutput) -> None:

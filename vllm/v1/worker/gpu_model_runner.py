@@ -273,6 +273,8 @@ class GPUModelRunner:
                                          self._lora_state())
             with torch.inference_mode():
                 self.graphs.capture(self._dummy_step)
+            if self.spec is not None:  # a draft model's graphs (CPU)
+                self.spec.capture_model(sizes, scheduler_config.max_num_batched_tokens)
         for kv_cache in self.kv_caches:  # the dummy steps wrote K/V into the null block
             kv_cache.zero_()
 
