@@ -274,6 +274,17 @@ def test_ngram_greedy_identical_with_chunks_preemption_prefix_hits_embeds_graphs
     assert stopped.outputs[0].token_ids == refs[1].token_ids[:refs[1].token_ids.index(stop_at)
                                                              + 1]
     assert stopped.outputs[0].finish_reason == "stop"
+    # A stop string completed inside an accepted run: the same tokens, text and logprobs as
+    # plain decoding (the same engine without drafts).
+    stop_str = llm.get_tokenizer().decode(refs[1].token_ids[5:7]).strip()
+    params = _greedy(stop=[stop_str])
+    with_drafts = llm.generate(PROMPTS[1], params, use_tqdm=False)[0].outputs[0]
+    runner.spec.proposer = NoDrafts()
+    plain = llm.generate(PROMPTS[1], params, use_tqdm=False)[0].outputs[0]
+    runner.spec.proposer = oracle
+    assert plain.finish_reason == "stop" and len(plain.token_ids) < MAX_TOKENS
+    assert (with_drafts.token_ids, with_drafts.text) == (plain.token_ids, plain.text)
+    assert with_drafts.logprobs is not None and len(with_drafts.logprobs) == len(plain.token_ids)
 
     metrics = {m.name: m for m in llm.get_metrics()}
     drafted = metrics["vllm:spec_decode_num_draft_tokens"].value  # type: ignore[attr-defined]
