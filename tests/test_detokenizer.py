@@ -287,3 +287,17 @@ def test_output_processor_defers_only_final_only_outputs_without_stop_strings(
         processor.add_request(req_id, None, [1, 2], 2, params)
     modes = {r: s.detokenizer.incremental for r, s in processor.request_states.items()}
     assert modes == {"final": False, "final-stop": True, "delta": True}
+
+
+def test_stop_string_inside_a_multi_token_update_drops_the_tokens_after_it(
+        tokenizer: Any) -> None:
+    """Speculative decoding delivers several tokens at once: the run is cut at the token
+    that completes the stop string, as one-token updates would have stopped there."""
+    ids = encode(tokenizer, STOP_TEXT)
+    one = detok(tokenizer, stop=["STOP"])
+    _, fed = feed_until_stop(one, ids)
+    assert fed < len(ids)
+    several = detok(tokenizer, stop=["STOP"])
+    assert several.update(ids, stop_terminated=False) == "STOP"
+    assert several.token_ids == ids[:fed] == one.token_ids
+    assert several.output_text == one.output_text == "Hello world. "

@@ -180,6 +180,10 @@ class SchedulerConfig:
     max_num_encoder_input_tokens: int = 2048
     # LoRA: distinct adapters one step may hold (the slots); None: LoRA is off.
     max_loras: int | None = None
+    # Speculative decoding: drafts a request verifies per step (k; 0: off), and KV slots
+    # allocated past a step's tokens for a draft model's proposals.
+    num_spec_tokens: int = 0
+    num_lookahead_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,6 +261,78 @@ class CompilationConfig:
                          f"got {type(value).__name__}.")
 
 
+SPEC_METHODS: tuple[str, ...] = ("ngram", "draft_model")
+_SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+              "model", "quantization")
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config`: `method` "ngram" (drafts copied from the request's own
+    context: the longest suffix n-gram, `prompt_lookup_max` down to `prompt_lookup_min`
+    tokens, found earlier in it) or "draft_model" (`model`, a smaller model or the same
+    one quantized harder, optionally with its own `quantization`), each proposing
+    `num_speculative_tokens` (k) tokens a step, verified in one forward of the target."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 0  # ngram only
+    prompt_lookup_max: int = 0
+    model: str | None = None  # draft_model only: the drafter's path
+    quantization: str | None = None
+    # draft_model: the drafter's resolved config (set by `EngineArgs`).
+    draft_model_config: ModelConfig | None = None
+
+    @staticmethod
+    def from_user(value: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:
+        """Checks a user's dict with vLLM's rules (k >= 1; ngram lookup sizes >= 1 with
+        min <= max, one given alone sets both, neither: 5 and 5)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError("speculative_config must be a dict such as {\"method\": "
+                             "\"ngram\", \"num_speculative_tokens\": 3}, got "
+                             f"{type(value).__name__}.")
+        unknown = sorted(set(value) - set(_SPEC_KEYS))
+        if unknown:
+            raise ValueError(f"Unknown speculative_config keys: {unknown}; known: "
+                             f"{', '.join(_SPEC_KEYS)}.")
+        method = value.get("method") or ("draft_model" if value.get("model") else None)
+        if method not in SPEC_METHODS:
+            raise ValueError(f"Unknown speculative_config method {method!r}; choose one of "
+                             f"{', '.join(SPEC_METHODS)}.")
+        k = _positive_int(value.get("num_speculative_tokens"), "num_speculative_tokens")
+        if method == "draft_model":
+            if not value.get("model"):
+                raise ValueError("speculative_config method 'draft_model' needs 'model': "
+                                 "the drafter's path.")
+            for key in ("prompt_lookup_min", "prompt_lookup_max"):
+                if value.get(key) is not None:
+                    raise ValueError(f"speculative_config {key} is for method 'ngram', not "
+                                     "'draft_model'.")
+            return SpeculativeConfig(method, k, model=value["model"],
+                                     quantization=value.get("quantization"))
+        for key in ("model", "quantization"):
+            if value.get(key) is not None:
+                raise ValueError(f"speculative_config {key} is for method 'draft_model', not "
+                                 "'ngram'.")
+        lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        if lo is None and hi is None:
+            lo = hi = 5
+        lo = _positive_int(hi if lo is None else lo, "prompt_lookup_min")
+        hi = _positive_int(lo if hi is None else hi, "prompt_lookup_max")
+        if lo > hi:
+            raise ValueError(f"speculative_config prompt_lookup_min ({lo}) must be <= "
+                             f"prompt_lookup_max ({hi}).")
+        return SpeculativeConfig(method, k, prompt_lookup_min=lo, prompt_lookup_max=hi)
+
+
+def _positive_int(value: object, name: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"speculative_config {name} must be an integer >= 1, got {value!r}.")
+    return value
+
+
 @dataclass(slots=True)
 class VllmConfig:
     model_config: ModelConfig
@@ -266,6 +342,7 @@ class VllmConfig:
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     lora_config: LoRAConfig | None = None  # None: LoRA is off
+    speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
 
 
 def default_device() -> str:

@@ -18,6 +18,7 @@ from vllm.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     VllmConfig,
     default_device,
     resolve_dtype,
@@ -69,6 +70,8 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Speculative decoding (vLLM's dict: method "ngram" or "draft_model", ...).
+    speculative_config: SpeculativeConfig | dict | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -88,14 +91,18 @@ class EngineArgs:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
 
     def _check_quantization(self, device: str, model: str) -> None:
-        if self.quantization is None:
+        self._check_quantization_of(self.quantization, device, model)
+
+    @staticmethod
+    def _check_quantization_of(quantization: str | None, device: str, model: str) -> None:
+        if quantization is None:
             return
-        if self.quantization not in QUANTIZATION_METHODS:
-            raise ValueError(f"Unknown quantization {self.quantization!r}; choose one of "
+        if quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"Unknown quantization {quantization!r}; choose one of "
                              f"{', '.join(QUANTIZATION_METHODS)}.")
         if device != "cpu":
-            raise ValueError(f"quantization={self.quantization!r} runs on CPU only.")
-        if self.quantization == "gguf" and not model.endswith(".gguf"):
+            raise ValueError(f"quantization={quantization!r} runs on CPU only.")
+        if quantization == "gguf" and not model.endswith(".gguf"):
             raise ValueError("quantization='gguf' keeps a GGUF file's quantized tensors; "
                              f"{model!r} is not a .gguf file.")
 
@@ -225,9 +232,40 @@ class EngineArgs:
         lora_config = self._lora_config(model_config)
         if lora_config is not None:
             scheduler_config.max_loras = lora_config.max_loras
+        spec = self._speculative_config(model_config, scheduler_config, parallel_config, device)
+        if spec is not None:
+            scheduler_config.num_spec_tokens = spec.num_speculative_tokens
+            if spec.method == "draft_model":
+                scheduler_config.num_lookahead_tokens = spec.num_speculative_tokens
         return VllmConfig(model_config, cache_config, scheduler_config, DeviceConfig(device),
                           CompilationConfig.from_user(self.compilation_config),
-                          parallel_config, lora_config)
+                          parallel_config, lora_config, spec)
+
+    def _speculative_config(self, model_config: ModelConfig, scheduler_config: SchedulerConfig,
+                            parallel_config: ParallelConfig, device: str
+                            ) -> SpeculativeConfig | None:
+        spec = SpeculativeConfig.from_user(self.speculative_config)
+        if spec is None:
+            return None
+        k = spec.num_speculative_tokens
+        if 1 + k > scheduler_config.max_num_batched_tokens or k >= model_config.max_model_len:
+            raise ValueError(
+                f"speculative_config num_speculative_tokens={k} is out of range: a "
+                f"verification step of 1 + k tokens must fit max_num_batched_tokens="
+                f"{scheduler_config.max_num_batched_tokens} and k must be below "
+                f"max_model_len={model_config.max_model_len}.")
+        if model_config.is_encoder_decoder:
+            raise ValueError("speculative_config: speculative decoding is supported on "
+                             "decoder-only models, not encoder/decoder ones.")
+        if spec.method == "draft_model":
+            from vllm.v1.spec_decode.draft_model import draft_model_config
+
+            if parallel_config.tensor_parallel_size > 1:
+                raise ValueError("speculative_config method 'draft_model' runs with "
+                                 "tensor_parallel_size=1 only; 'ngram' works with any.")
+            self._check_quantization_of(spec.quantization, device, spec.model or "")
+            spec.draft_model_config = draft_model_config(spec, model_config)
+        return spec
 
 
 def max_decoder_positions(hf_config) -> int:

@@ -19,6 +19,7 @@ from vllm.sampling_params import (
     SamplingParams,
 )
 from vllm.v1.engine.llm_engine import LLMEngine
+from vllm.v1.metrics.reader import Metric
 
 
 class LLM:
@@ -41,6 +42,12 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
+
+    def get_metrics(self) -> list[Metric]:
+        """Metric snapshots since start, as vLLM v1's `LLM.get_metrics()`: with
+        speculative decoding, `vllm:spec_decode_num_drafts`, `..._num_draft_tokens`,
+        `..._num_accepted_tokens` (Counter) and `..._num_accepted_tokens_per_pos` (Vector)."""
+        return self.llm_engine.get_metrics()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """`SamplingParams()` with the model's generation_config.json defaults (temperature,

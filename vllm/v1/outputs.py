@@ -40,6 +40,21 @@ class ModelRunnerOutput:
     # Finished requests' rows (`SchedulerOutput.rows_to_gather`):
     # req_id -> [num_rows, hidden_size] in the model dtype, CPU.
     hidden_states: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Speculative decoding: each request's drafts for its next step ([] for none), and
+    # where its rows of `logprobs` start (one row per sampled token; [num_reqs + 1]);
+    # None: `logprobs` has one row per request.
+    spec_token_ids: list[list[int]] | None = None
+    logprob_starts: list[int] | None = None
+
+    def logprobs_of(self, index: int) -> LogprobsLists | None:
+        """The logprobs rows of request `index`'s sampled tokens."""
+        lp = self.logprobs
+        if lp is None:
+            return None
+        start, end = ((index, index + 1) if self.logprob_starts is None
+                      else self.logprob_starts[index:index + 2])
+        return LogprobsLists(lp.token_ids[start:end], lp.logprobs[start:end],
+                             lp.ranks[start:end])
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput([], {}, [], None)

@@ -115,6 +115,8 @@ class Request:
         # this request in full at its next schedule (its tokens changed behind the runner's
         # back: a beam's chosen token is not the one the runner sampled).
         self.beam_group: Any = None
+        # Speculative decoding: drafts of the next tokens, verified at the next schedule.
+        self.spec_token_ids: list[int] = []
         self.resend_in_full = False
         self.block_hashes: list[bytes] = []
         self._block_hasher = block_hasher

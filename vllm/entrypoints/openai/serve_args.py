@@ -127,6 +127,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--compilation-config", "-O", type=compilation_config_arg,
                         default=None, help="graph capture: a JSON object such as "
                         "'{\"cudagraph_capture_sizes\": [1, 2, 4, 8]}', or a level (0: eager)")
+    engine.add_argument("--speculative-config", type=json_object_arg, default=None,
+                        help="speculative decoding: a JSON object such as '{\"method\": "
+                        "\"ngram\", \"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4}' or "
+                        "'{\"method\": \"draft_model\", \"model\": PATH, "
+                        "\"num_speculative_tokens\": 3}'")
     engine.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     _add_parallel_args(engine)
 
@@ -249,6 +254,7 @@ def engine_args_from_namespace(args: argparse.Namespace) -> EngineArgs:
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras,
+        speculative_config=args.speculative_config,
     )
 
 
@@ -262,6 +268,17 @@ def compilation_config_arg(text: str) -> dict | int:
         raise argparse.ArgumentTypeError(f"not a level or a JSON object: {e}") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("must be a level or a JSON object")
+    return value
+
+
+def json_object_arg(text: str) -> dict:
+    """A JSON object given on the command line (`--speculative-config`)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not a JSON object: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
     return value
 
 

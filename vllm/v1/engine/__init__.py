@@ -12,6 +12,7 @@ import torch
 from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
 from vllm.v1.outputs import LogprobsLists
+from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
 
 class FinishReason(enum.IntEnum):
@@ -165,6 +166,8 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # tokens looked up this step
     prefix_cache_hits: int = 0  # tokens found this step
     num_preemptions: int = 0
+    # Speculative decoding: this step's verifications (None: none this step).
+    spec_decoding: SpecDecodingStats | None = None
 
 
 @dataclass(slots=True)

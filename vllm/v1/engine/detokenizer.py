@@ -46,8 +46,10 @@ class IncrementalDetokenizer:
         """Appends tokens and decodes them; returns the stop string matched, if any.
 
         `stop_terminated`: the last token ended the request (EOS / stop token id); its
-        text is not added.
+        text is not added. Several tokens at once (speculative decoding) are checked one
+        by one: a stop string completed by one of them drops the tokens after it.
         """
+        num_before = len(self.token_ids)
         self.token_ids.extend(new_token_ids)
         if self.tokenizer is None:
             return None
@@ -57,10 +59,15 @@ class IncrementalDetokenizer:
             self.tokens.extend(decode_ids)
             return None
         start = len(self.output_text)
-        for token_id in decode_ids:
+        for i, token_id in enumerate(decode_ids):
             self.tokens.append(token_id)
             self.output_text += self._decode_next()
-        return self._check_stop(start)
+            if i + 1 < len(new_token_ids):
+                stop = self._check_stop(start, num_before + i + 1)
+                if stop is not None:
+                    del self.token_ids[num_before + i + 1:]
+                    return stop
+        return self._check_stop(start, len(self.token_ids))
 
     def _decode_next(self) -> str:
         prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
@@ -84,8 +91,8 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def _check_stop(self, new_text_start: int) -> str | None:
-        if not self.stop or len(self.token_ids) <= self.min_tokens:
+    def _check_stop(self, new_text_start: int, num_tokens: int) -> str | None:
+        if not self.stop or num_tokens <= self.min_tokens:
             return None
         search_from = max(0, new_text_start - self.stop_buffer_length)
         best: tuple[int, str] | None = None

@@ -11,6 +11,8 @@ from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.engine.front_end import build_front_end, fan_out, register_request
+from vllm.v1.metrics.reader import Metric, spec_decode_metrics
+from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
 
 class LLMEngine:
@@ -28,6 +30,10 @@ class LLMEngine:
         self.tokenizer, self.processor, self.output_processor = build_front_end(
             vllm_config.model_config, vllm_config.lora_config)
         self.engine_core = EngineCore(vllm_config, self.processor.grammar_compiler)
+        spec = vllm_config.speculative_config
+        # Speculative decoding's counts since start (None: it is off).
+        self.spec_decoding_stats = (None if spec is None
+                                    else SpecDecodingStats.new(spec.num_speculative_tokens))
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -51,6 +57,10 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs = self.engine_core.step()
+        stats = outputs.scheduler_stats
+        if (self.spec_decoding_stats is not None and stats is not None
+                and stats.spec_decoding is not None):
+            self.spec_decoding_stats.add(stats.spec_decoding)
         ready, reqs_to_stop = self.output_processor.process_outputs(outputs)
         if reqs_to_stop:
             self.engine_core.stop_requests(reqs_to_stop)
@@ -68,6 +78,13 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's offline metrics: speculative decoding's counters (when it is on)."""
+        if self.spec_decoding_stats is None:
+            return []
+        labels = {"model_name": self.vllm_config.model_config.name, "engine": "0"}
+        return spec_decode_metrics(self.spec_decoding_stats, labels)
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer

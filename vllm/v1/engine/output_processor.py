@@ -147,7 +147,9 @@ class OutputProcessor:
                         reqs_to_stop: list[str]) -> RequestOutput | None:
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
         state.num_cached_tokens = out.num_cached_tokens
+        num_before = len(state.detokenizer.token_ids)
         stop_str = state.detokenizer.update(out.new_token_ids, finish_reason == FinishReason.STOP)
+        num_kept = len(state.detokenizer.token_ids) - num_before  # cut at a stop string
         if stop_str is not None:
             if finish_reason is None:  # the engine core still runs it
                 reqs_to_stop.append(out.request_id)
@@ -155,7 +157,7 @@ class OutputProcessor:
         elif finish_reason is not None:
             state.detokenizer.flush()
         if out.new_logprobs is not None and state.logprobs is not None:
-            self._append_logprobs(state, out.new_logprobs)
+            self._append_logprobs(state, out.new_logprobs, num_kept)
         if finish_reason is None:
             return self._make_request_output(state, None, None)
         if out.finish_reason is None and state.params.return_hidden_states:
@@ -213,12 +215,14 @@ class OutputProcessor:
         if state.parent is None:
             self.live_ids.pop(state.external_id, None)
 
-    def _append_logprobs(self, state: RequestState, lp: LogprobsLists) -> None:
+    def _append_logprobs(self, state: RequestState, lp: LogprobsLists,
+                         num_rows: int | None = None) -> None:
         # Both are set when logprobs were asked for (the only states this is called for).
         assert state.logprobs is not None and state.cumulative_logprob is not None
         k = state.params.logprobs or 0
         detok = state.detokenizer
-        for token_ids, values, rank in zip(lp.token_ids, lp.logprobs, lp.ranks):
+        for token_ids, values, rank in zip(lp.token_ids[:num_rows], lp.logprobs[:num_rows],
+                                           lp.ranks[:num_rows]):
             entry = {token_ids[0]: Logprob(values[0], rank, detok.decode_token(token_ids[0]))}
             for r, (tid, value) in enumerate(zip(token_ids[1:k + 1], values[1:k + 1]), 1):
                 if tid not in entry:

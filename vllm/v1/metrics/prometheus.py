@@ -37,6 +37,10 @@ class _EngineMetrics:
         self.ttft = families["ttft"].labels(*label)
         self.itl = families["itl"].labels(*label)
         self.e2e = families["e2e"].labels(*label)
+        self.spec_drafts = families["spec_drafts"].labels(*label)
+        self.spec_draft_tokens = families["spec_draft_tokens"].labels(*label)
+        self.spec_accepted = families["spec_accepted"].labels(*label)
+        self.spec_accepted_per_pos = [families["spec_accepted_per_pos"], label]
         # The core reports preemptions as a running total; the hit rate is since start.
         self.queries = self.hits = self.num_preemptions = 0
 
@@ -83,6 +87,17 @@ class PrometheusStatLogger:
                              names, buckets=_ITL_BUCKETS, registry=reg),
             "e2e": Histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.",
                              names, buckets=_E2E_BUCKETS, registry=reg),
+            # Speculative decoding (prometheus_client adds the `_total` suffix).
+            "spec_drafts": Counter("vllm:spec_decode_num_drafts",
+                                   "Verifications of drafted tokens (a request's in a step).",
+                                   names, registry=reg),
+            "spec_draft_tokens": Counter("vllm:spec_decode_num_draft_tokens",
+                                         "Drafted tokens verified.", names, registry=reg),
+            "spec_accepted": Counter("vllm:spec_decode_num_accepted_tokens",
+                                     "Drafted tokens accepted.", names, registry=reg),
+            "spec_accepted_per_pos": Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                             "Drafted tokens accepted, by draft position.",
+                                             [*names, "position"], registry=reg),
         }
         self.engines = [_EngineMetrics(families, model_name, i) for i in range(num_engines)]
         self._add_audio_metrics(model_name)
@@ -128,6 +143,14 @@ class PrometheusStatLogger:
         series.queries += stats.prefix_cache_queries
         series.hits += stats.prefix_cache_hits
         series.hit_rate.set(series.hits / series.queries if series.queries else 0.0)
+        spec = stats.spec_decoding
+        if spec is not None:
+            series.spec_drafts.inc(spec.num_drafts)
+            series.spec_draft_tokens.inc(spec.num_draft_tokens)
+            series.spec_accepted.inc(spec.num_accepted_tokens)
+            family, label = series.spec_accepted_per_pos
+            for position, n in enumerate(spec.num_accepted_tokens_per_pos):
+                family.labels(*label, str(position)).inc(n)
         if stats.num_preemptions > series.num_preemptions:
             series.preemptions.inc(stats.num_preemptions - series.num_preemptions)
             series.num_preemptions = stats.num_preemptions

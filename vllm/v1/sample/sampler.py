@@ -35,23 +35,11 @@ class Sampler(nn.Module):
                 and not metadata.min_tokens_blocked and not metadata.allowed_token_ids
                 and metadata.penalties is None):
             return SamplerOutput(greedy_tokens(logits), None)
-        model_logits, logits = logits, logits.float()  # a copy unless already float32
         num_logprobs = metadata.max_num_logprobs
         raw_logprobs = None
         if num_logprobs is not None:
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
-        if (metadata.min_tokens_blocked or metadata.allowed_token_ids) \
-                and logits is model_logits:
-            logits = logits.clone()  # the caller's logits stay untouched
-        for row, allowed in metadata.allowed_token_ids.items():
-            kept = logits[row, allowed]
-            logits[row] = float("-inf")
-            logits[row, allowed] = kept
-        for row, token_ids in metadata.min_tokens_blocked.items():
-            logits[row, token_ids] = float("-inf")
-        if metadata.penalties is not None:
-            logits = apply_penalties(logits, metadata.penalties)
-        sampled = self.sample(logits, metadata)
+            raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
+        sampled = self.sample(process_logits(logits, metadata), metadata)
         logprobs = None
         if raw_logprobs is not None and num_logprobs is not None:
             logprobs = gather_logprobs(raw_logprobs, sampled, num_logprobs)
@@ -61,17 +49,41 @@ class Sampler(nn.Module):
         greedy = logits.argmax(dim=-1)
         if metadata.all_greedy:
             return greedy
-        temperature = torch.where(metadata.temperature > 0, metadata.temperature, 1.0)
-        logits = logits / temperature[:, None]
-        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
-        probs = logits.softmax(dim=-1, dtype=torch.float32)
-        if metadata.min_p is not None:
-            max_p = probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < metadata.min_p[:, None] * max_p, 0.0)
+        probs = sampling_probs(logits, metadata)
         random = inverse_cdf_sample(probs, draw_uniforms(probs.shape[0], metadata.generators))
         if metadata.all_random:
             return random
         return torch.where(metadata.temperature > 0, random, greedy)
+
+
+def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """allowed_token_ids and min_tokens masks, then penalties, on a float32 copy (the
+    caller's logits stay untouched)."""
+    model_logits, logits = logits, logits.float()  # a copy unless already float32
+    if (metadata.min_tokens_blocked or metadata.allowed_token_ids) and logits is model_logits:
+        logits = logits.clone()
+    for row, allowed in metadata.allowed_token_ids.items():
+        kept = logits[row, allowed]
+        logits[row] = float("-inf")
+        logits[row, allowed] = kept
+    for row, token_ids in metadata.min_tokens_blocked.items():
+        logits[row, token_ids] = float("-inf")
+    if metadata.penalties is not None:
+        logits = apply_penalties(logits, metadata.penalties)
+    return logits
+
+
+def sampling_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """The distribution random rows sample from: temperature (greedy rows at 1), top-k,
+    top-p, softmax, min-p. Rows are not renormalised after min-p."""
+    temperature = torch.where(metadata.temperature > 0, metadata.temperature, 1.0)
+    logits = logits / temperature[:, None]
+    logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+    probs = logits.softmax(dim=-1, dtype=torch.float32)
+    if metadata.min_p is not None:
+        max_p = probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < metadata.min_p[:, None] * max_p, 0.0)
+    return probs
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:

@@ -95,12 +95,25 @@ class StructuredOutputManager:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         return self._pool.submit(self.compiler.new_matcher, params)
 
-    def grammar_bitmask(self, grammars: list[StructuredOutputGrammar]) -> torch.Tensor:
+    def grammar_bitmask(self, grammars: list[StructuredOutputGrammar],
+                        drafts: list[list[int]] | None = None) -> torch.Tensor:
         """The packed masks of the step's constrained sampling rows, in order:
-        [len(grammars), ceil(vocab_size / 32)] int32."""
-        bitmask = torch.empty(len(grammars), (self.vocab_size + 31) // 32, dtype=torch.int32)
-        for row, grammar in enumerate(grammars):
-            grammar.fill_bitmask(bitmask, row)
+        [len(grammars) + drafted tokens, ceil(vocab_size / 32)] int32. A grammar with
+        drafts (speculative decoding; each one it allows) gets a row per position: its
+        mask after 0, 1, ..., k drafts (advanced over them, then rolled back)."""
+        drafts = drafts or [[] for _ in grammars]
+        num_rows = sum(1 + len(d) for d in drafts)
+        bitmask = torch.empty(num_rows, (self.vocab_size + 31) // 32, dtype=torch.int32)
+        row = 0
+        for grammar, tokens in zip(grammars, drafts):
+            for j in range(len(tokens) + 1):
+                grammar.fill_bitmask(bitmask, row)
+                row += 1
+                if j < len(tokens):
+                    accepted = grammar.accept_tokens([tokens[j]])
+                    assert accepted  # the scheduler kept only the drafts it allows
+            if tokens:
+                grammar.rollback(len(tokens))
         return bitmask
 
     def shutdown(self) -> None:

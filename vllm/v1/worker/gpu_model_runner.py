@@ -31,6 +31,8 @@ from vllm.v1.engine import EmbedsLayout
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler, SamplerOutput
+from vllm.v1.spec_decode.rejection_sampler import DraftLayout
+from vllm.v1.spec_decode.spec_runner import SpecDecodeRunner, make_spec_runner
 from vllm.v1.structured_output.bitmask import apply_grammar_bitmask
 from vllm.v1.worker.block_table import mask_out_of_window
 from vllm.v1.worker.encoder_runner import EncoderRunner
@@ -114,6 +116,9 @@ class ModelInputs(NamedTuple):
     slot_mapping: np.ndarray  # [num_tokens] int64 KV slot of each token (group 0)
     logits_indices: torch.Tensor  # [num_sampling_reqs] int64
     sampling_rows: np.ndarray  # [num_sampling_reqs] batch rows that sample this step
+    # Speculative decoding: the sampling rows' drafts (logits_indices then hold 1 + k
+    # positions per row); None in a step without drafts.
+    draft_layout: DraftLayout | None
     common: CommonAttentionMetadata  # the step's batch layout (for CUDA graph buffers)
 
 
@@ -157,6 +162,8 @@ class GPUModelRunner:
         self.encoder_runner: EncoderRunner | None = None
         self.graphs: CompiledGraphs | CudaGraphs | None = None
         self.lora_manager: LoRAModelManager | None = None  # with enable_lora
+        self.spec: SpecDecodeRunner | None = make_spec_runner(vllm_config, self.attn_backend,
+                                                              device)
         # Tests only: a step with a request whose prompt holds this token id raises.
         fail_id = os.environ.get("VLLM_TEST_FAIL_ON_TOKEN_ID")
         self.fail_on_token_id = int(fail_id) if fail_id else None
@@ -172,6 +179,8 @@ class GPUModelRunner:
             self.lora_manager = LoRAModelManager(
                 cast(nn.Module, model), lora_config, self.model_config.hf_config,
                 self._max_step_tokens(), self.device, self.dtype)
+        if self.spec is not None:
+            self.spec.load_model()
         if self.is_encoder_decoder:
             if not is_encoder_decoder(model):
                 raise TypeError(f"{type(model).__name__} is configured as an encoder/decoder "
@@ -199,7 +208,8 @@ class GPUModelRunner:
         per_layer = int(np.prod(self.attn_backend.get_kv_cache_shape(
             1, self.block_size, self.num_kv_heads, model_config.head_dim)))
         # A block id indexes one tensor per layer of a group (see kv_cache_groups).
-        return per_layer * group_size(self.kv_cache_groups) * self.dtype.itemsize
+        drafter = self.spec.kv_cache_block_bytes() if self.spec is not None else 0
+        return per_layer * group_size(self.kv_cache_groups) * self.dtype.itemsize + drafter
 
     def stage_output_specs(self) -> dict[str, OutputSpec]:
         """The per-token outputs kept beside the KV cache: the last hidden states when the
@@ -225,6 +235,8 @@ class GPUModelRunner:
         self._kv_block_dim = next(d for d, (a, b) in enumerate(zip(shape, bigger)) if a != b)
         self.stage_outputs = StageOutputCache(num_blocks, self.block_size,
                                               self.stage_output_specs())
+        if self.spec is not None:
+            self.spec.initialize_kv_cache(num_blocks)
 
     def capture_model(self) -> None:
         """Captures the forward graphs (see `graph_capture`), unless eager execution is
@@ -261,6 +273,8 @@ class GPUModelRunner:
                                          self._lora_state())
             with torch.inference_mode():
                 self.graphs.capture(self._dummy_step)
+            if self.spec is not None:  # a draft model's graphs (CPU)
+                self.spec.capture_model(sizes, scheduler_config.max_num_batched_tokens)
         for kv_cache in self.kv_caches:  # the dummy steps wrote K/V into the null block
             kv_cache.zero_()
 
@@ -300,9 +314,20 @@ class GPUModelRunner:
         self.stage_outputs.write(inputs.slot_mapping, hidden_states=hidden_states)
         logits = model.compute_logits(hidden_states[inputs.logits_indices])
         if scheduler_output.grammar_bitmask is not None:
-            self._apply_grammar_bitmask(logits, inputs.sampling_rows, scheduler_output)
-        sampler_output = self.sampler(logits, self._sampling_metadata(inputs.sampling_rows))
-        return self._bookkeep(inputs.sampling_rows, sampler_output, finished_rows)
+            self._apply_grammar_bitmask(logits, inputs, scheduler_output)
+        metadata = self._sampling_metadata(inputs.sampling_rows)
+        if inputs.draft_layout is not None:
+            assert self.spec is not None  # drafts are scheduled only with it
+            output = self.spec.verify(logits, metadata, inputs.draft_layout, self.input_batch,
+                                      inputs.sampling_rows)
+            output.hidden_states = finished_rows or {}
+        else:
+            output = self._bookkeep(inputs.sampling_rows, self.sampler(logits, metadata),
+                                    finished_rows)
+        if self.spec is not None:
+            output.spec_token_ids = self.spec.propose(self.input_batch, inputs.sampling_rows,
+                                                      scheduler_output)
+        return output
 
     def _run_model(self, model: VllmModel, inputs: ModelInputs) -> torch.Tensor:
         """The one place that picks a captured graph (when one fits the step) or eager."""
@@ -362,6 +387,8 @@ class GPUModelRunner:
         batch.condense()
         for state in to_add:
             batch.add_request(state)
+        if self.spec is not None:
+            self.spec.write_drafts(batch, scheduler_output)
 
     def drop_requests(self, req_ids: list[str]) -> None:
         """Forgets the batch rows of a failed step's requests (the scheduler re-sends any
@@ -423,6 +450,12 @@ class GPUModelRunner:
         # that stops short of the prompt's end produces no token.
         sampling_rows = np.flatnonzero(idx.seq_lens >= batch.num_tokens[:num_reqs])
         logits_indices = idx.query_start_loc[sampling_rows + 1] - 1
+        draft_layout = None
+        if scheduler_output.scheduled_spec_decode_tokens:
+            assert self.spec is not None  # drafts are scheduled only with it
+            draft_layout = self.spec.layout(batch, sampling_rows, scheduler_output)
+            logits_indices = self.spec.logits_indices(idx.query_start_loc, sampling_rows,
+                                                      draft_layout)
         input_ids = torch.from_numpy(input_ids_np.astype(np.int64)).to(self.device)
         inputs_embeds = None
         if not is_token_np.all():
@@ -438,6 +471,7 @@ class GPUModelRunner:
             slot_mapping=slot_mapping,
             logits_indices=torch.from_numpy(logits_indices.astype(np.int64)).to(self.device),
             sampling_rows=sampling_rows,
+            draft_layout=draft_layout,
             common=common,
         )
 
@@ -503,13 +537,19 @@ class GPUModelRunner:
         embeds[target] = torch.cat(rows).to(device=self.device, dtype=embeds.dtype)
         return embeds
 
-    def _apply_grammar_bitmask(self, logits: torch.Tensor, rows: np.ndarray,
+    def _apply_grammar_bitmask(self, logits: torch.Tensor, inputs: ModelInputs,
                                scheduler_output: SchedulerOutput) -> None:
         assert scheduler_output.grammar_bitmask is not None
         req_ids = self.input_batch.req_ids_in_order
-        apply_grammar_bitmask(logits, [req_ids[row] for row in rows.tolist()],
-                              scheduler_output.structured_output_request_ids,
-                              scheduler_output.grammar_bitmask)
+        logit_keys = [req_ids[row] for row in inputs.sampling_rows.tolist()]
+        mask_keys = scheduler_output.structured_output_request_ids
+        if inputs.draft_layout is not None:  # a key per verified position: (id, j)
+            layout = inputs.draft_layout
+            logit_keys = [f"{logit_keys[row]}\0{j}" for row, j in
+                          zip(layout.row_of_position.tolist(), layout.index_in_row.tolist())]
+            mask_keys = [f"{req_id}\0{j}" for req_id, j in
+                         zip(mask_keys, _occurrence_index(mask_keys))]
+        apply_grammar_bitmask(logits, logit_keys, mask_keys, scheduler_output.grammar_bitmask)
 
     def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
         return self.sampling_inputs.build(rows)
@@ -536,3 +576,12 @@ class GPUModelRunner:
         return ModelRunnerOutput(req_ids, dict(batch.req_id_to_index), sampled_token_ids,
                                  logprobs, finished_rows or {})
 
+
+def _occurrence_index(keys: list[str]) -> list[int]:
+    """How many times each key occurred before: ["a", "a", "b", "a"] -> [0, 1, 0, 2]."""
+    seen: dict[str, int] = {}
+    out = []
+    for key in keys:
+        out.append(seen.get(key, 0))
+        seen[key] = out[-1] + 1
+    return out

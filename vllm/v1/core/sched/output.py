@@ -96,3 +96,6 @@ class SchedulerOutput:
     # Beam search: (source, destination) KV blocks to copy before this step's forward (a
     # forked beam's copy of its parent's partly filled last block).
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # Speculative decoding: req_id -> the drafts verified this step (its scheduled tokens
+    # are its last known token + these); requests without drafts are absent.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)

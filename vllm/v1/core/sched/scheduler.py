@@ -31,6 +31,7 @@ from vllm.v1.engine import (
 )
 from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
+from vllm.v1.spec_decode.metrics import SpecDecodingStats
 from vllm.v1.structured_output.manager import StructuredOutputManager, grammar_error
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class _Step:
     cached_reqs: list[Request] = field(default_factory=list)
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)  # drafts verified
     only: str | None = None  # a suspect of a failed step, run alone
 
 
@@ -147,6 +149,8 @@ class Scheduler:
         # the block copies that forked beams wait for, sent with the next step.
         self.beam_groups: dict[str, BeamGroup] = {}
         self.block_copies: list[tuple[int, int]] = []
+        # Speculative decoding: drafts per request and step (k; 0: off).
+        self.num_spec_tokens = scheduler_config.num_spec_tokens
 
     # ---- requests in and out -------------------------------------------------------
 
@@ -392,12 +396,15 @@ class Scheduler:
                and len(step.num_scheduled) < self.config.max_num_seqs):
             request = self.running[index]
             num_new = self._num_new_tokens(request, step.budget)
+            drafts = self._drafts_to_verify(request, num_new, step.budget)
+            num_new += len(drafts)
             if ((kind is not None and request.is_token_prompt != kind) or num_new == 0
                     or request.request_id in step.num_scheduled
                     or (step.only is not None and request.request_id != step.only)):
                 index += 1
                 continue
-            while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
+            while (new_blocks := self.kv_cache_manager.allocate_slots(
+                    request, num_new + self._lookahead(request, num_new))) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
                 step.preempted.append(victim)
@@ -410,6 +417,8 @@ class Scheduler:
                 step.cached_reqs.append(request)
             step.new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
             step.num_scheduled[request.request_id] = num_new
+            if drafts:
+                step.spec_tokens[request.request_id] = drafts
             step.budget -= num_new
             index += 1
 
@@ -437,8 +446,9 @@ class Scheduler:
             encoder_cost = request.num_encoder_tokens if cross_hits is None else 0
             if encoder_cost > step.encoder_budget:
                 break
-            if self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks, num_hit,
-                                                     cross_hits) is None:
+            lookahead = self._lookahead(request, num_new, num_hit)
+            if self.kv_cache_manager.allocate_slots(request, num_new + lookahead, hit_blocks,
+                                                     num_hit, cross_hits) is None:
                 break
             if encoder_cost:
                 step.encoder_budget -= encoder_cost
@@ -461,6 +471,34 @@ class Scheduler:
         num_new = min(request.num_tokens - request.num_computed_tokens, budget)
         # The token at position max_model_len - 1 is the last that needs a KV slot.
         return max(0, min(num_new, self.max_model_len - request.num_computed_tokens))
+
+    def _drafts_to_verify(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """A decoding request's drafts that this step verifies with its last token: as
+        many as fit the budget, max_model_len (their KV slots) and its max_tokens (one
+        more token is always sampled after them)."""
+        drafts = request.spec_token_ids
+        if not drafts or num_new != 1 or request.num_computed_tokens != request.num_tokens - 1:
+            return []
+        room = min(budget - 1, self.max_model_len - request.num_tokens,
+                   request.max_tokens - request.num_output_tokens - 1)
+        drafts = drafts[:max(0, room)]
+        grammar = request.grammar
+        if grammar is not None:  # only the drafts its grammar allows, in order
+            num_valid = 0
+            while num_valid < len(drafts) and grammar.accept_tokens([drafts[num_valid]]):
+                num_valid += 1
+            if num_valid:
+                grammar.rollback(num_valid)
+            drafts = drafts[:num_valid]
+        return drafts
+
+    def _lookahead(self, request: Request, num_new: int, num_hit: int = 0) -> int:
+        """KV slots past a step's tokens for the drafts a draft model writes after it
+        (none where the step does not reach the end of the known tokens)."""
+        end = request.num_computed_tokens + num_hit + num_new
+        if not self.config.num_lookahead_tokens or end < request.num_tokens:
+            return 0
+        return max(0, min(self.config.num_lookahead_tokens, self.max_model_len - end))
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -498,6 +536,7 @@ class Scheduler:
             structured_output_request_ids=grammar_ids,
             grammar_bitmask=bitmask,
             blocks_to_copy=copies,
+            scheduled_spec_decode_tokens=step.spec_tokens,
         )
 
     # ---- structured outputs ---------------------------------------------------------
@@ -533,7 +572,9 @@ class Scheduler:
 
     def _grammar_bitmask(self, step: _Step) -> tuple[list[str], torch.Tensor | None]:
         """The constrained requests that sample this step (their scheduled tokens reach the
-        end of what they know) and their packed allowed-token masks, one row each."""
+        end of what they know) and their packed allowed-token masks, one row each, or with
+        drafts one per verified position (the request's id repeated; row j: after the
+        first j drafts)."""
         rows = []
         for req_id, num_new in step.num_scheduled.items():
             request = self.requests[req_id]
@@ -543,8 +584,10 @@ class Scheduler:
         if not rows:
             return [], None
         assert self.structured_output_manager is not None  # requests got grammars from it
-        bitmask = self.structured_output_manager.grammar_bitmask([r.grammar for r in rows])
-        return [r.request_id for r in rows], bitmask
+        drafts = [step.spec_tokens.get(r.request_id, []) for r in rows]
+        bitmask = self.structured_output_manager.grammar_bitmask([r.grammar for r in rows],
+                                                                 drafts)
+        return [r.request_id for r, d in zip(rows, drafts) for _ in range(1 + len(d))], bitmask
 
     def _take_grammar_failures(self) -> list[EngineCoreOutput]:
         failures, self.grammar_failures = self.grammar_failures, []
@@ -559,7 +602,7 @@ class Scheduler:
         self.lone_failures = 0
         if len(scheduler_output.num_scheduled_tokens) > 1:
             self.unexplained_failures = 0
-        logprobs = runner_output.logprobs
+        spec_stats = SpecDecodingStats.new(self.num_spec_tokens)
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -570,20 +613,30 @@ class Scheduler:
                 continue  # a prefill chunk that did not reach the end of the prompt
             if req_id in self.suspects:
                 self.suspects.remove(req_id)  # it ran alone to a sampled token: cleared
+            new_logprobs = runner_output.logprobs_of(index)
             if request.beam_group is not None:
-                candidates = _row(logprobs, index)
-                assert candidates is not None  # beam rows always ask for their candidates
-                self._beam_sampled(request, candidates, outputs)
+                assert new_logprobs is not None  # beam rows always ask for their candidates
+                self._beam_sampled(request, new_logprobs, outputs)
                 continue
-            request.append_output_token_ids(new_token_ids)
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if drafts:
+                # Rejected drafts' KV slots are simply overwritten later.
+                request.num_computed_tokens -= len(drafts) + 1 - len(new_token_ids)
+                spec_stats.observe(len(drafts), len(new_token_ids) - 1)
+            new_token_ids, stopped = self._append_until_stop(request, new_token_ids)
+            if new_logprobs is not None and len(new_logprobs.ranks) > len(new_token_ids):
+                n = len(new_token_ids)
+                new_logprobs = LogprobsLists(new_logprobs.token_ids[:n],
+                                             new_logprobs.logprobs[:n], new_logprobs.ranks[:n])
             if request.grammar is not None and not request.grammar.accept_tokens(new_token_ids):
                 logger.warning("Request %s: its grammar rejected sampled token(s) %s.",
                                req_id, new_token_ids)
-            stopped = self._check_stop(request)
+            if runner_output.spec_token_ids is not None and not stopped:
+                request.spec_token_ids = runner_output.spec_token_ids[index]
             output = EngineCoreOutput(
                 request_id=req_id,
                 new_token_ids=new_token_ids,
-                new_logprobs=_row(logprobs, index),
+                new_logprobs=new_logprobs,
                 finish_reason=request.get_finished_reason(),
                 stop_reason=request.stop_reason,
                 num_cached_tokens=request.num_cached_tokens or 0,
@@ -593,7 +646,17 @@ class Scheduler:
                 self._finish(request, output, outputs)
             else:
                 outputs.append(output)
-        return EngineCoreOutputs(outputs, self.make_stats())
+        return EngineCoreOutputs(outputs, self.make_stats(spec_stats))
+
+    def _append_until_stop(self, request: Request, token_ids: list[int]
+                           ) -> tuple[list[int], bool]:
+        """Appends a step's sampled tokens one by one, cutting the run at the first that
+        stops the request (several arrive at once with speculative decoding)."""
+        for i, token in enumerate(token_ids):
+            request.append_output_token_ids([token])
+            if self._check_stop(request):
+                return token_ids[:i + 1], True
+        return token_ids, False
 
     # ---- failed steps -------------------------------------------------------------
 
@@ -700,9 +763,10 @@ class Scheduler:
             return True
         return False
 
-    def make_stats(self) -> SchedulerStats:
+    def make_stats(self, spec_decoding: SpecDecodingStats | None = None) -> SchedulerStats:
         prefix = self.kv_cache_manager.make_prefix_cache_stats()
         return SchedulerStats(
+            spec_decoding=spec_decoding if spec_decoding and spec_decoding.num_drafts else None,
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
             kv_cache_usage=self.kv_cache_manager.usage,
@@ -720,10 +784,3 @@ def _is_parked(request: Request) -> bool:
 
 def _wants_rows(request: Request) -> bool:
     return request.sampling_params.return_hidden_states
-
-
-def _row(logprobs: LogprobsLists | None, index: int) -> LogprobsLists | None:
-    if logprobs is None:
-        return None
-    return LogprobsLists([logprobs.token_ids[index]], [logprobs.logprobs[index]],
-                         [logprobs.ranks[index]])
