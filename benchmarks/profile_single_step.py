@@ -63,27 +63,28 @@ class SectionTimer:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the weights a one-token step reads: every linear layer's kernel buffers
-    (GGUF codes and scales; int8 weights and scales; packed or plain dense weights), the
-    vocabulary projection included, the embedding table excluded (one row is read)."""
+    """Bytes of the weights a one-token step reads: every linear layer's kernel (GGUF codes
+    and scales, int8 weights and scales, or the dense weight, which packing keeps the same
+    size), the vocabulary projection included, the embedding table not (one row is read)."""
+    from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.quantization.gguf_blocks import GGUFLinear
+    from vllm.model_executor.layers.quantization.int8 import Int8Linear
+
+    def size(*tensors: torch.Tensor) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     total = 0
-    seen: set[int] = set()
     for module in model.modules():
-        if isinstance(module, GGUFLinear):
-            names = ("codes", "d", "m") if module.kernel == "quant_gemv" else (
-                "packed", "scale_zero")
-            tensors = [getattr(module, n) for n in names]
-        elif isinstance(module, torch.nn.Embedding) or "Embedding" in type(module).__name__:
+        if not isinstance(module, LinearBase):
             continue
-        else:
-            tensors = [t for n, t in list(module.named_parameters(recurse=False))
-                       + list(module.named_buffers(recurse=False)) if t.dim() >= 2]
-        for t in tensors:
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
+        kernel = module.kernel
+        if isinstance(kernel, GGUFLinear):
+            total += size(kernel.codes, kernel.d, kernel.m) if kernel.kernel == "quant_gemv" \
+                else size(kernel.packed, kernel.scale_zero)
+        elif isinstance(kernel, Int8Linear):
+            total += size(kernel.weight_t, kernel.weight_scale)
+        elif module.weight is not None:
+            total += size(module.weight)
     return total
 
 
