@@ -41,8 +41,8 @@ class SectionTimer:
     """Accumulated wall and thread CPU time per named section."""
 
     def __init__(self) -> None:
-        self.wall: collections.Counter[str] = collections.Counter()
-        self.cpu: collections.Counter[str] = collections.Counter()
+        self.wall: collections.defaultdict[str, float] = collections.defaultdict(float)
+        self.cpu: collections.defaultdict[str, float] = collections.defaultdict(float)
         self.on = False
 
     def wrap(self, owner: object, name: str, label: str) -> None:
@@ -172,7 +172,7 @@ def main() -> None:
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         one_request()
-    ops: collections.Counter[str] = collections.Counter()
+    ops: collections.Counter[str] = collections.Counter()  # microseconds
     for event in prof.key_averages(group_by_input_shape=True):
         name = event.key
         if name == "vllm_cpu::quant_gemv" or name.startswith("vllm_cpu::"):
