@@ -6,7 +6,10 @@ Every weight is distinct (30 layers' worth per shape), so that they stream from 
 in decoding rather than sit in cache. Prints milliseconds per decode step's worth of calls
 and the ratio (torch / ours: above 1 means the native kernel is faster).
 
-    python benchmarks/benchmark_gguf_kernels.py [--rows 1 2 4 8] [--layers 30]
+    python benchmarks/benchmark_gguf_kernels.py [--rows 1 2 4 8] [--layers 30] [--full-quads]
+
+`--full-quads` pads every input to whole quads of blocks (576 -> 640 columns, the
+activations zero-padded to match), the layout before half quads, for comparison.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--full-quads", action="store_true",
+                        help="pad inputs to multiples of 128 (no half quads)")
     args = parser.parse_args()
     ops = cpu_ops()
     if ops is None or not ops.quant_gemv_available():
@@ -44,10 +49,16 @@ def main() -> None:
                          "missing)")
     torch.manual_seed(0)
 
+    multiple = 128 if args.full_quads else 64
+
+    def width(k: int) -> int:
+        """The activations' width: k, or k padded to whole quads with --full-quads."""
+        return -(-k // multiple) * multiple if args.full_quads else k
+
     def native_weight(u: torch.Tensor, bits: int) -> tuple[torch.Tensor, ...]:
-        """Codes padded to quads of blocks (as `GGUFLinear` lays them out), random d, m."""
+        """Codes padded as `GGUFLinear` lays them out (or to whole quads), random d, m."""
         n, k = u.shape
-        padded = torch.zeros(n, -(-k // 128) * 128, dtype=torch.uint8)
+        padded = torch.zeros(n, -(-k // multiple) * multiple, dtype=torch.uint8)
         padded[:, :k] = u
         blocks = padded.shape[1] // 32
         return (ops.pack_block_codes(padded, bits), torch.rand(n, blocks).half(),
@@ -57,7 +68,7 @@ def main() -> None:
     for n, k in LAYER_SHAPES:
         for _ in range(args.layers):
             u = torch.randint(0, 16, (n, k), dtype=torch.uint8)
-            ours.append((*native_weight(u, 4), k))
+            ours.append((*native_weight(u, 4), width(k)))
             theirs.append((torch._convert_weight_to_int4pack_for_cpu(u.int(), 1),
                            torch.rand(k // 32, n, 2).bfloat16(), k))
     n, k = VOCAB_SHAPE
@@ -69,11 +80,14 @@ def main() -> None:
     for rows in args.rows:
         xs = {size: torch.randn(rows, size, dtype=torch.bfloat16) for size in (576, 1536)}
         x = xs[576]
-        a = best_ms(lambda xs=xs: [torch.ops.vllm_cpu.quant_gemv(xs[k], c, d, m, 4)
-                                   for c, d, m, k in ours])
+        wide = {width(size): torch.nn.functional.pad(v, (0, width(size) - size))
+                for size, v in xs.items()}
+        a = best_ms(lambda wide=wide: [torch.ops.vllm_cpu.quant_gemv(wide[k], c, d, m, 4)
+                                       for c, d, m, k in ours])
         b = best_ms(lambda xs=xs: [torch._weight_int4pack_mm_for_cpu(xs[k], p, 32, sz)
                                    for p, sz, k in theirs])
-        c = best_ms(lambda x=x: torch.ops.vllm_cpu.quant_gemv(x, *vocab_q8, 8))
+        x_wide = wide[width(576)]
+        c = best_ms(lambda x=x_wide: torch.ops.vllm_cpu.quant_gemv(x, *vocab_q8, 8))
         dense = best_ms(lambda x=x: torch.nn.functional.linear(x, vocab_bf16))
         print(f"{rows:4d} | {a:22.2f} {b:11.2f} {b / a:6.2f} | {c:23.2f} {dense:9.2f} "
               f"{dense / c:6.2f}")

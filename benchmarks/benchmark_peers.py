@@ -11,6 +11,13 @@ engine and vLLM run the same weights: the default GGUF dequantized into a Huggin
 directory (vLLM's CPU build has no Q4_1 kernels);
 llama.cpp runs the GGUF file itself, one request. Prints each ratio; writes a plot of output
 tokens/s against concurrency, one line per engine and setting.
+
+`--single`: one user at a time instead, this engine (`gguf` on the GGUF file, `int8` and
+bfloat16) against llama.cpp on the GGUF file, same thread count: decode tokens/s (128-token
+prompt, 128 out), the time to the first token of a 1,024-token prompt, and a copy-heavy
+request (answering from a passage given in the prompt), plain and with prompt-lookup
+speculation (llama.cpp's `LlamaPromptLookupDecoding`; ours `speculative_config` "ngram").
+Every engine gets the same token ids (`peers/single_common.py` measures).
 """
 
 from __future__ import annotations
@@ -137,7 +144,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of each concurrency per engine; the best is reported "
                              "(every engine alike: the machine is noisy)")
+    parser.add_argument("--single", action="store_true",
+                        help="one request at a time against llama.cpp (see above)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=8,
+                        help="--single: drafted tokens per step, both engines")
     args = parser.parse_args()
+    if args.single:
+        run_single(args)
+        return
     concurrency = [int(c) for c in args.concurrency.split(",")]
     gguf = default_model_path()
     hf_dir = export_hf_dir(gguf, args.hf_dir)
@@ -183,6 +197,111 @@ def main() -> None:
         if graphs and eager:
             print(f"ratio graphs / eager (bfloat16, {c} requests): {graphs / eager:.2f}x")
     plot(curves, args.plot, f"default model, {args.output_len} output tokens per request")
+
+
+# The copy-heavy workload's passage (written for this benchmark): the request asks for it
+# back, so most output tokens are copies of prompt tokens.
+PASSAGE = (
+    "The lighthouse on Carrow Point was built in 1871 from granite quarried two miles "
+    "inland. Its lamp burned whale oil until 1889, then paraffin until 1923, when an "
+    "electric lamp of 1,000 watts replaced it. The keeper, Agnes Muir, kept a log of every "
+    "ship that passed between 1902 and 1931: 14,212 entries in eleven volumes, now held by "
+    "the county archive. The tower is 31 metres tall and has 142 steps. Its light flashes "
+    "white twice every fifteen seconds and can be seen for twenty-two nautical miles in "
+    "clear weather. The station was automated in 1968 and the keeper's cottage became a "
+    "small museum in 1975, open from April to October, Tuesday to Sunday, ten to four."
+)
+
+
+def single_workload(path: str, output_len: int, k: int) -> dict:
+    """The token ids every engine gets: a 128-token and a 1,024-token random prompt and
+    the copy-heavy chat prompt (the model's chat template, as a user would send it)."""
+    from vllm.model_executor.model_loader.gguf_loader import load_gguf_tokenizer
+
+    tokenizer = load_gguf_tokenizer(path)
+    question = f"{PASSAGE}\n\nRepeat the passage above word for word."
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                         add_generation_prompt=True, tokenize=False)
+    copy_prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+    vocab = len(tokenizer)
+    return {"decode_prompt": make_workload(vocab, 1, 128, 128, seed=1)[0],
+            "long_prompt": make_workload(vocab, 1, 1024, 1024, seed=2)[0],
+            "copy_prompt": list(copy_prompt), "copy_output_len": output_len,
+            "output_len": output_len,
+            "prompt_lookup": {"num_speculative_tokens": k, "prompt_lookup_min": 2,
+                              "prompt_lookup_max": 4}}
+
+
+def run_single_driver(cmd: list[str], label: str) -> dict[str, float]:
+    proc = subprocess.run(cmd, cwd=tempfile.gettempdir(), capture_output=True, text=True,
+                          env={k: v for k, v in _GIVEN_ENV.items() if k != "PYTHONPATH"})
+    rows = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            row = json.loads(line)
+            rows[row["metric"]] = row["value"]
+    for line in proc.stderr.splitlines():
+        if "refuses speculative_config" in line:
+            print(f"{label}: {line.strip()} (no speculative number)", flush=True)
+    if proc.returncode != 0 or not rows:
+        print(f"{label} failed:\n{(proc.stderr or proc.stdout)[-2000:]}", flush=True)
+    else:
+        print(f"{label}: {json.dumps(rows)}", flush=True)
+    return rows
+
+
+def run_single(args: argparse.Namespace) -> None:
+    gguf = default_model_path()
+    spec = single_workload(gguf, args.output_len, args.num_speculative_tokens)
+    spec["repeats"] = args.repeats
+    workload = os.path.join(tempfile.gettempdir(), "vllm-bench-peers-single.json")
+    with open(workload, "w") as f:
+        json.dump(spec, f)
+    threads = torch.get_num_threads()
+    print(f"one request at a time, {threads} threads, best of {args.repeats}: decode "
+          f"{len(spec['decode_prompt'])} -> {args.output_len} tokens, time to first token "
+          f"of {len(spec['long_prompt'])}, copy-heavy {len(spec['copy_prompt'])} -> "
+          f"{args.output_len} (speculation: {spec['prompt_lookup']})", flush=True)
+    settings = {"gguf": (gguf, {"quantization": "gguf"}),
+                "int8": (args.hf_dir, {"quantization": "int8"}),
+                "bfloat16": (args.hf_dir, {"dtype": "bfloat16"})}
+    if any(model == args.hf_dir for model, _ in settings.values()):
+        export_hf_dir(gguf, args.hf_dir)
+    results = {}
+    for name, (model, kwargs) in settings.items():
+        results[f"this engine {name}"] = run_single_driver(
+            [sys.executable, str(HERE / "peers/ours_single_driver.py"), model, workload,
+             json.dumps(kwargs)], f"this engine {name}")
+    if args.llama_python:
+        results["llama.cpp"] = run_single_driver(
+            [args.llama_python, str(HERE / "peers/llama_cpp_single_driver.py"), gguf,
+             str(threads), workload], "llama.cpp")
+    report_single(results, len(spec["long_prompt"]))
+
+
+def report_single(results: dict[str, dict[str, float]], long_len: int) -> None:
+    llama = results.get("llama.cpp", {})
+    header = ("decode tok/s", f"prompt tok/s ({long_len})", "copy tok/s", "copy + lookup tok/s")
+    print(f"{'engine':<22}" + "".join(f"{h:>22}" for h in header))
+    for label, rows in results.items():
+        cells = []
+        for metric in ("decode", "ttft", "copy", "copy_spec"):
+            value = rows.get(metric)
+            if value is None:
+                cells.append(f"{'-':>22}")
+                continue
+            shown = long_len / value if metric == "ttft" else value
+            theirs = llama.get(metric)
+            ratio = ""
+            if theirs and label != "llama.cpp":
+                ratio = f" ({(theirs / value if metric == 'ttft' else value / theirs):.2f}x)"
+            cells.append(f"{f'{shown:.1f}{ratio}':>22}")
+        print(f"{label:<22}" + "".join(cells))
+    print("(x: this engine / llama.cpp; prompt tok/s = prompt tokens / time to first token)")
+    for label, rows in results.items():
+        if rows.get("copy") and rows.get("copy_spec"):
+            print(f"{label}: speculation / plain on the copy-heavy request "
+                  f"{rows['copy_spec'] / rows['copy']:.2f}x")
 
 
 def report(curves: dict[str, dict[int, float]], concurrency: list[int],

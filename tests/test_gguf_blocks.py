@@ -80,7 +80,8 @@ def _quantized_rows_reference(x: torch.Tensor, codes: BlockCodes) -> torch.Tenso
 
 @native
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("k", [128, 96, 576])  # 96, 576: padded to quads of blocks
+@pytest.mark.parametrize("k", [128, 96, 576, 32, 160])  # padded: 96 to a quad of
+# blocks; 576, 32, 160 to quads and a last half quad (4.5, 0.5, 1.5 quads)
 def test_quant_gemv_equals_the_quantized_rows_reference(bits: int, k: int) -> None:
     n = 48
     codes = _random_codes(n, k, bits)

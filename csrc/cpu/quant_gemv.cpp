@@ -11,8 +11,9 @@
 // which is exactly w . dequant(qx): the offset term uses the quantized sum, so the only
 // error is the activations' rounding (relative ~1/254 per block, never amplified by m).
 //
-// Layouts (contiguous), Kp = the input size rounded up to 128 (padding blocks: d = m = 0):
-//   codes  uint8 [N, Kp / 2] (4 bits) or [N, Kp] (8 bits), in quads of blocks (below)
+// Layouts (contiguous), Kp = the input size rounded up to 64 (padding blocks: d = m = 0):
+//   codes  uint8 [N, Kp / 2] (4 bits) or [N, Kp] (8 bits), in quads of blocks (below),
+//          the last two blocks a half quad where Kp % 128 == 64
 //   d, m   float16 [N, Kp / 32]
 //   x      [M, K] float32 / bfloat16 / float16, M <= 8;  out [M, N] in x's dtype
 //
@@ -23,15 +24,22 @@
 // (d0 d1 d2 d3 d0 ...) scales it. 8-bit codes are stored as V0 then V1; 4-bit codes store
 // byte s of a quad as V0[s] | V1[s] << 4, so one 64-byte load split into its low and high
 // nibbles gives both vectors.
+//
+// Half quad (Kp % 128 == 64: the default model's 576 inputs are 4.5 quads; padding them to
+// 5 made every step read 11% more of those weights): blocks 4g, 4g+1 fill two 32-byte
+// vectors whose lane L (0..7) holds four codes of block 4g + L % 2, from index 4 (L / 2) in
+// V0 and 16 + 4 (L / 2) in V1, stored as the quad's are; 256-bit vpdpbusd.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define VLLM_QUANT_GEMV 1
 #endif
@@ -40,43 +48,49 @@ namespace {
 
 constexpr int64_t kMaxRows = 8;
 constexpr int64_t kQuad = 128;  // weights per quad of blocks
+constexpr int64_t kHalf = 64;   // weights per half quad
 
-// Position P (0..63) of vector j (0/1) of a quad -> (block of the quad 0..3, index in it).
-inline void quad_position(int64_t j, int64_t pos, int64_t* block, int64_t* index) {
+// Position P (0..63, or 0..31 in a half quad of `blocks` 2) of vector j (0/1) of a quad
+// -> (block of the quad 0..3, index in it).
+inline void quad_position(int64_t j, int64_t pos, int64_t* block, int64_t* index,
+                          int64_t blocks = 4) {
   const int64_t lane = pos / 4;
-  *block = lane % 4;
-  *index = 16 * j + (lane / 4) * 4 + pos % 4;
+  *block = lane % blocks;
+  *index = 16 * j + (lane / blocks) * 4 + pos % 4;
 }
 
 }  // namespace
 
-// Codes [N, Kp] (one uint8 code per weight, natural order, Kp % 128 == 0) -> the quad
-// layout of `bits` (4: two codes a byte; 8: one).
+// Codes [N, Kp] (one uint8 code per weight, natural order, Kp % 64 == 0) -> the quad
+// layout of `bits` (4: two codes a byte; 8: one), a half quad last where Kp % 128 == 64.
 torch::Tensor pack_block_codes(torch::Tensor codes, int64_t bits) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kUInt8, "codes: uint8 [N, Kp]");
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   codes = codes.contiguous();
   const int64_t n = codes.size(0), kp = codes.size(1);
-  TORCH_CHECK(kp % kQuad == 0, "padded input size must be a multiple of ", kQuad);
+  TORCH_CHECK(kp % kHalf == 0, "padded input size must be a multiple of ", kHalf);
   auto out = torch::empty({n, kp * bits / 8}, codes.options());
   const uint8_t* src = codes.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   for (int64_t r = 0; r < n; ++r) {
-    for (int64_t g = 0; g < kp / kQuad; ++g) {
-      const uint8_t* in = src + r * kp + g * kQuad;
+    for (int64_t start = 0; start < kp; start += kQuad) {
+      const int64_t size = std::min(kQuad, kp - start);  // a quad, or the last half quad
+      const int64_t width = size / 2;                    // bytes per vector
+      const uint8_t* in = src + r * kp + start;
       uint8_t vec[2][64];
       for (int64_t j = 0; j < 2; ++j) {
-        for (int64_t pos = 0; pos < 64; ++pos) {
+        for (int64_t pos = 0; pos < width; ++pos) {
           int64_t block, index;
-          quad_position(j, pos, &block, &index);
+          quad_position(j, pos, &block, &index, size / 32);
           vec[j][pos] = in[block * 32 + index];
         }
       }
       if (bits == 8) {
-        std::memcpy(dst + r * kp + g * kQuad, vec, kQuad);
+        std::memcpy(dst + r * kp + start, vec[0], width);
+        std::memcpy(dst + r * kp + start + width, vec[1], width);
       } else {
-        uint8_t* o = dst + r * (kp / 2) + g * 64;
-        for (int64_t s = 0; s < 64; ++s) {
+        uint8_t* o = dst + r * (kp / 2) + start / 2;
+        for (int64_t s = 0; s < width; ++s) {
           TORCH_CHECK(vec[0][s] < 16 && vec[1][s] < 16, "4-bit codes must be < 16");
           o[s] = static_cast<uint8_t>(vec[0][s] | (vec[1][s] << 4));
         }
@@ -107,10 +121,12 @@ inline __mmask16 tail_mask(int64_t remaining) {
 // The activation rows quantized: qx in the quad layout, per-lane scales (dx0 dx1 dx2 dx3
 // dx0 ...) per quad, and sx = dx * sum(qx) per block.
 struct QuantizedRows {
-  int64_t quads;
-  std::vector<int8_t> qx;  // [M, quads, 128]
-  std::vector<float> dx;   // [M, quads, 16]
-  std::vector<float> sx;   // [M, 4 * quads]
+  int64_t quads;           // whole quads
+  bool half;               // and a half quad after them
+  int64_t blocks;          // Kp / 32
+  std::vector<int8_t> qx;  // [M, quads + half, 128] (a half quad: its first 64)
+  std::vector<float> dx;   // [M, quads + half, 16] (a half quad: its first 8)
+  std::vector<float> sx;   // [M, blocks]
 };
 
 // One block of 32 values (x[0..k_left) real, zeros past) as 16 dwords of int8 codes: dword
@@ -131,11 +147,13 @@ inline __m512i quantize_block(const T* x, int64_t k_left, float* scale, int32_t*
 
 template <typename T>
 void quantize_rows(const T* x, int64_t rows, int64_t k, int64_t kp, QuantizedRows* q) {
-  const int64_t quads = kp / kQuad;
+  const int64_t quads = kp / kQuad, slots = (kp + kQuad - 1) / kQuad, nblocks = kp / 32;
   q->quads = quads;
-  q->qx.resize(rows * kp);
-  q->dx.resize(rows * quads * 16);
-  q->sx.resize(rows * kp / 32);
+  q->half = slots > quads;
+  q->blocks = nblocks;
+  q->qx.resize(rows * slots * kQuad);
+  q->dx.resize(rows * slots * 16);
+  q->sx.resize(rows * nblocks);
   // From [block 0 | block 1] (a) and [block 2 | block 3] (c), eight dwords each: lane L of
   // V0 takes dword L / 4 of block L % 4, of V1 dword 4 + L / 4.
   alignas(64) int32_t idx0[16], idx1[16];
@@ -145,7 +163,36 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, int64_t kp, QuantizedRow
     idx1[lane] = block * 8 + dword + 4;
   }
   const __m512i perm0 = _mm512_load_si512(idx0), perm1 = _mm512_load_si512(idx1);
+  // A half quad from [block 0 | block 1]: lane L of V0 takes dword L / 2 of block L % 2,
+  // of V1 dword 4 + L / 2 (lanes 8..15 unused).
+  alignas(64) int32_t half0[16], half1[16];
+  for (int lane = 0; lane < 16; ++lane) {
+    const int block = lane % 2, dword = (lane / 2) % 4;
+    half0[lane] = block * 8 + dword;
+    half1[lane] = block * 8 + dword + 4;
+  }
+  const __m512i hperm0 = _mm512_load_si512(half0), hperm1 = _mm512_load_si512(half1);
   for (int64_t r = 0; r < rows; ++r) {
+    if (q->half) {
+      float s[2];
+      int32_t sum[2];
+      __m512i blocks2[2];
+      for (int b = 0; b < 2; ++b) {
+        const int64_t col = quads * kQuad + b * 32;
+        blocks2[b] = quantize_block(x + r * k + col, k - col, &s[b], &sum[b]);
+      }
+      const __m512i a = _mm512_inserti64x4(blocks2[0], _mm512_castsi512_si256(blocks2[1]), 1);
+      int8_t* out = q->qx.data() + (r * slots + quads) * kQuad;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                          _mm512_castsi512_si256(_mm512_permutexvar_epi32(hperm0, a)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32),
+                          _mm512_castsi512_si256(_mm512_permutexvar_epi32(hperm1, a)));
+      float* lanes = q->dx.data() + (r * slots + quads) * 16;
+      for (int l = 0; l < 8; ++l) lanes[l] = s[l % 2];
+      for (int b = 0; b < 2; ++b) {
+        q->sx[r * nblocks + 4 * quads + b] = s[b] * static_cast<float>(sum[b]);
+      }
+    }
     for (int64_t g = 0; g < quads; ++g) {
       float s[4];
       int32_t sum[4];
@@ -156,13 +203,13 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, int64_t kp, QuantizedRow
       }
       const __m512i a = _mm512_inserti64x4(blocks[0], _mm512_castsi512_si256(blocks[1]), 1);
       const __m512i c = _mm512_inserti64x4(blocks[2], _mm512_castsi512_si256(blocks[3]), 1);
-      int8_t* out = q->qx.data() + (r * quads + g) * kQuad;
+      int8_t* out = q->qx.data() + (r * slots + g) * kQuad;
       _mm512_storeu_si512(out, _mm512_permutex2var_epi32(a, perm0, c));
       _mm512_storeu_si512(out + 64, _mm512_permutex2var_epi32(a, perm1, c));
-      float* lanes = q->dx.data() + (r * quads + g) * 16;
+      float* lanes = q->dx.data() + (r * slots + g) * 16;
       for (int l = 0; l < 16; ++l) lanes[l] = s[l % 4];
       for (int b = 0; b < 4; ++b) {
-        q->sx[r * 4 * quads + 4 * g + b] = s[b] * static_cast<float>(sum[b]);
+        q->sx[r * nblocks + 4 * g + b] = s[b] * static_cast<float>(sum[b]);
       }
     }
   }
@@ -171,8 +218,8 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, int64_t kp, QuantizedRow
 template <int M, int BITS, typename T>
 void gemv_rows(const uint8_t* codes, const at::Half* d, const at::Half* m,
                const QuantizedRows& q, T* out, int64_t n_total, int64_t begin, int64_t end) {
-  const int64_t quads = q.quads, blocks = 4 * quads;
-  const int64_t row_bytes = quads * kQuad * BITS / 8;
+  const int64_t quads = q.quads, blocks = q.blocks, slots = quads + (q.half ? 1 : 0);
+  const int64_t row_bytes = blocks * 32 * BITS / 8;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t n = begin; n < end; ++n) {
     const uint8_t* c = codes + n * row_bytes;
@@ -194,12 +241,36 @@ void gemv_rows(const uint8_t* codes, const at::Half* d, const at::Half* m,
       std::memcpy(&dquad, dn + 4 * g, 8);
       const __m512 dw = _mm512_cvtph_ps(_mm256_set1_epi64x(dquad));  // d0 d1 d2 d3 d0 ...
       for (int r = 0; r < M; ++r) {
-        const int8_t* qx = q.qx.data() + (r * quads + g) * kQuad;
+        const int8_t* qx = q.qx.data() + (r * slots + g) * kQuad;
         __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v0, _mm512_loadu_si512(qx));
         dot = _mm512_dpbusd_epi32(dot, v1, _mm512_loadu_si512(qx + 64));
         const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(dot),
-                                            _mm512_loadu_ps(q.dx.data() + (r * quads + g) * 16));
+                                            _mm512_loadu_ps(q.dx.data() + (r * slots + g) * 16));
         acc[r] = _mm512_fmadd_ps(scaled, dw, acc[r]);
+      }
+    }
+    if (q.half) {  // the last two blocks, in 256-bit halves (upper lanes add zeros)
+      __m256i v0, v1;
+      if constexpr (BITS == 4) {
+        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + quads * 64));
+        v0 = _mm256_and_si256(packed, _mm512_castsi512_si256(low4));
+        v1 = _mm256_and_si256(_mm256_srli_epi16(packed, 4), _mm512_castsi512_si256(low4));
+      } else {
+        v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + quads * kQuad));
+        v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + quads * kQuad + 32));
+      }
+      int32_t dpair;
+      std::memcpy(&dpair, dn + 4 * quads, 4);
+      const __m256 dw = _mm256_cvtph_ps(_mm_set1_epi32(dpair));  // d0 d1 d0 d1 ...
+      for (int r = 0; r < M; ++r) {
+        const int8_t* qx = q.qx.data() + (r * slots + quads) * kQuad;
+        __m256i dot = _mm256_dpbusd_epi32(
+            _mm256_setzero_si256(), v0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx)));
+        dot = _mm256_dpbusd_epi32(dot, v1,
+                                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + 32)));
+        const __m256 scaled = _mm256_mul_ps(
+            _mm256_cvtepi32_ps(dot), _mm256_loadu_ps(q.dx.data() + (r * slots + quads) * 16));
+        acc[r] = _mm512_add_ps(acc[r], _mm512_zextps256_ps512(_mm256_mul_ps(scaled, dw)));
       }
     }
     // Offsets: sum_b m[b] sx[b], sixteen blocks at a time.
@@ -261,7 +332,7 @@ torch::Tensor quant_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor d, 
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   const int64_t rows = x.size(0), k = x.size(1), n = codes.size(0);
   const int64_t kp = d.size(1) * 32;
-  TORCH_CHECK(kp % kQuad == 0 && k <= kp && kp - k < kQuad, "input size ", k,
+  TORCH_CHECK(kp % kHalf == 0 && k <= kp && kp - k < kHalf, "input size ", k,
               " does not fit weights of ", kp, " padded columns");
   TORCH_CHECK(codes.size(1) == kp * bits / 8 && d.size(0) == n && m.sizes() == d.sizes(),
               "codes, d and m disagree in shape");

@@ -74,6 +74,13 @@ ANY_MIN_TOKENS = 8
 # padding and the shape checks of small steps.
 CPU_MAX_DEFAULT_CAPTURE_SIZE = 16
 
+# Inductor's fused elementwise kernels split their loop over the OpenMP team only past this
+# many elements per thread (inductor's own default: 512). A one-token step's SiLU-and-mul
+# (1,536 elements on the default model) is ~1 us of work on one core, less than forking and
+# joining the team, where the other thread may be parked or preempted; 30 layers did it
+# every step. Steps of many tokens still split every kernel.
+CPU_MIN_PARALLEL_CHUNK = 4096
+
 
 def default_capture_sizes(max_num_batched_tokens: int, max_num_seqs: int,
                           device: str) -> list[int]:
@@ -150,8 +157,9 @@ class CompiledGraphs:
         for kind in self.kinds:
             prepare = _prepare_ids if kind == IDS else _prepare_embeds
             for size in self.sizes + self.any_sizes:
-                compile_ = functools.partial(torch.compile, dynamic=size == ANY,
-                                             fullgraph=True)
+                compile_ = functools.partial(
+                    torch.compile, dynamic=size == ANY, fullgraph=True,
+                    options={"cpp.min_chunk_size": CPU_MIN_PARALLEL_CHUNK})
                 for lora in self.lora_variants:
                     tag = f"{kind}_{size or 'any'}{'_lora' if lora else ''}"
                     self._pieces[(kind, size, lora)] = (compile_(_own_code(prepare, tag)),

@@ -139,7 +139,8 @@ class GGUFLinear(nn.Module):
         ops = _native_kernel() if native else None
         if ops is not None:
             self.kernel = "quant_gemv"
-            padded = -(-k // 128) * 128  # quads of blocks; padding blocks have d = m = 0
+            # Whole quads of blocks and at most one half quad; padding blocks: d = m = 0.
+            padded = -(-k // 64) * 64
             u = np.zeros((n, padded), np.uint8)
             u[:, :k] = codes.u
             d, m = (np.pad(a, ((0, 0), (0, (padded - k) // GROUP))).astype(np.float16)
