@@ -297,3 +297,41 @@ def test_scheduler_never_schedules_more_adapters_than_slots() -> None:
     out = scheduler.schedule()
     assert [r.req_id for r in out.scheduled_new_reqs] == ["r4", "r6"]
     assert out.scheduled_new_reqs[0].lora_request == LoRARequest("a1", 1, "/nowhere")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_product_over_the_steps_slots_equals_all_slots(dtype: torch.dtype) -> None:
+    """The CPU product over the step's first slots (A/B oneDNN-packed in bfloat16) equals
+    the traced product over all slots, for q/k/v parts of different sizes; the slot count
+    follows the highest slot used."""
+    from vllm.lora.layers import LoRALinear, LoRAState, slot_count, slot_counts
+    from vllm.model_executor.layers.linear import QKVParallelLinear
+
+    assert slot_counts(4) == [1, 2, 4] and slot_counts(6) == [1, 2, 4, 6]
+    assert [slot_count(s, 6) for s in range(6)] == [1, 2, 4, 4, 6, 6]
+    generator = torch.Generator().manual_seed(0)
+    base = QKVParallelLinear(32, 8, 4, 2, bias=False)  # q 32 rows, k and v 16 each
+    assert base.weight is not None
+    base.weight.data.copy_(torch.randn(base.weight.shape, generator=generator))
+    base.weight.data = base.weight.data.to(dtype)
+    base.process_weights_after_loading(None, pack=dtype == torch.bfloat16)
+    state = LoRAState(8, 4, 4, torch.device("cpu"))
+    layer = LoRALinear(base, ["q", "k", "v"], 4, 4, state, dtype)
+    assert layer.part_rows == [(0, 32), (32, 16), (48, 16)]
+    for slot, rank in ((0, 4), (1, 2), (2, 3)):  # ranks below max_rank; v left alone in 1
+        layer.set_slot(slot, [(torch.randn(rank, 32, generator=generator),
+                               torch.randn(out, rank, generator=generator))
+                              if (slot, part) != (1, "v") else None
+                              for part, out in (("q", 32), ("k", 16), ("v", 16))])
+    x = torch.randn(5, 32, generator=generator).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for slots, expected_count in (([0, -1, 0, 0, -1], 1), ([1, 0, -1, 1, 0], 2),
+                                  ([2, 1, 0, -1, 2], 4)):
+        state.indices[:5] = torch.tensor(slots)
+        state.set_step(max(slots))
+        assert state.num_slots == expected_count and state.active
+        with torch.inference_mode():
+            got, want = layer.delta(x), layer.delta_all_slots(x)
+        assert got.shape == (5, 64) and want.abs().max() > 1
+        torch.testing.assert_close(got.float(), want.float(), atol=tol * 10, rtol=tol)
+        assert not got[[i for i, s in enumerate(slots) if s == -1]].any()
