@@ -214,11 +214,15 @@ class LoRALinear(nn.Module):
         mask = self.state.mask(n, xa.dtype)
         if len(self.parts) == 1:
             return linear(xa * mask, variant.lora_b[0])
-        xa = xa.view(n, len(self.parts), k * self.max_rank) * mask[:, None, :]
-        return torch.cat([linear(xa[:, p].contiguous(), b)
-                          for p, b in enumerate(variant.lora_b)], dim=1)
+        # [P, n, k * R]: each part's masked columns contiguous (oneDNN's input), one op
+        parts = xa.new_empty(len(self.parts), n, k * self.max_rank)
+        torch.mul(xa.view(n, len(self.parts), -1).transpose(0, 1), mask, out=parts)
+        return torch.cat([linear(part, b) for part, b in zip(parts, variant.lora_b)], dim=1)
 
     def _variant(self, k: int) -> _Variant:
+        """A's rows and B's columns of the first `k` slots. Example: 2 parts, 4 slots of
+        rank 2, k 2: A rows [0, 4) (part 0, slots 0-1) and [8, 12) (part 1, slots 0-1);
+        each part's B rows, columns [0, 4)."""
         num_parts, slots, rank = len(self.parts), self.max_loras, self.max_rank
         a = self.lora_a.view(num_parts, slots, rank, -1)[:, :k].reshape(num_parts * k * rank,
                                                                          -1)
