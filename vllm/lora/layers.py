@@ -11,11 +11,13 @@ rows:
                                        columns s * R + [0, r); scaling folded in
 
 so part p's product is `x A_p^T` (its `L * R` columns of `x lora_a^T`) times its own rows
-of B: no part multiplies another's zeros (a block-diagonal B over all parts' columns did 3x
-the q/k/v work). Ranks below `R` leave zero columns. Tensor parallel shards A and B like the
-base layer: a column-parallel layer keeps B's rows of its output slice (A whole), a
-row-parallel one A's columns of its input slice (B whole), and its partial `x A^T` is
-all-reduced (n x P * L * R values) before B.
+of B (the CUDA path multiplies per part; the CPU op builds B block-diagonal by part over
+the step's slots, one matmul: at 2 threads and these sizes the op count, not the
+multiply-adds, sets the cost: 64 rows over 4 slots, summed over q/k/v, o, gate/up and down,
+511 us block-diagonal vs 655 us a matmul per part). Ranks below `R` leave zero columns.
+Tensor parallel shards A and B like the base layer: a column-parallel layer keeps B's rows
+of its output slice (A whole), a row-parallel one A's columns of its input slice (B whole),
+and its partial `x A^T` is all-reduced (n x P * L * R values) before B.
 
 Every row of a step carries its adapter's slot in `LoRAState.indices` (-1: none), and a
 one-hot mask keeps each row's own slot's columns:
@@ -34,8 +36,12 @@ Two ways to run it:
   graph, so each step may use fewer columns than the graph's shapes hold: only the first
   `k` slots (`LoRAState.num_slots`, the highest slot the step uses rounded up to a power of
   two or `L`), with A and B of each `k` kept ready (`_Variant`: oneDNN-packed in bfloat16,
-  as `PackedLinear`, so no call reorders them). One adapter in slot 0 costs a quarter of
-  four. The mask is built once per step (`LoRAState.mask`), not per layer.
+  as `PackedLinear`, so no call reorders them). The mask is built once per step
+  (`LoRAState.mask`), not per layer. Per layer (eager, 64 rows, bfloat16, 2 threads, quiet)
+  this took the product from 235 / 291 / 150 us (q/k/v, gate/up, down) to 144-182 /
+  159-207 / 60-90 us; end to end (`benchmarks/benchmark_lora.py`) no gain showed, and one
+  adapter still costs about what four do: the time in the compiled step is not where these
+  per-layer measurements put it (not yet profiled).
 - CUDA graphs: traced into the graph over all `L` slots (`indices` a graph input), since a
   CUDA graph cannot choose `k` per step.
 
@@ -76,7 +82,7 @@ class LoRAState:
         self.active = False
         # The slots the CPU product covers this step: the first `num_slots`.
         self.num_slots = max_loras
-        self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self._masks: dict[tuple[int, torch.dtype, int], torch.Tensor] = {}
 
     def set_step(self, highest_slot: int | None) -> None:
         """A new step's indices are written: `highest_slot` is the highest slot a row uses
@@ -85,19 +91,19 @@ class LoRAState:
         self.num_slots = slot_count(highest_slot or 0, self.max_loras)
         self._masks.clear()
 
-    def mask(self, n: int, dtype: torch.dtype) -> torch.Tensor:
-        """[n, num_slots * max_rank]: 1 where the column's slot is the row's (built once per
-        step and row count, for every layer).
+    def mask(self, n: int, dtype: torch.dtype, num_parts: int = 1) -> torch.Tensor:
+        """[n, num_parts * num_slots * max_rank]: 1 where the column's slot is the row's
+        (built once per step, row count and part count, for every layer).
 
-        Example: max_rank 2, num_slots 2, indices [1, -1, 0] ->
-        [[0, 0, 1, 1], [0, 0, 0, 0], [1, 1, 0, 0]].
+        Example: max_rank 2, num_slots 2, indices [1, -1, 0], 1 part ->
+        [[0, 0, 1, 1], [0, 0, 0, 0], [1, 1, 0, 0]]; 2 parts: each row twice over.
         """
-        mask = self._masks.get((n, dtype))
+        mask = self._masks.get((n, dtype, num_parts))
         if mask is None:
             col_slot = torch.arange(self.num_slots * self.max_rank,
                                     device=self.indices.device) // self.max_rank
-            mask = (self.indices[:n, None] == col_slot).to(dtype)
-            self._masks[(n, dtype)] = mask
+            mask = (self.indices[:n, None] == col_slot).to(dtype).repeat(1, num_parts)
+            self._masks[(n, dtype, num_parts)] = mask
         return mask
 
 
@@ -119,7 +125,7 @@ class _Variant(NamedTuple):
     (oneDNN-packed in bfloat16, plain tensors otherwise)."""
 
     lora_a: torch.Tensor  # [P * k * R, in_features]
-    lora_b: list[torch.Tensor]  # per part [part's out rows, k * R]
+    lora_b: torch.Tensor  # [out_features, P * k * R], block-diagonal by part
 
 
 def part_rows(base: LinearBase, num_parts: int) -> list[tuple[int, int]]:
@@ -201,36 +207,34 @@ class LoRALinear(nn.Module):
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """The same product over the step's first `num_slots` slots (see the module
-        docstring), [n, out_features]."""
+        docstring), [n, out_features]: two matmuls and the mask, whatever the parts."""
         k = self.state.num_slots
         variant = self._variants.get(k)
         if variant is None:
             variant = self._variants[k] = self._variant(k)
         linear = _packed_linear if self.pack else F.linear
-        n = x.shape[0]
         xa = linear(x, variant.lora_a)
         if self.row_parallel:
             xa = tensor_model_parallel_all_reduce(xa)
-        mask = self.state.mask(n, xa.dtype)
-        if len(self.parts) == 1:
-            return linear(xa * mask, variant.lora_b[0])
-        # [P, n, k * R]: each part's masked columns contiguous (oneDNN's input), one op
-        parts = xa.new_empty(len(self.parts), n, k * self.max_rank)
-        torch.mul(xa.view(n, len(self.parts), -1).transpose(0, 1), mask, out=parts)
-        return torch.cat([linear(part, b) for part, b in zip(parts, variant.lora_b)], dim=1)
+        return linear(xa * self.state.mask(x.shape[0], xa.dtype, len(self.parts)),
+                      variant.lora_b)
 
     def _variant(self, k: int) -> _Variant:
-        """A's rows and B's columns of the first `k` slots. Example: 2 parts, 4 slots of
-        rank 2, k 2: A rows [0, 4) (part 0, slots 0-1) and [8, 12) (part 1, slots 0-1);
-        each part's B rows, columns [0, 4)."""
+        """A's rows of the first `k` slots, and B over them block-diagonal by part (at
+        `k` slots the zeros cost less than a matmul per part). Example: 2 parts, 4 slots of
+        rank 2, k 2: A rows [0, 4) (part 0, slots 0-1) and [8, 12) (part 1, slots 0-1); B
+        [out, 8], part 0's rows in columns [0, 4), part 1's in [4, 8)."""
         num_parts, slots, rank = len(self.parts), self.max_loras, self.max_rank
         a = self.lora_a.view(num_parts, slots, rank, -1)[:, :k].reshape(num_parts * k * rank,
                                                                          -1)
-        bs = [self.lora_b[first:first + count, :k * rank] for first, count in self.part_rows]
+        b = self.lora_b.new_zeros(self.lora_b.shape[0], num_parts * k * rank)
+        for p, (first, count) in enumerate(self.part_rows):
+            b[first:first + count, p * k * rank:(p + 1) * k * rank] = \
+                self.lora_b[first:first + count, :k * rank]
         if not self.pack:
-            return _Variant(a, bs)
+            return _Variant(a, b)
         pack = torch.ops.mkldnn._reorder_linear_weight
-        return _Variant(pack(a.contiguous(), None), [pack(b.contiguous(), None) for b in bs])
+        return _Variant(pack(a.contiguous(), None), pack(b, None))
 
     def set_slot(self, slot: int, parts: list[tuple[torch.Tensor, torch.Tensor] | None]
                  ) -> None:
