@@ -62,11 +62,11 @@ def llama_loras(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="module")
 def llama_llm(tiny_llama_dir: str, llama_loras) -> LLM:
     """Two slots for four adapters, three of them on the CPU; a small KV cache (preemption)
-    and token budget (chunked prefill); prompt embeds on; eager."""
+    and token budget (chunked prefill); prompt embeds and hidden states on; eager."""
     return LLM(tiny_llama_dir, dtype="float32", enable_lora=True, max_loras=2,
                max_lora_rank=8, max_cpu_loras=3, enforce_eager=True,
-               enable_prompt_embeds=True, block_size=4, num_gpu_blocks_override=17,
-               max_model_len=64, max_num_batched_tokens=24)
+               enable_prompt_embeds=True, enable_return_hidden_states=True, block_size=4,
+               num_gpu_blocks_override=17, max_model_len=64, max_num_batched_tokens=24)
 
 
 def test_mixed_batch_of_four_adapters_and_base_equals_merged_peft(
@@ -163,6 +163,56 @@ def test_structured_output_with_an_adapter(llama_loras, llama_llm: LLM) -> None:
     outputs = llama_llm.generate(["hello there", "once upon"], params, use_tqdm=False,
                                  lora_request=[llama_loras["all8"], llama_loras["kvo2"]])
     assert all(o.outputs[0].text in choices for o in outputs)
+
+
+def test_n_children_and_hidden_states_with_an_adapter(tiny_llama_dir: str, llama_loras,
+                                                     llama_llm: LLM) -> None:
+    """Every child of an `n > 1` request runs through the request's adapter, and its hidden
+    states are the merged model's."""
+    params = SamplingParams(n=2, max_tokens=6, temperature=0.0, logprobs=1,
+                            return_hidden_states=True)
+    loras = [llama_loras["all8"], llama_loras["gateup8"]]
+    prompts = [[9, 10, 11, 12, 13], [40, 41, 42]]
+    outputs = llama_llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                 lora_request=loras, use_tqdm=False)
+    for output, lora, prompt in zip(outputs, loras, prompts):
+        ref = _reference(tiny_llama_dir, lora, prompt, 6)
+        assert len(output.outputs) == 2
+        assert_identical_greedy([dataclasses.replace(output, outputs=[child])
+                                 for child in output.outputs], [ref, ref])
+        assert ref.token_ids != _reference(tiny_llama_dir, None, prompt, 6).token_ids
+        with torch.inference_mode():
+            hf_out = merged_model(tiny_llama_dir, lora.lora_path)(
+                input_ids=torch.tensor([prompt + ref.token_ids[:-1]]),
+                output_hidden_states=True)
+        for child in output.outputs:
+            assert child.hidden_states is not None
+            torch.testing.assert_close(child.hidden_states, hf_out.hidden_states[-1][0],
+                                       atol=1e-4, rtol=0)
+
+
+def test_rewritten_adapter_files_get_fresh_kv(tiny_llama_dir: str, llama_loras,
+                                             llama_llm: LLM, tmp_path) -> None:
+    """An adapter removed and read again under the same id and path after its files changed
+    never reuses the K/V its old weights computed (block hashes include the files'
+    fingerprint)."""
+    path = str(tmp_path / "rewritten")
+    shutil.copytree(llama_loras["all8"].lora_path, path)
+    lora = LoRARequest("rewritten", 40, path)
+    prompt = {"prompt_token_ids": list(range(50, 62))}  # three full blocks of 4
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=1)
+    llama_llm.generate(prompt, params, lora_request=lora, use_tqdm=False)
+    again = llama_llm.generate(prompt, params, lora_request=lora, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 8  # the same files: the prefix is reused
+    core = llama_llm.llm_engine.engine_core
+    assert core.remove_lora(40)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copyfile(os.path.join(llama_loras["kvo2"].lora_path, name),
+                        os.path.join(path, name))
+    fresh = llama_llm.generate(prompt, params, lora_request=lora, use_tqdm=False)[0]
+    assert fresh.num_cached_tokens == 0
+    assert_identical_greedy([fresh], [_reference(tiny_llama_dir, llama_loras["kvo2"],
+                                                 prompt["prompt_token_ids"], 4)])
 
 
 def test_lora_off_refuses_an_adapter(tiny_llama_dir: str, llama_loras) -> None:
@@ -297,3 +347,41 @@ def test_scheduler_never_schedules_more_adapters_than_slots() -> None:
     out = scheduler.schedule()
     assert [r.req_id for r in out.scheduled_new_reqs] == ["r4", "r6"]
     assert out.scheduled_new_reqs[0].lora_request == LoRARequest("a1", 1, "/nowhere")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_product_over_the_steps_slots_equals_all_slots(dtype: torch.dtype) -> None:
+    """The CPU product over the step's first slots (A/B oneDNN-packed in bfloat16) equals
+    the traced product over all slots, for q/k/v parts of different sizes; the slot count
+    follows the highest slot used."""
+    from vllm.lora.layers import LoRALinear, LoRAState, slot_count, slot_counts
+    from vllm.model_executor.layers.linear import QKVParallelLinear
+
+    assert slot_counts(4) == [1, 2, 4] and slot_counts(6) == [1, 2, 4, 6]
+    assert [slot_count(s, 6) for s in range(6)] == [1, 2, 4, 4, 6, 6]
+    generator = torch.Generator().manual_seed(0)
+    base = QKVParallelLinear(32, 8, 4, 2, bias=False)  # q 32 rows, k and v 16 each
+    assert base.weight is not None
+    base.weight.data.copy_(torch.randn(base.weight.shape, generator=generator))
+    base.weight.data = base.weight.data.to(dtype)
+    base.process_weights_after_loading(None, pack=dtype == torch.bfloat16)
+    state = LoRAState(8, 4, 4, torch.device("cpu"))
+    layer = LoRALinear(base, ["q", "k", "v"], 4, 4, state, dtype)
+    assert layer.part_rows == [(0, 32), (32, 16), (48, 16)]
+    for slot, rank in ((0, 4), (1, 2), (2, 3)):  # ranks below max_rank; v left alone in 1
+        layer.set_slot(slot, [(torch.randn(rank, 32, generator=generator),
+                               torch.randn(out, rank, generator=generator))
+                              if (slot, part) != (1, "v") else None
+                              for part, out in (("q", 32), ("k", 16), ("v", 16))])
+    x = torch.randn(5, 32, generator=generator).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for slots, expected_count in (([0, -1, 0, 0, -1], 1), ([1, 0, -1, 1, 0], 2),
+                                  ([2, 1, 0, -1, 2], 4)):
+        state.indices[:5] = torch.tensor(slots)
+        state.set_step(max(slots))
+        assert state.num_slots == expected_count and state.active
+        with torch.inference_mode():
+            got, want = layer.delta(x), layer.delta_all_slots(x)
+        assert got.shape == (5, 64) and want.abs().max() > 1
+        torch.testing.assert_close(got.float(), want.float(), atol=tol * 10, rtol=tol)
+        assert not got[[i for i, s in enumerate(slots) if s == -1]].any()

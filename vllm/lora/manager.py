@@ -34,7 +34,8 @@ class LoRAModelManager:
                  max_num_tokens: int, device: torch.device, dtype: torch.dtype) -> None:
         self.config = lora_config
         self.hf_config = hf_config
-        self.state = LoRAState(max_num_tokens, device)
+        self.state = LoRAState(max_num_tokens, lora_config.max_loras,
+                               lora_config.max_lora_rank, device)
         # Hugging Face module name -> (LoRA layer, part index in it)
         self.targets: dict[str, tuple[LoRALinear, int]] = {}
         self.layers: list[LoRALinear] = []
@@ -118,7 +119,7 @@ class LoRAModelManager:
         indices = self.state.indices
         indices.fill_(-1)
         indices[:len(token_slots)].copy_(torch.from_numpy(token_slots))
-        self.state.active = bool(ids)
+        self.state.set_step(max(slot_of.values()) if slot_of else None)
 
     def _slot_for(self, request: LoRARequest, step_ids: list[int]) -> int:
         lora_id = request.lora_int_id

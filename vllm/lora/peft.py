@@ -15,6 +15,7 @@ adapter before any request reaches the engine); `load_adapter` reads the tensors
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -159,6 +160,21 @@ def load_adapter(path: str, hf_config, max_rank: int) -> PeftAdapter:
     adapter.weights = {module: (pairs[module]["A"], pairs[module]["B"] * adapter.scaling)
                        for module in adapter.modules}
     return adapter
+
+
+def files_fingerprint(path: str) -> bytes:
+    """The adapter files' sizes and modification times (nanoseconds), hashed: an adapter
+    read again from the same path after its files changed gets another fingerprint (the
+    prefix cache mixes it into block hashes, so K/V of the old weights is never reused)."""
+    digest = hashlib.sha256()
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        try:
+            stat = os.stat(os.path.join(path, name))
+        except OSError:
+            digest.update(b"missing")
+            continue
+        digest.update(stat.st_size.to_bytes(8, "little") + stat.st_mtime_ns.to_bytes(8, "little"))
+    return digest.digest()
 
 
 def _split_tensor_name(path: str, name: str) -> tuple[str, str]:

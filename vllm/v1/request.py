@@ -69,11 +69,13 @@ class Request:
         cache_salt: str | None = None,
         prompt_is_token_ids: torch.Tensor | None = None,
         lora_request: LoRARequest | None = None,
+        lora_fingerprint: bytes = b"",
     ) -> None:
         self.request_id = request_id
-        # Its LoRA adapter: mixed into the first block's hash, and it holds a slot while
-        # it runs.
+        # Its LoRA adapter: mixed into the first block's hash with its files' fingerprint
+        # (`files_fingerprint`), and it holds a slot while it runs.
         self.lora_request = lora_request
+        self.lora_fingerprint = lora_fingerprint
         self.cache_salt = cache_salt  # mixed into the first block's hash
         # Encoder/decoder models: the encoder's input, kept until the request finishes (a
         # preempted request whose cross blocks were evicted runs the encoder again).
@@ -130,7 +132,8 @@ class Request:
         return cls(request.request_id, request.prompt_token_ids, request.prompt_embeds,
                    request.sampling_params, request.eos_token_id, request.arrival_time,
                    max_model_len, block_hasher, request.encoder_input, request.cache_salt,
-                   request.prompt_is_token_ids, request.lora_request)
+                   request.prompt_is_token_ids, request.lora_request,
+                   request.lora_fingerprint)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -144,8 +144,9 @@ def cross_block_hashes(encoder_hash: bytes, num_blocks: int) -> list[BlockHash]:
 
 def chain_start(request: Request) -> BlockHash | None:
     """The parent of a request's first block: the encoder input's hash (encoder/decoder
-    models), the cache salt and the LoRA adapter (its id and path: K/V computed through
-    one adapter is never another's), or None for an unsalted base-model decoder request."""
+    models), the cache salt and the LoRA adapter (its id, path and files' fingerprint: K/V
+    computed through one adapter is never another's, nor that of the same adapter's files
+    rewritten and read again), or None for an unsalted base-model decoder request."""
     parent = request.encoder_input.content_hash if request.encoder_input is not None else None
     if request.cache_salt is not None:
         salt = request.cache_salt.encode()
@@ -156,7 +157,8 @@ def chain_start(request: Request) -> BlockHash | None:
         path = lora.lora_path.encode()
         parent = hashlib.sha256(b"L" + lora.lora_int_id.to_bytes(8, "little")
                                 + len(path).to_bytes(8, "little") + path
-                                + (parent or b"")).digest()
+                                + len(request.lora_fingerprint).to_bytes(1, "little")
+                                + request.lora_fingerprint + (parent or b"")).digest()
     return parent
 
 

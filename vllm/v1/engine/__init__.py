@@ -109,8 +109,10 @@ class EngineCoreRequest:
     cache_salt: str | None = None
     # Mixed prompts only: bool [num_prompt_tokens], True at positions holding real ids.
     prompt_is_token_ids: torch.Tensor | None = None
-    # The LoRA adapter the request runs with (None: the base model).
+    # The LoRA adapter the request runs with (None: the base model), and the fingerprint of
+    # its files as the workers read them (set by the engine core; `files_fingerprint`).
     lora_request: LoRARequest | None = None
+    lora_fingerprint: bytes = b""
 
     @property
     def embeds_layout(self) -> EmbedsLayout | None:

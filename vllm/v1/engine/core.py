@@ -58,27 +58,33 @@ class EngineCore:
         self.structured_output_manager = _structured_output_manager(vllm_config, grammar_compiler)
         self.scheduler = Scheduler(vllm_config.scheduler_config, cache, groups,
                                    self.structured_output_manager)
-        self._recent_loras: OrderedDict[int, None] = OrderedDict()
+        # adapter id -> the fingerprint of its files when the workers read them
+        self._recent_loras: OrderedDict[int, bytes] = OrderedDict()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         if request.lora_request is not None:
-            self._preload_lora(request.lora_request)
+            request.lora_fingerprint = self._preload_lora(request.lora_request)
         self.scheduler.add_request(request)
 
-    def _preload_lora(self, lora_request: LoRARequest) -> None:
+    def _preload_lora(self, lora_request: LoRARequest) -> bytes:
         """Reads an adapter into the workers' CPU caches when its first request arrives,
-        not in the step that first runs it. `_recent_loras` mirrors the workers' cache
+        not in the step that first runs it; returns its files' fingerprint then (the
+        requests' block hashes include it). `_recent_loras` mirrors the workers' cache
         (most recent last) so that requests of a cached adapter cost no call; an adapter
         the workers dropped meanwhile is read again when a step needs it."""
+        from vllm.lora.peft import files_fingerprint
+
         lora_id = lora_request.lora_int_id
         if lora_id in self._recent_loras:
             self._recent_loras.move_to_end(lora_id)
-            return
+            return self._recent_loras[lora_id]
+        fingerprint = files_fingerprint(lora_request.lora_path)
         self.model_executor.add_lora(lora_request)
-        self._recent_loras[lora_id] = None
+        self._recent_loras[lora_id] = fingerprint
         lora_config = self.vllm_config.lora_config
         while lora_config is not None and len(self._recent_loras) > lora_config.max_cpu_loras:
             self._recent_loras.popitem(last=False)
+        return fingerprint
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Loads an adapter ahead of its requests (a ValueError if bad)."""
