@@ -164,6 +164,9 @@ def test_cache_salt_separates_tenants(server: RemoteServer, client: openai.OpenA
     assert cached("tenant-b") == 0  # same prompt, another salt: no hit
     assert cached(None) == 0  # no salt is a salt of its own
     assert cached("tenant-a") == 32  # same salt: both full blocks hit
+    # Dev mode's /reset_prefix_cache forgets them (vLLM's route).
+    assert httpx.post(f"{server.url}/reset_prefix_cache", timeout=10).status_code == 200
+    assert cached("tenant-a") == 0
     chat = client.chat.completions.create(
         model=client.models.list().data[0].id, max_tokens=1,
         messages=[{"role": "user", "content": "x " * 40}], extra_body={"cache_salt": "c"})

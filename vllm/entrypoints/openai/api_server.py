@@ -260,6 +260,15 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
                                 for info in await engine.call_engines("get_engine_state")],
                     "prompt_embeds_bytes_in_flight": state.completion.embeds.in_flight.used}
 
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache() -> Response:
+            """vLLM's dev route: forgets every cached block (benchmarks repeat a workload
+            without hits). 409 while requests hold blocks: nothing is dropped then."""
+            if not await state.engine.reset_prefix_cache():
+                return error_json("The prefix cache was not reset: requests are running.",
+                                  "ConflictError", HTTPStatus.CONFLICT)
+            return Response(status_code=200)
+
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": vllm.__version__}
