@@ -80,18 +80,21 @@ def run_ours(model: str, workload: str, output_len: int, **engine_kwargs) -> dic
     return result
 
 
-def run_driver(cmd: list[str]) -> dict[int, float] | str:
+def run_in_neutral_dir(cmd: list[str]) -> tuple[subprocess.CompletedProcess, list[dict]]:
     """Runs a driver from a neutral directory (so that our `vllm` does not shadow a peer's)
-    in the environment this script was given; returns {concurrency: best tok/s over the
-    repeats} or the error text."""
+    in the environment this script was given; returns the process and its JSON lines."""
     proc = subprocess.run(cmd, cwd=tempfile.gettempdir(), capture_output=True, text=True,
                           env={k: v for k, v in _GIVEN_ENV.items() if k != "PYTHONPATH"})
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            row = json.loads(line)
-            c = row["concurrency"]
-            results[c] = max(results.get(c, 0.0), row["tokens"] / row["seconds"])
+    return proc, [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def run_driver(cmd: list[str]) -> dict[int, float] | str:
+    """A concurrency driver's {concurrency: best tok/s over the repeats}, or the error text."""
+    proc, rows = run_in_neutral_dir(cmd)
+    results: dict[int, float] = {}
+    for row in rows:
+        c = row["concurrency"]
+        results[c] = max(results.get(c, 0.0), row["tokens"] / row["seconds"])
     if proc.returncode != 0 or not results:
         return (proc.stderr or proc.stdout)[-2000:]
     return results
@@ -233,16 +236,8 @@ def single_workload(path: str, output_len: int, k: int) -> dict:
 
 
 def run_single_driver(cmd: list[str], label: str) -> dict[str, float]:
-    proc = subprocess.run(cmd, cwd=tempfile.gettempdir(), capture_output=True, text=True,
-                          env={k: v for k, v in _GIVEN_ENV.items() if k != "PYTHONPATH"})
-    rows = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            row = json.loads(line)
-            rows[row["metric"]] = row["value"]
-    for line in proc.stderr.splitlines():
-        if "refuses speculative_config" in line:
-            print(f"{label}: {line.strip()} (no speculative number)", flush=True)
+    proc, lines = run_in_neutral_dir(cmd)
+    rows = {row["metric"]: row["value"] for row in lines}
     if proc.returncode != 0 or not rows:
         print(f"{label} failed:\n{(proc.stderr or proc.stdout)[-2000:]}", flush=True)
     else:

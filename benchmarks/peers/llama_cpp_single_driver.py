@@ -39,7 +39,7 @@ def main() -> None:
         llm.reset()  # no prefix reuse from the previous call
         return llm.generate(prompt, temp=0.0, top_k=1, reset=True)
 
-    measure(spec, generate, speculative_ok=True)
+    measure(spec, generate)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ def timed(generate: Generate, prompt: list[int], max_tokens: int,
     return (first if first is not None else total), total, count
 
 
-def measure(spec: dict, generate: Generate, speculative_ok: bool) -> None:
+def measure(spec: dict, generate: Generate) -> None:
     """Prints the JSON lines above for `spec` (the benchmark's workload file)."""
     repeats = spec.get("repeats", 1)
     output_len = spec["output_len"]
@@ -63,5 +63,4 @@ def measure(spec: dict, generate: Generate, speculative_ok: bool) -> None:
     best("decode", decode)
     best("ttft", ttft, larger_is_better=False)
     best("copy", lambda: copy(False))
-    if speculative_ok:
-        best("copy_spec", lambda: copy(True))
+    best("copy_spec", lambda: copy(True))

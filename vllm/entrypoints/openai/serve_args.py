@@ -262,13 +262,7 @@ def compilation_config_arg(text: str) -> dict | int:
     """`-O 0`, or a JSON object of `CompilationConfig` fields."""
     if text.strip().lstrip("-").isdigit():
         return int(text)
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not a level or a JSON object: {e}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a level or a JSON object")
-    return value
+    return json_object_arg(text)
 
 
 def json_object_arg(text: str) -> dict:
