@@ -1,5 +1,8 @@
-"""The `vllm` command: `vllm generate "PROMPT"`, `vllm transcribe FILE` (more subcommands
-register here)."""
+"""The `vllm` command: `vllm serve [MODEL]`, `vllm generate "PROMPT"`, `vllm transcribe FILE`.
+
+Every subcommand is a row of `_subcommands()`: a function adding its flags and one running it.
+Each imports what it runs only when chosen (`vllm generate` loads no server, `vllm serve`
+no engine in its API process)."""
 
 from __future__ import annotations
 
@@ -7,16 +10,11 @@ import argparse
 import sys
 from collections.abc import Callable
 
-# name -> (add arguments, run)
-_SUBCOMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None],
-                              Callable[[argparse.Namespace], int]]] = {}
 
+def _serve(args: argparse.Namespace) -> int:
+    from vllm.entrypoints.openai.api_server import run
 
-def subcommand(name: str, add_args: Callable[[argparse.ArgumentParser], None]):
-    def register(run: Callable[[argparse.Namespace], int]):
-        _SUBCOMMANDS[name] = (add_args, run)
-        return run
-    return register
+    return run(args)
 
 
 def _generate_args(parser: argparse.ArgumentParser) -> None:
@@ -37,7 +35,6 @@ def _generate_args(parser: argparse.ArgumentParser) -> None:
                         help="capture no graph (by default one, for one-token steps)")
 
 
-@subcommand("generate", _generate_args)
 def _generate(args: argparse.Namespace) -> int:
     from vllm import LLM, SamplingParams
 
@@ -77,7 +74,6 @@ def _transcribe_args(parser: argparse.ArgumentParser) -> None:
                              "natively, else float32), float32 or bfloat16")
 
 
-@subcommand("transcribe", _transcribe_args)
 def _transcribe(args: argparse.Namespace) -> int:
     """Offline twin of POST /v1/audio/transcriptions: the long-form pipeline (speech windows
     of at most 30 s, timestamps, fallback and re-seek), every window in one batch."""
@@ -115,27 +111,32 @@ def _max_positions(model: str | None) -> int:
     return max_decoder_positions(get_config(resolve_model_path(model)))
 
 
-def _load_subcommands() -> None:
-    # An import error here is a bug to see, not a subcommand to hide.
-    import vllm.entrypoints.openai.cli_serve  # noqa: F401  (registers `serve`)
+Subcommand = tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
+
+
+def _subcommands() -> dict[str, Subcommand]:
+    """name -> (add its flags, run it)."""
+    # `serve`'s flags are vLLM's, shared with the server process (`serve_args`).
+    from vllm.entrypoints.openai.serve_args import add_serve_args
+
+    return {"serve": (add_serve_args, _serve),
+            "generate": (_generate_args, _generate),
+            "transcribe": (_transcribe_args, _transcribe)}
 
 
 def main(argv: list[str] | None = None) -> int:
-    _load_subcommands()
+    subcommands = _subcommands()
     parser = argparse.ArgumentParser(prog="vllm", description="vLLM-compatible engine")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for name, (add_args, _) in _SUBCOMMANDS.items():
+    for name, (add_args, _) in subcommands.items():
         add_args(subparsers.add_parser(name))
     args = parser.parse_args(argv)
     try:
-        return _SUBCOMMANDS[args.command][1](args)
+        return subcommands[args.command][1](args)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 
 
 if __name__ == "__main__":
-    # Run through the importable module, whose registry the optional subcommands fill.
-    from vllm.entrypoints.cli import main as _main
-
-    sys.exit(_main())
+    sys.exit(main())

@@ -1,7 +1,7 @@
 """`vllm serve [MODEL]`'s flags with vLLM's names, turned into `EngineArgs` + server options.
 
-Imported by the command (`cli_serve`) and by the server (`api_server`), which import
-nothing of each other's but `api_server.run`.
+Imported by the command (`vllm.entrypoints.cli`) and by the server (`api_server`), which
+import nothing of each other's but `api_server.run`.
 """
 
 from __future__ import annotations
