@@ -12,7 +12,7 @@ import torch
 
 from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
-from vllm.v1.engine import EmbedsLayout, EncoderInput, EngineCoreRequest, FinishReason
+from vllm.v1.messages import EmbedsLayout, EncoderInput, EngineCoreRequest, FinishReason
 from vllm.v1.structured_output.backend import StructuredOutputGrammar
 
 # Token id stored at positions whose input comes from prompt embeds. The scheduler never

@@ -28,7 +28,7 @@ from vllm.model_executor.models.encoder_decoder import (
     activation_fn,
 )
 from vllm.v1.attention.backends.abstract import AttentionBackend, AttentionType
-from vllm.v1.engine import EncoderInput
+from vllm.v1.messages import EncoderInput
 
 # BART's learned position tables have 2 extra leading rows: position p is row p + 2.
 _POSITION_OFFSET = 2

@@ -11,7 +11,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from vllm.model_executor.models.encoder_decoder import CrossAttention
-    from vllm.v1.engine import EncoderInput
+    from vllm.v1.messages import EncoderInput
 
 
 class VllmModel(Protocol):

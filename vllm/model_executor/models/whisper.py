@@ -28,7 +28,7 @@ from vllm.model_executor.models.encoder_decoder import (
     activation_fn,
 )
 from vllm.v1.attention.backends.abstract import AttentionBackend, AttentionType
-from vllm.v1.engine import EncoderInput
+from vllm.v1.messages import EncoderInput
 
 # Mel frames per encoder token: conv2 has stride 2.
 FRAMES_PER_ENCODER_TOKEN = 2

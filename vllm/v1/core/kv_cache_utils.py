@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from vllm.v1.engine import EmbedsLayout
+    from vllm.v1.messages import EmbedsLayout
     from vllm.v1.request import Request
 
 BlockHash = bytes

@@ -6,7 +6,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from vllm.v1.engine import SchedulerStats
+from vllm.v1.messages import SchedulerStats
 from vllm.v1.metrics.stats import IterationStats
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,

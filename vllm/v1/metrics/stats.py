@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.v1.engine import EngineCoreOutputs
+from vllm.v1.messages import EngineCoreOutputs
 
 
 @dataclass(slots=True)

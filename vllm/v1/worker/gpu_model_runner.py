@@ -27,7 +27,7 @@ from vllm.v1.attention.backends import get_attn_backend
 from vllm.v1.attention.backends.abstract import CommonAttentionMetadata
 from vllm.v1.core.kv_cache_groups import group_size, layer_slots
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.engine import EmbedsLayout
+from vllm.v1.messages import EmbedsLayout
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler, SamplerOutput

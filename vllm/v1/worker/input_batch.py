@@ -9,7 +9,7 @@ import torch
 
 from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
-from vllm.v1.engine import EmbedsLayout
+from vllm.v1.messages import EmbedsLayout
 from vllm.v1.worker.block_table import BlockTable
 
 

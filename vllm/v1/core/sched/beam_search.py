@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from vllm.sampling_params import BeamSearchParams
-from vllm.v1.engine import BeamHypothesis, FinishReason
+from vllm.v1.messages import BeamHypothesis, FinishReason
 from vllm.v1.outputs import LogprobsLists
 from vllm.v1.request import Request
 

@@ -8,7 +8,7 @@ import torch
 
 from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
-from vllm.v1.engine import EncoderInput
+from vllm.v1.messages import EncoderInput
 from vllm.v1.request import Request
 
 

@@ -22,7 +22,7 @@ from vllm.v1.core.sched.output import (
     RowsToGather,
     SchedulerOutput,
 )
-from vllm.v1.engine import (
+from vllm.v1.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
