@@ -149,6 +149,27 @@ def test_tiny_en_special_tokens(tokenizer, tiny_whisper_dir: str) -> None:
     assert WhisperTokens.from_tokenizer(get_tokenizer(tiny_whisper_dir)) == expected
 
 
+def test_audio_models_are_known_to_the_front_end_without_importing_them(
+        tiny_whisper_dir: str, tiny_bart_dir: str) -> None:
+    """The registry's record of the encoder's stride (read by the front end) is the one
+    the Whisper model runs with; text models have none."""
+    import torch
+
+    from vllm.config import ModelConfig
+    from vllm.model_executor.models import whisper
+    from vllm.transformers_utils.config import get_config
+
+    def config(path: str) -> ModelConfig:
+        return ModelConfig(model=path, tokenizer=path, hf_config=get_config(path),
+                           dtype=torch.float32, max_model_len=64)
+
+    audio = config(tiny_whisper_dir)
+    assert audio.is_audio_model
+    assert audio.audio_frames_per_encoder_token == whisper.FRAMES_PER_ENCODER_TOKEN == 2
+    text = config(tiny_bart_dir)
+    assert not text.is_audio_model and text.audio_frames_per_encoder_token is None
+
+
 def test_decoder_prompts(tokenizer) -> None:
     def prompt(**kwargs):
         args = dict(language=None, task="transcribe", previous_text_ids=[],

@@ -98,6 +98,18 @@ class ModelConfig:
         return self.hf_config.vocab_size
 
     @property
+    def audio_frames_per_encoder_token(self) -> int | None:
+        """Log-mel frames per encoder position when the model's encoder takes audio
+        (Whisper: 2, so 3,000 frames -> 1,500 positions); None for text models."""
+        from vllm.model_executor.models.registry import audio_frames_per_encoder_token
+
+        return audio_frames_per_encoder_token(self.architecture)
+
+    @property
+    def is_audio_model(self) -> bool:
+        return self.audio_frames_per_encoder_token is not None
+
+    @property
     def is_encoder_decoder(self) -> bool:
         return bool(getattr(self.hf_config, "is_encoder_decoder", False))
 

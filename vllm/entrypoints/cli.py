@@ -88,8 +88,9 @@ def _transcribe(args: argparse.Namespace) -> int:
     llm = LLM(args.model or default_whisper_model_path(), dtype=args.dtype, seed=args.seed,
               kv_cache_memory_bytes=256 * 1024**2)
     config, tokenizer = llm.llm_engine.vllm_config.model_config, llm.get_tokenizer()
-    if config.hf_config.model_type != "whisper":
-        raise ValueError(f"{config.model} is {config.architecture}, not a Whisper model.")
+    if not config.is_audio_model:
+        raise ValueError(f"{config.model} is {config.architecture}, not a speech model "
+                         "(Whisper).")
     previous = args.prompt.strip()
     prompt_ids = decoder_prompt(
         tokenizer, config.hf_config, language=language_code(args.language, config.hf_config),

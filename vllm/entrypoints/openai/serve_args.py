@@ -208,7 +208,7 @@ def model_of(args: argparse.Namespace) -> str | None:
 
 
 def check_task(args: argparse.Namespace, model_config: ModelConfig) -> None:
-    if args.task == "transcription" and model_config.hf_config.model_type != "whisper":
+    if args.task == "transcription" and not model_config.is_audio_model:
         raise ValueError(f"--task transcription needs a Whisper model; {model_config.model} "
                          f"is {model_config.architecture}.")
 

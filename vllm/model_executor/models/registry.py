@@ -36,6 +36,13 @@ _MODELS: dict[str, tuple[str, str]] = {
     "WhisperForConditionalGeneration": ("whisper", "WhisperForConditionalGeneration"),
 }
 
+# Architectures whose encoder input is audio -> log-mel frames per encoder position (the
+# stride of the model's convolution stem; `whisper.FRAMES_PER_ENCODER_TOKEN`). Read by the
+# front end (`ModelConfig.audio_frames_per_encoder_token`) without importing the model.
+_AUDIO_MODELS: dict[str, int] = {
+    "WhisperForConditionalGeneration": 2,
+}
+
 if TYPE_CHECKING:  # the type checker holds every registered class to `ModelClass`
     from vllm.model_executor.models.bart import BartForConditionalGeneration
     from vllm.model_executor.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
@@ -59,6 +66,11 @@ if TYPE_CHECKING:  # the type checker holds every registered class to `ModelClas
 
 def get_supported_archs() -> list[str]:
     return list(_MODELS)
+
+
+def audio_frames_per_encoder_token(architecture: str) -> int | None:
+    """Mel frames per encoder position of an audio model; None for a model of text."""
+    return _AUDIO_MODELS.get(architecture)
 
 
 def resolve_model_cls(architecture: str) -> type[nn.Module]:

@@ -30,7 +30,8 @@ from vllm.model_executor.models.encoder_decoder import (
 from vllm.v1.attention.backends.abstract import AttentionBackend, AttentionType
 from vllm.v1.messages import EncoderInput
 
-# Mel frames per encoder token: conv2 has stride 2.
+# Mel frames per encoder token: the stride of conv2 (the registry records it for the
+# front end: `registry._AUDIO_MODELS`).
 FRAMES_PER_ENCODER_TOKEN = 2
 
 
@@ -75,7 +76,7 @@ class WhisperEncoder(nn.Module):
         super().__init__()
         d = config.d_model
         self.conv1 = nn.Conv1d(config.num_mel_bins, d, kernel_size=3, padding=1)
-        self.conv2 = nn.Conv1d(d, d, kernel_size=3, stride=2, padding=1)
+        self.conv2 = nn.Conv1d(d, d, kernel_size=3, stride=FRAMES_PER_ENCODER_TOKEN, padding=1)
         self.embed_positions = nn.Embedding(config.max_source_positions, d)
         self.layers = nn.ModuleList(WhisperEncoderLayer(config, backend, i)
                                     for i in range(config.encoder_layers))

@@ -48,7 +48,7 @@ class Processor:
         if isinstance(self.eos_token_id, list):
             self.eos_token_id = self.eos_token_id[0] if self.eos_token_id else None
         self.generation_stop_ids = _generation_config_eos_ids(model_config.model)
-        self.is_audio_model = model_config.hf_config.model_type == "whisper"
+        self.is_audio_model = model_config.is_audio_model
         # Every structured-output constraint is compiled here before it is submitted, so a
         # bad one is refused (a 400) before it reaches the engine core.
         self.grammar_compiler = (None if tokenizer is None
@@ -249,10 +249,10 @@ class Processor:
             raise ValueError("multi_modal_data must be {'audio': (waveform, sample_rate)}, "
                              f"got {sorted(data) if isinstance(data, dict) else data!r}.")
         features = audio_to_features(data["audio"], self.feature_extractor)
-        # Whisper's convolution stem halves the frames: 3000 frames -> 1500 positions.
-        if features.shape[1] != 2 * mc.max_encoder_len:
+        frames = mc.max_encoder_len * (mc.audio_frames_per_encoder_token or 1)
+        if features.shape[1] != frames:
             raise ValueError(f"The feature extractor gave {features.shape[1]} frames, but "
-                             f"{mc.architecture} takes {2 * mc.max_encoder_len}.")
+                             f"{mc.architecture} takes {frames}.")
         return EncoderInput(None, features, mc.max_encoder_len,
                             _content_hash(b"A", features.numpy()))
 
