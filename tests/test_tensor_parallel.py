@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import types
 from collections.abc import Iterator
 
@@ -203,6 +204,50 @@ def test_llama_one_kv_head_replicated_eager(tmp_path) -> None:
                            num_gpu_blocks_override=40)
     assert preemptions[0] > 0 and preemptions[0] == preemptions[1]
     _assert_same(ones, twos)
+
+
+def _mostly_copying_llama(path: str) -> str:
+    """A tiny tied-embeddings Llama whose layers' outputs are scaled down (o_proj and
+    down_proj x 0.6), so its greedy text falls into repeats now and then: prompt lookup's
+    drafts are sometimes accepted and sometimes rejected (a random model never repeats)."""
+    from safetensors.torch import load_file, save_file
+
+    make_tiny_model(path, "llama", tie_word_embeddings=True)
+    (file,) = (os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+    weights = load_file(file)
+    for name in weights:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name] = weights[name] * 0.6
+    save_file(weights, file, metadata={"format": "pt"})
+    return path
+
+
+def test_prompt_lookup_speculation_equals_one_rank(tmp_path) -> None:
+    """ngram speculation under tp 2: a verification step is one forward of 1 + k rows per
+    request on every rank; greedy and seeded random rows, drafts accepted and rejected,
+    come out as on one rank, and greedy as without speculation."""
+    path = _mostly_copying_llama(str(tmp_path / "copying"))
+    prompts = ["Hello world, this is", "The capital of France is"] * 2
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
+    seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=16, ignore_eos=True,
+                            logprobs=3)
+    params = [greedy, greedy, seeded, seeded]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3}
+    outputs, counts = [], []
+    for tp in (1, 2):
+        llm = _llm(path, tp, speculative_config=spec)
+        outputs.append(llm.generate(prompts, params, use_tqdm=False))
+        metrics = {m.name: m for m in llm.get_metrics()}
+        counts.append([metrics[f"vllm:spec_decode_num_{what}_tokens"].value  # type: ignore[attr-defined]
+                       for what in ("draft", "accepted")])
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+    drafted, accepted = counts[0]
+    assert 0 < accepted < drafted and counts[0] == counts[1]
+    _assert_same(*outputs)
+    plain = _llm(path, 1).generate(prompts[:2], greedy, use_tqdm=False)
+    _assert_same(outputs[1][:2], plain)
 
 
 def test_qwen2_biases_int8(tiny_qwen2_dir) -> None:
