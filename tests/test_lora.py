@@ -349,16 +349,69 @@ def test_scheduler_never_schedules_more_adapters_than_slots() -> None:
     assert out.scheduled_new_reqs[0].lora_request == LoRARequest("a1", 1, "/nowhere")
 
 
+def _kernel_reference(x: torch.Tensor, indices: list[int], a: torch.Tensor, b: torch.Tensor,
+                      bounds: list[int], rank: int) -> torch.Tensor:
+    """float64 delta: row i through slot s = indices[i], part p: B[p's rows, s] (A[p, s] x_i)
+    (xa rounded to x's dtype between the two, as the kernel's bfloat16 path does).
+    a [P, L, rank, K], b [N, L, rank]."""
+    out = torch.zeros(len(indices), bounds[-1], dtype=torch.float64)
+    for i, slot in enumerate(indices):
+        for p in range(len(bounds) - 1):
+            if slot >= 0:
+                xa = (a[p, slot].double() @ x[i].double()).to(x.dtype).double()
+                out[i, bounds[p]:bounds[p + 1]] = b[bounds[p]:bounds[p + 1], slot].double() @ xa
+    return out
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_layer_product_over_the_steps_slots_equals_all_slots(dtype: torch.dtype) -> None:
-    """The CPU product over the step's first slots (A/B oneDNN-packed in bfloat16) equals
-    the traced product over all slots, for q/k/v parts of different sizes; the slot count
-    follows the highest slot used."""
-    from vllm.lora.layers import LoRALinear, LoRAState, slot_count, slot_counts
+def test_native_lora_kernel_against_float64(dtype: torch.dtype) -> None:
+    """`vllm_cpu::lora_delta` (packed by `pack_slot_a` / `pack_slot_b`): rows of several
+    adapters and none, ranks below the maximum (odd ones too), an empty slot and a slot
+    whose rank is 0, parts whose bounds are not multiples of 16, ranks over 16 lanes."""
+    from vllm.lora.layers import native_kernel_step, pack_slot_a, pack_slot_b
+
+    step = native_kernel_step(dtype, torch.device("cpu"), 64)
+    if step is None:
+        pytest.skip("no native LoRA kernel on this machine")
+    generator = torch.Generator().manual_seed(0)
+    for in_features, bounds, max_rank, slot_ranks, indices in (
+            (64, [0, 40, 52, 64], 8, [8, 3, 0, 5], [0, -1, 3, 0, 1, 1, 0, 0, 0, 0, 0, 0, 3,
+                                                    -1, 0, 0, 0, 1]),
+            (96, [0, 23, 50], 20, [20, 17, 1], [1, 1, -1, 0, 2, 2, 2, 2, 2, 2, 2, 2, 2, 1]),
+            (32, [0, 16], 4, [4, 0], [1, 0, -1])):
+        parts, slots = len(bounds) - 1, len(slot_ranks)
+        a = torch.zeros(parts, slots, max_rank, in_features)
+        b = torch.zeros(bounds[-1], slots, max_rank)
+        for slot, rank in enumerate(slot_ranks):
+            a[:, slot, :rank] = torch.randn(parts, rank, in_features, generator=generator)
+            b[:, slot, :rank] = torch.randn(bounds[-1], rank, generator=generator)
+        a, b = a.to(dtype), b.to(dtype)
+        padded = -(-max_rank // 16) * 16
+        a_packed = torch.stack([pack_slot_a(a[:, s], padded, step) for s in range(slots)], 1)
+        b_packed = torch.stack([pack_slot_b(b[:, s], padded, step) for s in range(slots)])
+        x = torch.randn(len(indices), in_features, generator=generator).to(dtype)
+        index_buffer = torch.tensor(indices + [5, 5], dtype=torch.int64)  # past n: unread
+        got = torch.ops.vllm_cpu.lora_delta(x, index_buffer, torch.tensor(slot_ranks),
+                                            a_packed.contiguous(), b_packed, bounds)
+        want = _kernel_reference(x, indices, a, b, bounds, max_rank)
+        scale = want.abs().max().item()
+        assert got.dtype == dtype and got.shape == want.shape and scale > 1
+        rtol = 1e-5 if dtype == torch.float32 else 2 ** -8  # bfloat16: one ulp
+        torch.testing.assert_close(got.double(), want, rtol=rtol, atol=rtol * scale)
+        assert not got[[i for i, s in enumerate(indices) if slot_ranks[s] == 0 or s < 0]].any()
+    with pytest.raises(RuntimeError, match="row 1 has slot 2, not in"):
+        torch.ops.vllm_cpu.lora_delta(x[:2], torch.tensor([0, 2]), torch.tensor(slot_ranks),
+                                      a_packed.contiguous(), b_packed, bounds)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_product_native_equals_all_slots(dtype: torch.dtype) -> None:
+    """The CPU layer's product (the native kernel over slots packed by `set_slot`) equals
+    the traced product over all slots, for q/k/v parts of different sizes, ranks below
+    max_rank, a part an adapter leaves alone, a slot rewritten with a smaller adapter."""
+    from vllm.lora.layers import LoRALinear, LoRAState
     from vllm.model_executor.layers.linear import QKVParallelLinear
 
-    assert slot_counts(4) == [1, 2, 4] and slot_counts(6) == [1, 2, 4, 6]
-    assert [slot_count(s, 6) for s in range(6)] == [1, 2, 4, 4, 6, 6]
     generator = torch.Generator().manual_seed(0)
     base = QKVParallelLinear(32, 8, 4, 2, bias=False)  # q 32 rows, k and v 16 each
     assert base.weight is not None
@@ -367,19 +420,22 @@ def test_layer_product_over_the_steps_slots_equals_all_slots(dtype: torch.dtype)
     base.process_weights_after_loading(None, pack=dtype == torch.bfloat16)
     state = LoRAState(8, 4, 4, torch.device("cpu"))
     layer = LoRALinear(base, ["q", "k", "v"], 4, 4, state, dtype)
+    if layer.step is None:
+        pytest.skip("no native LoRA kernel on this machine")
     assert layer.part_rows == [(0, 32), (32, 16), (48, 16)]
-    for slot, rank in ((0, 4), (1, 2), (2, 3)):  # ranks below max_rank; v left alone in 1
-        layer.set_slot(slot, [(torch.randn(rank, 32, generator=generator),
-                               torch.randn(out, rank, generator=generator))
-                              if (slot, part) != (1, "v") else None
-                              for part, out in (("q", 32), ("k", 16), ("v", 16))])
+
+    def adapter(rank: int, skip: str | None = None):
+        return [(torch.randn(rank, 32, generator=generator),
+                 torch.randn(out, rank, generator=generator)) if part != skip else None
+                for part, out in (("q", 32), ("k", 16), ("v", 16))]
+
+    for slot, rank, skip in ((0, 4, None), (1, 2, "v"), (3, 4, None), (3, 3, "q")):
+        layer.set_slot(slot, adapter(rank, skip))  # slot 3 rewritten, slot 2 left empty
+    assert layer.slot_ranks.tolist() == [4, 2, 0, 3]
     x = torch.randn(5, 32, generator=generator).to(dtype)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for slots, expected_count in (([0, -1, 0, 0, -1], 1), ([1, 0, -1, 1, 0], 2),
-                                  ([2, 1, 0, -1, 2], 4)):
+    for slots in ([0, -1, 0, 0, -1], [1, 0, -1, 1, 0], [3, 1, 0, -1, 3]):
         state.indices[:5] = torch.tensor(slots)
-        state.set_step(max(slots))
-        assert state.num_slots == expected_count and state.active
         with torch.inference_mode():
             got, want = layer.delta(x), layer.delta_all_slots(x)
         assert got.shape == (5, 64) and want.abs().max() > 1

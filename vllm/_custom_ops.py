@@ -72,3 +72,7 @@ def _register_fakes() -> None:
     @torch.library.register_fake("vllm_cpu::quant_gemv")
     def _(x, codes, d, m, bits):
         return x.new_empty(x.shape[0], codes.shape[0])
+
+    @torch.library.register_fake("vllm_cpu::lora_delta")
+    def _(x, indices, ranks, a, b, part_bounds):
+        return x.new_empty(x.shape[0], part_bounds[-1])

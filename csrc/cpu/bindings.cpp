@@ -20,6 +20,9 @@ torch::Tensor quant_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor d, 
 bool quant_gemv_available();
 torch::Tensor shm_all_reduce(torch::Tensor x, torch::Tensor segment, int64_t rank,
                              int64_t world, double timeout_s);
+torch::Tensor lora_delta(torch::Tensor x, torch::Tensor indices, torch::Tensor ranks,
+                         torch::Tensor a, torch::Tensor b, at::IntArrayRef part_bounds);
+bool lora_kernel_available();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
@@ -41,12 +44,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Whether quant_gemv was built (AVX-512 VNNI)");
   m.def("shm_all_reduce", &shm_all_reduce,
         "Sum of the local ranks' tensors through a shared-memory segment (CPU)");
+  m.def("lora_kernel_available", &lora_kernel_available,
+        "Whether lora_delta was built (AVX-512)");
 }
 
 TORCH_LIBRARY(vllm_cpu, m) {
   m.def("quant_gemv(Tensor x, Tensor codes, Tensor d, Tensor m, int bits) -> Tensor");
+  m.def("lora_delta(Tensor x, Tensor indices, Tensor ranks, Tensor a, Tensor b, "
+        "int[] part_bounds) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vllm_cpu, CPU, m) {
   m.impl("quant_gemv", &quant_gemv);
+  m.impl("lora_delta", &lora_delta);
 }

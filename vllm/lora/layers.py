@@ -10,56 +10,44 @@ rows:
     lora_b  [out_features, L * R]      part p's output rows (this rank's), slot s's
                                        columns s * R + [0, r); scaling folded in
 
-so part p's product is `x A_p^T` (its `L * R` columns of `x lora_a^T`) times its own rows
-of B (the CUDA path multiplies per part; the CPU op builds B block-diagonal by part over
-the step's slots, one matmul: at 2 threads and these sizes the op count, not the
-multiply-adds, sets the cost: 64 rows over 4 slots, summed over q/k/v, o, gate/up and down,
-511 us block-diagonal vs 655 us a matmul per part). Ranks below `R` leave zero columns.
-Tensor parallel shards A and B like the base layer: a column-parallel layer keeps B's rows
-of its output slice (A whole), a row-parallel one A's columns of its input slice (B whole),
-and its partial `x A^T` is all-reduced (n x P * L * R values) before B.
+Ranks below `R` leave zero rows and columns. Tensor parallel shards A and B like the base
+layer: a column-parallel layer keeps B's rows of its output slice (A whole), a row-parallel
+one A's columns of its input slice (B whole), and its partial `x A^T` is all-reduced
+(n x P * L * R values) before B.
 
-Every row of a step carries its adapter's slot in `LoRAState.indices` (-1: none), and a
-one-hot mask keeps each row's own slot's columns:
+Every row of a step carries its adapter's slot in `LoRAState.indices` (-1: none). Two ways
+to compute `delta[i] = B_s A_s x_i` (zero rows for -1), added to the base layer's output:
 
-    delta_p = ((x @ A_p^T) * (col_slot == indices[:, None])) @ B_p^T
+- CPU (eager and compiled graphs): the native kernel `vllm_cpu::lora_delta`
+  (csrc/cpu/lora.cpp), one registered op per layer, which multiplies each row by its own
+  slot's A and B only: rows grouped by slot, A and B kept packed for it (`a_packed`,
+  `b_packed`, repacked when a slot changes), bfloat16 on AVX512-BF16's dot product, float32
+  on FMAs. Per layer of the default model (64 rows over 4 slots of rank 16, bfloat16, one
+  thread, loaded machine) it took 169 us against 702 us for the masked dense product this
+  replaced (`x A^T` over all slots' columns, masked to each row's slot, times B
+  block-diagonal by part, two oneDNN matmuls): that product multiplied every row by every
+  slot (4x the shrink's work, 12x the expand's on q/k/v) and read ~1.5x the bytes. Bytes
+  matter most inside a step: the base layers' weights (7 MB a layer) evict the adapters'
+  between two calls, and with the caches flushed the same layer took 712 us against
+  1,923 us, which is why the old product cost 2-3x its isolated timings in the step.
+- Elsewhere (CUDA graphs, float16, a CPU without AVX-512, a row-parallel layer under
+  tensor parallel, whose `x A^T` must be all-reduced between the two products):
+  `delta_all_slots`, traceable ops over all `L` slots with a one-hot mask,
 
-Measured on the 2-core CPU we test on (one 576 -> 1536 layer, 4 slots of rank 16, float32):
-1 / 8 / 64 / 256 rows took 23 / 58 / 2227 / 6828 us masked, against 4196 / 1904 / 20750 /
-31938 us gathering each row's A and B by index for two bmm's (the gather copies
-r x (in + out) values per row), and a loop over the active slots, gathering their rows, lost
-to the mask at decode sizes too (bfloat16, 64 rows over 4 slots, the q/k/v layer: 333 vs
-273 us; the per-slot matmuls are too small to run at speed).
+      delta_p = ((x @ A_p^T) * (col_slot == indices[:, None])) @ B_p^T
 
-Two ways to run it:
-- CPU (eager and compiled graphs): the registered op `vllm::lora_delta`, opaque to the
-  graph, so each step may use fewer columns than the graph's shapes hold: only the first
-  `k` slots (`LoRAState.num_slots`, the highest slot the step uses rounded up to a power of
-  two or `L`), with A and B of each `k` kept ready (`_Variant`: oneDNN-packed in bfloat16,
-  as `PackedLinear`, so no call reorders them). The mask is built once per step
-  (`LoRAState.mask`), not per layer. Per layer (eager, 64 rows, bfloat16, 2 threads, quiet)
-  this took the product from 235 / 291 / 150 us (q/k/v, gate/up, down) to 144-182 /
-  159-207 / 60-90 us; end to end (`benchmarks/benchmark_lora.py`) no gain showed, and one
-  adapter still costs about what four do: the time in the compiled step is not where these
-  per-layer measurements put it (not yet profiled).
-- CUDA graphs: traced into the graph over all `L` slots (`indices` a graph input), since a
-  CUDA graph cannot choose `k` per step.
-
-Either way the graph's shapes do not depend on the mix of adapters: one graph serves every
-mix. A step with no adapter rows skips the product (`LoRAState.active`; the CPU graphs keep
-a compiled copy of each kind).
+Either way the graph's shapes do not depend on the mix of adapters (the indices are an
+input): one graph serves every mix. A step with no adapter rows skips the product
+(`LoRAState.active`; the CPU graphs keep a compiled copy of each kind).
 """
 
 from __future__ import annotations
-
-import itertools
-import weakref
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm._custom_ops import native_ops
 from vllm.distributed import tensor_model_parallel_all_reduce
 from vllm.model_executor.layers.linear import (
     LinearBase,
@@ -67,7 +55,8 @@ from vllm.model_executor.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from vllm.model_executor.layers.packed_linear import can_pack
+
+LANES = 16  # the native kernel's vector width: ranks and outputs are padded to it
 
 
 class LoRAState:
@@ -80,52 +69,6 @@ class LoRAState:
         self.indices = torch.full((max_num_tokens,), -1, dtype=torch.int64, device=device)
         # Whether any row of this step has an adapter (a step without skips the product).
         self.active = False
-        # The slots the CPU product covers this step: the first `num_slots`.
-        self.num_slots = max_loras
-        self._masks: dict[tuple[int, torch.dtype, int], torch.Tensor] = {}
-
-    def set_step(self, highest_slot: int | None) -> None:
-        """A new step's indices are written: `highest_slot` is the highest slot a row uses
-        (None: no adapter row)."""
-        self.active = highest_slot is not None
-        self.num_slots = slot_count(highest_slot or 0, self.max_loras)
-        self._masks.clear()
-
-    def mask(self, n: int, dtype: torch.dtype, num_parts: int = 1) -> torch.Tensor:
-        """[n, num_parts * num_slots * max_rank]: 1 where the column's slot is the row's
-        (built once per step, row count and part count, for every layer).
-
-        Example: max_rank 2, num_slots 2, indices [1, -1, 0], 1 part ->
-        [[0, 0, 1, 1], [0, 0, 0, 0], [1, 1, 0, 0]]; 2 parts: each row twice over.
-        """
-        mask = self._masks.get((n, dtype, num_parts))
-        if mask is None:
-            col_slot = torch.arange(self.num_slots * self.max_rank,
-                                    device=self.indices.device) // self.max_rank
-            mask = (self.indices[:n, None] == col_slot).to(dtype).repeat(1, num_parts)
-            self._masks[(n, dtype, num_parts)] = mask
-        return mask
-
-
-def slot_counts(max_loras: int) -> list[int]:
-    """The slot counts the CPU product keeps A and B ready for: powers of two below
-    `max_loras`, and `max_loras`. Example: 4 -> [1, 2, 4]; 6 -> [1, 2, 4, 6]."""
-    counts = [c for c in (2 ** i for i in range(max_loras.bit_length())) if c < max_loras]
-    return [*counts, max_loras]
-
-
-def slot_count(highest_slot: int, max_loras: int) -> int:
-    """The smallest kept slot count covering slots 0..`highest_slot`.
-    Example: max_loras 6: slot 0 -> 1, slot 2 -> 4, slot 4 -> 6."""
-    return next(c for c in slot_counts(max_loras) if c > highest_slot)
-
-
-class _Variant(NamedTuple):
-    """A and each part's B over the first `k` slots, as the CPU product multiplies them
-    (oneDNN-packed in bfloat16, plain tensors otherwise)."""
-
-    lora_a: torch.Tensor  # [P * k * R, in_features]
-    lora_b: torch.Tensor  # [out_features, P * k * R], block-diagonal by part
 
 
 def part_rows(base: LinearBase, num_parts: int) -> list[tuple[int, int]]:
@@ -141,8 +84,37 @@ def part_rows(base: LinearBase, num_parts: int) -> list[tuple[int, int]]:
     return [(0, base.out_features)]
 
 
-_ids = itertools.count()
-_layers: weakref.WeakValueDictionary[int, LoRALinear] = weakref.WeakValueDictionary()
+def native_kernel_step(dtype: torch.dtype, device: torch.device, in_features: int
+                       ) -> int | None:
+    """Inputs per packed step of the native kernel (2: bfloat16 pairs, 1: float32), or None
+    where it does not run (not CPU, another dtype, no AVX-512, native kernels off)."""
+    step = {torch.bfloat16: 2, torch.float32: 1}.get(dtype)
+    if step is None or in_features % step:
+        return None
+    ops = native_ops(device)
+    return step if ops is not None and ops.lora_kernel_available() else None
+
+
+def pack_slot_a(a: torch.Tensor, padded_rank: int, step: int) -> torch.Tensor:
+    """One slot's A of every part, [P, R, in] -> the kernel's [P, in / step,
+    padded_rank * step]: for each step of `step` inputs, lane j holds row j's.
+    Example: step 2, A [1, 2, 4] = [[a0 a1 a2 a3], [b0 b1 b2 b3]], padded_rank 16 ->
+    [[[a0 a1 b0 b1 0 ...], [a2 a3 b2 b3 0 ...]]] (1 x 2 x 32)."""
+    parts, rank, in_features = a.shape
+    a = F.pad(a, (0, 0, 0, padded_rank - rank))
+    return (a.view(parts, padded_rank, in_features // step, step).transpose(1, 2)
+            .reshape(parts, in_features // step, padded_rank * step))
+
+
+def pack_slot_b(b: torch.Tensor, padded_rank: int, step: int) -> torch.Tensor:
+    """One slot's B, [out, R] -> the kernel's [ceil(out / 16), padded_rank / step,
+    16 * step]: for each block of 16 outputs and step of `step` ranks, lane o holds output
+    o's (outputs past `out` zero)."""
+    out, rank = b.shape
+    blocks = -(-out // LANES)
+    b = F.pad(b, (0, padded_rank - rank, 0, blocks * LANES - out))
+    return (b.view(blocks, LANES, padded_rank // step, step).transpose(1, 2)
+            .reshape(blocks, padded_rank // step, LANES * step))
 
 
 class LoRALinear(nn.Module):
@@ -154,6 +126,10 @@ class LoRALinear(nn.Module):
     lora_b: torch.Tensor  # [out_features, max_loras * max_rank]
     col_slot: torch.Tensor  # [max_loras * max_rank] int64
     indices: torch.Tensor  # [max_num_tokens] int64, `LoRAState.indices`
+    # The native kernel's (CPU): see pack_slot_a / pack_slot_b.
+    a_packed: torch.Tensor  # [P, max_loras, in / step, padded rank * step]
+    b_packed: torch.Tensor  # [max_loras, ceil(out / 16), padded rank / step, 16 * step]
+    slot_ranks: torch.Tensor  # [max_loras] int64: each slot's rank in this layer (0: none)
 
     def __init__(self, base: LinearBase, parts: list[int | str | None], max_loras: int,
                  max_rank: int, state: LoRAState, dtype: torch.dtype) -> None:
@@ -162,6 +138,7 @@ class LoRALinear(nn.Module):
         self.parts = parts
         self.max_loras, self.max_rank = max_loras, max_rank
         self.part_rows = part_rows(base, len(parts))
+        self.part_bounds = [first for first, _ in self.part_rows] + [base.out_features]
         self.row_parallel = isinstance(base, RowParallelLinear) and base.tp_size > 1
         self.is_row = isinstance(base, RowParallelLinear)
         device = state.indices.device
@@ -175,27 +152,34 @@ class LoRALinear(nn.Module):
         self.register_buffer("col_slot", torch.arange(max_loras * max_rank, device=device)
                              // max_rank, persistent=False)
         self.register_buffer("indices", state.indices, persistent=False)
-        # The CPU product's A and B per slot count, rebuilt after a slot changes.
-        self.dynamic = device.type == "cpu"
-        self.pack = can_pack(dtype, device)
-        self._variants: dict[int, _Variant] = {}
-        self.op_id = next(_ids)
-        _layers[self.op_id] = self
-        self.register_buffer("op_id_tensor", torch.tensor(self.op_id), persistent=False)
+        self.step = (None if self.row_parallel
+                     else native_kernel_step(dtype, device, base.in_features))
+        if self.step is not None:
+            step, padded = self.step, -(-max_rank // LANES) * LANES
+            self.register_buffer("a_packed", torch.zeros(
+                len(parts), max_loras, base.in_features // step, padded * step, dtype=dtype,
+                device=device), persistent=False)
+            self.register_buffer("b_packed", torch.zeros(
+                max_loras, -(-base.out_features // LANES), padded // step, LANES * step,
+                dtype=dtype, device=device), persistent=False)
+            self.register_buffer("slot_ranks", torch.zeros(max_loras, dtype=torch.int64,
+                                                           device=device), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_layer(x)
         if not self.state.active:
             return y
-        if not self.dynamic:
-            return y + self.delta_all_slots(x)
-        if torch.compiler.is_compiling():
-            return y + torch.ops.vllm.lora_delta(x, self.op_id_tensor, y.shape[-1])
         return y + self.delta(x)
 
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        """Each row's adapter product (zero for rows without one), [n, out_features]."""
+        if self.step is None:
+            return self.delta_all_slots(x)
+        return torch.ops.vllm_cpu.lora_delta(x, self.indices, self.slot_ranks, self.a_packed,
+                                             self.b_packed, self.part_bounds)
+
     def delta_all_slots(self, x: torch.Tensor) -> torch.Tensor:
-        """Each row's adapter product (zero for rows without one), [n, out_features], over
-        all slots in traceable ops (what a CUDA graph holds)."""
+        """The same product over all slots in traceable ops (what a CUDA graph holds)."""
         n, width = x.shape[0], self.max_loras * self.max_rank
         xa = F.linear(x, self.lora_a)
         if self.row_parallel:  # partial sums over this rank's input columns
@@ -205,37 +189,6 @@ class LoRALinear(nn.Module):
         return torch.cat([F.linear(xa[:, p], self.lora_b[first:first + count])
                           for p, (first, count) in enumerate(self.part_rows)], dim=1)
 
-    def delta(self, x: torch.Tensor) -> torch.Tensor:
-        """The same product over the step's first `num_slots` slots (see the module
-        docstring), [n, out_features]: two matmuls and the mask, whatever the parts."""
-        k = self.state.num_slots
-        variant = self._variants.get(k)
-        if variant is None:
-            variant = self._variants[k] = self._variant(k)
-        linear = _packed_linear if self.pack else F.linear
-        xa = linear(x, variant.lora_a)
-        if self.row_parallel:
-            xa = tensor_model_parallel_all_reduce(xa)
-        return linear(xa * self.state.mask(x.shape[0], xa.dtype, len(self.parts)),
-                      variant.lora_b)
-
-    def _variant(self, k: int) -> _Variant:
-        """A's rows of the first `k` slots, and B over them block-diagonal by part (at
-        `k` slots the zeros cost less than a matmul per part). Example: 2 parts, 4 slots of
-        rank 2, k 2: A rows [0, 4) (part 0, slots 0-1) and [8, 12) (part 1, slots 0-1); B
-        [out, 8], part 0's rows in columns [0, 4), part 1's in [4, 8)."""
-        num_parts, slots, rank = len(self.parts), self.max_loras, self.max_rank
-        a = self.lora_a.view(num_parts, slots, rank, -1)[:, :k].reshape(num_parts * k * rank,
-                                                                         -1)
-        b = self.lora_b.new_zeros(self.lora_b.shape[0], num_parts * k * rank)
-        for p, (first, count) in enumerate(self.part_rows):
-            b[first:first + count, p * k * rank:(p + 1) * k * rank] = \
-                self.lora_b[first:first + count, :k * rank]
-        if not self.pack:
-            return _Variant(a, b)
-        pack = torch.ops.mkldnn._reorder_linear_weight
-        return _Variant(pack(a.contiguous(), None), pack(b, None))
-
     def set_slot(self, slot: int, parts: list[tuple[torch.Tensor, torch.Tensor] | None]
                  ) -> None:
         """Writes one adapter into `slot`: per fused part, its (A [r, in], scaled B
@@ -244,6 +197,7 @@ class LoRALinear(nn.Module):
         base, slots, rank = self.base_layer, self.max_loras, self.max_rank
         cols = slice(slot * rank, (slot + 1) * rank)
         self.lora_b[:, cols].zero_()
+        slot_rank = 0
         for index, (shard_id, pair) in enumerate(zip(self.parts, parts, strict=True)):
             first = (index * slots + slot) * rank
             self.lora_a[first:first + rank].zero_()
@@ -251,6 +205,7 @@ class LoRALinear(nn.Module):
                 continue
             a, b = pair
             r = a.shape[0]
+            slot_rank = max(slot_rank, r)
             if self.is_row:
                 _, a = base.shard(a, shard_id, is_bias=False)
                 offset = 0
@@ -258,28 +213,12 @@ class LoRALinear(nn.Module):
                 offset, b = base.shard(b, shard_id, is_bias=False)
             self.lora_a[first:first + r].copy_(a)
             self.lora_b[offset:offset + b.shape[0], slot * rank:slot * rank + r].copy_(b)
-        self._variants.clear()  # rebuilt on their next use
+        if self.step is not None:
+            padded = self.b_packed.shape[2] * self.step
+            a = self.lora_a.view(len(self.parts), slots, rank, -1)[:, slot]
+            self.a_packed[:, slot] = pack_slot_a(a, padded, self.step)
+            self.b_packed[slot] = pack_slot_b(self.lora_b[:, cols], padded, self.step)
+            self.slot_ranks[slot] = slot_rank
 
     def extra_repr(self) -> str:
         return f"slots={self.max_loras}, max_rank={self.max_rank}, parts={self.parts}"
-
-
-def _packed_linear(x: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, None, "none", [], "")
-
-
-# A `torch.library.Library` op, as `vllm::packed_linear` (cheaper to call than `custom_op`).
-_lib = torch.library.Library("vllm", "FRAGMENT")
-_lib.define("lora_delta(Tensor x, Tensor op_id, int out_features) -> Tensor")
-
-
-def _lora_delta_op(x: torch.Tensor, op_id: torch.Tensor, out_features: int) -> torch.Tensor:
-    return _layers[int(op_id)].delta(x)
-
-
-_lib.impl("lora_delta", _lora_delta_op, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("vllm::lora_delta", lib=_lib)
-def _(x: torch.Tensor, op_id: torch.Tensor, out_features: int) -> torch.Tensor:
-    return x.new_empty(x.shape[0], out_features)

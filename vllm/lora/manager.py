@@ -119,7 +119,7 @@ class LoRAModelManager:
         indices = self.state.indices
         indices.fill_(-1)
         indices[:len(token_slots)].copy_(torch.from_numpy(token_slots))
-        self.state.set_step(max(slot_of.values()) if slot_of else None)
+        self.state.active = bool(slot_of)
 
     def _slot_for(self, request: LoRARequest, step_ids: list[int]) -> int:
         lora_id = request.lora_int_id
