@@ -37,6 +37,7 @@ from vllm.entrypoints.longform import (
 from vllm.inputs.audio_file import decode_audio_file
 from vllm.inputs.whisper import decoder_prompt, join_texts, language_name, language_token_ids
 from vllm.transformers_utils.default_model import default_whisper_model_path
+from vllm.v1.executor.uniproc import UniProcExecutor
 
 DATA = Path(__file__).parent / "data"
 CLIPS: dict[str, str] = json.loads((DATA / "speech_clips.json").read_text())
@@ -69,7 +70,7 @@ def offline() -> LLM:
                kv_cache_memory_bytes=512 * 2**20, seed=0)
 
 
-def read_clip(name: str) -> np.ndarray:
+def read_clip(name: str | Path) -> np.ndarray:
     samples, rate = soundfile.read(DATA / name, dtype="float32")
     assert rate == RATE
     return samples
@@ -281,7 +282,10 @@ def test_identical_uploads_run_the_encoder_once(offline: LLM) -> None:
                          "audio": (w.audio(waveform), RATE)}},
                      "decoder_prompt": {"prompt_token_ids": [50257, 50362]}}
                     for w in plan_windows(waveform)]
-    runner = offline.llm_engine.engine_core.model_executor.model_runner.encoder_runner
+    executor = offline.llm_engine.engine_core.model_executor
+    assert isinstance(executor, UniProcExecutor)  # offline, one rank
+    runner = executor.model_runner.encoder_runner
+    assert runner is not None  # an encoder/decoder model
     offline.llm_engine.reset_prefix_cache()
     before = runner.num_inputs_encoded
     outputs = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=224),
