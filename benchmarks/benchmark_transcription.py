@@ -166,7 +166,7 @@ def run_offline(args, work: Workload) -> Results:
     for beam in args.beam_sizes:
         params = (SamplingParams(temperature=0, max_tokens=224) if beam == 1 else
                   BeamSearchParams(beam_width=beam, max_tokens=224).sampling_params())
-        setup = make_setup(tokenizer, prompt_ids, params)
+        setup = make_setup(tokenizer, prompt_ids, params, report_no_speech=False)  # as json
 
         def run_long(batch: list[np.ndarray], setup=setup) -> list[str]:
             return [join_texts([tokenizer.decode(s.token_ids) for s in segments])

@@ -8,7 +8,11 @@ import pytest
 import torch
 
 from vllm.v1.attention.backends import torch_sdpa
-from vllm.v1.attention.backends.abstract import CommonAttentionMetadata
+from vllm.v1.attention.backends.abstract import (
+    AttentionType,
+    CommonAttentionMetadata,
+    EncoderAttentionMetadata,
+)
 from vllm.v1.attention.backends.torch_sdpa import TorchSDPABackend
 
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 16, 4, 64
@@ -367,3 +371,59 @@ def test_backend_window_and_soft_cap_match_dense_reference(native, monkeypatch):
         ref = torch.einsum("hqk,khd->qhd", scores.softmax(-1),
                            vv.repeat_interleave(group, dim=1))[c:]
         torch.testing.assert_close(out[qsl[i]:qsl[i + 1]].double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def _encoder_reference(q, k, v, starts, scale):
+    """Bidirectional attention within each input, in float64: [tokens, heads, d]."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for s, e in zip(starts[:-1], starts[1:]):
+        scores = torch.einsum("qhd,khd->hqk", q[s:e].double(), k[s:e].double()) * scale
+        out[s:e] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v[s:e].double())
+    return out
+
+
+@pytest.mark.parametrize("head_size", [64, 128])
+def test_native_encoder_attention(head_size):
+    """Inputs of uneven lengths (one token; not multiples of the 12-query block or the
+    32-key block; a longer one before shorter ones, so scratch rows are reused) as views of
+    a fused qkv projection, through the backend (ENCODER) as Whisper's encoder calls it:
+    within bfloat16 rounding of the exact answer, and as close as SDPA's bfloat16 path."""
+    native = torch_sdpa._native_ops(torch.device("cpu"))
+    if native is None:
+        pytest.skip("no compiler for the native kernel")
+    gen = torch.Generator().manual_seed(0)
+    heads, lens = 3, [301, 1, 45, 77, 300]
+    starts = [sum(lens[:i]) for i in range(len(lens) + 1)]
+    qkv = torch.randn(starts[-1], 3, heads, head_size, generator=gen).to(torch.bfloat16)
+    q, k, v = qkv.unbind(1)
+    scale = head_size**-0.5
+    expected = _encoder_reference(q, k, v, starts, scale).view(starts[-1], -1)
+    out = torch.full((starts[-1], heads * head_size), 7.0, dtype=torch.bfloat16)
+    if not native.encoder_attention(q, k, v, starts, out, scale):
+        assert not _cpu_has("avx512_bf16")
+        pytest.skip("no AVX512-BF16: the encoder kernel declines")
+    impl = TorchSDPABackend.make_impl(heads, head_size, heads, scale, AttentionType.ENCODER)
+    metadata = EncoderAttentionMetadata.from_lens(lens)
+    assert torch.equal(impl.forward(q, k, v, None, metadata), out)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch_sdpa, "_native_ops", lambda device: None)
+        sdpa = impl.forward(q, k, v, None, metadata)
+    error, sdpa_error = ((t.double() - expected).abs() for t in (out, sdpa))
+    assert error.max() < 1e-2
+    assert error.mean() < 1.2 * sdpa_error.mean()
+
+
+def test_native_encoder_attention_declines():
+    """float32, float16 and head sizes without an instantiation are left to SDPA: the
+    kernel returns False and writes nothing."""
+    native = torch_sdpa._native_ops(torch.device("cpu"))
+    if native is None:
+        pytest.skip("no compiler for the native kernel")
+    for dtype, head_size in [(torch.float32, 64), (torch.float16, 64), (torch.bfloat16, 80)]:
+        qkv = torch.randn(10, 3, 2, head_size).to(dtype)
+        out = torch.zeros(10, 2 * head_size, dtype=dtype)
+        assert not native.encoder_attention(*qkv.unbind(1), [0, 4, 10], out, 1.0)
+        assert not out.any()
+    qkv = torch.randn(10, 3, 2, 64).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="starts"):
+        native.encoder_attention(*qkv.unbind(1), [0, 4, 9], torch.zeros(10, 128), 1.0)

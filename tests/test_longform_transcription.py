@@ -8,6 +8,8 @@ the same `WindowDecoder`s (tests/test_server_transcription.py checks its formats
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -43,7 +45,7 @@ from vllm.transformers_utils.default_model import default_whisper_model_path
 from vllm.v1.outputs import Logprob
 
 RATE = 16_000
-WORDS: list[str] = "the green garden needs water every morning before breakfast".split()
+WORDS = [str(w) for w in "the green garden needs water every morning before breakfast".split()]
 WORD_GAPS = [0.25, 0.4, 0.2, 0.6, 0.3, 0.35, 0.5, 0.3, 0.2]
 
 
@@ -191,6 +193,36 @@ def test_window_decoder_no_speech_and_split() -> None:
         [(0.0, 4.9, [0]), (8.0, 13.9, [1])]
 
 
+def test_window_decoder_probes_late_without_report() -> None:
+    """report_no_speech=False (json, text): no probe beside the decode; an attempt whose
+    avg_logprob passes is judged at once (its no_speech_prob unknown), one that fails waits
+    for a probe alone, then is judged as an eager probe would have judged it."""
+    def lazy(seconds: float) -> WindowDecoder:
+        decoder = _decoder(seconds)
+        decoder.setup = dataclasses.replace(decoder.setup, report_no_speech=False)
+        return decoder
+
+    good = lazy(5.0)
+    assert len(good.requests()) == 1
+    good.feed([_output([0, _ts(4.9), TOKENS.end_of_text])])
+    assert good.done and [s.no_speech_prob for s in good.segments] == [None]
+    quiet = lazy(5.0)
+    quiet.feed([_output([0, _ts(1.0), TOKENS.end_of_text], logprob=-2.0)])
+    ((prompt, params),) = quiet.requests()
+    assert prompt["decoder_prompt"]["prompt_token_ids"] == [TOKENS.start_of_transcript]
+    assert params.max_tokens == 1 and not quiet.done
+    quiet.feed([_probe(0.9)])
+    assert quiet.done and quiet.all_segments() == []
+    # Speech after all: the usual fallback, the probe's answer kept for later attempts.
+    unsure = lazy(5.0)
+    unsure.feed([_output([0, _ts(1.0), TOKENS.end_of_text], logprob=-2.0)])
+    unsure.feed([_probe(0.01)])
+    ((_, params),) = unsure.requests()
+    assert params.temperature == 0.2
+    unsure.feed([_output([1, _ts(4.0), TOKENS.end_of_text], logprob=-1.5)])
+    assert len(unsure.requests()) == 1 and unsure.requests()[0][1].temperature == 0.4
+
+
 # ---- tiny.en end to end ----------------------------------------------------------------
 
 
@@ -282,7 +314,8 @@ def test_repeated_clip_and_silences(setup, recordings: dict[str, Recording],
     assert len(plan_windows(quiet.samples)) == 1
     for segments in transcripts.values():
         for s in segments:
-            assert 0.0 <= s.no_speech_prob <= 1.0 and s.avg_logprob <= 0.0
+            assert s.no_speech_prob is not None and 0.0 <= s.no_speech_prob <= 1.0
+            assert s.avg_logprob <= 0.0
             assert s.temperature in setup.temperatures and s.compression_ratio > 0.0
 
 

@@ -37,6 +37,7 @@ from vllm.entrypoints.longform import (
 from vllm.inputs.audio_file import decode_audio_file
 from vllm.inputs.whisper import decoder_prompt, join_texts, language_name, language_token_ids
 from vllm.transformers_utils.default_model import default_whisper_model_path
+from vllm.v1.executor.uniproc import UniProcExecutor
 
 DATA = Path(__file__).parent / "data"
 CLIPS: dict[str, str] = json.loads((DATA / "speech_clips.json").read_text())
@@ -69,7 +70,7 @@ def offline() -> LLM:
                kv_cache_memory_bytes=512 * 2**20, seed=0)
 
 
-def read_clip(name: str) -> np.ndarray:
+def read_clip(name: str | Path) -> np.ndarray:
     samples, rate = soundfile.read(DATA / name, dtype="float32")
     assert rate == RATE
     return samples
@@ -84,13 +85,15 @@ def wav_bytes(samples: np.ndarray, rate: int = RATE) -> bytes:
 def offline_long_form(offline: LLM, audios: list[np.ndarray]) -> tuple[list[str], int, int]:
     """What the long-form pipeline gives on `vllm.LLM` for each audio (greedy, as the server
     by default), in one batch per round; and the prompt and completion tokens of all its
-    engine requests (attempts and no-speech probes)."""
+    engine requests (attempts, and no-speech probes where an attempt's avg_logprob fails, as
+    for the server's json and text answers)."""
     tokenizer = offline.get_tokenizer()
     config = offline.llm_engine.vllm_config.model_config
     prompt_ids = decoder_prompt(tokenizer, config.hf_config, language=None, task="transcribe",
                                 previous_text_ids=[], timestamps=True,
                                 max_model_len=config.max_model_len)
-    setup = make_setup(tokenizer, prompt_ids, SamplingParams(temperature=0, max_tokens=224))
+    setup = make_setup(tokenizer, prompt_ids, SamplingParams(temperature=0, max_tokens=224),
+                       report_no_speech=False)
     decoders = [[WindowDecoder(samples, w, setup) for w in plan_windows(samples)]
                 for samples in audios]
     used = [0, 0]
@@ -196,7 +199,8 @@ def test_stream_equals_long_form_across_long_pauses(server: RemoteServer, offlin
     """A recording with a 12 s and a 5 s pause (three speech windows; the issue's lost
     speech came after such a pause): the stream sends each window's text in order and ends
     with exactly the non-streamed text, which is the offline long-form text; its usage counts
-    every engine request (attempts and no-speech probes), as offline."""
+    every engine request (attempts, and the no-speech probes a json answer needs), as
+    offline."""
     speech = recording([SENTENCES[i] for i in (3, 11, 16, 24, 7)], [0.6, 12.0, 0.5, 5.0, 0.5])
     assert len(plan_windows(speech.samples)) == 3
     data = wav_bytes(speech.samples)
@@ -278,7 +282,10 @@ def test_identical_uploads_run_the_encoder_once(offline: LLM) -> None:
                          "audio": (w.audio(waveform), RATE)}},
                      "decoder_prompt": {"prompt_token_ids": [50257, 50362]}}
                     for w in plan_windows(waveform)]
-    runner = offline.llm_engine.engine_core.model_executor.model_runner.encoder_runner
+    executor = offline.llm_engine.engine_core.model_executor
+    assert isinstance(executor, UniProcExecutor)  # offline, one rank
+    runner = executor.model_runner.encoder_runner
+    assert runner is not None  # an encoder/decoder model
     offline.llm_engine.reset_prefix_cache()
     before = runner.num_inputs_encoded
     outputs = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=224),
@@ -312,6 +319,7 @@ def test_metrics(server: RemoteServer, client: openai.OpenAI) -> None:
     before = scrape_metrics(server)
     for samples in clips:
         transcribe(client, wav_bytes(samples))
+    transcribe(client, wav_bytes(clips[0]), response_format="verbose_json")
     after = scrape_metrics(server)
 
     def grew(name: str) -> float:
@@ -319,15 +327,17 @@ def test_metrics(server: RemoteServer, client: openai.OpenAI) -> None:
 
     success = f'vllm:audio_requests_total{{endpoint="transcriptions",model_name="{NAME}",' \
               'status="success"}'
-    assert grew(success) == len(clips)
+    assert grew(success) == len(clips) + 1
     assert grew(f'vllm:audio_seconds_processed_total{{model_name="{NAME}"}}') == \
-        pytest.approx(sum(len(samples) for samples in clips) / RATE, rel=1e-4)
-    # Two engine requests per clip (each is one speech window): the window's decode and its
-    # one-step no-speech probe.
+        pytest.approx((sum(len(samples) for samples in clips) + len(clips[0])) / RATE,
+                      rel=1e-4)
+    # Each clip is one speech window whose first attempt passes: one engine request for a
+    # json answer (no no-speech probe needed), two for verbose_json (the decode and its
+    # one-step probe, since the answer shows no_speech_prob).
     assert grew(f'vllm:time_to_first_token_seconds_count{{engine="0",model_name="{NAME}"}}') \
-        == 2 * len(clips)
+        == len(clips) + 2
     assert grew(f'vllm:audio_request_latency_seconds_count{{model_name="{NAME}"}}') == \
-        len(clips)
+        len(clips) + 1
 
 
 # ---- bad input ----------------------------------------------------------------------
@@ -504,10 +514,11 @@ def test_usage_and_streams_read_by_openai_and_vllm_clients(client: openai.OpenAI
     assert "".join(e.delta for e in deltas) == done.text == plain.text
     running = [e.usage["completion_tokens"] for e in deltas]
     assert running == sorted(running) and running[-1] == done.usage.completion_tokens
-    # Every engine request of the long-form pipeline: the timestamped decode (its prompt
-    # <|startoftranscript|><|0.00|>) and the no-speech probe (<|startoftranscript|>, 1 step).
+    # Every engine request of the long-form pipeline: here the timestamped decode alone (its
+    # prompt <|startoftranscript|><|0.00|>): its avg_logprob passes, so a stream (json) needs
+    # no no-speech probe.
     _, prompt_tokens, completion_tokens = offline_long_form(offline, [samples])
-    assert prompt_tokens == 2 + 1
+    assert prompt_tokens == 2
     assert (done.usage.prompt_tokens, done.usage.completion_tokens) == \
         (prompt_tokens, completion_tokens)
     assert (done.usage.type, done.usage.input_tokens, done.usage.output_tokens,

@@ -11,6 +11,8 @@ bool paged_prefill_attention(torch::Tensor query, torch::Tensor kv_cache,
                              torch::Tensor block_table, torch::Tensor query_start,
                              torch::Tensor query_len, torch::Tensor seq_lens, torch::Tensor out,
                              double scale, bool causal, int64_t window, double soft_cap);
+bool encoder_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value,
+                       const std::vector<int64_t>& starts, torch::Tensor out, double scale);
 void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache,
               torch::Tensor slot_mapping);
 torch::Tensor argmax_rows(torch::Tensor logits);
@@ -36,6 +38,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("query"), py::arg("kv_cache"), py::arg("block_table"), py::arg("query_start"),
         py::arg("query_len"), py::arg("seq_lens"), py::arg("out"), py::arg("scale"),
         py::arg("causal"), py::arg("window") = 0, py::arg("soft_cap") = 0.0);
+  m.def("encoder_attention", &encoder_attention,
+        "Bidirectional bfloat16 attention within each encoder input (CPU, AVX512-BF16); "
+        "false if unsupported",
+        py::arg("query"), py::arg("key"), py::arg("value"), py::arg("starts"), py::arg("out"),
+        py::arg("scale"));
   m.def("write_kv", &write_kv, "Stores a step's keys and values at their cache slots (CPU)");
   m.def("argmax_rows", &argmax_rows, "Row-wise argmax, as torch.argmax(dim=-1) (CPU)");
   m.def("pack_block_codes", &pack_block_codes,

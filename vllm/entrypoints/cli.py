@@ -100,7 +100,8 @@ def _transcribe(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, seed=args.seed,
                             max_tokens=min(config.max_model_len // 2,
                                            config.max_model_len - len(prompt_ids)))
-    segments = transcribe_offline(llm, [waveform], make_setup(tokenizer, prompt_ids, params))[0]
+    setup = make_setup(tokenizer, prompt_ids, params, report_no_speech=False)  # text only
+    segments = transcribe_offline(llm, [waveform], setup)[0]
     print(join_texts([tokenizer.decode(s.token_ids) for s in segments]).strip())
     return 0
 

@@ -4,7 +4,9 @@ where they fail, and read back as segments in the file's clock.
     waveform ─► speech_regions (vad) ─► pack_windows: ≤ 30 s of speech each, silence left out
     every window of every file at once ─► WindowDecoder:
         attempt at temperature T: the window's decode (timestamps on) + a one-step no-speech
-        probe (the <|nospeech|> probability right after <|startoftranscript|>)
+        probe (the <|nospeech|> probability right after <|startoftranscript|>); where no
+        caller reads `no_speech_prob` (json, text), the probe runs only after an attempt
+        whose avg_logprob is under -1.0 (otherwise the rule below cannot drop the window)
           no_speech_prob > 0.6 and avg_logprob < -1.0      -> silence: no segments
           compression ratio > 2.4 or avg_logprob < -1.0   -> a window of 8 s or more: split
                                                                in two, each decoded anew;
@@ -83,7 +85,7 @@ class LongSegment(NamedTuple):
     seek: int  # 10 ms frame of the file where the decoded audio starts
     avg_logprob: float
     compression_ratio: float
-    no_speech_prob: float
+    no_speech_prob: float | None  # None: not probed (`DecodeSetup.report_no_speech` off)
     temperature: float
     window: WindowMap
     window_start: float
@@ -122,6 +124,10 @@ class DecodeSetup:
     temperatures: tuple[float, ...]
     no_speech_id: int | None
     options: LongformOptions = dataclasses.field(default_factory=LongformOptions)
+    # Probe every window for its no_speech_prob (verbose_json, srt, vtt show it). False: only
+    # a window whose attempt's avg_logprob fails is probed, since the no-speech rule needs
+    # both; the others skip a request and its log-mel features.
+    report_no_speech: bool = True
 
     def probe_prompt(self) -> list[int]:
         """The prompt up to and including <|startoftranscript|>: the probe's one sampled
@@ -130,11 +136,14 @@ class DecodeSetup:
         return self.prompt_ids[:end]
 
 
-def make_setup(tokenizer: Any, prompt_ids: list[int], params: SamplingParams) -> DecodeSetup:
+def make_setup(tokenizer: Any, prompt_ids: list[int], params: SamplingParams,
+               report_no_speech: bool = True) -> DecodeSetup:
     """The setup of one transcription: its timestamped prompt (`decoder_prompt(...,
-    timestamps=True)`), the fallback ladder of `params.temperature`, the no-speech token."""
+    timestamps=True)`), the fallback ladder of `params.temperature`, the no-speech token;
+    `report_no_speech=False` where no segment's `no_speech_prob` is read."""
     return DecodeSetup(tokenizer, WhisperTokens.from_tokenizer(tokenizer), prompt_ids, params,
-                       temperatures_for(params.temperature), no_speech_token_id(tokenizer))
+                       temperatures_for(params.temperature), no_speech_token_id(tokenizer),
+                       report_no_speech=report_no_speech)
 
 
 class _Attempt(NamedTuple):
@@ -154,6 +163,7 @@ class WindowDecoder:
         self.segments: list[LongSegment] = []
         self._temperature_index = 0
         self._no_speech_prob: float | None = None  # of the current window, once probed
+        self._unjudged: _Attempt | None = None  # an attempt waiting for its late probe
         self._reseeks = 0
         self._failed: list[_Attempt] = []  # this window's failed attempts, in order
         self._halves: list[WindowDecoder] = []  # once split (see _split)
@@ -166,15 +176,21 @@ class WindowDecoder:
 
     def requests(self) -> list[EngineRequest]:
         """The next attempt's engine requests: the decode, and the probe on a window's first
-        attempt (or those of its halves, once split). [] when done."""
+        attempt where `report_no_speech` (or those of its halves, once split); the probe
+        alone for an attempt waiting to be judged. [] when done."""
         if self._halves:
             return [r for half in self._halves for r in half.requests()]
         if self._done:
             return []
         setup = self.setup
-        temperature = setup.temperatures[self._temperature_index]
         audio = {"audio": (self.window.audio(self.waveform), SAMPLE_RATE)}
         encoder_prompt = {"prompt": "", "multi_modal_data": audio}
+        probe = ({"encoder_prompt": encoder_prompt,
+                  "decoder_prompt": {"prompt_token_ids": setup.probe_prompt()}},
+                 SamplingParams(temperature=0.0, max_tokens=1, logprobs=_PROBE_LOGPROBS))
+        if self._unjudged is not None:
+            return [probe]
+        temperature = setup.temperatures[self._temperature_index]
         # The automatic fallback is seeded (0 unless the caller gave a seed), so the same
         # upload gets the same answer.
         seed = setup.params.seed
@@ -183,11 +199,9 @@ class WindowDecoder:
         params = self._params(temperature, seed)
         requests = [({"encoder_prompt": encoder_prompt,
                       "decoder_prompt": {"prompt_token_ids": setup.prompt_ids}}, params)]
-        if self._no_speech_prob is None and setup.no_speech_id is not None:
-            probe = SamplingParams(temperature=0.0, max_tokens=1, logprobs=_PROBE_LOGPROBS)
-            requests.append(({"encoder_prompt": encoder_prompt,
-                              "decoder_prompt": {"prompt_token_ids": setup.probe_prompt()}},
-                             probe))
+        if (self._no_speech_prob is None and setup.no_speech_id is not None
+                and setup.report_no_speech):
+            requests.append(probe)
         return requests
 
     def _params(self, temperature: float, seed: int | None) -> SamplingParams:
@@ -220,13 +234,22 @@ class WindowDecoder:
                     half.feed([next(rest) for _ in half.requests()])
             self._done = all(half.done for half in self._halves)
             return
-        if len(outputs) > 1:
-            self._no_speech_prob = _token_prob(outputs[1], self.setup.no_speech_id)
-        elif self._no_speech_prob is None:
-            self._no_speech_prob = 0.0
-        attempt = self._read(outputs[0])
-        options = self.setup.options
-        quiet = (self._no_speech_prob > options.no_speech_threshold
+        setup, options = self.setup, self.setup.options
+        if self._unjudged is not None:  # the late probe's answer
+            attempt, self._unjudged = self._unjudged, None
+            self._no_speech_prob = _token_prob(outputs[0], setup.no_speech_id)
+        else:
+            attempt = self._read(outputs[0])
+            if len(outputs) > 1:
+                self._no_speech_prob = _token_prob(outputs[1], setup.no_speech_id)
+            elif setup.no_speech_id is None:
+                self._no_speech_prob = 0.0
+            elif (self._no_speech_prob is None
+                  and attempt.avg_logprob < options.log_prob_threshold):
+                self._unjudged = attempt  # judged once its probe is back (see requests)
+                return
+        quiet = (self._no_speech_prob is not None
+                 and self._no_speech_prob > options.no_speech_threshold
                  and attempt.avg_logprob < options.log_prob_threshold)
         if quiet:
             self._done = True
@@ -301,7 +324,7 @@ class WindowDecoder:
             self.segments.append(LongSegment(
                 window.file_seconds(seg.start), window.file_seconds(seg.end, end=True),
                 seg.token_ids, seek, attempt.avg_logprob, attempt.compression_ratio,
-                self._no_speech_prob or 0.0, temperature, window, seg.start, seg.end))
+                self._no_speech_prob, temperature, window, seg.start, seg.end))
         self._cut_off |= attempt.finish_reason == "length" and not reseek
         if reseek:
             self.window = window.after(last_time)

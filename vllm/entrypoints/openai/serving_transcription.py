@@ -218,8 +218,11 @@ class OpenAIServingTranscription(OpenAIServing):
         prompt_ids = decoder_prompt(
             self.tokenizer, self.model_config.hf_config, language=language, task=task,
             previous_text_ids=previous_ids, max_model_len=self.max_model_len, timestamps=True)
+        # json and text answers show no no_speech_prob: windows are probed only where the
+        # no-speech rule needs it (see longform.DecodeSetup.report_no_speech).
         return make_setup(self.tokenizer, prompt_ids,
-                          self._sampling_params(request, len(prompt_ids)))
+                          self._sampling_params(request, len(prompt_ids)),
+                          report_no_speech=request.response_format not in ("json", "text"))
 
     # ---- checks ---------------------------------------------------------------------
 
@@ -329,11 +332,13 @@ class OpenAIServingTranscription(OpenAIServing):
         if fmt in ("json", "text"):
             text = join_texts(texts)
             return text if fmt == "text" else TranscriptionResponse(text=text, usage=usage)
-        answer = [TranscriptionSegment(
-            id=i, seek=s.seek, start=round(s.start, 3), end=round(s.end, 3), text=text,
-            tokens=s.token_ids, temperature=s.temperature, avg_logprob=s.avg_logprob,
-            compression_ratio=s.compression_ratio, no_speech_prob=s.no_speech_prob)
-            for i, (s, text) in enumerate(zip(segments, texts))]
+        answer = []
+        for i, (s, text) in enumerate(zip(segments, texts)):
+            assert s.no_speech_prob is not None  # timed formats probe every window
+            answer.append(TranscriptionSegment(
+                id=i, seek=s.seek, start=round(s.start, 3), end=round(s.end, 3), text=text,
+                tokens=s.token_ids, temperature=s.temperature, avg_logprob=s.avg_logprob,
+                compression_ratio=s.compression_ratio, no_speech_prob=s.no_speech_prob))
         if fmt == "srt":
             return subtitles(answer, srt=True)
         if fmt == "vtt":

@@ -367,9 +367,18 @@ class TorchSDPAImpl(AttentionImpl):
 
     def _encoder(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  metadata: EncoderAttentionMetadata) -> torch.Tensor:
-        """Bidirectional attention within each input: equal lengths in one batched call
+        """Bidirectional attention within each input: bfloat16 on CPU by the native kernel
+        (`csrc/cpu/encoder_attention.cpp`, about 2.5x SDPA's flash kernel on Whisper's
+        [8, 6, 1500, 64]); else equal lengths in one batched SDPA call
         ([num_inputs, heads, len, d]), otherwise one call per input."""
         num_tokens = query.shape[0]
+        native = _native_ops(query.device)
+        if native is not None and query.dtype == torch.bfloat16 and self.group == 1:
+            out = torch.empty(num_tokens, self.num_heads * self.head_size, dtype=query.dtype,
+                              device=query.device)
+            if native.encoder_attention(query, key, value, metadata.query_start_loc, out,
+                                        self.scale):
+                return out
         length = metadata.uniform_len
         if length is not None:
             q, k, v = (t.view(-1, length, t.shape[1], self.head_size).transpose(1, 2)
