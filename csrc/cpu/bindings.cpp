@@ -20,6 +20,7 @@ torch::Tensor quant_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor d, 
 bool quant_gemv_available();
 torch::Tensor shm_all_reduce(torch::Tensor x, torch::Tensor segment, int64_t rank,
                              int64_t world, double timeout_s);
+void bind_fused_decoder(pybind11::module& m);  // the FusedDecoder class (fused_decode.cpp)
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
@@ -41,6 +42,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Whether quant_gemv was built (AVX-512 VNNI)");
   m.def("shm_all_reduce", &shm_all_reduce,
         "Sum of the local ranks' tensors through a shared-memory segment (CPU)");
+  bind_fused_decoder(m);
 }
 
 TORCH_LIBRARY(vllm_cpu, m) {

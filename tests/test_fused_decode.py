@@ -1,0 +1,178 @@
+"""The fused decode path (`vllm/v1/worker/fused_decode.py`, `csrc/cpu/fused_decode.cpp`)
+against the compiled graphs' path it replaces, on GGUF block codes: a tiny random Llama
+written as Q4_1 layers with Q8_0 embeddings and output (float32 and bfloat16), and the
+default model's file. Greedy tokens identical and logprobs close, over contexts spanning
+several KV blocks, prefix-cache hits and several requests decoding in the same steps; the
+fused decoder's step counter proves it ran (and the reference engine has none)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, cast
+
+import pytest
+import torch
+
+from tests.model_factory import make_tiny_model
+from vllm import LLM, SamplingParams
+from vllm._custom_ops import cpu_ops
+from vllm.inputs import TokensPrompt
+from vllm.v1.worker.fused_decode import ENV_SWITCH, unsupported_reason
+
+_ops = cpu_ops()
+pytestmark = pytest.mark.skipif(
+    _ops is None or not _ops.quant_gemv_available() or not hasattr(_ops, "FusedDecoder"),
+    reason="needs the native CPU kernels with quant_gemv (AVX-512 VNNI)")
+
+# Prompts of 5 to 40 tokens (blocks of 16: up to 4 blocks after 24 new tokens); the last
+# repeats the first's opening so that it hits the prefix cache.
+_PROMPTS = [list(range(5, 45)), [7, 3, 9, 11, 4], list(range(60, 83)), list(range(5, 37)) + [90]]
+_NEW_TOKENS = 24
+
+
+def _runner(llm: LLM) -> Any:  # the in-process executor's runner
+    return cast(Any, llm.llm_engine.engine_core.model_executor).model_runner
+
+
+def _write_q4_1_gguf(path: str, model_dir: str) -> None:
+    """A llama.cpp-style GGUF of the tiny Llama: every layer matrix Q4_1, the embeddings and
+    output Q8_0 (as the default model's file), norms float32."""
+    import gguf
+    from safetensors.torch import load_file
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_rope_freq_base(cfg["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
+    writer.add_token_list([f"tok{i}" for i in range(cfg["vocab_size"])])
+    writer.add_bos_token_id(cfg["bos_token_id"])
+    writer.add_eos_token_id(cfg["eos_token_id"])
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    top = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+    for name, weight in sorted(load_file(os.path.join(model_dir, "model.safetensors")).items()):
+        stem, kind = name.rsplit(".", 1)
+        if stem in top:
+            gguf_name = f"{top[stem]}.{kind}"
+        else:
+            layer, part = stem.removeprefix("model.layers.").split(".", 1)
+            gguf_name = f"blk.{layer}.{names[part]}.{kind}"
+        array = weight.float().numpy()
+        if array.ndim == 2:
+            qtype = (gguf.GGMLQuantizationType.Q8_0 if stem in top
+                     else gguf.GGMLQuantizationType.Q4_1)
+            writer.add_tensor(gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_q4_1(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """(GGUF path, tokenizer dir) of a tiny Llama with heads of 32 (the fused kernel's
+    smallest) and a hidden size of 64 (a half quad of quant_gemv's layout)."""
+    root = tmp_path_factory.mktemp("fused_decode")
+    model_dir = make_tiny_model(str(root / "llama"), "llama", num_attention_heads=2,
+                                num_key_value_heads=1, intermediate_size=160)
+    path = str(root / "tiny-q4_1.gguf")
+    _write_q4_1_gguf(path, model_dir)
+    return path, model_dir
+
+
+def _generate(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], torch.Tensor]]:
+    """Greedy tokens and their logprobs: the prompts together (their decode steps share
+    rows), then the first prompt again (a prefix hit on its whole prompt)."""
+    params = SamplingParams(temperature=0, max_tokens=_NEW_TOKENS, ignore_eos=True, logprobs=1)
+    results = []
+    for batch in (prompts, prompts[:1]):
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params,
+                               use_tqdm=False)
+        for out in outputs:
+            completion = out.outputs[0]
+            assert completion.logprobs is not None
+            results.append((list(completion.token_ids), torch.tensor(
+                [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)])))
+    return results
+
+
+def _engines(path: str, tokenizer: str | None, monkeypatch: pytest.MonkeyPatch,
+             **kwargs: Any) -> tuple[LLM, LLM]:
+    """(fused, reference): the same engine settings, the reference with the switch off."""
+    fused = LLM(path, tokenizer=tokenizer, quantization="gguf", **kwargs)
+    with monkeypatch.context() as patch:
+        patch.setenv(ENV_SWITCH, "0")
+        reference = LLM(path, tokenizer=tokenizer, quantization="gguf", **kwargs)
+    assert _runner(fused).fused_decode is not None
+    assert _runner(reference).fused_decode is None
+    return fused, reference
+
+
+def _assert_close(fused: list, reference: list, atol: float) -> None:
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(fused, reference, strict=True):
+        assert tokens == ref_tokens
+        torch.testing.assert_close(logprobs, ref_logprobs, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("dtype, atol", [("float32", 1e-2)])
+def test_fused_decode_matches_the_graphs_on_a_tiny_q4_1_llama(
+        tiny_q4_1: tuple[str, str], monkeypatch: pytest.MonkeyPatch, dtype: str,
+        atol: float) -> None:
+    path, model_dir = tiny_q4_1
+    fused, reference = _engines(path, model_dir, monkeypatch, dtype=dtype, max_model_len=128,
+                                block_size=16, enable_prefix_caching=True,
+                                kv_cache_memory_bytes=4 * 1024**2)
+    expected = _generate(reference, _PROMPTS)
+    got = _generate(fused, _PROMPTS)
+    runner = _runner(fused)
+    # Every decode step ran fused: 4 requests of 23 steps after their first token (batched
+    # with each other, so at least 23 steps), then the repeat's 23.
+    assert runner.fused_decode.steps >= 2 * (_NEW_TOKENS - 1)
+    _assert_close(got, expected, atol)
+    assert len({tuple(tokens) for tokens, _ in got}) > 1  # the outputs are not degenerate
+
+
+def test_fused_decode_is_off_where_it_does_not_apply(tiny_q4_1: tuple[str, str],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """enforce_eager runs no fused steps; the reasons name what does not fit."""
+    path, model_dir = tiny_q4_1
+    llm = LLM(path, tokenizer=model_dir, quantization="gguf", dtype="float32", max_model_len=64,
+              enforce_eager=True, kv_cache_memory_bytes=4 * 1024**2)
+    runner = _runner(llm)
+    assert runner.fused_decode is None
+    model = runner.model
+    assert unsupported_reason(model, runner.kv_caches, torch.float32, 1, lora=True) \
+        == "LoRA adapters"
+    assert unsupported_reason(model, runner.kv_caches, torch.float32, 2, lora=False) \
+        == "several KV cache groups"
+    assert unsupported_reason(model, runner.kv_caches, torch.float32, 1, lora=False) is None
+    with monkeypatch.context() as patch:
+        patch.setenv(ENV_SWITCH, "0")
+        assert unsupported_reason(model, runner.kv_caches, torch.float32, 1, lora=False) \
+            == f"{ENV_SWITCH}=0"
+
+
+def test_fused_decode_matches_the_graphs_on_the_default_model(
+        default_model_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default model's Q4_1 file in bfloat16, two requests decoding together."""
+    fused, reference = _engines(default_model_path, None, monkeypatch, dtype="bfloat16",
+                                max_model_len=256, max_num_seqs=2,
+                                kv_cache_memory_bytes=32 * 1024**2)
+    prompts = [list(range(1000, 1040)), list(range(2000, 2012))]
+    expected = _generate(reference, prompts)
+    got = _generate(fused, prompts)
+    assert _runner(fused).fused_decode.steps >= 2 * (_NEW_TOKENS - 1)
+    _assert_close(got, expected, 5e-2)
