@@ -8,9 +8,13 @@
 //
 // A one-token step of a small model spends most of its time outside weight streaming when
 // each of these is its own operator (dispatch, a compiled graph per layer, a fork and join
-// of the thread team per kernel); here the weights' row ranges are the only parallel work,
-// the elementwise stages and attention run on one thread between barriers, and every
-// buffer is allocated once, when the decoder is built.
+// of the thread team per kernel); here one parallel region runs the whole step, and every
+// buffer is allocated once.
+//
+// Threads: each keeps its own copy of the residual stream and computes the elementwise
+// stages and each projection's int8 input itself, then its share of the projection's output
+// rows (and of attention's sequences); one barrier after each of the five stages whose output
+// every thread reads.
 //
 // Numerics follow the operator-by-operator path: every tensor that path stores in the
 // model's dtype (normed rows, q/k/v, the rotated q and k, attention's output, each
@@ -157,10 +161,8 @@ class FusedDecoder {
                   ", ", head_size, "] in the model dtype");
     }
     const int64_t rows = vllm_cpu::qgemv::kMaxRows;
-    const int64_t widest = std::max({hidden_, q_size + 2 * kv_size, 2 * intermediate_});
-    h_.resize(rows * hidden_);
-    x_.resize(rows * std::max(hidden_, intermediate_));
-    y_.resize(rows * widest);
+    const int64_t widths[4] = {q_size + 2 * kv_size, hidden_, 2 * intermediate_, hidden_};
+    for (int j = 0; j < 4; ++j) y_[j].resize(rows * widths[j]);
     // Attention's query and output in T (at most 4 bytes an element).
     q_.resize(rows * q_size);
     attn_.resize(rows * q_size);
@@ -237,75 +239,86 @@ class FusedDecoder {
     const int32_t* lens = seq_lens.data_ptr<int32_t>();
     const T* cos = cos_.data_ptr<T>();
     const T* sin = sin_.data_ptr<T>();
-    float* h = h_.data();
-    float* x = x_.data();
-    float* y = y_.data();
     T* q = reinterpret_cast<T*>(q_.data());
     T* attn = reinterpret_cast<T*>(attn_.data());
+    float* y_qkv = y_[0].data();
+    float* y_o = y_[1].data();
+    float* y_gu = y_[2].data();
+    float* y_down = y_[3].data();
+    const int threads = at::get_num_threads();
+    if (static_cast<int>(private_.size()) < threads) private_.resize(threads);
     const T* hin = h_in.data_ptr<T>();
-    for (int64_t i = 0; i < rows * hidden; i += 16) _mm512_storeu_ps(h + i, load16(hin + i));
-    QuantizedRows& qr = quantized_;
+    for (auto& p : private_) {
+      p.h.resize(vllm_cpu::qgemv::kMaxRows * hidden);
+      p.x.resize(vllm_cpu::qgemv::kMaxRows * std::max(hidden, inter));
+      for (int64_t i = 0; i < rows * hidden; i += 16)
+        _mm512_storeu_ps(p.h.data() + i, load16(hin + i));
+    }
     auto weight = [&](int64_t layer, int j) -> const QuantWeight& {
       return weights_[4 * layer + j];
     };
-    // This thread's rows of projection j of `layer` into y.
-    auto project = [&](int64_t layer, int j, int tid, int threads) {
+    // This thread's rows of projection j of `layer`, from its quantized rows, into out.
+    auto project = [&](int64_t layer, int j, int tid, int nt, const QuantizedRows& qr,
+                       float* out_rows) {
       const QuantWeight& w = weight(layer, j);
       int64_t begin, end;
-      share(w.n, tid, threads, &begin, &end);
+      share(w.n, tid, nt, &begin, &end);
       if (begin < end)
         vllm_cpu::qgemv::gemv_range<float>(rows, w.bits, w.codes.data_ptr<uint8_t>(),
                                            w.d.data_ptr<at::Half>(), w.m.data_ptr<at::Half>(),
-                                           qr, y, w.n, begin, end);
+                                           qr, out_rows, w.n, begin, end);
     };
-    const int threads = at::get_num_threads();
+    // Every thread keeps its own copy of the residual stream and does the elementwise work
+    // and the int8 quantization of each projection's input itself (the same values on
+    // every thread), so that the only synchronisation is one barrier after each stage whose
+    // output every thread reads: the four projections and attention. Each stage writes its
+    // own buffer, so a thread running ahead never overwrites what another still reads.
 #pragma omp parallel num_threads(threads)
     {
       const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+      Private& mine = private_[tid];
+      float* h = mine.h.data();
+      float* x = mine.x.data();
+      QuantizedRows& qr = mine.quantized;
       for (int64_t l = 0; l < layers_; ++l) {
-#pragma omp single
-        {
-          if (l > 0) add_residual<T>(h, y, rows * hidden);  // the previous layer's down
-          rms_norm<T>(h, norms_[2 * l].data_ptr<float>(), x, rows, hidden, eps_);
-          vllm_cpu::qgemv::quantize_rows<float>(x, rows, hidden, weight(l, 0).kp, &qr);
-        }
-        project(l, 0, tid, nt);
+        if (l > 0) add_residual<T>(h, y_down, rows * hidden);  // the previous layer's down
+        rms_norm<T>(h, norms_[2 * l].data_ptr<float>(), x, rows, hidden, eps_);
+        vllm_cpu::qgemv::quantize_rows<float>(x, rows, hidden, weight(l, 0).kp, &qr);
+        project(l, 0, tid, nt, qr, y_qkv);
 #pragma omp barrier
-#pragma omp single
-        {
-          attend<T>(l, rows, y, qkv_n, q_size, kv_size, pos, slots, table, lens,
-                    block_table.size(1), cos, sin, q, attn, half);
-          vllm_cpu::qgemv::quantize_rows<T>(attn, rows, q_size, weight(l, 1).kp, &qr);
+        {  // each thread its share of the rows (sequences); one row: the first thread
+          const int64_t first = rows * tid / nt, last = rows * (tid + 1) / nt;
+          if (first < last)
+            attend<T>(l, first, last, y_qkv, qkv_n, q_size, kv_size, pos, slots, table, lens,
+                      block_table.size(1), cos, sin, q, attn, half);
         }
-        project(l, 1, tid, nt);
 #pragma omp barrier
-#pragma omp single
-        {
-          add_residual<T>(h, y, rows * hidden);
-          rms_norm<T>(h, norms_[2 * l + 1].data_ptr<float>(), x, rows, hidden, eps_);
-          vllm_cpu::qgemv::quantize_rows<float>(x, rows, hidden, weight(l, 2).kp, &qr);
-        }
-        project(l, 2, tid, nt);
+        vllm_cpu::qgemv::quantize_rows<T>(attn, rows, q_size, weight(l, 1).kp, &qr);
+        project(l, 1, tid, nt, qr, y_o);
 #pragma omp barrier
-#pragma omp single
-        {
-          silu_mul<T>(y, x, rows, inter);
-          vllm_cpu::qgemv::quantize_rows<float>(x, rows, inter, weight(l, 3).kp, &qr);
-        }
-        project(l, 3, tid, nt);
+        add_residual<T>(h, y_o, rows * hidden);
+        rms_norm<T>(h, norms_[2 * l + 1].data_ptr<float>(), x, rows, hidden, eps_);
+        vllm_cpu::qgemv::quantize_rows<float>(x, rows, hidden, weight(l, 2).kp, &qr);
+        project(l, 2, tid, nt, qr, y_gu);
+#pragma omp barrier
+        silu_mul<T>(y_gu, x, rows, inter);
+        vllm_cpu::qgemv::quantize_rows<float>(x, rows, inter, weight(l, 3).kp, &qr);
+        project(l, 3, tid, nt, qr, y_down);
 #pragma omp barrier
       }
     }
-    add_residual<T>(h, y, rows * hidden);
+    float* h = private_[0].h.data();
+    float* x = private_[0].x.data();
+    add_residual<T>(h, y_down, rows * hidden);
     rms_norm<T>(h, norms_[2 * layers_].data_ptr<float>(), x, rows, hidden, eps_);
     T* o = out.data_ptr<T>();
     for (int64_t i = 0; i < rows * hidden; i += 16) store16(o + i, _mm512_loadu_ps(x + i));
   }
 
-  // Rotary on q and k of every row (rotate-half form), k and v into the layer's cache at
-  // the rows' slots, then paged decode attention into `attn`.
+  // Rows [first, last): rotary on q and k (rotate-half form), k and v into the layer's
+  // cache at the rows' slots, then paged decode attention into `attn`.
   template <typename T>
-  void attend(int64_t layer, int64_t rows, const float* qkv, int64_t qkv_n, int64_t q_size,
+  void attend(int64_t layer, int64_t first, int64_t last, const float* qkv, int64_t qkv_n, int64_t q_size,
               int64_t kv_size, const int64_t* pos, const int64_t* slots, const int32_t* table,
               const int32_t* lens, int64_t max_blocks, const T* cos, const T* sin, T* q,
               T* attn, int64_t half) const {
@@ -314,7 +327,7 @@ class FusedDecoder {
     T* k_cache = kv.data_ptr<T>();
     const int64_t num_slots = kv.size(1) * kv.size(2);
     T* v_cache = k_cache + num_slots * kv_size;
-    for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t r = first; r < last; ++r) {
       const float* src = qkv + r * qkv_n;
       const T* c = cos + pos[r] * D;
       const T* s = sin + pos[r] * D;
@@ -336,8 +349,10 @@ class FusedDecoder {
       T* v_dst = v_cache + slots[r] * kv_size;
       for (int64_t j = 0; j < kv_size; j += 16) store16(v_dst + j, _mm512_loadu_ps(v + j));
     }
-    vllm_cpu::paged_decode<T>(q, k_cache, table, lens, attn, rows, num_heads_, num_kv_heads_, D,
-                              kv.size(1), kv.size(2), max_blocks, scale_, 0, 0.0f);
+    vllm_cpu::paged_decode<T>(q + first * q_size, k_cache, table + first * max_blocks,
+                              lens + first, attn + first * q_size, last - first, num_heads_,
+                              num_kv_heads_, D, kv.size(1), kv.size(2), max_blocks, scale_, 0,
+                              0.0f);
   }
 
   // out = rnd(SiLU(gate) * up) for gate_up rows [gate | up] of width 2 * inter.
@@ -365,10 +380,15 @@ class FusedDecoder {
   int64_t num_heads_, num_kv_heads_, head_size_;
   float eps_, scale_;
   at::ScalarType dtype_;
-  // Scratch, allocated once: the residual stream, a normed / activated input, a
-  // projection's output, attention's query and output (T in float-sized slots).
-  std::vector<float> h_, x_, y_, q_, attn_;
-  QuantizedRows quantized_;
+  // Scratch, allocated once: each projection's output (qkv, o, gate_up, down),
+  // attention's query and output (T in float-sized slots), and per thread its copy of the
+  // residual stream, a normed / activated input and its int8 quantization.
+  struct Private {
+    std::vector<float> h, x;
+    QuantizedRows quantized;
+  };
+  std::vector<float> y_[4], q_, attn_;
+  std::vector<Private> private_;
 };
 
 void bind_fused_decoder(pybind11::module& m) {
