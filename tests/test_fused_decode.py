@@ -1,9 +1,10 @@
 """The fused decode path (`vllm/v1/worker/fused_decode.py`, `csrc/cpu/fused_decode.cpp`)
-against the compiled graphs' path it replaces, on GGUF block codes: a tiny random Llama
-written as Q4_1 layers with Q8_0 embeddings and output (float32 and bfloat16), and the
-default model's file. Greedy tokens identical and logprobs close, over contexts spanning
-several KV blocks, prefix-cache hits and several requests decoding in the same steps; the
-fused decoder's step counter proves it ran (and the reference engine has none)."""
+against the compiled graphs' path it replaces, in one engine (its runner's fused decoder
+set aside for the reference runs): a tiny random Llama written as Q4_1 layers with Q8_0
+embeddings and output, in float32 (tokens identical, logprobs close), over contexts
+spanning several KV blocks, prefix-cache hits and several requests decoding in the same
+steps; and the default model's file in bfloat16 (drift bounded). The fused decoder's step
+counter proves it ran."""
 
 from __future__ import annotations
 
