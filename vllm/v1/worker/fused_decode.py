@@ -95,7 +95,8 @@ def unsupported_reason(model: object, kv_caches: list[torch.Tensor], dtype: torc
             return f"layer {i}'s norms are not RMSNorm"
         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             if _quant_gemv_kernel(linear) is None:
-                return f"layer {i} has a projection without the quant_gemv GGUF kernel"
+                return (f"layer {i} has a projection other than a bias-free quant_gemv GGUF "
+                        "kernel")
         if attn.attn.layer_idx >= len(kv_caches):
             return f"layer {i} has no KV cache"
     return None
