@@ -80,11 +80,14 @@ def run_ours(model: str, workload: str, output_len: int, **engine_kwargs) -> dic
     return result
 
 
-def run_in_neutral_dir(cmd: list[str]) -> tuple[subprocess.CompletedProcess, list[dict]]:
+def run_in_neutral_dir(cmd: list[str], env: dict[str, str] | None = None
+                       ) -> tuple[subprocess.CompletedProcess, list[dict]]:
     """Runs a driver from a neutral directory (so that our `vllm` does not shadow a peer's)
-    in the environment this script was given; returns the process and its JSON lines."""
+    in the environment this script was given plus `env`; returns the process and its JSON
+    lines."""
+    given = {k: v for k, v in _GIVEN_ENV.items() if k != "PYTHONPATH"}
     proc = subprocess.run(cmd, cwd=tempfile.gettempdir(), capture_output=True, text=True,
-                          env={k: v for k, v in _GIVEN_ENV.items() if k != "PYTHONPATH"})
+                          env={**given, **(env or {})})
     return proc, [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
@@ -149,6 +152,9 @@ def main() -> None:
                              "(every engine alike: the machine is noisy)")
     parser.add_argument("--single", action="store_true",
                         help="one request at a time against llama.cpp (see above)")
+    parser.add_argument("--single-settings", default="gguf,int8,bfloat16",
+                        help="--single: this engine's settings, of gguf, gguf-graphs (gguf "
+                             "without the fused decode steps), int8, bfloat16")
     parser.add_argument("--num-speculative-tokens", type=int, default=8,
                         help="--single: drafted tokens per step, both engines")
     args = parser.parse_args()
@@ -235,8 +241,9 @@ def single_workload(path: str, output_len: int, k: int) -> dict:
                               "prompt_lookup_max": 4}}
 
 
-def run_single_driver(cmd: list[str], label: str) -> dict[str, float]:
-    proc, lines = run_in_neutral_dir(cmd)
+def run_single_driver(cmd: list[str], label: str,
+                      env: dict[str, str] | None = None) -> dict[str, float]:
+    proc, lines = run_in_neutral_dir(cmd, env)
     rows = {row["metric"]: row["value"] for row in lines}
     if proc.returncode != 0 or not rows:
         print(f"{label} failed:\n{(proc.stderr or proc.stdout)[-2000:]}", flush=True)
@@ -257,16 +264,26 @@ def run_single(args: argparse.Namespace) -> None:
           f"{len(spec['decode_prompt'])} -> {args.output_len} tokens, time to first token "
           f"of {len(spec['long_prompt'])}, copy-heavy {len(spec['copy_prompt'])} -> "
           f"{args.output_len} (speculation: {spec['prompt_lookup']})", flush=True)
-    settings = {"gguf": (gguf, {"quantization": "gguf"}),
-                "int8": (args.hf_dir, {"quantization": "int8"}),
-                "bfloat16": (args.hf_dir, {"dtype": "bfloat16"})}
-    if any(model == args.hf_dir for model, _ in settings.values()):
+    # name -> (model, engine kwargs, driver environment)
+    settings: dict[str, tuple[str, dict, dict[str, str]]] = {
+        "gguf": (gguf, {"quantization": "gguf"}, {}),
+        # the same without the fused decode steps (the compiled graphs run every step)
+        "gguf-graphs": (gguf, {"quantization": "gguf"}, {"VLLM_CPU_FUSED_DECODE": "0"}),
+        "int8": (args.hf_dir, {"quantization": "int8"}, {}),
+        "bfloat16": (args.hf_dir, {"dtype": "bfloat16"}, {})}
+    chosen = args.single_settings.split(",")
+    unknown = sorted(set(chosen) - set(settings))
+    if unknown:
+        raise SystemExit(f"--single-settings: unknown {', '.join(unknown)}; choose from "
+                         f"{', '.join(settings)}")
+    if any(settings[name][0] == args.hf_dir for name in chosen):
         export_hf_dir(gguf, args.hf_dir)
     results = {}
-    for name, (model, kwargs) in settings.items():
+    for name in chosen:
+        model, kwargs, env = settings[name]
         results[f"this engine {name}"] = run_single_driver(
             [sys.executable, str(HERE / "peers/ours_single_driver.py"), model, workload,
-             json.dumps(kwargs)], f"this engine {name}")
+             json.dumps(kwargs)], f"this engine {name}", env)
     if args.llama_python:
         results["llama.cpp"] = run_single_driver(
             [args.llama_python, str(HERE / "peers/llama_cpp_single_driver.py"), gguf,

@@ -25,6 +25,7 @@ torch::Tensor shm_all_reduce(torch::Tensor x, torch::Tensor segment, int64_t ran
 torch::Tensor lora_delta(torch::Tensor x, torch::Tensor indices, torch::Tensor ranks,
                          torch::Tensor a, torch::Tensor b, at::IntArrayRef part_bounds);
 bool lora_kernel_available();
+void bind_fused_decoder(pybind11::module& m);  // the FusedDecoder class (fused_decode.cpp)
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
@@ -53,6 +54,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Sum of the local ranks' tensors through a shared-memory segment (CPU)");
   m.def("lora_kernel_available", &lora_kernel_available,
         "Whether lora_delta was built (AVX-512)");
+  bind_fused_decoder(m);
 }
 
 TORCH_LIBRARY(vllm_cpu, m) {

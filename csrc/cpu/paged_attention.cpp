@@ -26,6 +26,7 @@
 #include <utility>
 #include <vector>
 
+#include "paged_attention.h"
 #include "tasks.h"
 #include "vec.h"
 
@@ -496,6 +497,38 @@ bool decode_attention_avx512(const T* query, const T* kv_cache, const int32_t* b
 
 }  // namespace
 
+namespace vllm_cpu {
+
+template <typename T>
+void paged_decode(const T* query, const T* kv_cache, const int32_t* block_table,
+                  const int32_t* seq_lens, T* out, int64_t num_seqs, int64_t num_heads,
+                  int64_t num_kv_heads, int64_t head_size, int64_t num_blocks,
+                  int64_t block_size, int64_t max_blocks, float scale, int64_t window,
+                  float soft_cap) {
+#if defined(__AVX512F__)
+  if (decode_attention_avx512<T>(query, kv_cache, block_table, seq_lens, out, num_seqs,
+                                 num_heads, num_kv_heads, head_size, num_blocks, block_size,
+                                 max_blocks, scale, window, soft_cap))
+    return;
+#endif
+  decode_attention<T>(query, kv_cache, block_table, seq_lens, out, num_seqs, num_heads,
+                      num_kv_heads, head_size, num_blocks, block_size, max_blocks, scale,
+                      window, soft_cap);
+}
+
+template void paged_decode<float>(const float*, const float*, const int32_t*, const int32_t*,
+                                  float*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                  int64_t, int64_t, float, int64_t, float);
+template void paged_decode<at::BFloat16>(const at::BFloat16*, const at::BFloat16*,
+                                         const int32_t*, const int32_t*, at::BFloat16*,
+                                         int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                         int64_t, float, int64_t, float);
+template void paged_decode<at::Half>(const at::Half*, const at::Half*, const int32_t*,
+                                     const int32_t*, at::Half*, int64_t, int64_t, int64_t,
+                                     int64_t, int64_t, int64_t, int64_t, float, int64_t, float);
+
+}  // namespace vllm_cpu
+
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache,
                                      torch::Tensor block_table, torch::Tensor seq_lens,
                                      double scale, int64_t window, double soft_cap) {
@@ -514,20 +547,11 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
   auto out = torch::empty_like(query);
   auto run = [&](auto* type_tag) {
     using T = std::remove_pointer_t<decltype(type_tag)>;
-#if defined(__AVX512F__)
-    if (decode_attention_avx512<T>(query.data_ptr<T>(), kv_cache.data_ptr<T>(),
-                                   block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
-                                   out.data_ptr<T>(), num_seqs, num_heads, num_kv_heads,
-                                   head_size, num_blocks, block_size, block_table.size(1),
-                                   static_cast<float>(scale), window,
-                                   static_cast<float>(soft_cap)))
-      return;
-#endif
-    decode_attention<T>(query.data_ptr<T>(), kv_cache.data_ptr<T>(),
-                        block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
-                        out.data_ptr<T>(), num_seqs, num_heads, num_kv_heads, head_size,
-                        num_blocks, block_size, block_table.size(1), static_cast<float>(scale),
-                        window, static_cast<float>(soft_cap));
+    vllm_cpu::paged_decode<T>(query.data_ptr<T>(), kv_cache.data_ptr<T>(),
+                              block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
+                              out.data_ptr<T>(), num_seqs, num_heads, num_kv_heads, head_size,
+                              num_blocks, block_size, block_table.size(1),
+                              static_cast<float>(scale), window, static_cast<float>(soft_cap));
   };
   switch (query.scalar_type()) {
     case torch::kFloat32: run(static_cast<float*>(nullptr)); break;

@@ -36,6 +36,7 @@ from vllm.v1.spec_decode.spec_runner import SpecDecodeRunner, make_spec_runner
 from vllm.v1.structured_output.bitmask import apply_grammar_bitmask
 from vllm.v1.worker.block_table import mask_out_of_window
 from vllm.v1.worker.encoder_runner import EncoderRunner
+from vllm.v1.worker.fused_decode import FusedDecode
 from vllm.v1.worker.graph_capture import (
     ANY_MIN_TOKENS,
     CPU_MAX_DEFAULT_CAPTURE_SIZE,
@@ -161,6 +162,7 @@ class GPUModelRunner:
         self.model: VllmModel | None = None
         self.encoder_runner: EncoderRunner | None = None
         self.graphs: CompiledGraphs | CudaGraphs | None = None
+        self.fused_decode: FusedDecode | None = None  # CPU decode steps in one native call
         self.lora_manager: LoRAModelManager | None = None  # with enable_lora
         self.spec: SpecDecodeRunner | None = make_spec_runner(vllm_config, self.attn_backend,
                                                               device)
@@ -273,6 +275,9 @@ class GPUModelRunner:
                                          self._lora_state())
             with torch.inference_mode():
                 self.graphs.capture(self._dummy_step)
+            self.fused_decode = FusedDecode.build(model, self.kv_caches, self.dtype,
+                                                  len(self.kv_cache_groups),
+                                                  lora=self.lora_manager is not None)
             if self.spec is not None:  # a draft model's graphs (CPU)
                 self.spec.capture_model(sizes, scheduler_config.max_num_batched_tokens)
         for kv_cache in self.kv_caches:  # the dummy steps wrote K/V into the null block
@@ -330,7 +335,13 @@ class GPUModelRunner:
         return output
 
     def _run_model(self, model: VllmModel, inputs: ModelInputs) -> torch.Tensor:
-        """The one place that picks a captured graph (when one fits the step) or eager."""
+        """The one place that picks the fused decoder or a captured graph (when one fits
+        the step), or eager."""
+        if self.fused_decode is not None:
+            hidden_states = self.fused_decode.run(inputs.input_ids, inputs.positions,
+                                                  inputs.inputs_embeds, inputs.attn_metadata)
+            if hidden_states is not None:
+                return hidden_states
         if self.graphs is not None:
             hidden_states = self.graphs.run(inputs.input_ids, inputs.positions,
                                             inputs.inputs_embeds, inputs.common)

@@ -1,0 +1,234 @@
+// quant_gemv's inner loops, shared by quant_gemv.cpp (the op) and fused_decode.cpp (whole
+// decode layers): the activations' int8 quantization and a range of output rows. The
+// layouts are described in quant_gemv.cpp.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define VLLM_QUANT_GEMV 1
+#endif
+
+namespace vllm_cpu::qgemv {
+
+constexpr int64_t kMaxRows = 8;
+constexpr int64_t kQuad = 128;  // weights per quad of blocks
+constexpr int64_t kHalf = 64;   // weights per half quad
+
+#if defined(VLLM_QUANT_GEMV)
+// Sixteen values from `p` (those of `mask`, zeros elsewhere) as float32.
+inline __m512 load16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+inline __m512 load16(const at::BFloat16* p, __mmask16 mask) {
+  const __m512i bits = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+}
+inline __m512 load16(const at::Half* p, __mmask16 mask) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
+}
+
+inline __mmask16 tail_mask(int64_t remaining) {
+  return remaining >= 16 ? 0xFFFF
+                         : remaining <= 0 ? 0 : static_cast<__mmask16>((1u << remaining) - 1);
+}
+
+// The activation rows quantized: qx in the quad layout, per-lane scales (dx0 dx1 dx2 dx3
+// dx0 ...) per quad, and sx = dx * sum(qx) per block.
+struct QuantizedRows {
+  int64_t quads;           // whole quads
+  bool half;               // and a half quad after them
+  int64_t blocks;          // Kp / 32
+  std::vector<int8_t> qx;  // [M, quads + half, 128] (a half quad: its first 64)
+  std::vector<float> dx;   // [M, quads + half, 16] (a half quad: its first 8)
+  std::vector<float> sx;   // [M, blocks]
+};
+
+// One block of 32 values (x[0..k_left) real, zeros past) as 16 dwords of int8 codes: dword
+// i < 8 holds codes 4i..4i+3 (the upper 8 dwords are don't-care). Returns the scale; the
+// codes round to nearest, ties to even.
+template <typename T>
+inline __m512i quantize_block(const T* x, int64_t k_left, float* scale, int32_t* sum) {
+  const __m512 a = load16(x, tail_mask(k_left)), b = load16(x + 16, tail_mask(k_left - 16));
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv));
+  const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+  *scale = amax / 127.f;
+  *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+  const __m256i codes = _mm256_set_m128i(_mm512_cvtepi32_epi8(qb), _mm512_cvtepi32_epi8(qa));
+  return _mm512_castsi256_si512(codes);
+}
+
+template <typename T>
+void quantize_rows(const T* x, int64_t rows, int64_t k, int64_t kp, QuantizedRows* q) {
+  const int64_t quads = kp / kQuad, slots = (kp + kQuad - 1) / kQuad, nblocks = kp / 32;
+  q->quads = quads;
+  q->half = slots > quads;
+  q->blocks = nblocks;
+  q->qx.resize(rows * slots * kQuad);
+  q->dx.resize(rows * slots * 16);
+  q->sx.resize(rows * nblocks);
+  // From [block 0 | block 1] (a) and [block 2 | block 3] (c), eight dwords each: lane L of
+  // V0 takes dword L / 4 of block L % 4, of V1 dword 4 + L / 4.
+  alignas(64) int32_t idx0[16], idx1[16];
+  for (int lane = 0; lane < 16; ++lane) {
+    const int block = lane % 4, dword = lane / 4;
+    idx0[lane] = block * 8 + dword;
+    idx1[lane] = block * 8 + dword + 4;
+  }
+  const __m512i perm0 = _mm512_load_si512(idx0), perm1 = _mm512_load_si512(idx1);
+  // A half quad from [block 0 | block 1]: lane L of V0 takes dword L / 2 of block L % 2,
+  // of V1 dword 4 + L / 2 (lanes 8..15 unused).
+  alignas(64) int32_t half0[16], half1[16];
+  for (int lane = 0; lane < 16; ++lane) {
+    const int block = lane % 2, dword = (lane / 2) % 4;
+    half0[lane] = block * 8 + dword;
+    half1[lane] = block * 8 + dword + 4;
+  }
+  const __m512i hperm0 = _mm512_load_si512(half0), hperm1 = _mm512_load_si512(half1);
+  for (int64_t r = 0; r < rows; ++r) {
+    if (q->half) {
+      float s[2];
+      int32_t sum[2];
+      __m512i blocks2[2];
+      for (int b = 0; b < 2; ++b) {
+        const int64_t col = quads * kQuad + b * 32;
+        blocks2[b] = quantize_block(x + r * k + col, k - col, &s[b], &sum[b]);
+      }
+      const __m512i a = _mm512_inserti64x4(blocks2[0], _mm512_castsi512_si256(blocks2[1]), 1);
+      int8_t* out = q->qx.data() + (r * slots + quads) * kQuad;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                          _mm512_castsi512_si256(_mm512_permutexvar_epi32(hperm0, a)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32),
+                          _mm512_castsi512_si256(_mm512_permutexvar_epi32(hperm1, a)));
+      float* lanes = q->dx.data() + (r * slots + quads) * 16;
+      for (int l = 0; l < 8; ++l) lanes[l] = s[l % 2];
+      for (int b = 0; b < 2; ++b) {
+        q->sx[r * nblocks + 4 * quads + b] = s[b] * static_cast<float>(sum[b]);
+      }
+    }
+    for (int64_t g = 0; g < quads; ++g) {
+      float s[4];
+      int32_t sum[4];
+      __m512i blocks[4];
+      for (int b = 0; b < 4; ++b) {
+        const int64_t col = g * kQuad + b * 32;
+        blocks[b] = quantize_block(x + r * k + col, k - col, &s[b], &sum[b]);
+      }
+      const __m512i a = _mm512_inserti64x4(blocks[0], _mm512_castsi512_si256(blocks[1]), 1);
+      const __m512i c = _mm512_inserti64x4(blocks[2], _mm512_castsi512_si256(blocks[3]), 1);
+      int8_t* out = q->qx.data() + (r * slots + g) * kQuad;
+      _mm512_storeu_si512(out, _mm512_permutex2var_epi32(a, perm0, c));
+      _mm512_storeu_si512(out + 64, _mm512_permutex2var_epi32(a, perm1, c));
+      float* lanes = q->dx.data() + (r * slots + g) * 16;
+      for (int l = 0; l < 16; ++l) lanes[l] = s[l % 4];
+      for (int b = 0; b < 4; ++b) {
+        q->sx[r * nblocks + 4 * g + b] = s[b] * static_cast<float>(sum[b]);
+      }
+    }
+  }
+}
+
+template <int M, int BITS, typename T>
+void gemv_rows(const uint8_t* codes, const at::Half* d, const at::Half* m,
+               const QuantizedRows& q, T* out, int64_t n_total, int64_t begin, int64_t end) {
+  const int64_t quads = q.quads, blocks = q.blocks, slots = quads + (q.half ? 1 : 0);
+  const int64_t row_bytes = blocks * 32 * BITS / 8;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t n = begin; n < end; ++n) {
+    const uint8_t* c = codes + n * row_bytes;
+    const at::Half* dn = d + n * blocks;
+    const at::Half* mn = m + n * blocks;
+    __m512 acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < quads; ++g) {
+      __m512i v0, v1;
+      if constexpr (BITS == 4) {
+        const __m512i packed = _mm512_loadu_si512(c + g * 64);
+        v0 = _mm512_and_si512(packed, low4);
+        v1 = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+      } else {
+        v0 = _mm512_loadu_si512(c + g * kQuad);
+        v1 = _mm512_loadu_si512(c + g * kQuad + 64);
+      }
+      int64_t dquad;
+      std::memcpy(&dquad, dn + 4 * g, 8);
+      const __m512 dw = _mm512_cvtph_ps(_mm256_set1_epi64x(dquad));  // d0 d1 d2 d3 d0 ...
+      for (int r = 0; r < M; ++r) {
+        const int8_t* qx = q.qx.data() + (r * slots + g) * kQuad;
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v0, _mm512_loadu_si512(qx));
+        dot = _mm512_dpbusd_epi32(dot, v1, _mm512_loadu_si512(qx + 64));
+        const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(dot),
+                                            _mm512_loadu_ps(q.dx.data() + (r * slots + g) * 16));
+        acc[r] = _mm512_fmadd_ps(scaled, dw, acc[r]);
+      }
+    }
+    if (q.half) {  // the last two blocks, in 256-bit halves (upper lanes add zeros)
+      __m256i v0, v1;
+      if constexpr (BITS == 4) {
+        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + quads * 64));
+        v0 = _mm256_and_si256(packed, _mm512_castsi512_si256(low4));
+        v1 = _mm256_and_si256(_mm256_srli_epi16(packed, 4), _mm512_castsi512_si256(low4));
+      } else {
+        v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + quads * kQuad));
+        v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + quads * kQuad + 32));
+      }
+      int32_t dpair;
+      std::memcpy(&dpair, dn + 4 * quads, 4);
+      const __m256 dw = _mm256_cvtph_ps(_mm_set1_epi32(dpair));  // d0 d1 d0 d1 ...
+      for (int r = 0; r < M; ++r) {
+        const int8_t* qx = q.qx.data() + (r * slots + quads) * kQuad;
+        __m256i dot = _mm256_dpbusd_epi32(
+            _mm256_setzero_si256(), v0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx)));
+        dot = _mm256_dpbusd_epi32(dot, v1,
+                                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + 32)));
+        const __m256 scaled = _mm256_mul_ps(
+            _mm256_cvtepi32_ps(dot), _mm256_loadu_ps(q.dx.data() + (r * slots + quads) * 16));
+        acc[r] = _mm512_add_ps(acc[r], _mm512_zextps256_ps512(_mm256_mul_ps(scaled, dw)));
+      }
+    }
+    // Offsets: sum_b m[b] sx[b], sixteen blocks at a time.
+    for (int64_t b = 0; b < blocks; b += 16) {
+      const __mmask16 mask = tail_mask(blocks - b);
+      const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, mn + b));
+      for (int r = 0; r < M; ++r) {
+        acc[r] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mask, q.sx.data() + r * blocks + b),
+                                 acc[r]);
+      }
+    }
+    for (int r = 0; r < M; ++r) out[r * n_total + n] = static_cast<T>(_mm512_reduce_add_ps(acc[r]));
+  }
+}
+
+
+// Output rows [begin, end) of x (`rows` rows, quantized in `q`) times the weight, out [rows,
+// n_total].
+template <typename T>
+void gemv_range(int64_t rows, int64_t bits, const uint8_t* codes, const at::Half* d,
+                const at::Half* m, const QuantizedRows& q, T* out, int64_t n_total,
+                int64_t begin, int64_t end) {
+  auto run = [&](auto bits_tag) {
+    constexpr int B = decltype(bits_tag)::value;
+    switch (rows) {
+      case 1: gemv_rows<1, B, T>(codes, d, m, q, out, n_total, begin, end); break;
+      case 2: gemv_rows<2, B, T>(codes, d, m, q, out, n_total, begin, end); break;
+      case 3: gemv_rows<3, B, T>(codes, d, m, q, out, n_total, begin, end); break;
+      case 4: gemv_rows<4, B, T>(codes, d, m, q, out, n_total, begin, end); break;
+      case 5: gemv_rows<5, B, T>(codes, d, m, q, out, n_total, begin, end); break;
+      case 6: gemv_rows<6, B, T>(codes, d, m, q, out, n_total, begin, end); break;
+      case 7: gemv_rows<7, B, T>(codes, d, m, q, out, n_total, begin, end); break;
+      case 8: gemv_rows<8, B, T>(codes, d, m, q, out, n_total, begin, end); break;
+      default: TORCH_CHECK(false, "quant_gemv takes 1 to ", kMaxRows, " rows, got ", rows);
+    }
+  };
+  if (bits == 4) run(std::integral_constant<int, 4>{});
+  else run(std::integral_constant<int, 8>{});
+}
+#endif
+
+}  // namespace vllm_cpu::qgemv
