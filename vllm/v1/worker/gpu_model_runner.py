@@ -35,6 +35,7 @@ from vllm.v1.spec_decode.rejection_sampler import DraftLayout
 from vllm.v1.spec_decode.spec_runner import SpecDecodeRunner, make_spec_runner
 from vllm.v1.structured_output.bitmask import apply_grammar_bitmask
 from vllm.v1.worker.block_table import mask_out_of_window
+from vllm.v1.worker.decode_inputs import DecodeInputs
 from vllm.v1.worker.encoder_runner import EncoderRunner
 from vllm.v1.worker.graph_capture import (
     ANY_MIN_TOKENS,
@@ -152,6 +153,14 @@ class GPUModelRunner:
                                       self.block_size, self.model_config.vocab_size,
                                       self.model_config.max_encoder_len,
                                       len(self.kv_cache_groups))
+        # Decode-only steps' persistent inputs: one KV cache group without a window
+        # (`mask_out_of_window` is the general path's), decoder-only models.
+        self.decode_inputs = (DecodeInputs(self.input_batch, self.block_size)
+                              if len(self.kv_cache_groups) == 1
+                              and self.kv_cache_groups[0].sliding_window is None
+                              and not self.is_encoder_decoder else None)
+        # Decode metadata that reads those arrays in place, per number of requests.
+        self._decode_metadata: dict[int, object] = {}
         self.sampler = Sampler()
         self.sampling_inputs = SamplingInputsBuilder(self.input_batch, device,
                                                      self.max_model_len)
@@ -416,6 +425,14 @@ class GPUModelRunner:
     def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInputs:
         batch = self.input_batch
         num_reqs = batch.num_reqs
+        # Every scheduled request has at least one token: a total of one per request is
+        # a decode-only step.
+        if (self.decode_inputs is not None
+                and scheduler_output.total_num_scheduled_tokens == num_reqs
+                and not scheduler_output.scheduled_spec_decode_tokens):
+            inputs = self._prepare_decode(self.decode_inputs, num_reqs)
+            if inputs is not None:
+                return inputs
         scheduled = scheduler_output.num_scheduled_tokens
         num_scheduled = np.array([scheduled[r] for r in batch.req_ids_in_order],
                                  dtype=np.int32)
@@ -474,6 +491,41 @@ class GPUModelRunner:
             draft_layout=draft_layout,
             common=common,
         )
+
+    def _prepare_decode(self, decode: DecodeInputs, num_reqs: int) -> ModelInputs | None:
+        """A decode-only step from the persistent `DecodeInputs` (None where a token reads
+        prompt embeds: the general path gathers those). The attention metadata of a step
+        of `num_reqs` rows is built once where the backend reads the arrays in place."""
+        all_sample = decode.fill(num_reqs)
+        if all_sample is None:
+            return None
+        batch = self.input_batch
+        if self.lora_manager is not None:
+            self.lora_manager.set_step([batch.state(row).lora_request
+                                        for row in range(num_reqs)], decode.ones[:num_reqs])
+        step = decode.step(num_reqs)
+        metadata = self._decode_metadata.get(num_reqs)
+        if metadata is None:
+            metadata = self.attn_backend.build_decode_metadata(step.common, self.block_size,
+                                                               self.device)
+            if metadata is not None:
+                self._decode_metadata[num_reqs] = metadata
+            else:
+                metadata = self.attn_backend.build_metadata(step.common, self.block_size,
+                                                            self.device)
+        rows, logits_indices = step.rows, step.logits_indices
+        if not all_sample:  # a one-token prefill chunk short of its prompt's end
+            rows = np.flatnonzero(step.common.seq_lens >= batch.num_tokens[:num_reqs])
+            logits_indices = torch.from_numpy(rows)
+        input_ids, positions = step.input_ids, step.positions
+        if self.device.type != "cpu":
+            input_ids, positions = input_ids.to(self.device), positions.to(self.device)
+            logits_indices = logits_indices.to(self.device)
+        return ModelInputs(input_ids=input_ids, inputs_embeds=None, positions=positions,
+                           attn_metadata=metadata, layer_attn_metadata=None,
+                           cross_attn_metadata=None, slot_mapping=step.common.slot_mapping,
+                           logits_indices=logits_indices, sampling_rows=rows,
+                           draft_layout=None, common=step.common)
 
     def _group_block_table(self, num_reqs: int, group: int,
                            num_computed: np.ndarray) -> np.ndarray:
