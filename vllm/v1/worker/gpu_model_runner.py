@@ -161,6 +161,7 @@ class GPUModelRunner:
                               and not self.is_encoder_decoder else None)
         # Decode metadata that reads those arrays in place, per number of requests.
         self._decode_metadata: dict[int, object] = {}
+        self._inference_mode = torch.inference_mode()
         self.sampler = Sampler()
         self.sampling_inputs = SamplingInputsBuilder(self.input_batch, device,
                                                      self.max_model_len)
@@ -302,8 +303,12 @@ class GPUModelRunner:
 
     # ---- one step -----------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        # One context object for every step: the decorator form clones one per call.
+        with self._inference_mode:
+            return self._execute(scheduler_output)
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
         copy_kv_blocks(self.kv_caches, self._kv_block_dim, scheduler_output.blocks_to_copy)
         finished_rows = self.stage_outputs.gather_finished(scheduler_output.rows_to_gather)
@@ -321,7 +326,11 @@ class GPUModelRunner:
                                  layer_attn_metadata=inputs.layer_attn_metadata):
             hidden_states = self._run_model(model, inputs)
         self.stage_outputs.write(inputs.slot_mapping, hidden_states=hidden_states)
-        logits = model.compute_logits(hidden_states[inputs.logits_indices])
+        logits_indices = inputs.logits_indices
+        # Ascending distinct token indices as many as the tokens are every token in order
+        # (a decode step where every request samples): no gather.
+        logits = model.compute_logits(hidden_states if logits_indices.shape[0] ==
+                                      hidden_states.shape[0] else hidden_states[logits_indices])
         if scheduler_output.grammar_bitmask is not None:
             self._apply_grammar_bitmask(logits, inputs, scheduler_output)
         metadata = self._sampling_metadata(inputs.sampling_rows)
