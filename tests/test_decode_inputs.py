@@ -216,3 +216,32 @@ def test_native_decode_metadata_is_built_once_per_size_and_reads_the_buffers() -
                 (blocks[0] + [0])[:2], (blocks[1] + [0])[:2]]
     assert metadata[1] is metadata[2] is metadata[3]
     assert metadata[0] is not metadata[1]
+
+
+def test_sampling_inputs_hit_on_the_same_rows_until_a_row_changes_request() -> None:
+    """Decode steps hand the sampling builder the same rows array each step: it hits
+    without comparing states until the batch changes, even under the same array."""
+    runner = make_model_runner(block_size=4, max_model_len=16)
+
+    def new(req_id: str, temperature: float) -> NewRequestData:
+        return NewRequestData(req_id=req_id, prompt_token_ids=[1, 2], prompt_embeds=None,
+                              output_token_ids=[],
+                              sampling_params=make_params(temperature=temperature),
+                              block_ids=[1], num_computed_tokens=0)
+
+    def step(new_reqs: list[NewRequestData], finished: list[str]) -> None:
+        runner._update_states(SchedulerOutput(
+            scheduled_new_reqs=new_reqs, scheduled_cached_reqs=CachedRequestData(),
+            num_scheduled_tokens={r.req_id: 2 for r in new_reqs},
+            total_num_scheduled_tokens=2 * len(new_reqs), finished_req_ids=finished))
+
+    step([new("a", 0.5)], [])
+    assert runner.decode_inputs is not None
+    rows = runner.decode_inputs.step(1).rows
+    first = runner._sampling_metadata(rows)
+    assert runner._sampling_metadata(rows) is first
+    assert runner.sampling_inputs.num_rebuilds == 1
+    # "a" sits this step out (preempted: no `forget`); row 0 now holds another request.
+    step([new("c", 0.0)], [])
+    assert runner._sampling_metadata(rows).temperature.tolist() == [0.0]
+    assert runner.sampling_inputs.num_rebuilds == 2
