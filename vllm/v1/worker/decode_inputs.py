@@ -6,13 +6,13 @@ caches: every distinct numpy or torch call then costs tens of microseconds (a sl
 tensor ~60 us, `np.flatnonzero` ~60 us, measured after a 64 MB sweep; under 2 us warm),
 far more than its arithmetic. A decode step therefore touches as little as it can:
 
-- the inputs live in arrays allocated once, written element by element in plain Python
-  (a few scalar stores per request), or with a handful of whole-array operations when
-  the batch is wide enough that a loop would cost more (`LOOP_MAX_ROWS`);
-- everything a step of `n` rows hands on (tensor views of those arrays, the
-  `CommonAttentionMetadata` of views, and the backend's metadata where it reads the
-  arrays in place) is made the first time a step has `n` rows and reused after: a decode
-  step allocates no tensor and makes no view.
+- the inputs live in arrays allocated once per batch size `n` (the first step of `n`
+  rows), written element by element in plain Python (a few scalar stores per request),
+  or with a handful of whole-array operations when the batch is wide enough that a loop
+  would cost more (`LOOP_MAX_ROWS`);
+- everything a step of `n` rows hands on (those tensors, the `CommonAttentionMetadata`
+  of their arrays, and the backend's metadata where it reads the arrays in place) is made
+  with them and reused after: a decode step allocates no tensor and makes no view.
 
 The general `compute_step_indices` path keeps every other step (prefill chunks, drafts,
 several KV cache groups, windows, encoder/decoder models, prompt-embeds positions).
@@ -34,14 +34,35 @@ LOOP_MAX_ROWS = 64
 
 
 class DecodeStep(NamedTuple):
-    """Views of rows `[:n]` of the persistent arrays, made once per `n` (their contents
-    are the latest `fill`'s)."""
+    """The persistent arrays of steps of `n` rows, made on the first such step; `fill`
+    rewrites their contents. The tensors own their storage (views of one wider buffer
+    would differ from what a graph compiled for any size was traced with), the numpy
+    arrays are views of them."""
 
     input_ids: torch.Tensor  # [n] int64
     positions: torch.Tensor  # [n] int64
-    common: CommonAttentionMetadata  # uniform_decode=True
+    common: CommonAttentionMetadata  # uniform_decode=True; arrays [n] (+1)
     rows: np.ndarray  # [n] 0..n-1: every row samples
     logits_indices: torch.Tensor  # [n] int64 0..n-1: token r is row r's
+    input_ids_np: np.ndarray  # [n] int64, input_ids' memory
+    positions_np: np.ndarray  # [n] int64, positions' memory
+
+    @classmethod
+    def make(cls, n: int, block_table: np.ndarray) -> DecodeStep:
+        input_ids = torch.zeros(n, dtype=torch.int64)
+        positions = torch.zeros(n, dtype=torch.int64)
+        rows = torch.arange(n, dtype=torch.int64)
+        common = CommonAttentionMetadata(
+            query_start_loc=np.arange(n + 1, dtype=np.int32),  # one token a row
+            seq_lens=np.zeros(n, dtype=np.int32),
+            num_computed_tokens=np.zeros(n, dtype=np.int32),
+            block_table=block_table[:n],
+            slot_mapping=np.zeros(n, dtype=np.int64),
+            num_actual_tokens=n,
+            uniform_decode=True,
+        )
+        return cls(input_ids, positions, common, rows.numpy(), rows, input_ids.numpy(),
+                   positions.numpy())
 
 
 class DecodeInputs:
@@ -64,76 +85,62 @@ class DecodeInputs:
         assert batch.block_table.num_groups == 1, "one KV cache group only"
         self.batch = batch
         self.block_size = block_size
-        n = batch.max_num_reqs
-        self.positions = np.zeros(n, dtype=np.int64)
-        self.input_ids = np.zeros(n, dtype=np.int64)
-        self.seq_lens = np.zeros(n, dtype=np.int32)
-        self.num_computed = np.zeros(n, dtype=np.int32)
-        self.slot_mapping = np.zeros(n, dtype=np.int64)
-        self.query_start_loc = np.arange(n + 1, dtype=np.int32)  # one token a row
-        self.ones = np.ones(n, dtype=np.int32)  # each row's scheduled tokens (LoRA)
-        self.rows = np.arange(n, dtype=np.int64)
-        self._input_ids_t = torch.from_numpy(self.input_ids)
-        self._positions_t = torch.from_numpy(self.positions)
-        self._rows_t = torch.from_numpy(self.rows)
+        self.ones = np.ones(batch.max_num_reqs, dtype=np.int32)  # scheduled tokens (LoRA)
         self._steps: dict[int, DecodeStep] = {}
         self.loop_max_rows = LOOP_MAX_ROWS
 
     def step(self, n: int) -> DecodeStep:
-        """The views of a step of `n` rows (made on the first step of that size)."""
+        """The arrays of steps of `n` rows (made on the first step of that size)."""
         step = self._steps.get(n)
         if step is None:
-            common = CommonAttentionMetadata(
-                query_start_loc=self.query_start_loc[:n + 1],
-                seq_lens=self.seq_lens[:n],
-                num_computed_tokens=self.num_computed[:n],
-                block_table=self.batch.block_table.table[:n],
-                slot_mapping=self.slot_mapping[:n],
-                num_actual_tokens=n,
-                uniform_decode=True,
-            )
-            step = self._steps[n] = DecodeStep(self._input_ids_t[:n], self._positions_t[:n],
-                                               common, self.rows[:n], self._rows_t[:n])
+            step = self._steps[n] = DecodeStep.make(n, self.batch.block_table.table)
         return step
 
-    def fill(self, n: int) -> bool | None:
-        """Writes the inputs of the batch's first `n` rows, one token each. Returns
-        whether every row samples (False where a one-token prefill chunk stops short of
-        its prompt's end), or None, writing nothing usable, where a row's token reads
-        prompt embeds (the general path gathers those)."""
-        if n > self.loop_max_rows:
-            return self._fill_vectorised(n)
-        batch, bs = self.batch, self.block_size
+    def fill(self, n: int) -> tuple[DecodeStep, bool] | None:
+        """Writes the inputs of the batch's first `n` rows, one token each. Returns the
+        step and whether every row samples (False where a one-token prefill chunk stops
+        short of its prompt's end), or None, leaving nothing usable, where a row's token
+        reads prompt embeds (the general path gathers those)."""
+        step = self.step(n)
+        samples = (self._fill_rows(step, n) if n <= self.loop_max_rows
+                   else self._fill_vectorised(step, n))
+        return None if samples is None else (step, samples)
+
+    def _fill_rows(self, step: DecodeStep, n: int) -> bool | None:
+        batch, bs, common = self.batch, self.block_size, step.common
         token_ids, is_token, table = batch.token_ids_cpu, batch.is_token_ids, \
             batch.block_table.table
-        num_tokens = batch.num_tokens
+        positions, input_ids, num_tokens = step.positions_np, step.input_ids_np, \
+            batch.num_tokens
+        seq_lens, num_computed, slots = common.seq_lens, common.num_computed_tokens, \
+            common.slot_mapping
         samples = True
         for r, p in enumerate(batch.num_computed_tokens_cpu[:n].tolist()):
             if not is_token[r, p]:
                 return None
-            self.positions[r] = p
-            self.num_computed[r] = p
-            self.seq_lens[r] = p + 1
-            self.input_ids[r] = token_ids[r, p]
-            self.slot_mapping[r] = int(table[r, p // bs]) * bs + p % bs
+            positions[r] = p
+            num_computed[r] = p
+            seq_lens[r] = p + 1
+            input_ids[r] = token_ids[r, p]
+            slots[r] = int(table[r, p // bs]) * bs + p % bs
             if p + 1 < num_tokens[r]:
                 samples = False
         return samples
 
-    def _fill_vectorised(self, n: int) -> bool | None:
-        """`fill` for wide batches, the same values by whole-array operations."""
-        batch, bs = self.batch, self.block_size
-        positions = self.positions[:n]
-        np.copyto(self.num_computed[:n], batch.num_computed_tokens_cpu[:n])
-        np.copyto(positions, self.num_computed[:n])
-        index = positions + self.rows[:n] * batch.max_model_len  # flat token index
+    def _fill_vectorised(self, step: DecodeStep, n: int) -> bool | None:
+        """`_fill_rows` for wide batches: the same values by whole-array operations."""
+        batch, bs, common = self.batch, self.block_size, step.common
+        positions = step.positions_np
+        np.copyto(common.num_computed_tokens, batch.num_computed_tokens_cpu[:n])
+        np.copyto(positions, common.num_computed_tokens)
+        index = positions + step.rows * batch.max_model_len  # flat token index
         if not batch.is_token_ids.reshape(-1)[index].all():
             return None
-        self.input_ids[:n] = batch.token_ids_cpu.reshape(-1)[index]
-        np.add(self.num_computed[:n], 1, out=self.seq_lens[:n])
+        step.input_ids_np[:] = batch.token_ids_cpu.reshape(-1)[index]
+        np.add(common.num_computed_tokens, 1, out=common.seq_lens)
         table = batch.block_table
-        index = positions // bs + self.rows[:n] * table.max_num_blocks_per_req
-        slots = self.slot_mapping[:n]
-        np.multiply(table.table.reshape(-1)[index], bs, out=slots, dtype=np.int64)
-        slots += positions % bs
-        return bool((self.seq_lens[:n] >= batch.num_tokens[:n]).all())
+        index = positions // bs + step.rows * table.max_num_blocks_per_req
+        np.multiply(table.table.reshape(-1)[index], bs, out=common.slot_mapping,
+                    dtype=np.int64)
+        common.slot_mapping += positions % bs
+        return bool((common.seq_lens >= batch.num_tokens[:n]).all())

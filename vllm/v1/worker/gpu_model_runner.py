@@ -505,14 +505,14 @@ class GPUModelRunner:
         """A decode-only step from the persistent `DecodeInputs` (None where a token reads
         prompt embeds: the general path gathers those). The attention metadata of a step
         of `num_reqs` rows is built once where the backend reads the arrays in place."""
-        all_sample = decode.fill(num_reqs)
-        if all_sample is None:
+        filled = decode.fill(num_reqs)
+        if filled is None:
             return None
+        step, all_sample = filled
         batch = self.input_batch
         if self.lora_manager is not None:
             self.lora_manager.set_step([batch.state(row).lora_request
                                         for row in range(num_reqs)], decode.ones[:num_reqs])
-        step = decode.step(num_reqs)
         metadata = self._decode_metadata.get(num_reqs)
         if metadata is None:
             metadata = self.attn_backend.build_decode_metadata(step.common, self.block_size,
