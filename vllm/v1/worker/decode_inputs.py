@@ -6,13 +6,14 @@ caches: every distinct numpy or torch call then costs tens of microseconds (a sl
 tensor ~60 us, `np.flatnonzero` ~60 us, measured after a 64 MB sweep; under 2 us warm),
 far more than its arithmetic. A decode step therefore touches as little as it can:
 
-- the inputs live in arrays allocated once per batch size `n` (the first step of `n`
-  rows), written element by element in plain Python (a few scalar stores per request),
+- the inputs live in arrays allocated once per batch size `n` (all at construction),
+  written element by element in plain Python (a few scalar stores per request),
   or with a handful of whole-array operations when the batch is wide enough that a loop
   would cost more (`LOOP_MAX_ROWS`);
 - everything a step of `n` rows hands on (those tensors, the `CommonAttentionMetadata`
-  of their arrays, and the backend's metadata where it reads the arrays in place) is made
-  with them and reused after: a decode step allocates no tensor and makes no view.
+  of their arrays, and the backend's metadata where it reads the arrays in place, which
+  the runner builds for every size when it loads the model) is made once and reused: a
+  decode step allocates no tensor and makes no view.
 
 The general `compute_step_indices` path keeps every other step (prefill chunks, drafts,
 several KV cache groups, windows, encoder/decoder models, prompt-embeds positions).
@@ -34,10 +35,10 @@ LOOP_MAX_ROWS = 64
 
 
 class DecodeStep(NamedTuple):
-    """The persistent arrays of steps of `n` rows, made on the first such step; `fill`
-    rewrites their contents. The tensors own their storage (views of one wider buffer
-    would differ from what a graph compiled for any size was traced with), the numpy
-    arrays are views of them."""
+    """The arrays of steps of `n` rows; `fill` rewrites their contents. The ids and
+    positions own their storage (views of one wider buffer would differ from what a graph
+    compiled for any size was traced with); the rest are views of arrays shared by every
+    size (only one size is in use at a time)."""
 
     input_ids: torch.Tensor  # [n] int64
     positions: torch.Tensor  # [n] int64
@@ -46,23 +47,6 @@ class DecodeStep(NamedTuple):
     logits_indices: torch.Tensor  # [n] int64 0..n-1: token r is row r's
     input_ids_np: np.ndarray  # [n] int64, input_ids' memory
     positions_np: np.ndarray  # [n] int64, positions' memory
-
-    @classmethod
-    def make(cls, n: int, block_table: np.ndarray) -> DecodeStep:
-        input_ids = torch.zeros(n, dtype=torch.int64)
-        positions = torch.zeros(n, dtype=torch.int64)
-        rows = torch.arange(n, dtype=torch.int64)
-        common = CommonAttentionMetadata(
-            query_start_loc=np.arange(n + 1, dtype=np.int32),  # one token a row
-            seq_lens=np.zeros(n, dtype=np.int32),
-            num_computed_tokens=np.zeros(n, dtype=np.int32),
-            block_table=block_table[:n],
-            slot_mapping=np.zeros(n, dtype=np.int64),
-            num_actual_tokens=n,
-            uniform_decode=True,
-        )
-        return cls(input_ids, positions, common, rows.numpy(), rows, input_ids.numpy(),
-                   positions.numpy())
 
 
 class DecodeInputs:
@@ -85,16 +69,29 @@ class DecodeInputs:
         assert batch.block_table.num_groups == 1, "one KV cache group only"
         self.batch = batch
         self.block_size = block_size
-        self.ones = np.ones(batch.max_num_reqs, dtype=np.int32)  # scheduled tokens (LoRA)
+        m = batch.max_num_reqs
+        self.ones = np.ones(m, dtype=np.int32)  # each row's scheduled tokens (LoRA)
+        seq_lens, num_computed = np.zeros(m, dtype=np.int32), np.zeros(m, dtype=np.int32)
+        slot_mapping = np.zeros(m, dtype=np.int64)
+        query_start_loc = np.arange(m + 1, dtype=np.int32)  # one token a row
+        rows = torch.arange(m, dtype=torch.int64)
+        # Every size up front (16 bytes a row of each: ~0.5 MB for 256 sequences), so that
+        # the tensors an engine holds stay the same from its first step on.
         self._steps: dict[int, DecodeStep] = {}
+        for n in range(1, m + 1):
+            input_ids, positions = torch.zeros(n, dtype=torch.int64), \
+                torch.zeros(n, dtype=torch.int64)
+            common = CommonAttentionMetadata(
+                query_start_loc=query_start_loc[:n + 1], seq_lens=seq_lens[:n],
+                num_computed_tokens=num_computed[:n], block_table=batch.block_table.table[:n],
+                slot_mapping=slot_mapping[:n], num_actual_tokens=n, uniform_decode=True)
+            self._steps[n] = DecodeStep(input_ids, positions, common, rows[:n].numpy(),
+                                        rows[:n], input_ids.numpy(), positions.numpy())
         self.loop_max_rows = LOOP_MAX_ROWS
 
     def step(self, n: int) -> DecodeStep:
-        """The arrays of steps of `n` rows (made on the first step of that size)."""
-        step = self._steps.get(n)
-        if step is None:
-            step = self._steps[n] = DecodeStep.make(n, self.batch.block_table.table)
-        return step
+        """The arrays of steps of `n` rows (1 <= n <= max_num_reqs)."""
+        return self._steps[n]
 
     def fill(self, n: int) -> tuple[DecodeStep, bool] | None:
         """Writes the inputs of the batch's first `n` rows, one token each. Returns the

@@ -35,7 +35,7 @@ from vllm.v1.spec_decode.rejection_sampler import DraftLayout
 from vllm.v1.spec_decode.spec_runner import SpecDecodeRunner, make_spec_runner
 from vllm.v1.structured_output.bitmask import apply_grammar_bitmask
 from vllm.v1.worker.block_table import mask_out_of_window
-from vllm.v1.worker.decode_inputs import DecodeInputs
+from vllm.v1.worker.decode_inputs import DecodeInputs, DecodeStep
 from vllm.v1.worker.encoder_runner import EncoderRunner
 from vllm.v1.worker.graph_capture import (
     ANY_MIN_TOKENS,
@@ -200,6 +200,9 @@ class GPUModelRunner:
             from vllm._custom_ops import cpu_ops
 
             cpu_ops()  # build or load the native kernels now, not on the first request
+        if self.decode_inputs is not None:  # every size now: no tensor made while serving
+            for n in range(1, self.input_batch.max_num_reqs + 1):
+                self._decode_metadata_of(self.decode_inputs.step(n))
 
     def _max_step_tokens(self) -> int:
         """The most tokens a forward may hold: a step's budget, or a captured graph's
@@ -436,7 +439,7 @@ class GPUModelRunner:
         num_reqs = batch.num_reqs
         # Every scheduled request has at least one token: a total of one per request is
         # a decode-only step.
-        if (self.decode_inputs is not None
+        if (self.decode_inputs is not None and num_reqs
                 and scheduler_output.total_num_scheduled_tokens == num_reqs
                 and not scheduler_output.scheduled_spec_decode_tokens):
             inputs = self._prepare_decode(self.decode_inputs, num_reqs)
@@ -515,13 +518,7 @@ class GPUModelRunner:
                                         for row in range(num_reqs)], decode.ones[:num_reqs])
         metadata = self._decode_metadata.get(num_reqs)
         if metadata is None:
-            metadata = self.attn_backend.build_decode_metadata(step.common, self.block_size,
-                                                               self.device)
-            if metadata is not None:
-                self._decode_metadata[num_reqs] = metadata
-            else:
-                metadata = self.attn_backend.build_metadata(step.common, self.block_size,
-                                                            self.device)
+            metadata = self._decode_metadata_of(step)
         rows, logits_indices = step.rows, step.logits_indices
         if not all_sample:  # a one-token prefill chunk short of its prompt's end
             rows = np.flatnonzero(step.common.seq_lens >= batch.num_tokens[:num_reqs])
@@ -535,6 +532,17 @@ class GPUModelRunner:
                            cross_attn_metadata=None, slot_mapping=step.common.slot_mapping,
                            logits_indices=logits_indices, sampling_rows=rows,
                            draft_layout=None, common=step.common)
+
+    def _decode_metadata_of(self, step: DecodeStep) -> object:
+        """The backend's metadata of a decode step: kept for every later step of as many
+        rows where it reads the arrays in place, else built for this step alone."""
+        common = step.common
+        metadata = self.attn_backend.build_decode_metadata(common, self.block_size,
+                                                           self.device)
+        if metadata is None:
+            return self.attn_backend.build_metadata(common, self.block_size, self.device)
+        self._decode_metadata[common.num_actual_tokens] = metadata
+        return metadata
 
     def _group_block_table(self, num_reqs: int, group: int,
                            num_computed: np.ndarray) -> np.ndarray:
