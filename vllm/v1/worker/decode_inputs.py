@@ -74,10 +74,21 @@ class DecodeInputs:
         seq_lens, num_computed = np.zeros(m, dtype=np.int32), np.zeros(m, dtype=np.int32)
         slot_mapping = np.zeros(m, dtype=np.int64)
         query_start_loc = np.arange(m + 1, dtype=np.int32)  # one token a row
+        # Inference tensors, as the general path's (made inside the step's inference mode):
+        # a graph compiled for any size guards on it, and its guards are not evaluated.
+        with torch.inference_mode():
+            self._steps = self._make_steps(m, seq_lens, num_computed, slot_mapping,
+                                           query_start_loc)
+        self.loop_max_rows = LOOP_MAX_ROWS
+
+    def _make_steps(self, m: int, seq_lens: np.ndarray, num_computed: np.ndarray,
+                    slot_mapping: np.ndarray, query_start_loc: np.ndarray
+                    ) -> dict[int, DecodeStep]:
+        batch = self.batch
         rows = torch.arange(m, dtype=torch.int64)
         # Every size up front (16 bytes a row of each: ~0.5 MB for 256 sequences), so that
         # the tensors an engine holds stay the same from its first step on.
-        self._steps: dict[int, DecodeStep] = {}
+        steps: dict[int, DecodeStep] = {}
         for n in range(1, m + 1):
             input_ids, positions = torch.zeros(n, dtype=torch.int64), \
                 torch.zeros(n, dtype=torch.int64)
@@ -85,9 +96,9 @@ class DecodeInputs:
                 query_start_loc=query_start_loc[:n + 1], seq_lens=seq_lens[:n],
                 num_computed_tokens=num_computed[:n], block_table=batch.block_table.table[:n],
                 slot_mapping=slot_mapping[:n], num_actual_tokens=n, uniform_decode=True)
-            self._steps[n] = DecodeStep(input_ids, positions, common, rows[:n].numpy(),
-                                        rows[:n], input_ids.numpy(), positions.numpy())
-        self.loop_max_rows = LOOP_MAX_ROWS
+            steps[n] = DecodeStep(input_ids, positions, common, rows[:n].numpy(), rows[:n],
+                                  input_ids.numpy(), positions.numpy())
+        return steps
 
     def step(self, n: int) -> DecodeStep:
         """The arrays of steps of `n` rows (1 <= n <= max_num_reqs)."""

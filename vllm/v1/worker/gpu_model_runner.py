@@ -202,7 +202,11 @@ class GPUModelRunner:
             cpu_ops()  # build or load the native kernels now, not on the first request
         if self.decode_inputs is not None:  # every size now: no tensor made while serving
             for n in range(1, self.input_batch.max_num_reqs + 1):
-                self._decode_metadata_of(self.decode_inputs.step(n))
+                metadata = self.attn_backend.build_decode_metadata(
+                    self.decode_inputs.step(n).common, self.block_size, self.device)
+                if metadata is None:
+                    break  # the backend builds each step's (`build_metadata`)
+                self._decode_metadata[n] = metadata
 
     def _max_step_tokens(self) -> int:
         """The most tokens a forward may hold: a step's budget, or a captured graph's
