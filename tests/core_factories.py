@@ -170,6 +170,11 @@ class CommonMetadataBackend:
                        device: torch.device) -> CommonAttentionMetadata:
         return common
 
+    @staticmethod
+    def build_decode_metadata(common: CommonAttentionMetadata, block_size: int,
+                              device: torch.device) -> None:
+        return None  # every step's metadata from `build_metadata`: the common itself
+
 
 def make_model_runner(block_size: int, max_model_len: int, max_num_seqs: int = 4,
                       vocab_size: int = 100) -> GPUModelRunner:

@@ -35,6 +35,7 @@ from vllm.v1.spec_decode.rejection_sampler import DraftLayout
 from vllm.v1.spec_decode.spec_runner import SpecDecodeRunner, make_spec_runner
 from vllm.v1.structured_output.bitmask import apply_grammar_bitmask
 from vllm.v1.worker.block_table import mask_out_of_window
+from vllm.v1.worker.decode_inputs import DecodeInputs, DecodeStep
 from vllm.v1.worker.encoder_runner import EncoderRunner
 from vllm.v1.worker.fused_decode import FusedDecode
 from vllm.v1.worker.graph_capture import (
@@ -153,6 +154,15 @@ class GPUModelRunner:
                                       self.block_size, self.model_config.vocab_size,
                                       self.model_config.max_encoder_len,
                                       len(self.kv_cache_groups))
+        # Decode-only steps' persistent inputs: one KV cache group without a window
+        # (`mask_out_of_window` is the general path's), decoder-only models.
+        self.decode_inputs = (DecodeInputs(self.input_batch, self.block_size)
+                              if len(self.kv_cache_groups) == 1
+                              and self.kv_cache_groups[0].sliding_window is None
+                              and not self.is_encoder_decoder else None)
+        # Decode metadata that reads those arrays in place, per number of requests.
+        self._decode_metadata: dict[int, object] = {}
+        self._inference_mode = torch.inference_mode()
         self.sampler = Sampler()
         self.sampling_inputs = SamplingInputsBuilder(self.input_batch, device,
                                                      self.max_model_len)
@@ -192,6 +202,13 @@ class GPUModelRunner:
             from vllm._custom_ops import cpu_ops
 
             cpu_ops()  # build or load the native kernels now, not on the first request
+        if self.decode_inputs is not None:  # every size now: no tensor made while serving
+            for n in range(1, self.input_batch.max_num_reqs + 1):
+                metadata = self.attn_backend.build_decode_metadata(
+                    self.decode_inputs.step(n).common, self.block_size, self.device)
+                if metadata is None:
+                    break  # the backend builds each step's (`build_metadata`)
+                self._decode_metadata[n] = metadata
 
     def _max_step_tokens(self) -> int:
         """The most tokens a forward may hold: a step's budget, or a captured graph's
@@ -298,8 +315,12 @@ class GPUModelRunner:
 
     # ---- one step -----------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        # One context object for every step: the decorator form clones one per call.
+        with self._inference_mode:
+            return self._execute(scheduler_output)
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
         copy_kv_blocks(self.kv_caches, self._kv_block_dim, scheduler_output.blocks_to_copy)
         finished_rows = self.stage_outputs.gather_finished(scheduler_output.rows_to_gather)
@@ -317,7 +338,11 @@ class GPUModelRunner:
                                  layer_attn_metadata=inputs.layer_attn_metadata):
             hidden_states = self._run_model(model, inputs)
         self.stage_outputs.write(inputs.slot_mapping, hidden_states=hidden_states)
-        logits = model.compute_logits(hidden_states[inputs.logits_indices])
+        logits_indices = inputs.logits_indices
+        # Ascending distinct token indices as many as the tokens are every token in order
+        # (a decode step where every request samples): no gather.
+        logits = model.compute_logits(hidden_states if logits_indices.shape[0] ==
+                                      hidden_states.shape[0] else hidden_states[logits_indices])
         if scheduler_output.grammar_bitmask is not None:
             self._apply_grammar_bitmask(logits, inputs, scheduler_output)
         metadata = self._sampling_metadata(inputs.sampling_rows)
@@ -427,6 +452,14 @@ class GPUModelRunner:
     def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInputs:
         batch = self.input_batch
         num_reqs = batch.num_reqs
+        # Every scheduled request has at least one token: a total of one per request is
+        # a decode-only step.
+        if (self.decode_inputs is not None and num_reqs
+                and scheduler_output.total_num_scheduled_tokens == num_reqs
+                and not scheduler_output.scheduled_spec_decode_tokens):
+            inputs = self._prepare_decode(self.decode_inputs, num_reqs)
+            if inputs is not None:
+                return inputs
         scheduled = scheduler_output.num_scheduled_tokens
         num_scheduled = np.array([scheduled[r] for r in batch.req_ids_in_order],
                                  dtype=np.int32)
@@ -485,6 +518,46 @@ class GPUModelRunner:
             draft_layout=draft_layout,
             common=common,
         )
+
+    def _prepare_decode(self, decode: DecodeInputs, num_reqs: int) -> ModelInputs | None:
+        """A decode-only step from the persistent `DecodeInputs` (None where a token reads
+        prompt embeds: the general path gathers those). The attention metadata of a step
+        of `num_reqs` rows is built once where the backend reads the arrays in place."""
+        filled = decode.fill(num_reqs)
+        if filled is None:
+            return None
+        step, all_sample = filled
+        batch = self.input_batch
+        if self.lora_manager is not None:
+            self.lora_manager.set_step([batch.state(row).lora_request
+                                        for row in range(num_reqs)], decode.ones[:num_reqs])
+        metadata = self._decode_metadata.get(num_reqs)
+        if metadata is None:
+            metadata = self._decode_metadata_of(step)
+        rows, logits_indices = step.rows, step.logits_indices
+        if not all_sample:  # a one-token prefill chunk short of its prompt's end
+            rows = np.flatnonzero(step.common.seq_lens >= batch.num_tokens[:num_reqs])
+            logits_indices = torch.from_numpy(rows)
+        input_ids, positions = step.input_ids, step.positions
+        if self.device.type != "cpu":
+            input_ids, positions = input_ids.to(self.device), positions.to(self.device)
+            logits_indices = logits_indices.to(self.device)
+        return ModelInputs(input_ids=input_ids, inputs_embeds=None, positions=positions,
+                           attn_metadata=metadata, layer_attn_metadata=None,
+                           cross_attn_metadata=None, slot_mapping=step.common.slot_mapping,
+                           logits_indices=logits_indices, sampling_rows=rows,
+                           draft_layout=None, common=step.common)
+
+    def _decode_metadata_of(self, step: DecodeStep) -> object:
+        """The backend's metadata of a decode step: kept for every later step of as many
+        rows where it reads the arrays in place, else built for this step alone."""
+        common = step.common
+        metadata = self.attn_backend.build_decode_metadata(common, self.block_size,
+                                                           self.device)
+        if metadata is None:
+            return self.attn_backend.build_metadata(common, self.block_size, self.device)
+        self._decode_metadata[common.num_actual_tokens] = metadata
+        return metadata
 
     def _group_block_table(self, num_reqs: int, group: int,
                            num_computed: np.ndarray) -> np.ndarray:

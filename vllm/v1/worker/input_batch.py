@@ -64,6 +64,9 @@ class InputBatch:
         self.req_states: list[CachedRequestState | None] = [None] * max_num_reqs
         self.req_id_to_index: dict[str, int] = {}
         self.num_reqs = 0
+        # Bumped whenever a row changes request (add, remove, move): caches of per-row
+        # request state compare it instead of the rows' states.
+        self.version = 0
 
         self.token_ids_cpu = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
         self.is_token_ids = np.zeros((max_num_reqs, max_model_len), dtype=bool)
@@ -104,6 +107,7 @@ class InputBatch:
         row = self.num_reqs
         assert row < self.max_num_reqs
         self.num_reqs += 1
+        self.version += 1
         self.req_ids[row] = state.req_id
         self.req_states[row] = state
         self.req_id_to_index[state.req_id] = row
@@ -140,6 +144,7 @@ class InputBatch:
         row = self.req_id_to_index.pop(req_id, None)
         if row is None:
             return None
+        self.version += 1
         self.req_ids[row] = None
         self.req_states[row] = None
         for table in self._block_tables:
@@ -165,6 +170,7 @@ class InputBatch:
     def _move_row(self, src: int, dst: int) -> None:
         req_id = self.req_ids[src]
         assert req_id is not None  # condense moves occupied rows only
+        self.version += 1
         self.req_ids[dst], self.req_ids[src] = req_id, None
         self.req_states[dst], self.req_states[src] = self.req_states[src], None
         self.req_id_to_index[req_id] = dst

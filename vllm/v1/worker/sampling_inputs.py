@@ -26,6 +26,11 @@ class _Cached:
     metadata: SamplingMetadata  # without min_tokens blocking and penalty inputs
     any_min_tokens: bool
     any_penalties: bool
+    # The rows array last served and the batch's version then: the same (unchanging)
+    # array of a decode step, such as `DecodeInputs`' rows, with no row changed since,
+    # hits without comparing states.
+    rows: np.ndarray | None = None
+    version: int = -1
 
 
 class SamplingInputsBuilder:
@@ -47,11 +52,13 @@ class SamplingInputsBuilder:
     def build(self, rows: np.ndarray) -> SamplingMetadata:
         """rows: [num_sampling_reqs] batch rows that sample this step, in logits order."""
         batch = self.input_batch
-        states = tuple(batch.state(row) for row in rows.tolist())
-        key = tuple(map(id, states))
         cached = self._cached
-        if cached is None or cached.key != key:
-            cached = self._cached = self._build_static(rows, key, states)
+        if cached is None or cached.rows is not rows or cached.version != batch.version:
+            states = tuple(batch.state(row) for row in rows.tolist())
+            key = tuple(map(id, states))
+            if cached is None or cached.key != key:
+                cached = self._cached = self._build_static(rows, key, states)
+            cached.rows, cached.version = rows, batch.version
         if not cached.any_min_tokens and not cached.any_penalties:
             return cached.metadata
         metadata = replace(cached.metadata,

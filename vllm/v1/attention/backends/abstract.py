@@ -56,6 +56,9 @@ class CommonAttentionMetadata:
     block_table: np.ndarray  # [num_reqs, max_num_blocks_per_req] int32
     slot_mapping: np.ndarray  # [num_tokens] int64
     num_actual_tokens: int
+    # Every request one query token, the arrays views of the runner's persistent decode
+    # buffers (`DecodeInputs`), refilled in place each step (`build_decode_metadata`).
+    uniform_decode: bool = False
 
     @classmethod
     def padding_decodes(cls, num_tokens: int) -> CommonAttentionMetadata:
@@ -95,6 +98,15 @@ class AttentionBackend(ABC):
         """Metadata of one step. `causal=False` describes cross-attention: `seq_lens` and
         `block_table` are then the encoder lengths and the cross-attention blocks, and
         every query sees all `seq_len` keys."""
+
+    @staticmethod
+    def build_decode_metadata(common: CommonAttentionMetadata, block_size: int,
+                              device: torch.device) -> object | None:
+        """Metadata of a decode-only step (`common.uniform_decode`) that reads `common`'s
+        arrays in place, never copying them: the runner refills those arrays each step and
+        reuses this metadata for every later step of as many requests. None (the default)
+        where the backend cannot: the runner then calls `build_metadata` every step."""
+        return None
 
     @staticmethod
     @abstractmethod

@@ -162,6 +162,25 @@ class TorchSDPABackend(AttentionBackend):
                                  decode_only=token_rows.size == common.num_actual_tokens,
                                  decode_seq_lens_np=seq_lens[token_rows].copy())
 
+    @staticmethod
+    def build_decode_metadata(common: CommonAttentionMetadata, block_size: int,
+                              device: torch.device) -> TorchSDPAMetadata | None:
+        """The native kernel's decode metadata as tensors sharing the runner's persistent
+        arrays (CPU only: elsewhere `.to(device)` copies). The kernel takes the block table
+        at its full width (a row's stride) and reads `cdiv(seq_len, block_size)` blocks of
+        each row."""
+        assert common.uniform_decode
+        if device.type != "cpu" or _native_ops(device) is None:
+            return None
+        seq_lens = common.seq_lens
+        return TorchSDPAMetadata(
+            slot_mapping=torch.from_numpy(common.slot_mapping),
+            num_actual_tokens=common.num_actual_tokens, decode_token_idx=None,
+            decode_block_table=None, decode_mask=None,
+            decode_seq_lens=torch.from_numpy(seq_lens),
+            decode_block_table_i32=torch.from_numpy(common.block_table),
+            prefills=[], prefill_native=None, decode_only=True, decode_seq_lens_np=seq_lens)
+
     # ---- graph hooks: decode rows on the masked gather path (the native kernels are
     # CPU-only, CUDA graphs CUDA's), the block table padded to the buffers' width.
 

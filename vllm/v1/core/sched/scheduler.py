@@ -602,7 +602,8 @@ class Scheduler:
         self.lone_failures = 0
         if len(scheduler_output.num_scheduled_tokens) > 1:
             self.unexplained_failures = 0
-        spec_stats = SpecDecodingStats.new(self.num_spec_tokens)
+        spec_stats = (SpecDecodingStats.new(self.num_spec_tokens)
+                      if scheduler_output.scheduled_spec_decode_tokens else None)
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -622,6 +623,7 @@ class Scheduler:
             if drafts:
                 # Rejected drafts' KV slots are simply overwritten later.
                 request.num_computed_tokens -= len(drafts) + 1 - len(new_token_ids)
+                assert spec_stats is not None  # drafts were scheduled
                 spec_stats.observe(len(drafts), len(new_token_ids) - 1)
             new_token_ids, stopped = self._append_until_stop(request, new_token_ids)
             if new_logprobs is not None and len(new_logprobs.ranks) > len(new_token_ids):
