@@ -8,8 +8,6 @@ counter proves it ran."""
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any, cast
 
 import pytest
@@ -17,6 +15,7 @@ import torch
 
 from tests.model_factory import make_tiny_model
 from tests.quant_drift import DRIFT_PROMPTS, measure_drift
+from tests.test_gguf_families import _write_gguf
 from vllm import LLM, SamplingParams
 from vllm._custom_ops import cpu_ops
 from vllm.inputs import TokensPrompt
@@ -37,52 +36,6 @@ def _runner(llm: LLM) -> Any:  # the in-process executor's runner
     return cast(Any, llm.llm_engine.engine_core.model_executor).model_runner
 
 
-def _write_q4_1_gguf(path: str, model_dir: str) -> None:
-    """A llama.cpp-style GGUF of the tiny Llama: every layer matrix Q4_1, the embeddings and
-    output Q8_0 (as the default model's file), norms float32."""
-    import gguf
-    from safetensors.torch import load_file
-
-    with open(os.path.join(model_dir, "config.json")) as f:
-        cfg = json.load(f)
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_block_count(cfg["num_hidden_layers"])
-    writer.add_context_length(cfg["max_position_embeddings"])
-    writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_head_count(cfg["num_attention_heads"])
-    writer.add_head_count_kv(cfg["num_key_value_heads"])
-    writer.add_rope_freq_base(cfg["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
-    writer.add_token_list([f"tok{i}" for i in range(cfg["vocab_size"])])
-    writer.add_bos_token_id(cfg["bos_token_id"])
-    writer.add_eos_token_id(cfg["eos_token_id"])
-    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
-    top = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-    for name, weight in sorted(load_file(os.path.join(model_dir, "model.safetensors")).items()):
-        stem, kind = name.rsplit(".", 1)
-        if stem in top:
-            gguf_name = f"{top[stem]}.{kind}"
-        else:
-            layer, part = stem.removeprefix("model.layers.").split(".", 1)
-            gguf_name = f"blk.{layer}.{names[part]}.{kind}"
-        array = weight.float().numpy()
-        if array.ndim == 2:
-            qtype = (gguf.GGMLQuantizationType.Q8_0 if stem in top
-                     else gguf.GGMLQuantizationType.Q4_1)
-            writer.add_tensor(gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(gguf_name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 @pytest.fixture(scope="module")
 def tiny_q4_1(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     """(GGUF path, tokenizer dir) of a tiny Llama with heads of 32 (the fused kernel's
@@ -91,7 +44,7 @@ def tiny_q4_1(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     model_dir = make_tiny_model(str(root / "llama"), "llama", num_attention_heads=2,
                                 num_key_value_heads=1, intermediate_size=160)
     path = str(root / "tiny-q4_1.gguf")
-    _write_q4_1_gguf(path, model_dir)
+    _write_gguf(path, model_dir, "llama", layer_qtype="Q4_1")  # as the default model's file
     return path, model_dir
 
 

@@ -104,7 +104,11 @@ def _stack_experts(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _write_gguf(path: str, model_dir: str, arch: str, quantize_experts: bool = False) -> None:
+def _write_gguf(path: str, model_dir: str, arch: str, quantize_experts: bool = False,
+                layer_qtype: str | None = None) -> None:
+    """`model_dir` as a llama.cpp-style GGUF, float32; with `layer_qtype` (a GGML type name,
+    e.g. "Q4_1") every layer matrix in that type and the embeddings and output in Q8_0, as
+    llama.cpp's quantized files (the default model's: Q4_1 and Q8_0)."""
     import gguf
     from safetensors.torch import load_file
 
@@ -173,6 +177,12 @@ def _write_gguf(path: str, model_dir: str, arch: str, quantize_experts: bool = F
                               raw_dtype=q8)
             continue
         gguf_name = name if name.startswith("blk.") else _gguf_name(arch, name)
+        if layer_qtype is not None and weight.ndim == 2:
+            top = gguf_name.split(".")[0] in ("token_embd", "output")
+            qtype = gguf.GGMLQuantizationType["Q8_0" if top else layer_qtype]
+            writer.add_tensor(gguf_name, gguf.quants.quantize(weight.float().numpy(), qtype),
+                              raw_dtype=qtype)
+            continue
         writer.add_tensor(gguf_name, weight.float().numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
