@@ -21,8 +21,9 @@ Prints the bytes of weights a step reads and the bandwidth a step reaches.
 lookup n-grams 2-4) on `benchmark_peers.py --single`'s copy-heavy prompt (answering from a
 passage in the prompt), whose steps mostly verify drafts. The table then also has the
 runner's `spec.verify` (expanding the sampling metadata, rejection sampling, appending the
-accepted tokens; the rejection sampler itself on an indented line) and `spec.propose` (the
-prompt-lookup drafts for the next step), and per generated token as well as per step.
+accepted tokens; indented inside it, the rejection sampler and its native argmax over the
+verified positions, which like the plain sampler counts as model time) and `spec.propose`
+(the prompt-lookup drafts for the next step), and per generated token as well as per step.
 """
 
 from __future__ import annotations
@@ -117,6 +118,8 @@ def main() -> None:
     parser.add_argument("--speculative", default="none", choices=["none", "ngram"],
                         help="ngram: prompt-lookup speculation on the copy-heavy prompt")
     parser.add_argument("--num-speculative-tokens", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=1,
+                        help="requests timed one after another (more steps, less noise)")
     parser.add_argument("--torch-profile", action=argparse.BooleanOptionalAction,
                         default=True, help="also the torch.profiler pass")
     args = parser.parse_args()
@@ -160,6 +163,9 @@ def main() -> None:
     if speculative:
         timer.wrap(runner.spec, "verify", "spec.verify")
         timer.wrap(runner.spec.rejection_sampler, "__call__", "  rejection sampler")
+        from vllm.v1.spec_decode import rejection_sampler
+
+        timer.wrap(rejection_sampler, "greedy_tokens", "    its argmax (native)")
         timer.wrap(runner.spec, "propose", "spec.propose")
     timer.wrap(core.scheduler, "update_from_output", "scheduler.update_from_output")
     timer.wrap(engine.output_processor, "process_outputs", "output processing")
@@ -178,12 +184,13 @@ def main() -> None:
 
     one_request()
     timer.clear()
-    one_request()
+    for _ in range(args.requests):
+        one_request()
     steps = timer.calls["step (total)"]
-    tokens = args.steps - 1  # the prefill step made the first
+    tokens = (args.steps - 1) * args.requests  # each prefill step made the first
     total = timer.wall["step (total)"]
-    print(f"{args.quantization}: {steps} decode steps, {total / steps * 1e3:.2f} ms a step "
-          f"({tokens / total:.1f} tok/s)")
+    print(f"{args.quantization}: {args.requests} request(s), {steps} decode steps, "
+          f"{total / steps * 1e3:.2f} ms a step ({tokens / total:.1f} tok/s)")
     if speculative:
         verified = timer.calls["spec.verify"]
         print(f"speculation {args.speculative} k={args.num_speculative_tokens}: {tokens} "
@@ -203,11 +210,13 @@ def main() -> None:
     rest = total - inner
     print(f"{'rest of the loop':<32}{rest / steps * 1e6:>14.0f}{'':>14}{rest / total:>8.1%}")
     forward = timer.wall["forward (layers)"] + timer.wall["vocabulary projection"]
-    model_parts = ("forward (layers)", "vocabulary projection", "sampler")
+    # The plain steps' sampler and the verification steps' argmax: the native kernel.
+    model_parts = ("forward (layers)", "vocabulary projection", "sampler",
+                   "    its argmax (native)")
     wall, cpu = (sum(t[k] for k in model_parts) for t in (timer.wall, timer.cpu))
     python_cpu = timer.cpu["step (total)"] - cpu
     print(f"engine Python per step (everything but forward, logits, plain sampler"
-          f"{'; the rejection sampler counted in' if speculative else ''}): "
+          f"{', the argmax of the verified positions' if speculative else ''}): "
           f"{(total - wall) / steps * 1e6:.0f} us wall, {python_cpu / steps * 1e6:.0f} us CPU"
           + (f"; per generated token {python_cpu / tokens * 1e6:.0f} us CPU"
              if speculative else ""))

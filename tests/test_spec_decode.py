@@ -135,7 +135,7 @@ def _verify(logits, drafts, metadata, num_outputs=None, min_tokens=None, stop_id
 def test_layout_positions():
     layout = DraftLayout.of([[7, 8], [], [9]])
     assert layout.starts == [0, 3, 4, 6]
-    assert layout.draft_tokens.tolist() == [7, 8, -1, -1, 9, -1]
+    assert layout.draft_tokens().tolist() == [7, 8, -1, -1, 9, -1]
     assert layout.num_drafts().tolist() == [2, 0, 1]
     rows, index = layout.positions()
     assert rows.tolist() == [0, 0, 0, 1, 2, 2] and index.tolist() == [0, 1, 2, 0, 0, 1]

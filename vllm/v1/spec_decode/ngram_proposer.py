@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 
@@ -29,7 +31,7 @@ class NgramIndex:
         self.tables: dict[int, dict[tuple, int]] = {n: {} for n in range(min_n, max_n + 1)}
         self.owner = owner  # whose tokens these are (the runner's request state)
 
-    def extend(self, tokens: list[int | None]) -> None:
+    def extend(self, tokens: Sequence[int | None]) -> None:
         """Appends tokens; the n-grams ending where a token now follows join the tables."""
         first = max(len(self.tokens) - 1, 0)  # the old last position gains a follower
         self.tokens += tokens

@@ -152,3 +152,98 @@ class DecodeInputs:
                     dtype=np.int64)
         common.slot_mapping += positions % bs
         return bool((common.seq_lens >= batch.num_tokens[:n]).all())
+
+
+class VerifyStep(NamedTuple):
+    """A filled verification step (see `VerifyInputs`)."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    common: CommonAttentionMetadata  # arrays [n] (+1), slot_mapping [T]
+    rows: np.ndarray  # [n] 0..n-1: every row samples
+    logits_indices: torch.Tensor  # [T] 0..T-1: every token is scored
+    drafts: list[list[int]]  # per row (in batch order)
+
+
+class VerifyInputs:
+    """Persistent inputs of a verification step: every request of the batch at the end
+    of its known tokens, scheduling its last token and its k_r drafts (`write_drafts` put
+    them in the token table), a query of 1 + k_r tokens. Every token is then scored, so
+    the logits indices are 0..T-1 and the hidden states need no gather.
+
+    Row r with c = num_computed[r] and k_r drafts writes tokens t = q[r] .. q[r] + k_r:
+        positions[t]    = c + j                       (j = t - q[r])
+        input_ids[t]    = token_ids[r, c + j]
+        slot_mapping[t] = block_table[r, (c + j) // bs] * bs + (c + j) % bs
+        seq_lens[r]     = c + 1 + k_r,  q[r + 1] = q[r] + 1 + k_r
+    Example (bs 16): c [20, 7], drafts [[a, b], []]: positions [20, 21, 22, 7], query
+    start [0, 3, 4], seq_lens [23, 8].
+
+    Row by row in plain Python (a few scalar stores a token): a step's ~30 numpy calls on
+    the general path cost more, run cold after the forward (see the module docstring).
+    The ids and positions tensors are made once per token count T.
+    """
+
+    def __init__(self, batch: InputBatch, block_size: int, max_tokens: int) -> None:
+        self.batch = batch
+        self.block_size = block_size
+        m = batch.max_num_reqs
+        self.input_ids = np.zeros(max_tokens, dtype=np.int64)
+        self.positions = np.zeros(max_tokens, dtype=np.int64)
+        self.slot_mapping = np.zeros(max_tokens, dtype=np.int64)
+        self.seq_lens = np.zeros(m, dtype=np.int32)
+        self.num_computed = np.zeros(m, dtype=np.int32)
+        self.query_start_loc = np.zeros(m + 1, dtype=np.int32)
+        self.rows = np.arange(m, dtype=np.int64)
+        # T -> ids, positions, logits indices (0..T-1), and the ids' and positions' memory
+        self._tensors: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                       np.ndarray, np.ndarray]] = {}
+
+    def fill(self, n: int, num_scheduled: dict[str, int],
+             spec_tokens: dict[str, list[int]]) -> VerifyStep | None:
+        """The step of the batch's first `n` rows, or None where a row is not at the end
+        of its known tokens plus its drafts (a prefill chunk: the general path's)."""
+        batch, bs = self.batch, self.block_size
+        token_ids, is_token, table = batch.token_ids_cpu, batch.is_token_ids, \
+            batch.block_table.table
+        positions, slots, ids = self.positions, self.slot_mapping, self.input_ids
+        num_tokens = batch.num_tokens
+        drafts = []
+        t = 0
+        for r, (req_id, c) in enumerate(zip(batch.req_ids_in_order,
+                                            batch.num_computed_tokens_cpu[:n].tolist())):
+            row_drafts = spec_tokens.get(req_id, [])
+            count = num_scheduled[req_id]
+            if count != 1 + len(row_drafts) or c + 1 != num_tokens[r] or not is_token[r, c]:
+                return None
+            for p in range(c, c + count):
+                positions[t] = p
+                ids[t] = token_ids[r, p]
+                slots[t] = int(table[r, p // bs]) * bs + p % bs
+                t += 1
+            self.num_computed[r] = c
+            self.seq_lens[r] = c + count
+            self.query_start_loc[r + 1] = t
+            drafts.append(row_drafts)
+        input_ids, positions_t, logits_indices, ids_np, positions_np = self._step_tensors(t)
+        ids_np[:] = ids[:t]
+        positions_np[:] = positions[:t]
+        common = CommonAttentionMetadata(
+            query_start_loc=self.query_start_loc[:n + 1], seq_lens=self.seq_lens[:n],
+            num_computed_tokens=self.num_computed[:n], block_table=table[:n],
+            slot_mapping=slots[:t], num_actual_tokens=t)
+        return VerifyStep(input_ids, positions_t, common, self.rows[:n], logits_indices,
+                          drafts)
+
+    def _step_tensors(self, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                             np.ndarray, np.ndarray]:
+        """The tensors of steps of t tokens (made on first use, inside the step's
+        inference mode like the general path's), with the ids' and positions' memory."""
+        tensors = self._tensors.get(t)
+        if tensors is None:
+            input_ids, positions = torch.zeros(t, dtype=torch.int64), \
+                torch.zeros(t, dtype=torch.int64)
+            tensors = self._tensors[t] = (input_ids, positions,
+                                          torch.arange(t, dtype=torch.int64),
+                                          input_ids.numpy(), positions.numpy())
+        return tensors
