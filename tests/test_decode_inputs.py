@@ -1,7 +1,6 @@
 """Exact tests of decode-only steps' persistent inputs (`DecodeInputs`): positions, sequence
 lengths, input ids and slot mappings over several steps, across a block boundary, after a
-preemption, and against the general input preparation on a random run; verification
-steps' (`VerifyInputs`) against the general path likewise."""
+preemption, and against the general input preparation on a random run."""
 
 from __future__ import annotations
 
@@ -19,15 +18,11 @@ from tests.core_factories import (
     make_scheduler,
 )
 from tests.test_input_prep import run_step
-from vllm.config import SpeculativeConfig
 from vllm.v1.attention.backends.abstract import CommonAttentionMetadata
 from vllm.v1.attention.backends.torch_sdpa import TorchSDPABackend, TorchSDPAMetadata
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 from vllm.v1.sample.sampler import SamplerOutput
-from vllm.v1.spec_decode.spec_runner import NgramRowProposer, SpecDecodeRunner
-from vllm.v1.worker.decode_inputs import VerifyInputs
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner, ModelInputs
 
 
@@ -250,69 +245,3 @@ def test_sampling_inputs_hit_on_the_same_rows_until_a_row_changes_request() -> N
     step([new("c", 0.0)], [])
     assert runner._sampling_metadata(rows).temperature.tolist() == [0.0]
     assert runner.sampling_inputs.num_rebuilds == 2
-
-
-@pytest.mark.parametrize("seed", [0, 1])
-def test_verification_path_matches_the_general_path(seed: int) -> None:
-    """Random arrivals, chunked prefill, preemptions and random drafts (accepted in part):
-    every verification step's inputs from `VerifyInputs` equal the general path's, field
-    by field; steps with a row short of its end take the general path."""
-    rng = random.Random(seed)
-    k = 3
-    s = make_scheduler(block_size=2, num_blocks=30, max_model_len=40,
-                       max_num_batched_tokens=10, max_num_seqs=4, enable_chunked_prefill=True)
-    s.num_spec_tokens = k
-    runner = make_model_runner(block_size=2, max_model_len=40)
-    config = SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": k})
-    assert config is not None
-    runner.spec = SpecDecodeRunner(config, NgramRowProposer(config))
-    runner.verify_inputs = verify = VerifyInputs(runner.input_batch, 2, 4 * (1 + k))
-    num_fast = num_general = 0
-    for step_no in range(300):
-        if step_no < 80 and rng.random() < 0.3:
-            s.add_request(make_request(f"r{step_no}", [rng.randint(3, 9)
-                                                       for _ in range(rng.randint(1, 8))],
-                                       ignore_eos=True, max_tokens=rng.randint(1, 12)))
-        if not s.has_requests():
-            continue
-        out = s.schedule()
-        runner._update_states(out)
-        if out.total_num_scheduled_tokens == 0:
-            continue
-        inputs = runner._prepare_inputs(out)
-        batch = runner.input_batch
-        if inputs.draft_layout is not None:
-            runner.verify_inputs = None
-            try:
-                general = runner._prepare_inputs(out)
-            finally:
-                runner.verify_inputs = verify
-            made = verify._tensors.get(len(inputs.positions))
-            if made is not None and inputs.input_ids is made[0]:
-                num_fast += 1
-            else:
-                num_general += 1
-            for field in ("input_ids", "positions", "logits_indices"):
-                assert getattr(inputs, field).tolist() == getattr(general, field).tolist()
-            assert inputs.sampling_rows.tolist() == general.sampling_rows.tolist()
-            assert inputs.draft_layout == general.draft_layout
-            assert inputs.slot_mapping.tolist() == general.slot_mapping.tolist()
-            fast, slow = inputs.common, general.common
-            for field in ("query_start_loc", "seq_lens", "num_computed_tokens"):
-                assert getattr(fast, field).tolist() == getattr(slow, field).tolist(), field
-            assert fast.num_actual_tokens == slow.num_actual_tokens
-        sampled: list[list[int]] = [[] for _ in range(batch.num_reqs)]
-        layout = inputs.draft_layout
-        for i, row in enumerate(inputs.sampling_rows.tolist()):
-            drafts = layout.drafts[i] if layout is not None else []
-            tokens = [*drafts[:rng.randint(0, len(drafts))], rng.randint(3, 9)]
-            batch.append_tokens(row, tokens)
-            sampled[row] = tokens
-        result = ModelRunnerOutput(list(batch.req_ids_in_order), dict(batch.req_id_to_index),
-                                   sampled, None)
-        result.spec_token_ids = [[rng.randint(3, 9) for _ in range(rng.randint(0, k))]
-                                 for _ in range(batch.num_reqs)]
-        s.update_from_output(out, result)
-    assert num_fast > 20 and num_general > 5, (num_fast, num_general)
-    assert not s.has_requests()
-

@@ -35,7 +35,7 @@ from vllm.v1.spec_decode.rejection_sampler import DraftLayout
 from vllm.v1.spec_decode.spec_runner import SpecDecodeRunner, make_spec_runner
 from vllm.v1.structured_output.bitmask import apply_grammar_bitmask
 from vllm.v1.worker.block_table import mask_out_of_window
-from vllm.v1.worker.decode_inputs import DecodeInputs, DecodeStep, VerifyInputs
+from vllm.v1.worker.decode_inputs import DecodeInputs, DecodeStep
 from vllm.v1.worker.encoder_runner import EncoderRunner
 from vllm.v1.worker.fused_decode import FusedDecode
 from vllm.v1.worker.graph_capture import (
@@ -160,13 +160,6 @@ class GPUModelRunner:
                               if len(self.kv_cache_groups) == 1
                               and self.kv_cache_groups[0].sliding_window is None
                               and not self.is_encoder_decoder else None)
-        # Verification steps' persistent inputs (speculative decoding), as DecodeInputs'.
-        self.verify_inputs = None
-        spec_config = vllm_config.speculative_config
-        if self.decode_inputs is not None and spec_config is not None:
-            self.verify_inputs = VerifyInputs(
-                self.input_batch, self.block_size,
-                self.input_batch.max_num_reqs * (1 + spec_config.num_speculative_tokens))
         # Decode metadata that reads those arrays in place, per number of requests.
         self._decode_metadata: dict[int, object] = {}
         self._inference_mode = torch.inference_mode()
@@ -467,11 +460,6 @@ class GPUModelRunner:
             inputs = self._prepare_decode(self.decode_inputs, num_reqs)
             if inputs is not None:
                 return inputs
-        if (self.verify_inputs is not None and num_reqs and self.lora_manager is None
-                and scheduler_output.scheduled_spec_decode_tokens):
-            inputs = self._prepare_verify(self.verify_inputs, num_reqs, scheduler_output)
-            if inputs is not None:
-                return inputs
         scheduled = scheduler_output.num_scheduled_tokens
         num_scheduled = np.array([scheduled[r] for r in batch.req_ids_in_order],
                                  dtype=np.int32)
@@ -559,28 +547,6 @@ class GPUModelRunner:
                            cross_attn_metadata=None, slot_mapping=step.common.slot_mapping,
                            logits_indices=logits_indices, sampling_rows=rows,
                            draft_layout=None, common=step.common)
-
-    def _prepare_verify(self, verify: VerifyInputs, num_reqs: int,
-                        scheduler_output: SchedulerOutput) -> ModelInputs | None:
-        """A verification step from the persistent `VerifyInputs` (None where a row is
-        not at the end of its tokens: the general path)."""
-        step = verify.fill(num_reqs, scheduler_output.num_scheduled_tokens,
-                           scheduler_output.scheduled_spec_decode_tokens)
-        if step is None:
-            return None
-        assert self.spec is not None  # drafts are scheduled only with it
-        common = step.common
-        metadata = self.attn_backend.build_metadata(common, self.block_size, self.device)
-        input_ids, positions, logits_indices = step.input_ids, step.positions, \
-            step.logits_indices
-        if self.device.type != "cpu":
-            input_ids, positions = input_ids.to(self.device), positions.to(self.device)
-            logits_indices = logits_indices.to(self.device)
-        return ModelInputs(input_ids=input_ids, inputs_embeds=None, positions=positions,
-                           attn_metadata=metadata, layer_attn_metadata=None,
-                           cross_attn_metadata=None, slot_mapping=common.slot_mapping,
-                           logits_indices=logits_indices, sampling_rows=step.rows,
-                           draft_layout=DraftLayout.of(step.drafts), common=common)
 
     def _decode_metadata_of(self, step: DecodeStep) -> object:
         """The backend's metadata of a decode step: kept for every later step of as many
