@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm.config import CacheConfig, SchedulerConfig
+from vllm.config import CacheConfig, InputKind, SchedulerConfig
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.kv_cache_groups import KVCacheGroupSpec
 from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -355,15 +355,15 @@ class Scheduler:
 
     # ---- scheduling ---------------------------------------------------------------
 
-    def _step_kind(self) -> bool | None:
-        """Under `separate` embeds batching: True for a token-only step, False for an
-        embeds-only step, chosen by the oldest request; None when kinds mix freely."""
+    def _step_kind(self) -> InputKind | None:
+        """Under `separate` embeds batching: the one kind of prompt a step takes, the oldest
+        request's; None when kinds mix freely."""
         if self.config.prompt_embeds_batching != "separate":
             return None
         candidates = [*self.running, *self.waiting]
         if not candidates:
             return None
-        return min(candidates, key=lambda r: r.arrival_time).is_token_prompt
+        return min(candidates, key=lambda r: r.arrival_time).prompt_kind
 
     def schedule(self) -> SchedulerOutput:
         step = _Step(budget=self.config.max_num_batched_tokens,
@@ -383,13 +383,13 @@ class Scheduler:
         if kind is not None and not step.num_scheduled:
             # The oldest request's kind cannot run (it waits for blocks held by running
             # requests of the other kind): let those progress, admitting nothing new.
-            self._schedule_running(step, not kind)
+            self._schedule_running(step, kind.other)
         output = self._make_output(step)
         for request in (*step.cached_reqs, *step.new_reqs):
             request.num_computed_tokens += step.num_scheduled[request.request_id]
         return output
 
-    def _schedule_running(self, step: _Step, kind: bool | None) -> None:
+    def _schedule_running(self, step: _Step, kind: InputKind | None) -> None:
         """Running requests, oldest first; a request short of blocks preempts the newest."""
         index = 0
         while (index < len(self.running) and step.budget > 0
@@ -398,7 +398,7 @@ class Scheduler:
             num_new = self._num_new_tokens(request, step.budget)
             drafts = self._drafts_to_verify(request, num_new, step.budget)
             num_new += len(drafts)
-            if ((kind is not None and request.is_token_prompt != kind) or num_new == 0
+            if ((kind is not None and request.prompt_kind is not kind) or num_new == 0
                     or request.request_id in step.num_scheduled
                     or (step.only is not None and request.request_id != step.only)):
                 index += 1
@@ -422,7 +422,7 @@ class Scheduler:
             step.budget -= num_new
             index += 1
 
-    def _schedule_waiting(self, step: _Step, kind: bool | None) -> None:
+    def _schedule_waiting(self, step: _Step, kind: InputKind | None) -> None:
         skipped: list[Request] = []
         loras = _LoRASlots(self.config.max_loras, self.running)
         # Beams waiting for their group's other beams hold no batch row.
@@ -432,7 +432,7 @@ class Scheduler:
                and len(step.num_scheduled) < self.config.max_num_seqs):
             request = self.waiting[0]
             if (request.status == RequestStatus.WAITING_FOR_GRAMMAR or _is_parked(request)
-                    or (kind is not None and request.is_token_prompt != kind)
+                    or (kind is not None and request.prompt_kind is not kind)
                     or (step.only is not None and request.request_id != step.only)
                     or not loras.admits(request)):
                 skipped.append(self.waiting.popleft())
