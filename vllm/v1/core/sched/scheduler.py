@@ -755,13 +755,11 @@ class Scheduler:
         params = request.sampling_params
         if request.num_output_tokens < params.min_tokens:
             return False
-        if not params.ignore_eos and token in params.end_of_sequence_ids():
+        if token in params.stop_ids():
             request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = None if token == params.eos_token_id else token
-            return True
-        if token in (params.stop_token_ids or ()):  # a list once constructed
-            request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = token
+            # vLLM's stop_reason: None for the tokenizer's EOS, else the id that stopped.
+            eos = not params.ignore_eos and token == params.eos_token_id
+            request.stop_reason = None if eos else token
             return True
         return False
 
