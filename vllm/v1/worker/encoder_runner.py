@@ -33,7 +33,7 @@ def compute_cross_slot_mapping(cross_block_ids: list[list[int]], encoder_lens: l
     # Flatten the block lists; each input's first block sits at block_offsets[i].
     num_blocks = np.array([len(ids) for ids in cross_block_ids], dtype=np.int64)
     block_offsets = np.cumsum(num_blocks) - num_blocks
-    flat_blocks = np.fromiter((b for ids in cross_block_ids for b in ids), dtype=np.int64,
+    flat_blocks = np.fromiter((block for ids in cross_block_ids for block in ids), dtype=np.int64,
                               count=int(num_blocks.sum()))
     block_index = np.repeat(block_offsets, lens) + positions // block_size
     return flat_blocks[block_index] * block_size + positions % block_size

@@ -656,14 +656,14 @@ class GPUModelRunner:
         logprobs = None
         if sampler_output.logprobs is not None:
             # Rows that did not sample get empty logprob rows so that indices align.
-            lp = sampler_output.logprobs
+            sampled = sampler_output.logprobs
             token_ids: list[list[int]] = [[] for _ in req_ids]
             values: list[list[float]] = [[] for _ in req_ids]
             ranks = [0] * len(req_ids)
             for i, row in enumerate(rows.tolist()):
-                token_ids[row], values[row], ranks[row] = lp.token_ids[i], lp.logprobs[i], \
-                    lp.ranks[i]
-            logprobs = type(lp)(token_ids, values, ranks)
+                token_ids[row], values[row], ranks[row] = (
+                    sampled.token_ids[i], sampled.logprobs[i], sampled.ranks[i])
+            logprobs = type(sampled)(token_ids, values, ranks)
         return ModelRunnerOutput(req_ids, dict(batch.req_id_to_index), sampled_token_ids,
                                  logprobs, finished_rows or {})
 

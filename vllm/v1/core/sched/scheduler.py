@@ -58,7 +58,7 @@ class _Step:
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)  # drafts verified
-    only: str | None = None  # a suspect of a failed step, run alone
+    suspect: str | None = None  # a request suspected of failing a step, run alone
 
 
 class _LoRASlots:
@@ -368,17 +368,17 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         step = _Step(budget=self.config.max_num_batched_tokens,
                      encoder_budget=self.config.max_num_encoder_input_tokens,
-                     only=self._next_suspect())
+                     suspect=self._next_suspect())
         self._resolve_grammars()
-        kind = None if step.only is not None else self._step_kind()
+        kind = None if step.suspect is not None else self._step_kind()
         self._schedule_running(step, kind)
         if not step.preempted:
             self._schedule_waiting(step, kind)
         while not step.num_scheduled and self._preempt_parked_beam(step):
             self._schedule_waiting(step, kind)
-        if step.only is not None and not step.num_scheduled:
+        if step.suspect is not None and not step.num_scheduled:
             # The suspect waits for blocks that running requests hold: let them progress.
-            step.only = None
+            step.suspect = None
             self._schedule_running(step, None)
         if kind is not None and not step.num_scheduled:
             # The oldest request's kind cannot run (it waits for blocks held by running
@@ -400,7 +400,7 @@ class Scheduler:
             num_new += len(drafts)
             if ((kind is not None and request.prompt_kind is not kind) or num_new == 0
                     or request.request_id in step.num_scheduled
-                    or (step.only is not None and request.request_id != step.only)):
+                    or (step.suspect is not None and request.request_id != step.suspect)):
                 index += 1
                 continue
             while (new_blocks := self.kv_cache_manager.allocate_slots(
@@ -415,7 +415,7 @@ class Scheduler:
                 step.new_reqs.append(request)
             else:
                 step.cached_reqs.append(request)
-            step.new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
+            step.new_block_ids[request.request_id] = [block.block_id for block in new_blocks]
             step.num_scheduled[request.request_id] = num_new
             if drafts:
                 step.spec_tokens[request.request_id] = drafts
@@ -433,7 +433,7 @@ class Scheduler:
             request = self.waiting[0]
             if (request.status == RequestStatus.WAITING_FOR_GRAMMAR or _is_parked(request)
                     or (kind is not None and request.prompt_kind is not kind)
-                    or (step.only is not None and request.request_id != step.only)
+                    or (step.suspect is not None and request.request_id != step.suspect)
                     or not loras.admits(request)):
                 skipped.append(self.waiting.popleft())
                 continue
@@ -509,9 +509,9 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _make_output(self, step: _Step) -> SchedulerOutput:
-        kv = self.kv_cache_manager
-        new_data = [NewRequestData.from_request(r, kv.get_block_ids(r.request_id),
-                                                kv.get_cross_block_ids(r.request_id))
+        kv_manager = self.kv_cache_manager
+        new_data = [NewRequestData.from_request(r, kv_manager.get_block_ids(r.request_id),
+                                                kv_manager.get_cross_block_ids(r.request_id))
                     for r in step.new_reqs]
         cached = CachedRequestData()
         for request in step.cached_reqs:
@@ -519,7 +519,7 @@ class Scheduler:
             cached.new_block_ids.append(step.new_block_ids[request.request_id])
             cached.num_computed_tokens.append(request.num_computed_tokens)
         finished, self.finished_req_ids = self.finished_req_ids, []
-        rows = [RowsToGather(req_id, kv.get_group_block_ids(req_id),
+        rows = [RowsToGather(req_id, kv_manager.get_group_block_ids(req_id),
                              self.requests[req_id].num_tokens - 1)
                 for req_id in self.held_for_rows]
         grammar_ids, bitmask = self._grammar_bitmask(step)
