@@ -12,7 +12,7 @@ import torch
 from tests.graph_doubles import EagerCudaGraphs
 from tests.hf_reference import load_hf_model
 from vllm import LLM, SamplingParams
-from vllm.config import CompilationConfig
+from vllm.config import CompilationConfig, InputKind
 from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backends import torch_sdpa
 from vllm.v1.attention.backends.abstract import CommonAttentionMetadata
@@ -20,11 +20,10 @@ from vllm.v1.attention.backends.torch_sdpa import TorchSDPABackend, TorchSDPAMet
 from vllm.v1.worker.graph_capture import (
     ANY,
     ANY_MIN_TOKENS,
-    EMBEDS,
-    IDS,
     default_capture_sizes,
 )
 
+IDS, EMBEDS = InputKind.TOKEN_IDS, InputKind.EMBEDS
 SIZES = [1, 2, 4, 8]
 
 PROMPTS = [
