@@ -371,7 +371,8 @@ class GPUModelRunner:
         the step), or eager."""
         if self.fused_decode is not None:
             hidden_states = self.fused_decode.run(inputs.input_ids, inputs.positions,
-                                                  inputs.inputs_embeds, inputs.attn_metadata)
+                                                  inputs.inputs_embeds, inputs.attn_metadata,
+                                                  inputs.common)
             if hidden_states is not None:
                 return hidden_states
         if self.graphs is not None:

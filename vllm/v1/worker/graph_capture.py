@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from vllm.config import InputKind
+from vllm.model_executor.layers.quantization.gguf_blocks import MAX_ROWS as GGUF_MAX_ROWS
 from vllm.model_executor.models.interfaces import GraphModel
 from vllm.v1.attention.backends.abstract import AttentionBackend, CommonAttentionMetadata
 
@@ -62,10 +63,10 @@ logger = logging.getLogger(__name__)
 # The size of the CPU graphs compiled for any step larger than the largest static size.
 ANY = 0
 # ANY graphs take only steps of more than this many tokens (and more than the largest static
-# size): up to it, layers may pick their kernel by row count (GGUF's quantized kernels,
-# `gguf_blocks.MAX_ROWS`), a branch that a graph with a symbolic size would have to guard
-# on. Steps between the largest static size and this run eagerly.
-ANY_MIN_TOKENS = 8
+# size): up to it, layers may pick their kernel by row count (GGUF's quantized kernels),
+# a branch that a graph with a symbolic size would have to guard on. Steps between the
+# largest static size and this run eagerly.
+ANY_MIN_TOKENS = GGUF_MAX_ROWS
 
 
 # Largest default static capture size on CPU: past it, steps run the graphs compiled for
