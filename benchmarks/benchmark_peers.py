@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import os
 
-# The environment as given, before importing this engine: `vllm` sets its own defaults
-# (GOMP_SPINCOUNT) in os.environ on import, and the peers must not inherit them.
+# The environment as given, before importing this engine: the peers must not inherit
+# anything this process sets (`import vllm` itself leaves os.environ as it was).
 _GIVEN_ENV = dict(os.environ)
 
 import argparse  # noqa: E402

@@ -16,8 +16,8 @@ timed after a warm-up on two clips:
 
 Reported: audio seconds transcribed per wall-clock second, word error rate against the
 sentences, and this engine's speed relative to each system. Every system gets the same
-number of threads (`--threads`) and the same OpenMP environment (importing vllm sets
-OMP_WAIT_POLICY=PASSIVE unless it is set; faster-whisper's CTranslate2 also uses libgomp).
+number of threads (`--threads`) and the same OpenMP environment (OMP_WAIT_POLICY=PASSIVE and
+GOMP_SPINCOUNT=10000 unless set; faster-whisper's CTranslate2 also uses libgomp).
 
     python benchmarks/benchmark_transcription.py \
         --faster-whisper-python /work/peers/fw-venv/bin/python [--threads 1] [--num-clips 64]
@@ -40,9 +40,11 @@ from __future__ import annotations
 
 import os
 
-# Before torch loads its OpenMP runtime (importing vllm sets the same default, but torch
-# comes first here); the servers and faster-whisper's driver inherit it.
+# Before torch loads its OpenMP runtime; the servers and faster-whisper's driver inherit
+# both (the spin count is the one this engine's own processes run with:
+# vllm/platforms/openmp.py; libgomp lets it override the wait policy).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402

@@ -6,7 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
+from vllm.forward_context import set_forward_context
+from vllm.model_executor.layers.attention import Attention, bind_attention_layers
 from vllm.v1.attention.backends import torch_sdpa
 from vllm.v1.attention.backends.abstract import (
     AttentionType,
@@ -427,3 +430,50 @@ def test_native_encoder_attention_declines():
     qkv = torch.randn(10, 3, 2, 64).to(torch.bfloat16)
     with pytest.raises(RuntimeError, match="starts"):
         native.encoder_attention(*qkv.unbind(1), [0, 4, 9], torch.zeros(10, 128), 1.0)
+
+
+def _encoder_model(scales: list[float]) -> nn.ModuleList:
+    """A "model" of ENCODER attention layers (no cache), one per scale."""
+    return nn.ModuleList(Attention(TorchSDPABackend, i, HEADS, HEAD_SIZE, HEADS, scale,
+                                   AttentionType.ENCODER) for i, scale in enumerate(scales))
+
+
+def test_compiled_op_finds_the_running_models_layer():
+    """Two models in one process bind their layers to the same op indices (0, 1); the op
+    (what a compiled graph calls) resolves an index in the forward context's list of the
+    model that runs, never the other model's layer (each layer here has its own scale, so
+    another layer's output differs)."""
+    first, second = _encoder_model([0.1, 0.2]), _encoder_model([0.3, 0.4])
+    first_layers, second_layers = bind_attention_layers(first), bind_attention_layers(second)
+    assert first_layers == list(first) and second_layers == list(second)
+    assert [int(layer.op_id_tensor) for layer in (*first, *second)] == [0, 1, 0, 1]
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(3, 5, HEADS, HEAD_SIZE, generator=gen).unbind(0)
+    metadata = EncoderAttentionMetadata.from_lens([2, 3])
+    for model, layers in ((first, first_layers), (second, second_layers)):
+        with set_forward_context(None, [], encoder_attn_metadata=metadata,
+                                 attn_layers=layers):
+            for layer in model:
+                assert isinstance(layer, Attention)
+                out = torch.ops.vllm.attention(q, k, v, layer.op_id_tensor)
+                assert torch.equal(out, layer.run(q, k, v))
+    with set_forward_context(None, [], encoder_attn_metadata=metadata,
+                             attn_layers=first_layers):
+        assert not torch.allclose(first[0].run(q, k, v), second[0].run(q, k, v))
+
+
+def test_compiled_op_without_bound_layers_is_refused():
+    model = _encoder_model([0.1])
+    layer = model[0]
+    assert isinstance(layer, Attention)
+    q = torch.randn(2, HEADS, HEAD_SIZE)
+    metadata = EncoderAttentionMetadata.from_lens([2])
+    with set_forward_context(None, [], encoder_attn_metadata=metadata):
+        with pytest.raises(RuntimeError, match="bind_attention_layers"):
+            torch.ops.vllm.attention(q, q, q, layer.op_id_tensor)  # never bound
+        bound = bind_attention_layers(model)
+        with pytest.raises(RuntimeError, match="attn_layers"):
+            torch.ops.vllm.attention(q, q, q, layer.op_id_tensor)  # bound, not in the context
+    with set_forward_context(None, [], encoder_attn_metadata=metadata, attn_layers=bound):
+        assert torch.equal(torch.ops.vllm.attention(q, q, q, layer.op_id_tensor),
+                           layer.run(q, q, q))

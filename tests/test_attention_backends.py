@@ -13,13 +13,16 @@ from tests.graph_doubles import EagerCudaGraphs
 from tests.test_graph_capture import _llm, _runner
 from tests.toy_attention import ToyBackend, ToyImpl
 from vllm import LLM, SamplingParams
+from vllm.config import InputKind
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.layers.attention import Attention
 from vllm.v1.attention import backends
 from vllm.v1.attention.backends import get_attn_backend, register_attn_backend
 from vllm.v1.attention.backends.abstract import CommonAttentionMetadata
 from vllm.v1.attention.backends.torch_sdpa import TorchSDPABackend
-from vllm.v1.worker.graph_capture import ANY, IDS
+from vllm.v1.worker.graph_capture import ANY
+
+IDS = InputKind.TOKEN_IDS
 
 PROMPTS = [
     "Hello world, this is",

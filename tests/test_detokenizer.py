@@ -301,3 +301,19 @@ def test_stop_string_inside_a_multi_token_update_drops_the_tokens_after_it(
     assert several.update(ids, stop_terminated=False) == "STOP"
     assert several.token_ids == ids[:fed] == one.token_ids
     assert several.output_text == one.output_text == "Hello world. "
+
+
+def test_min_tokens_defers_stop_strings(tokenizer: Any) -> None:
+    """A stop string ending in the first `min_tokens` output tokens does not stop (the
+    `may_stop_at` rule); one that ends in a later token does."""
+    ids = encode(tokenizer, "ab ab ab")
+    ends = [i for i in range(1, len(ids) + 1) if tokenizer.decode(ids[:i]).endswith("ab")]
+    assert len(ends) == 3  # the stop string ends after these many tokens
+    prompt_ids = tokenizer.encode("Tell me:")
+    for min_tokens, expected_stop_at in ((0, ends[0]), (ends[0], ends[1]),
+                                         (ends[0] - 1, ends[0])):
+        d = IncrementalDetokenizer(tokenizer, prompt_ids, True, ["ab"], False,
+                                   min_tokens=min_tokens)
+        stopped_at = next(n for n in range(1, len(ids) + 1)
+                          if d.update([ids[n - 1]], stop_terminated=False) is not None)
+        assert stopped_at == expected_stop_at, min_tokens

@@ -3,23 +3,27 @@ against the compiled graphs' path it replaces, in one engine (its runner's fused
 set aside for the reference runs): a tiny random Llama written as Q4_1 layers with Q8_0
 embeddings and output, in float32 (tokens identical, logprobs close), over contexts
 spanning several KV blocks, prefix-cache hits and several requests decoding in the same
-steps; and the default model's file in bfloat16 (drift bounded). The fused decoder's step
-counter proves it ran."""
+steps; speculative verification steps (k + 1 tokens of a request, past quant_gemv's 8
+register rows) against one-token steps, exactly; and the default model's file in bfloat16
+(drift bounded). The fused decoder's step and token counters prove it ran."""
 
 from __future__ import annotations
 
 from typing import Any, cast
 
+import numpy as np
 import pytest
 import torch
 
 from tests.model_factory import make_tiny_model
 from tests.quant_drift import DRIFT_PROMPTS, measure_drift
 from tests.test_gguf_families import _write_gguf
+from tests.test_spec_decode import NoDrafts, OracleProposer
 from vllm import LLM, SamplingParams
 from vllm._custom_ops import cpu_ops
 from vllm.inputs import TokensPrompt
-from vllm.v1.worker.fused_decode import ENV_SWITCH, unsupported_reason
+from vllm.v1.attention.backends.abstract import CommonAttentionMetadata
+from vllm.v1.worker.fused_decode import ENV_SWITCH, FusedDecode, unsupported_reason
 
 _ops = cpu_ops()
 pytestmark = pytest.mark.skipif(
@@ -126,3 +130,53 @@ def test_fused_decode_drift_on_the_default_model(default_model_path: str) -> Non
     assert drift.agreement >= 0.6
     assert drift.mean_common_prefix >= 6
     assert drift.mean_logprob_diff <= 0.1
+
+
+def test_token_rows_of_a_mixed_step() -> None:
+    """Each token of a non-decode step attends through its request's block-table row to
+    itself and the keys before it."""
+    fused = FusedDecode(None, cast(Any, None), block_size=4)
+    common = CommonAttentionMetadata(
+        query_start_loc=np.array([0, 1, 4], dtype=np.int32),
+        seq_lens=np.array([7, 12], dtype=np.int32),
+        num_computed_tokens=np.array([6, 9], dtype=np.int32),
+        block_table=np.array([[3, 5, 0, 0], [8, 2, 9, 4]], dtype=np.int32),
+        slot_mapping=np.array([18, 33, 34, 35], dtype=np.int64), num_actual_tokens=4)
+    table, lengths = fused._token_rows(common)
+    assert lengths.tolist() == [7, 10, 11, 12]
+    assert lengths.dtype == torch.int32 and table.dtype == torch.int32
+    assert table.tolist() == [[3, 5, 0], [8, 2, 9], [8, 2, 9], [8, 2, 9]]  # 12 keys: 3 blocks
+
+
+def test_fused_verification_steps_equal_one_token_steps(tiny_q4_1: tuple[str, str]) -> None:
+    """float32, one engine, greedy with up to 7 drafted tokens a step; two requests verify
+    together in up to 16 rows (quant_gemv's rows in two passes, the vocabulary
+    projection's too): verification steps run fused, and
+    tokens and logprobs are exactly those of one-token fused steps. Every row is quantized,
+    projected and attended on its own, so splitting a request's tokens over steps or rows
+    changes no bit. The drafts come from an oracle (the plain run's tokens, every third
+    one wrong): accepted runs, rejections and bonus tokens all happen."""
+    path, model_dir = tiny_q4_1
+    llm = LLM(path, tokenizer=model_dir, quantization="gguf", dtype="float32",
+              max_model_len=128, block_size=16, enable_prefix_caching=True,
+              kv_cache_memory_bytes=4 * 1024**2,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 7,
+                                  "prompt_lookup_min": 2, "prompt_lookup_max": 4})
+    runner = _runner(llm)
+    fused = runner.fused_decode
+    assert fused is not None
+    ngram, runner.spec.proposer = runner.spec.proposer, NoDrafts()
+    prompts = _PROMPTS[:2]
+    expected = _generate(llm, prompts, fused)
+    runner.spec.proposer = OracleProposer(
+        {tuple(p): tokens for p, (tokens, _) in zip(prompts, expected)}, 7)
+    steps, tokens = fused.steps, fused.tokens
+    got = _generate(llm, prompts, fused)
+    # Plain steps have at most 2 tokens (one a request): verification rows ran fused.
+    assert fused.tokens - tokens > 2 * (fused.steps - steps)
+    stats = llm.llm_engine.spec_decoding_stats
+    assert stats is not None and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    for (tokens_, logprobs), (ref_tokens, ref_logprobs) in zip(got, expected, strict=True):
+        assert tokens_ == ref_tokens
+        assert torch.equal(logprobs, ref_logprobs)
+    runner.spec.proposer = ngram

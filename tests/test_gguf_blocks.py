@@ -97,6 +97,14 @@ def test_quant_gemv_equals_the_quantized_rows_reference(bits: int, k: int) -> No
         # Against the exact product: only the activations' rounding (~1/254 per block).
         exact = x.double() @ torch.from_numpy(codes.dequantize()).double().T
         assert (got.double() - exact).abs().max() <= 0.02 * exact.abs().max()
+    # Past 8 rows the kernel runs passes over tiles of the weight: every row's result is
+    # the bits it has alone (a verification step's rows equal one-token steps').
+    alone = torch.cat([layer(row[None]) for row in x])
+    assert torch.equal(got, alone)
+    wide = torch.randn(32, k, generator=gen)  # the native limit, past the layer's MAX_ROWS
+    got = torch.ops.vllm_cpu.quant_gemv(wide, layer.codes, layer.d, layer.m, bits)
+    assert torch.allclose(got.double(), _quantized_rows_reference(wide, codes), rtol=1e-5,
+                          atol=1e-5 * got.abs().max().item())
     bf16 = layer(x.to(torch.bfloat16))
     assert bf16.dtype == torch.bfloat16
     ref = _quantized_rows_reference(x.to(torch.bfloat16).float(), codes)
@@ -106,8 +114,8 @@ def test_quant_gemv_equals_the_quantized_rows_reference(bits: int, k: int) -> No
 @native
 def test_quant_gemv_rejects_bad_inputs() -> None:
     layer = GGUFLinear(nn.Linear(64, 16, bias=False), _random_codes(16, 64, 4))
-    with pytest.raises(RuntimeError, match="1 to 8 rows"):
-        torch.ops.vllm_cpu.quant_gemv(torch.randn(9, 64), layer.codes, layer.d, layer.m, 4)
+    with pytest.raises(RuntimeError, match="1 to 32 rows, got 33"):
+        torch.ops.vllm_cpu.quant_gemv(torch.randn(33, 64), layer.codes, layer.d, layer.m, 4)
     with pytest.raises(RuntimeError, match="does not fit"):
         torch.ops.vllm_cpu.quant_gemv(torch.randn(1, 256), layer.codes, layer.d, layer.m, 4)
 

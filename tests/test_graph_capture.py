@@ -12,7 +12,7 @@ import torch
 from tests.graph_doubles import EagerCudaGraphs
 from tests.hf_reference import load_hf_model
 from vllm import LLM, SamplingParams
-from vllm.config import CompilationConfig
+from vllm.config import CompilationConfig, InputKind
 from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backends import torch_sdpa
 from vllm.v1.attention.backends.abstract import CommonAttentionMetadata
@@ -20,11 +20,10 @@ from vllm.v1.attention.backends.torch_sdpa import TorchSDPABackend, TorchSDPAMet
 from vllm.v1.worker.graph_capture import (
     ANY,
     ANY_MIN_TOKENS,
-    EMBEDS,
-    IDS,
     default_capture_sizes,
 )
 
+IDS, EMBEDS = InputKind.TOKEN_IDS, InputKind.EMBEDS
 SIZES = [1, 2, 4, 8]
 
 PROMPTS = [
@@ -164,9 +163,12 @@ def test_short_embeds_prefill_replays_the_embeds_set(graphs, eager, prompts,
     assert runner.graphs.replays[(EMBEDS, 8)] == 1
     assert runner.graphs.replays[(IDS, 2)] == 11
     runner.graphs.replays.clear()
-    _assert_same(graphs.generate(prompts[:1], _params(), use_tqdm=False),
-                 eager.generate(prompts[:1], _params(), use_tqdm=False))
-    # A token prompt: its prefill (ANY, > 8 tokens) and decodes replay the ids set only.
+    long = [{"prompt_token_ids": tok.encode(" ".join(PROMPTS))}]
+    assert len(long[0]["prompt_token_ids"]) > ANY_MIN_TOKENS
+    _assert_same(graphs.generate(long, _params(), use_tqdm=False),
+                 eager.generate(long, _params(), use_tqdm=False))
+    # A token prompt: its prefill (ANY, > ANY_MIN_TOKENS tokens) and decodes replay the ids
+    # set only.
     assert set(runner.graphs.replays) == {(IDS, ANY), (IDS, 1)}
 
 
@@ -178,8 +180,8 @@ def test_steps_up_to_any_min_tokens_without_a_static_size_run_eagerly(eager,
     llm = _llm(tiny_llama_dir, compilation_config={"cudagraph_capture_sizes": [1]})
     runner = _runner(llm)
     tok = eager.get_tokenizer()
-    short = {"prompt_token_ids": tok.encode(PROMPTS[1])[:ANY_MIN_TOKENS]}
-    long = {"prompt_token_ids": tok.encode(PROMPTS[1])}
+    long = {"prompt_token_ids": tok.encode(" ".join(PROMPTS))}
+    short = {"prompt_token_ids": long["prompt_token_ids"][:ANY_MIN_TOKENS]}
     assert len(long["prompt_token_ids"]) > ANY_MIN_TOKENS
     for prompt, replays in ((short, {(IDS, 1): 4}), (long, {(IDS, ANY): 1, (IDS, 1): 4})):
         runner.graphs.replays.clear()

@@ -15,6 +15,7 @@ import torch
 from tests.hf_reference import assert_identical_greedy, hf_greedy, load_hf_model
 from tests.model_factory import make_tiny_model
 from vllm import LLM, SamplingParams
+from vllm.config import InputKind
 from vllm.model_executor.models.registry import resolve_model_cls
 from vllm.v1.executor.uniproc import UniProcExecutor
 
@@ -90,9 +91,9 @@ def test_family_matches_transformers(arch, family_dirs):
     embeds = [{"prompt_embeds": hf.get_input_embeddings()(torch.tensor(o.prompt_token_ids))
                .detach()} for o in first[:2]]
     _check(llm.generate(embeds, _greedy(), use_tqdm=False), refs[:2])
-    assert {kind for kind, _ in graphs.replays} == {"ids", "embeds"}
+    assert {kind for kind, _ in graphs.replays} == {InputKind.TOKEN_IDS, InputKind.EMBEDS}
     # No step can exceed the budget of 8 tokens, so no graph for larger steps was compiled.
-    assert graphs.captured == {("ids", 4), ("embeds", 4)}
+    assert graphs.captured == {(InputKind.TOKEN_IDS, 4), (InputKind.EMBEDS, 4)}
 
 
 def test_registry_is_lazy_and_names_what_it_supports():

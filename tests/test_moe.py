@@ -20,6 +20,7 @@ from tests.hf_reference import (
 from tests.model_factory import make_tiny_model
 from tests.test_tensor_parallel import _as_rank, _assert_same, _run_both
 from vllm import LLM, SamplingParams
+from vllm.config import InputKind
 from vllm.model_executor.layers.fused_moe import FusedMoE, group_by_expert, select_experts
 from vllm.model_executor.layers.packed_linear import can_pack
 from vllm.model_executor.model_loader.weight_utils import resolve_expert_name, resolve_name
@@ -202,7 +203,7 @@ def test_moe_family_matches_transformers(arch: str, tmp_path) -> None:
     assert isinstance(core.model_executor, UniProcExecutor)
     graphs = core.model_executor.model_runner.graphs
     assert graphs is not None
-    assert {kind for kind, _ in graphs.replays} == {"ids", "embeds"}
+    assert {kind for kind, _ in graphs.replays} == {InputKind.TOKEN_IDS, InputKind.EMBEDS}
 
 
 # ---- tensor parallel ----------------------------------------------------------------------

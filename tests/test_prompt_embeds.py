@@ -10,6 +10,7 @@ import torch
 
 from tests.hf_reference import hf_greedy, load_hf_model
 from vllm import LLM, SamplingParams
+from vllm.config import InputKind
 
 PROMPTS = [
     "Hello world, this is",
@@ -100,7 +101,7 @@ def test_separate_policy_never_mixes_kinds(tiny_llama_dir, token_ids):
 
     def spy(scheduler_output):
         reqs = core.scheduler.requests
-        kinds_per_step.append({reqs[r].is_token_prompt for r in
+        kinds_per_step.append({reqs[r].prompt_kind for r in
                                scheduler_output.num_scheduled_tokens if r in reqs})
         return original(scheduler_output)
 
@@ -109,7 +110,8 @@ def test_separate_policy_never_mixes_kinds(tiny_llama_dir, token_ids):
     prompts += [{"prompt_token_ids": ids} for ids in token_ids]
     llm.generate(prompts, _greedy(), use_tqdm=False)
     assert all(len(kinds) <= 1 for kinds in kinds_per_step)
-    assert {True} in kinds_per_step and {False} in kinds_per_step
+    assert {InputKind.TOKEN_IDS} in kinds_per_step
+    assert {InputKind.EMBEDS} in kinds_per_step
 
 
 def test_chunked_prefill_of_long_embeds(tiny_llama_dir):

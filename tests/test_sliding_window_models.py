@@ -20,6 +20,7 @@ from tests.hf_reference import (
 from tests.model_factory import make_tiny_model
 from tests.test_tensor_parallel import _assert_same, _run_both
 from vllm import LLM, SamplingParams
+from vllm.config import InputKind
 from vllm.v1.executor.uniproc import UniProcExecutor
 
 WINDOW = 8
@@ -74,7 +75,7 @@ def _embeds(path: str, token_ids: list[int] | None) -> torch.Tensor:
         return load_hf_model(path).get_input_embeddings()(torch.tensor(token_ids)).clone()
 
 
-def _replayed_kinds(llm: LLM) -> set[str]:
+def _replayed_kinds(llm: LLM) -> set[InputKind]:
     executor = llm.llm_engine.engine_core.model_executor
     assert isinstance(executor, UniProcExecutor)
     graphs = executor.model_runner.graphs
@@ -119,7 +120,7 @@ def test_gemma_chunked_prefill_preemption_prefix_hits_embeds_and_graphs(arch, re
         embeds = llm.generate([{"prompt_embeds": rows}], _greedy(), use_tqdm=False)
         assert embeds[0].outputs[0].token_ids == first[i].outputs[0].token_ids
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == num_blocks - 1
-    assert _replayed_kinds(llm) == {"ids", "embeds"}
+    assert _replayed_kinds(llm) == {InputKind.TOKEN_IDS, InputKind.EMBEDS}
 
 
 def test_mistral_window_with_chunked_prefill_and_graphs(mistral_dir):
@@ -130,7 +131,7 @@ def test_mistral_window_with_chunked_prefill_and_graphs(mistral_dir):
     assert [g.sliding_window for g in manager.groups] == [WINDOW]
     outputs = llm.generate(PROMPTS, _greedy(32), use_tqdm=False)
     _check(outputs, mistral_dir, 32)
-    assert _replayed_kinds(llm) == {"ids"}
+    assert _replayed_kinds(llm) == {InputKind.TOKEN_IDS}
 
 
 

@@ -14,7 +14,7 @@ import torch
 from tests.hf_reference import assert_identical_greedy, hf_greedy, load_hf_model
 from tests.model_factory import make_tiny_model
 from vllm import LLM, SamplingParams
-from vllm.config import SpeculativeConfig
+from vllm.config import InputKind, SpeculativeConfig
 from vllm.v1.sample.metadata import Penalties, SamplingMetadata
 from vllm.v1.sample.sampler import inverse_cdf_sample, sampling_probs
 from vllm.v1.spec_decode.ngram_proposer import NgramProposer
@@ -395,7 +395,7 @@ def test_ngram_greedy_identical_with_chunks_preemption_prefix_hits_embeds_graphs
     oracle.refs = {(0,) * len(_ids(o)): r.token_ids
                    for o, r in zip(first[:2], refs[:2])}
     assert_identical_greedy(llm.generate(embeds, _greedy(), use_tqdm=False), refs[:2])
-    assert "ids" in {kind for kind, _ in runner.graphs.replays}  # verification steps too
+    assert InputKind.TOKEN_IDS in {kind for kind, _ in runner.graphs.replays}  # verifications
 
     # Stop conditions cut inside an accepted run: max_tokens, and a stop id.
     short = llm.generate(PROMPTS[1], _greedy(max_tokens=5), use_tqdm=False)[0]
@@ -491,7 +491,7 @@ def test_draft_model_greedy_identical(tiny_llama_dir, drafters):
         proposer = llm.llm_engine.engine_core.model_executor.model_runner.spec.proposer  # type: ignore[attr-defined]
         assert (proposer.graphs is None) == all_accepted
         if proposer.graphs is not None:
-            assert proposer.graphs.replays[("ids", 4)] > 0
+            assert proposer.graphs.replays[(InputKind.TOKEN_IDS, 4)] > 0
 
 
 def test_bad_drafters_are_refused(tiny_llama_dir, drafters):

@@ -6,6 +6,7 @@ each component takes the sub-config it needs.
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 from collections.abc import Iterable
@@ -33,6 +34,19 @@ _STR_TO_DTYPE = {
 }
 
 PromptEmbedsBatching = Literal["mixed", "separate"]
+
+
+class InputKind(enum.Enum):
+    """What a model step takes in: token ids (the embedding lookup runs inside the model)
+    or prompt-embeds rows. Under `separate` batching the scheduler gives each step one kind;
+    graph capture keeps one graph set per kind."""
+
+    TOKEN_IDS = "ids"
+    EMBEDS = "embeds"
+
+    @property
+    def other(self) -> InputKind:
+        return InputKind.EMBEDS if self is InputKind.TOKEN_IDS else InputKind.TOKEN_IDS
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +18,9 @@ class ForwardContext:
     # Models with several KV cache groups (sliding-window layers): each decoder layer's
     # metadata (its group's block table and window), by layer index; None: attn_metadata.
     layer_attn_metadata: list | None = None
+    # The running model's attention layers (`bind_attention_layers`): where a compiled
+    # graph's attention op finds its layer by index. None: eager forwards only.
+    attn_layers: Sequence[Any] | None = None
 
 
 _forward_context: ForwardContext | None = None
@@ -31,11 +34,12 @@ def get_forward_context() -> ForwardContext:
 @contextmanager
 def set_forward_context(attn_metadata: Any, kv_caches: list, cross_attn_metadata: Any = None,
                         encoder_attn_metadata: Any = None,
-                        layer_attn_metadata: list | None = None) -> Iterator[None]:
+                        layer_attn_metadata: list | None = None,
+                        attn_layers: Sequence[Any] | None = None) -> Iterator[None]:
     global _forward_context
     previous = _forward_context
     _forward_context = ForwardContext(attn_metadata, kv_caches, cross_attn_metadata,
-                                      encoder_attn_metadata, layer_attn_metadata)
+                                      encoder_attn_metadata, layer_attn_metadata, attn_layers)
     try:
         yield
     finally:

@@ -154,6 +154,19 @@ MAX_LOGPROBS = 20
 MAX_BEAM_WIDTH = 64
 
 
+def may_stop_at(index: int, min_tokens: int) -> bool:
+    """The min_tokens rule: whether the output token at `index` (0-based) may end its
+    sequence, by a stop id, an end-of-sequence id or the end of a stop string. The first
+    `min_tokens` may not: the sampler masks the stop ids for them and the detokenizer does
+    not end a stop string in them. (The scheduler's own check, vLLM's, is one token laxer:
+    it stops on a stop id once the output, that id included, holds `min_tokens`; the mask
+    keeps such an id from being sampled there.)
+
+    Example: min_tokens 2 -> tokens 0 and 1 may not end the sequence, token 2 may.
+    """
+    return index >= min_tokens
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to sample the completion of one prompt.
@@ -286,6 +299,14 @@ class SamplingParams:
                              "params with BeamSearchParams.sampling_params()).")
         if self.stop or self.stop_token_ids:
             raise ValueError("stop / stop_token_ids cannot be combined with beam search.")
+
+    def stop_ids(self) -> list[int]:
+        """The ids that end a sequence (once `may_stop_at` allows): `stop_token_ids`, and
+        unless `ignore_eos` the end-of-sequence ids."""
+        ids = list(self.stop_token_ids or ())  # a list once constructed
+        if not self.ignore_eos:
+            ids += self.end_of_sequence_ids()
+        return ids
 
     def end_of_sequence_ids(self) -> list[int]:
         """The ids that end a sequence unless `ignore_eos`: the tokenizer's EOS and the

@@ -23,7 +23,14 @@
 // operators: quant_gemv's inner loops (quant_gemv.h) and paged decode attention
 // (paged_attention.h).
 //
-// Layouts: h [rows, hidden] in the model dtype T (float32, bfloat16 or float16), rows <= 8;
+// Rows: a step's tokens, up to kMaxChunkedRows (32): one token of each decoding request, or
+// several tokens of one sequence (a verification step's k + 1, a short prompt chunk). Every
+// row attends to its own sequence length through its own block-table row, as a decode
+// query does; where rows share a sequence, every row's K/V is written before any row
+// attends (one more barrier), so a row sees the rows before it, as causal attention does.
+// Past 8 rows the projections take quant_gemv's passes over L1-resident tiles.
+//
+// Layouts: h [rows, hidden] in the model dtype T (float32, bfloat16 or float16);
 // the KV caches are the attention backend's [2, num_blocks, block_size, kv_heads,
 // head_size]; cos / sin [max_positions, head_size] (the rotary table, full width,
 // rotate-half form); norm weights [hidden] in T.
@@ -160,7 +167,7 @@ class FusedDecoder {
                   "FusedDecoder: KV cache ", l, " is not [2, blocks, block_size, ", num_kv_heads,
                   ", ", head_size, "] in the model dtype");
     }
-    const int64_t rows = vllm_cpu::qgemv::kMaxRows;
+    const int64_t rows = vllm_cpu::qgemv::kMaxChunkedRows;
     const int64_t widths[4] = {q_size + 2 * kv_size, hidden_, 2 * intermediate_, hidden_};
     for (int j = 0; j < 4; ++j) y_[j].resize(rows * widths[j]);
     // Attention's query and output in T (at most 4 bytes an element).
@@ -170,16 +177,18 @@ class FusedDecoder {
 
   int64_t num_layers() const { return layers_; }
 
-  // One decode step: h [rows, hidden] (the embeddings), each row a sequence with one new
-  // token at positions[r], written at cache slot slot_mapping[r], attending to its
-  // seq_lens[r] keys through block_table[r]. Returns the final-normed hidden states.
+  // One step: h [rows, hidden] (the embeddings); row r is a token at positions[r], written
+  // at cache slot slot_mapping[r], attending to seq_lens[r] keys through block_table[r].
+  // `shared_sequences`: some rows belong to one sequence (every K/V is written before any
+  // row attends). Returns the final-normed hidden states.
   torch::Tensor forward(torch::Tensor h, torch::Tensor positions, torch::Tensor block_table,
-                        torch::Tensor seq_lens, torch::Tensor slot_mapping) {
+                        torch::Tensor seq_lens, torch::Tensor slot_mapping,
+                        bool shared_sequences) {
     TORCH_CHECK(h.dim() == 2 && h.size(1) == hidden_ && h.scalar_type() == dtype_,
                 "FusedDecoder: h must be [rows, ", hidden_, "] in the model dtype");
     const int64_t rows = h.size(0);
-    TORCH_CHECK(rows >= 1 && rows <= vllm_cpu::qgemv::kMaxRows, "FusedDecoder: 1 to ",
-                vllm_cpu::qgemv::kMaxRows, " rows, got ", rows);
+    TORCH_CHECK(rows >= 1 && rows <= vllm_cpu::qgemv::kMaxChunkedRows, "FusedDecoder: 1 to ",
+                vllm_cpu::qgemv::kMaxChunkedRows, " rows, got ", rows);
     TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.numel() == rows &&
                     slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.numel() >= rows,
                 "FusedDecoder: positions / slot_mapping must be int64, one per row");
@@ -205,12 +214,15 @@ class FusedDecoder {
     }
     auto out = torch::empty_like(h);
     switch (dtype_) {
-      case torch::kFloat32: run<float>(h, positions, block_table, seq_lens, slot_mapping, out);
+      case torch::kFloat32:
+        run<float>(h, positions, block_table, seq_lens, slot_mapping, shared_sequences, out);
         break;
       case torch::kBFloat16:
-        run<at::BFloat16>(h, positions, block_table, seq_lens, slot_mapping, out);
+        run<at::BFloat16>(h, positions, block_table, seq_lens, slot_mapping, shared_sequences,
+                          out);
         break;
-      case torch::kFloat16: run<at::Half>(h, positions, block_table, seq_lens, slot_mapping, out);
+      case torch::kFloat16:
+        run<at::Half>(h, positions, block_table, seq_lens, slot_mapping, shared_sequences, out);
         break;
       default: TORCH_CHECK(false, "FusedDecoder: unsupported dtype ", dtype_);
     }
@@ -228,7 +240,7 @@ class FusedDecoder {
   template <typename T>
   void run(const torch::Tensor& h_in, const torch::Tensor& positions,
            const torch::Tensor& block_table, const torch::Tensor& seq_lens,
-           const torch::Tensor& slot_mapping, torch::Tensor& out) {
+           const torch::Tensor& slot_mapping, bool shared_sequences, torch::Tensor& out) {
     const int64_t rows = h_in.size(0), hidden = hidden_, inter = intermediate_;
     const int64_t D = head_size_, half = D / 2;
     const int64_t q_size = num_heads_ * D, kv_size = num_kv_heads_ * D;
@@ -249,8 +261,8 @@ class FusedDecoder {
     if (static_cast<int>(private_.size()) < threads) private_.resize(threads);
     const T* hin = h_in.data_ptr<T>();
     for (auto& p : private_) {
-      p.h.resize(vllm_cpu::qgemv::kMaxRows * hidden);
-      p.x.resize(vllm_cpu::qgemv::kMaxRows * std::max(hidden, inter));
+      p.h.resize(vllm_cpu::qgemv::kMaxChunkedRows * hidden);
+      p.x.resize(vllm_cpu::qgemv::kMaxChunkedRows * std::max(hidden, inter));
       for (int64_t i = 0; i < rows * hidden; i += 16)
         _mm512_storeu_ps(p.h.data() + i, load16(hin + i));
     }
@@ -286,11 +298,14 @@ class FusedDecoder {
         vllm_cpu::qgemv::quantize_rows<float>(x, rows, hidden, weight(l, 0).kp, &qr);
         project(l, 0, tid, nt, qr, y_qkv);
 #pragma omp barrier
-        {  // each thread its share of the rows (sequences); one row: the first thread
+        {  // each thread its share of the rows; one row: the first thread
           const int64_t first = rows * tid / nt, last = rows * (tid + 1) / nt;
-          if (first < last)
-            attend<T>(l, first, last, y_qkv, qkv_n, q_size, kv_size, pos, slots, table, lens,
-                      block_table.size(1), cos, sin, q, attn, half);
+          if (first < last) rotate_and_store<T>(l, first, last, y_qkv, qkv_n, pos, slots, cos,
+                                                sin, q, half);
+          if (shared_sequences) {
+#pragma omp barrier
+          }
+          if (first < last) attend<T>(l, first, last, table, lens, block_table.size(1), q, attn);
         }
 #pragma omp barrier
         vllm_cpu::qgemv::quantize_rows<T>(attn, rows, q_size, weight(l, 1).kp, &qr);
@@ -315,14 +330,14 @@ class FusedDecoder {
     for (int64_t i = 0; i < rows * hidden; i += 16) store16(o + i, _mm512_loadu_ps(x + i));
   }
 
-  // Rows [first, last): rotary on q and k (rotate-half form), k and v into the layer's
-  // cache at the rows' slots, then paged decode attention into `attn`.
+  // Rows [first, last): rotary on q and k (rotate-half form), q into `q`, k and v into the
+  // layer's cache at the rows' slots.
   template <typename T>
-  void attend(int64_t layer, int64_t first, int64_t last, const float* qkv, int64_t qkv_n, int64_t q_size,
-              int64_t kv_size, const int64_t* pos, const int64_t* slots, const int32_t* table,
-              const int32_t* lens, int64_t max_blocks, const T* cos, const T* sin, T* q,
-              T* attn, int64_t half) const {
+  void rotate_and_store(int64_t layer, int64_t first, int64_t last, const float* qkv,
+                        int64_t qkv_n, const int64_t* pos, const int64_t* slots, const T* cos,
+                        const T* sin, T* q, int64_t half) const {
     const int64_t D = head_size_;
+    const int64_t q_size = num_heads_ * D, kv_size = num_kv_heads_ * D;
     const torch::Tensor& kv = kv_caches_[layer];
     T* k_cache = kv.data_ptr<T>();
     const int64_t num_slots = kv.size(1) * kv.size(2);
@@ -349,10 +364,18 @@ class FusedDecoder {
       T* v_dst = v_cache + slots[r] * kv_size;
       for (int64_t j = 0; j < kv_size; j += 16) store16(v_dst + j, _mm512_loadu_ps(v + j));
     }
-    vllm_cpu::paged_decode<T>(q + first * q_size, k_cache, table + first * max_blocks,
+  }
+
+  // Rows [first, last): paged decode attention of their queries into `attn`.
+  template <typename T>
+  void attend(int64_t layer, int64_t first, int64_t last, const int32_t* table,
+              const int32_t* lens, int64_t max_blocks, const T* q, T* attn) const {
+    const int64_t q_size = num_heads_ * head_size_;
+    const torch::Tensor& kv = kv_caches_[layer];
+    vllm_cpu::paged_decode<T>(q + first * q_size, kv.data_ptr<T>(), table + first * max_blocks,
                               lens + first, attn + first * q_size, last - first, num_heads_,
-                              num_kv_heads_, D, kv.size(1), kv.size(2), max_blocks, scale_, 0,
-                              0.0f);
+                              num_kv_heads_, head_size_, kv.size(1), kv.size(2), max_blocks,
+                              scale_, 0, 0.0f);
   }
 
   // out = rnd(SiLU(gate) * up) for gate_up rows [gate | up] of width 2 * inter.
@@ -403,7 +426,8 @@ void bind_fused_decoder(pybind11::module& m) {
            py::arg("kv_caches"), py::arg("cos"), py::arg("sin"), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_size"), py::arg("eps"), py::arg("scale"))
       .def("forward", &FusedDecoder::forward, py::arg("h"), py::arg("positions"),
-           py::arg("block_table"), py::arg("seq_lens"), py::arg("slot_mapping"))
+           py::arg("block_table"), py::arg("seq_lens"), py::arg("slot_mapping"),
+           py::arg("shared_sequences") = false)
       .def_property_readonly("num_layers", &FusedDecoder::num_layers);
 }
 #else

@@ -15,7 +15,7 @@
 //   codes  uint8 [N, Kp / 2] (4 bits) or [N, Kp] (8 bits), in quads of blocks (below),
 //          the last two blocks a half quad where Kp % 128 == 64
 //   d, m   float16 [N, Kp / 32]
-//   x      [M, K] float32 / bfloat16 / float16, M <= 8;  out [M, N] in x's dtype
+//   x      [M, K] float32 / bfloat16 / float16, M <= 32;  out [M, N] in x's dtype
 //
 // Quad layout: blocks 4g..4g+3 fill two 64-byte vectors V0, V1 whose 32-bit lane L holds
 // four consecutive codes of block 4g + L % 4, from index 4 (L / 4) in V0 and 16 + 4 (L / 4)
@@ -41,7 +41,7 @@
 #include "quant_gemv.h"
 
 using vllm_cpu::qgemv::kHalf;
-using vllm_cpu::qgemv::kMaxRows;
+using vllm_cpu::qgemv::kMaxChunkedRows;
 using vllm_cpu::qgemv::kQuad;
 
 namespace {
@@ -137,7 +137,8 @@ torch::Tensor quant_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor d, 
               " does not fit weights of ", kp, " padded columns");
   TORCH_CHECK(codes.size(1) == kp * bits / 8 && d.size(0) == n && m.sizes() == d.sizes(),
               "codes, d and m disagree in shape");
-  TORCH_CHECK(rows >= 1 && rows <= kMaxRows, "quant_gemv takes 1 to ", kMaxRows, " rows");
+  TORCH_CHECK(rows >= 1 && rows <= kMaxChunkedRows, "quant_gemv takes 1 to ", kMaxChunkedRows,
+              " rows, got ", rows);
   x = x.contiguous();
   codes = codes.contiguous();
   d = d.contiguous();

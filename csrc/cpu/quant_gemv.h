@@ -5,6 +5,7 @@
 
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -17,7 +18,9 @@
 
 namespace vllm_cpu::qgemv {
 
-constexpr int64_t kMaxRows = 8;
+constexpr int64_t kMaxRows = 8;         // rows one pass of gemv_rows keeps in registers
+constexpr int64_t kMaxChunkedRows = 32; // rows gemv_range takes, in passes of kMaxRows
+constexpr int64_t kTile = 16;           // weight rows a tile: reread from L1 by each pass
 constexpr int64_t kQuad = 128;  // weights per quad of blocks
 constexpr int64_t kHalf = 64;   // weights per half quad
 
@@ -134,9 +137,11 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, int64_t kp, QuantizedRow
   }
 }
 
+// Rows row0..row0+M of x (quantized in q) times weight rows [begin, end): out's same rows.
 template <int M, int BITS, typename T>
 void gemv_rows(const uint8_t* codes, const at::Half* d, const at::Half* m,
-               const QuantizedRows& q, T* out, int64_t n_total, int64_t begin, int64_t end) {
+               const QuantizedRows& q, int64_t row0, T* out, int64_t n_total, int64_t begin,
+               int64_t end) {
   const int64_t quads = q.quads, blocks = q.blocks, slots = quads + (q.half ? 1 : 0);
   const int64_t row_bytes = blocks * 32 * BITS / 8;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
@@ -160,11 +165,11 @@ void gemv_rows(const uint8_t* codes, const at::Half* d, const at::Half* m,
       std::memcpy(&dquad, dn + 4 * g, 8);
       const __m512 dw = _mm512_cvtph_ps(_mm256_set1_epi64x(dquad));  // d0 d1 d2 d3 d0 ...
       for (int r = 0; r < M; ++r) {
-        const int8_t* qx = q.qx.data() + (r * slots + g) * kQuad;
+        const int8_t* qx = q.qx.data() + ((row0 + r) * slots + g) * kQuad;
         __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v0, _mm512_loadu_si512(qx));
         dot = _mm512_dpbusd_epi32(dot, v1, _mm512_loadu_si512(qx + 64));
-        const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(dot),
-                                            _mm512_loadu_ps(q.dx.data() + (r * slots + g) * 16));
+        const float* dx = q.dx.data() + ((row0 + r) * slots + g) * 16;
+        const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(dx));
         acc[r] = _mm512_fmadd_ps(scaled, dw, acc[r]);
       }
     }
@@ -182,13 +187,13 @@ void gemv_rows(const uint8_t* codes, const at::Half* d, const at::Half* m,
       std::memcpy(&dpair, dn + 4 * quads, 4);
       const __m256 dw = _mm256_cvtph_ps(_mm_set1_epi32(dpair));  // d0 d1 d0 d1 ...
       for (int r = 0; r < M; ++r) {
-        const int8_t* qx = q.qx.data() + (r * slots + quads) * kQuad;
+        const int8_t* qx = q.qx.data() + ((row0 + r) * slots + quads) * kQuad;
         __m256i dot = _mm256_dpbusd_epi32(
             _mm256_setzero_si256(), v0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx)));
         dot = _mm256_dpbusd_epi32(dot, v1,
                                   _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + 32)));
-        const __m256 scaled = _mm256_mul_ps(
-            _mm256_cvtepi32_ps(dot), _mm256_loadu_ps(q.dx.data() + (r * slots + quads) * 16));
+        const float* dx = q.dx.data() + ((row0 + r) * slots + quads) * 16;
+        const __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_loadu_ps(dx));
         acc[r] = _mm512_add_ps(acc[r], _mm512_zextps256_ps512(_mm256_mul_ps(scaled, dw)));
       }
     }
@@ -197,33 +202,53 @@ void gemv_rows(const uint8_t* codes, const at::Half* d, const at::Half* m,
       const __mmask16 mask = tail_mask(blocks - b);
       const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, mn + b));
       for (int r = 0; r < M; ++r) {
-        acc[r] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mask, q.sx.data() + r * blocks + b),
-                                 acc[r]);
+        const float* sx = q.sx.data() + (row0 + r) * blocks + b;
+        acc[r] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mask, sx), acc[r]);
       }
     }
-    for (int r = 0; r < M; ++r) out[r * n_total + n] = static_cast<T>(_mm512_reduce_add_ps(acc[r]));
+    for (int r = 0; r < M; ++r) {
+      out[(row0 + r) * n_total + n] = static_cast<T>(_mm512_reduce_add_ps(acc[r]));
+    }
   }
 }
 
 
 // Output rows [begin, end) of x (`rows` rows, quantized in `q`) times the weight, out [rows,
-// n_total].
+// n_total]. Past kMaxRows rows, the range goes in tiles of kTile weight rows, each tile in
+// passes of at most kMaxRows activation rows: the weights stream from memory once and the
+// later passes reread the tile from L1 (a verification step of k + 1 tokens costs about
+// what a one-token step does).
 template <typename T>
 void gemv_range(int64_t rows, int64_t bits, const uint8_t* codes, const at::Half* d,
                 const at::Half* m, const QuantizedRows& q, T* out, int64_t n_total,
                 int64_t begin, int64_t end) {
-  auto run = [&](auto bits_tag) {
+  // Callers check 1 <= rows <= kMaxChunkedRows (this runs inside parallel regions).
+  auto pass = [&](auto bits_tag, int64_t row0, int64_t count, int64_t first, int64_t last) {
     constexpr int B = decltype(bits_tag)::value;
-    switch (rows) {
-      case 1: gemv_rows<1, B, T>(codes, d, m, q, out, n_total, begin, end); break;
-      case 2: gemv_rows<2, B, T>(codes, d, m, q, out, n_total, begin, end); break;
-      case 3: gemv_rows<3, B, T>(codes, d, m, q, out, n_total, begin, end); break;
-      case 4: gemv_rows<4, B, T>(codes, d, m, q, out, n_total, begin, end); break;
-      case 5: gemv_rows<5, B, T>(codes, d, m, q, out, n_total, begin, end); break;
-      case 6: gemv_rows<6, B, T>(codes, d, m, q, out, n_total, begin, end); break;
-      case 7: gemv_rows<7, B, T>(codes, d, m, q, out, n_total, begin, end); break;
-      case 8: gemv_rows<8, B, T>(codes, d, m, q, out, n_total, begin, end); break;
-      default: TORCH_CHECK(false, "quant_gemv takes 1 to ", kMaxRows, " rows, got ", rows);
+    switch (count) {
+      case 1: gemv_rows<1, B, T>(codes, d, m, q, row0, out, n_total, first, last); break;
+      case 2: gemv_rows<2, B, T>(codes, d, m, q, row0, out, n_total, first, last); break;
+      case 3: gemv_rows<3, B, T>(codes, d, m, q, row0, out, n_total, first, last); break;
+      case 4: gemv_rows<4, B, T>(codes, d, m, q, row0, out, n_total, first, last); break;
+      case 5: gemv_rows<5, B, T>(codes, d, m, q, row0, out, n_total, first, last); break;
+      case 6: gemv_rows<6, B, T>(codes, d, m, q, row0, out, n_total, first, last); break;
+      case 7: gemv_rows<7, B, T>(codes, d, m, q, row0, out, n_total, first, last); break;
+      default: gemv_rows<8, B, T>(codes, d, m, q, row0, out, n_total, first, last); break;
+    }
+  };
+  auto run = [&](auto bits_tag) {
+    if (rows <= kMaxRows) {
+      pass(bits_tag, 0, rows, begin, end);
+      return;
+    }
+    // Passes of equal size (9 rows: 5 + 4), so no pass is a nearly empty one.
+    const int64_t passes = (rows + kMaxRows - 1) / kMaxRows;
+    for (int64_t tile = begin; tile < end; tile += kTile) {
+      const int64_t tile_end = std::min(end, tile + kTile);
+      for (int64_t p = 0; p < passes; ++p) {
+        const int64_t row0 = rows * p / passes, row1 = rows * (p + 1) / passes;
+        pass(bits_tag, row0, row1 - row0, tile, tile_end);
+      }
     }
   };
   if (bits == 4) run(std::integral_constant<int, 4>{});

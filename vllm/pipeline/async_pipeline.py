@@ -134,14 +134,9 @@ class AsyncPipeline:
             self.engines[stage].abort_nowait([request_id])
             stream.put(e)
 
-    async def iterate(self, stream: RequestStream) -> AsyncGenerator[RequestOutput, None]:
+    def iterate(self, stream: RequestStream) -> AsyncGenerator[RequestOutput, None]:
         """Yields a request's last-stage outputs; aborts it if the consumer stops early."""
-        try:
-            while not stream.finished:
-                yield await stream.get()
-        finally:
-            if not stream.finished:
-                self.abort_nowait([stream.request_id])
+        return stream.outputs(self.abort_nowait)
 
     async def generate(self, prompt: Any, sampling_params: SamplingParams,
                        request_id: str) -> AsyncGenerator[RequestOutput, None]:

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from vllm.config import InputKind
 from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
 from vllm.v1.messages import EmbedsLayout, EncoderInput, EngineCoreRequest, FinishReason
@@ -148,8 +149,8 @@ class Request:
         return len(self.output_token_ids)
 
     @property
-    def is_token_prompt(self) -> bool:
-        return self.prompt_embeds is None
+    def prompt_kind(self) -> InputKind:
+        return InputKind.TOKEN_IDS if self.prompt_embeds is None else InputKind.EMBEDS
 
     @property
     def num_encoder_tokens(self) -> int:

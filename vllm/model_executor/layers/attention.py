@@ -2,15 +2,17 @@
 
 Under `torch.compile` the call goes through one registered op, `vllm::attention`, so that
 paged attention (whose work depends on the step's metadata: prefill spans, block tables)
-is a single opaque node of the graph instead of a graph break. The op finds its layer by a
-process-wide id and reads the step's metadata from the forward context, as the eager path
-does. Tokens past the step's real ones (a graph's padding) get zero rows.
+is a single opaque node of the graph instead of a graph break. The op finds its layer in
+the forward context: whoever runs a model binds its layers once, at load
+(`bind_attention_layers`: each layer's index in the model's list), and passes that list to
+`set_forward_context(attn_layers=...)`; two models in one process (a target and its draft
+model, two engines) each resolve their own indices. The op reads the step's metadata from
+the same context, as the eager path does. Tokens past the step's real ones (a graph's
+padding) get zero rows.
 """
 
 from __future__ import annotations
 
-import itertools
-import weakref
 from typing import Any
 
 import torch
@@ -19,8 +21,7 @@ from torch import nn
 from vllm.forward_context import ForwardContext, get_forward_context
 from vllm.v1.attention.backends.abstract import AttentionBackend, AttentionType
 
-_layer_ids = itertools.count()
-_layers: weakref.WeakValueDictionary[int, Attention] = weakref.WeakValueDictionary()
+UNBOUND = -1  # a layer's op index before `bind_attention_layers`
 
 
 class Attention(nn.Module):
@@ -32,6 +33,8 @@ class Attention(nn.Module):
     the same tensor through the cross-attention blocks (their K/V are written once, by the
     encoder pass, through `write_cross_kv`); ENCODER layers use no cache.
     """
+
+    op_id_tensor: torch.Tensor  # [] int64: the layer's `bind_attention_layers` index
 
     def __init__(self, backend: type[AttentionBackend], layer_idx: int, num_heads: int,
                  head_size: int, num_kv_heads: int, scale: float,
@@ -49,11 +52,10 @@ class Attention(nn.Module):
         self.impl = backend.make_impl(num_heads, head_size, num_kv_heads, scale, attn_type,
                                       **extras)
         self.output_size = num_heads * head_size
-        self.op_id = next(_layer_ids)
-        _layers[self.op_id] = self
-        # The id as a tensor: a compiled graph takes it as an input, so that one graph
-        # serves every layer of the same shape instead of one specialisation per int.
-        self.register_buffer("op_id_tensor", torch.tensor(self.op_id), persistent=False)
+        # The layer's index in its model's `bind_attention_layers` list, as a tensor: a
+        # compiled graph takes it as an input, so that one graph serves every layer of the
+        # same shape instead of one specialisation per int.
+        self.register_buffer("op_id_tensor", torch.tensor(UNBOUND), persistent=False)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None = None,
                 v: torch.Tensor | None = None) -> torch.Tensor:
@@ -74,6 +76,23 @@ class Attention(nn.Module):
         """Stores an encoder output's cross-attention K/V at the cross slots."""
         ctx = get_forward_context()
         self.impl.write_kv(k, v, ctx.kv_caches[self.layer_idx], slot_mapping)
+
+
+def bind_attention_layers(model: object) -> list[Attention]:
+    """The model's attention layers in module order, each given its index in that list:
+    the op index through which a compiled graph finds the layer in the forward context's
+    `attn_layers`. Called once per model, at load; the caller passes the list to
+    `set_forward_context` for every forward of that model.
+
+    Example: a 2-layer decoder -> [layers.0.self_attn.attn, layers.1.self_attn.attn], with
+    op indices 0 and 1; a draft model loaded beside it has its own 0 and 1.
+    """
+    assert isinstance(model, nn.Module), f"{type(model).__name__} is not an nn.Module"
+    layers = [module for module in model.modules() if isinstance(module, Attention)]
+    with torch.no_grad():
+        for index, layer in enumerate(layers):
+            layer.op_id_tensor.fill_(index)
+    return layers
 
 
 def _metadata_of(layer: Attention, ctx: ForwardContext) -> Any:
@@ -98,8 +117,12 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | Non
     """One attention layer's computation in a compiled graph (K/V cache writes happen
     inside, on tensors the graph never sees). Rows past the step's real tokens (padding up
     to a captured size) are zeros."""
-    layer = _layers[int(op_id)]
     ctx = get_forward_context()
+    index = int(op_id)
+    if ctx.attn_layers is None or index == UNBOUND:
+        raise RuntimeError("a compiled attention op needs its model's "
+                           "bind_attention_layers() list in set_forward_context(attn_layers=)")
+    layer = ctx.attn_layers[index]
     metadata = _metadata_of(layer, ctx)
     n = q.shape[0]
     real = n if metadata is None or layer.attn_type == AttentionType.ENCODER \

@@ -15,7 +15,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any, Protocol
 
 from vllm.config import VllmConfig
@@ -82,6 +82,17 @@ class RequestStream:
             raise item
         self.finished = item.finished
         return item
+
+    async def outputs(self, abort_nowait: Callable[[list[str]], None]
+                      ) -> AsyncGenerator[RequestOutput, None]:
+        """Yields the outputs until the last; a consumer that stops early (closes or
+        cancels the iterator) aborts the request through `abort_nowait`."""
+        try:
+            while not self.finished:
+                yield await self.get()
+        finally:
+            if not self.finished:
+                abort_nowait([self.request_id])
 
 
 class AsyncLLM:
@@ -203,14 +214,9 @@ class AsyncLLM:
         async for output in self.iterate(stream):
             yield output
 
-    async def iterate(self, stream: RequestStream) -> AsyncGenerator[RequestOutput, None]:
+    def iterate(self, stream: RequestStream) -> AsyncGenerator[RequestOutput, None]:
         """Yields a stream's outputs; aborts the request if the consumer stops early."""
-        try:
-            while not stream.finished:
-                yield await stream.get()
-        finally:
-            if not stream.finished:
-                self.abort_nowait([stream.request_id])
+        return stream.outputs(self.abort_nowait)
 
     async def abort(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)

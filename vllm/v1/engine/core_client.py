@@ -37,6 +37,7 @@ import zmq.asyncio
 
 from vllm.config import VllmConfig
 from vllm.distributed.utils import engine_cpus
+from vllm.platforms.openmp import openmp_spin_count
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
 from vllm.v1.engine.dp_router import PrefixAffinityRouter, prefix_block_hashes
 from vllm.v1.engine.wire import (
@@ -105,7 +106,8 @@ class EngineProcess:
         self.proc = mp.Process(target=_engine_core_main, name=f"EngineCore_{index}",
                                args=(vllm_config, input_addr, output_addr, writer, os.getpid()))
         try:
-            self.proc.start()
+            with openmp_spin_count():  # read when the new process loads torch
+                self.proc.start()
         except BaseException:
             self._ready_reader.close()
             raise

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm.sampling_params import may_stop_at
+
 # Prompt tokens used to prime decoding, so that the first generated token decodes as it
 # would in context (leading spaces of SentencePiece-style tokens, merged bytes).
 _PRIME_TOKENS = 6
@@ -92,7 +94,7 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _check_stop(self, new_text_start: int, num_tokens: int) -> str | None:
-        if not self.stop or num_tokens <= self.min_tokens:
+        if not self.stop or not may_stop_at(num_tokens - 1, self.min_tokens):
             return None
         search_from = max(0, new_text_start - self.stop_buffer_length)
         best: tuple[int, str] | None = None

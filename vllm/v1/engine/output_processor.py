@@ -215,18 +215,20 @@ class OutputProcessor:
         if state.parent is None:
             self.live_ids.pop(state.external_id, None)
 
-    def _append_logprobs(self, state: RequestState, lp: LogprobsLists,
+    def _append_logprobs(self, state: RequestState, new_logprobs: LogprobsLists,
                          num_rows: int | None = None) -> None:
         # Both are set when logprobs were asked for (the only states this is called for).
         assert state.logprobs is not None and state.cumulative_logprob is not None
         k = state.params.logprobs or 0
         detok = state.detokenizer
-        for token_ids, values, rank in zip(lp.token_ids[:num_rows], lp.logprobs[:num_rows],
-                                           lp.ranks[:num_rows]):
+        for token_ids, values, rank in zip(new_logprobs.token_ids[:num_rows],
+                                           new_logprobs.logprobs[:num_rows],
+                                           new_logprobs.ranks[:num_rows]):
             entry = {token_ids[0]: Logprob(values[0], rank, detok.decode_token(token_ids[0]))}
-            for r, (tid, value) in enumerate(zip(token_ids[1:k + 1], values[1:k + 1]), 1):
-                if tid not in entry:
-                    entry[tid] = Logprob(value, r, detok.decode_token(tid))
+            for top_rank, (token_id, value) in enumerate(zip(token_ids[1:k + 1],
+                                                             values[1:k + 1]), 1):
+                if token_id not in entry:
+                    entry[token_id] = Logprob(value, top_rank, detok.decode_token(token_id))
             state.logprobs.append(entry)
             state.cumulative_logprob += values[0]
 

@@ -213,33 +213,33 @@ class Processor:
         return parsed, encoder_input
 
     def _encoder_input(self, prompt: Any) -> tuple[EncoderInput, str | None]:
-        mc = self.model_config
+        model_config = self.model_config
         audio = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         if audio is not None:
             return self._audio_encoder_input(prompt), None
         if self.is_audio_model:
-            raise ValueError(f"{mc.architecture}'s encoder input is audio: pass "
+            raise ValueError(f"{model_config.architecture}'s encoder input is audio: pass "
                              "{'prompt': '', 'multi_modal_data': {'audio': (waveform, "
                              "sample_rate)}} as the (encoder) prompt.")
         parsed = parse_prompt(prompt)
         if parsed.prompt_segments is not None:
             raise ValueError("prompt_segments are for decoder-only models.")
         if parsed.prompt_embeds is not None:
-            embeds = self._validate_embeds(parsed.prompt_embeds, mc.max_encoder_len,
+            embeds = self._validate_embeds(parsed.prompt_embeds, model_config.max_encoder_len,
                                            "encoder prompt")
             return EncoderInput(None, embeds, embeds.shape[0],
                                 _content_hash(b"E", embeds.view(-1).view(torch.uint8)
                                               .numpy())), None
         token_ids = self._tokenize(parsed)
-        self._validate_token_ids(token_ids, mc.max_encoder_len, "encoder prompt")
+        self._validate_token_ids(token_ids, model_config.max_encoder_len, "encoder prompt")
         ids_bytes = np.asarray(token_ids, dtype=np.int64)
         return EncoderInput(token_ids, None, len(token_ids),
                             _content_hash(b"T", ids_bytes)), parsed.prompt
 
     def _audio_encoder_input(self, prompt: dict) -> EncoderInput:
-        mc = self.model_config
+        model_config = self.model_config
         if self.feature_extractor is None:
-            raise ValueError(f"{mc.architecture} does not take audio (multi_modal_data); "
+            raise ValueError(f"{model_config.architecture} does not take audio (multi_modal_data); "
                              "its encoder input is text or prompt_embeds.")
         if prompt.get("prompt") or prompt.get("prompt_token_ids"):
             raise ValueError("The encoder prompt of an audio model is the audio alone: "
@@ -249,11 +249,11 @@ class Processor:
             raise ValueError("multi_modal_data must be {'audio': (waveform, sample_rate)}, "
                              f"got {sorted(data) if isinstance(data, dict) else data!r}.")
         features = audio_to_features(data["audio"], self.feature_extractor)
-        frames = mc.max_encoder_len * (mc.audio_frames_per_encoder_token or 1)
+        frames = model_config.max_encoder_len * (model_config.audio_frames_per_encoder_token or 1)
         if features.shape[1] != frames:
             raise ValueError(f"The feature extractor gave {features.shape[1]} frames, but "
-                             f"{mc.architecture} takes {frames}.")
-        return EncoderInput(None, features, mc.max_encoder_len,
+                             f"{model_config.architecture} takes {frames}.")
+        return EncoderInput(None, features, model_config.max_encoder_len,
                             _content_hash(b"A", features.numpy()))
 
     # ---- checks ----------------------------------------------------------------------
@@ -320,13 +320,13 @@ class Processor:
 
     def _validate_embeds(self, embeds: Any, max_len: int | None = None,
                          what: str = "prompt"):
-        mc = self.model_config
-        if not mc.enable_prompt_embeds:
+        model_config = self.model_config
+        if not model_config.enable_prompt_embeds:
             raise ValueError("prompt_embeds given, but prompt embeds are disabled: create the "
                              "engine with enable_prompt_embeds=True (server: "
                              "--enable-prompt-embeds).")
-        return validate_prompt_embeds(embeds, mc.hidden_size, mc.dtype,
-                                      max_len or mc.max_model_len, what)
+        return validate_prompt_embeds(embeds, model_config.hidden_size, model_config.dtype,
+                                      max_len or model_config.max_model_len, what)
 
 
 def _content_hash(tag: bytes, data: np.ndarray) -> bytes:

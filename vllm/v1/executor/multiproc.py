@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from vllm.config import VllmConfig
+from vllm.platforms.openmp import openmp_spin_count
 from vllm.v1.executor.abstract import Executor, ExecutorDeadError
 
 logger = logging.getLogger(__name__)
@@ -86,7 +87,8 @@ class MultiprocExecutor(Executor):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_worker_main, name=f"VllmWorker-{rank}", daemon=True,
                                args=(self.vllm_config, rank, init_method, child))
-            proc.start()
+            with openmp_spin_count():  # read when the new process loads torch
+                proc.start()
             child.close()
             self.procs.append(proc)
             self.conns.append(parent)

@@ -20,6 +20,7 @@ import torch
 
 from vllm.config import ModelConfig, SpeculativeConfig
 from vllm.forward_context import set_forward_context
+from vllm.model_executor.layers.attention import Attention, bind_attention_layers
 from vllm.model_executor.models.interfaces import VllmModel, supports_graph_capture
 from vllm.v1.attention.backends.abstract import AttentionBackend, CommonAttentionMetadata
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -94,12 +95,14 @@ class DraftModelProposer:
         self.model: VllmModel | None = None
         self.graphs: CompiledGraphs | None = None  # CPU graphs when the target has them
         self.kv_caches: list[torch.Tensor] = []
+        self.attn_layers: list[Attention] = []  # bound at load
         self.states: dict[str, _DrafterState] = {}
 
     def load_model(self) -> None:
         from vllm.model_executor.model_loader.loader import get_model
 
         self.model = get_model(self.config, self.backend, self.device)
+        self.attn_layers = bind_attention_layers(self.model)
 
     def capture_model(self, sizes: list[int], max_num_tokens: int) -> None:
         """Compiles the drafter's forward like the target's (CPU graphs, `sizes`)."""
@@ -119,7 +122,7 @@ class DraftModelProposer:
     def _dummy_step(self, num_tokens: int, forward) -> None:
         common = CommonAttentionMetadata.padding_decodes(num_tokens)
         metadata = self.backend.build_metadata(common, self.block_size, self.device)
-        with set_forward_context(metadata, self.kv_caches):
+        with set_forward_context(metadata, self.kv_caches, attn_layers=self.attn_layers):
             forward()
 
     def _kv_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -221,7 +224,7 @@ class DraftModelProposer:
                                          input_ids)
         ids = None if inputs_embeds is not None else input_ids
         positions_t = torch.from_numpy(positions).to(self.device)
-        with set_forward_context(metadata, self.kv_caches):
+        with set_forward_context(metadata, self.kv_caches, attn_layers=self.attn_layers):
             hidden = None
             if self.graphs is not None:
                 hidden = self.graphs.run(ids, positions_t, inputs_embeds, common)

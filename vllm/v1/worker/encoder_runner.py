@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from vllm.forward_context import set_forward_context
+from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.models.interfaces import EncoderDecoderModel
 from vllm.v1.attention.backends.abstract import EncoderAttentionMetadata
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -32,7 +33,7 @@ def compute_cross_slot_mapping(cross_block_ids: list[list[int]], encoder_lens: l
     # Flatten the block lists; each input's first block sits at block_offsets[i].
     num_blocks = np.array([len(ids) for ids in cross_block_ids], dtype=np.int64)
     block_offsets = np.cumsum(num_blocks) - num_blocks
-    flat_blocks = np.fromiter((b for ids in cross_block_ids for b in ids), dtype=np.int64,
+    flat_blocks = np.fromiter((block for ids in cross_block_ids for block in ids), dtype=np.int64,
                               count=int(num_blocks.sum()))
     block_index = np.repeat(block_offsets, lens) + positions // block_size
     return flat_blocks[block_index] * block_size + positions % block_size
@@ -48,7 +49,11 @@ class EncoderRunner:
         self.device = device
         self.num_inputs_encoded = 0  # encoder inputs run so far (tests, benchmarks)
 
-    def run(self, scheduler_output: SchedulerOutput, kv_caches: list[torch.Tensor]) -> None:
+    def run(self, scheduler_output: SchedulerOutput, kv_caches: list[torch.Tensor],
+            attn_layers: list[Attention] | None = None) -> None:
+        """Encodes the step's new encoder inputs and writes their cross K/V. `attn_layers`:
+        the model's `bind_attention_layers` list, for the forward context (needed wherever
+        the model's attention runs as the compiled op)."""
         wanted = set(scheduler_output.scheduled_encoder_inputs)
         # Encoder runs only ever come with NewRequestData (first schedule or a resume).
         new_reqs = [r for r in scheduler_output.scheduled_new_reqs if r.req_id in wanted]
@@ -63,7 +68,8 @@ class EncoderRunner:
         slot_mapping = torch.from_numpy(compute_cross_slot_mapping(
             [r.cross_block_ids for r in new_reqs], lens, self.block_size)).to(self.device)
         metadata = EncoderAttentionMetadata.from_lens(lens)
-        with set_forward_context(None, kv_caches, encoder_attn_metadata=metadata):
+        with set_forward_context(None, kv_caches, encoder_attn_metadata=metadata,
+                                 attn_layers=attn_layers):
             encoder_out = self.model.encode(inputs)
             for layer in self.model.cross_attention_layers():
                 k, v = layer.project_kv(encoder_out)

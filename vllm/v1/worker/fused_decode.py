@@ -12,10 +12,13 @@ It applies where the fused code computes exactly what the layers would (`unsuppo
 says why not, logged once): CPU, `quantization="gguf"` with the `quant_gemv` kernel on every
 projection of every layer, plain `LlamaForCausalLM` layers (RMSNorm, SiLU-gated MLP, full
 rotary in rotate-half form, no bias, no sliding window, soft-cap or q/k norm), one KV cache
-group, no LoRA, one rank; and per step (`run`), where every scheduled token is a decode row
-(one token per request) and there are at most `gguf_blocks.MAX_ROWS` of them. Other steps,
-and every step when `VLLM_CPU_FUSED_DECODE=0`, take the compiled graphs as before. It is
-built with the graphs (`capture_model`), so `enforce_eager` turns it off too.
+group, no LoRA, one rank; and per step (`run`), where the step has at most
+`gguf_blocks.MAX_ROWS` tokens (where the layers themselves take quant_gemv): decode rows
+(one token per request), a speculative verification step's k + 1 tokens of a request (the
+same kernels as a decode step: a query of several tokens against the paged cache), or a
+short prompt chunk. Larger steps, and every step when `VLLM_CPU_FUSED_DECODE=0`, take the
+compiled graphs. It is built with the graphs (`capture_model`), so `enforce_eager` turns it
+off too.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import logging
 import os
 from typing import Any, cast
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -37,6 +41,7 @@ from vllm.model_executor.models.llama import (
     LlamaForCausalLM,
     LlamaMLP,
 )
+from vllm.v1.attention.backends.abstract import CommonAttentionMetadata
 from vllm.v1.attention.backends.torch_sdpa import TorchSDPAImpl, TorchSDPAMetadata
 
 logger = logging.getLogger(__name__)
@@ -103,12 +108,15 @@ def unsupported_reason(model: object, kv_caches: list[torch.Tensor], dtype: torc
 
 
 class FusedDecode:
-    """The native decoder of one model and its KV caches; `steps` counts the steps it ran."""
+    """The native decoder of one model and its KV caches; `steps` and `tokens` count the
+    steps it ran and their tokens."""
 
-    def __init__(self, decoder: Any, model: LlamaForCausalLM) -> None:
+    def __init__(self, decoder: Any, model: LlamaForCausalLM, block_size: int) -> None:
         self.decoder = decoder
         self.model = model
+        self.block_size = block_size
         self.steps = 0
+        self.tokens = 0
 
     @classmethod
     def build(cls, model: object, kv_caches: list[torch.Tensor], dtype: torch.dtype,
@@ -152,24 +160,49 @@ class FusedDecode:
             return None
         logger.info("Fused decode steps on: %d layers in one native call per step.",
                     len(layers))
-        return cls(decoder, model)
+        return cls(decoder, model, kv_caches[0].shape[2])
 
     def run(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-            inputs_embeds: torch.Tensor | None, attn_metadata: object) -> torch.Tensor | None:
+            inputs_embeds: torch.Tensor | None, attn_metadata: object,
+            common: CommonAttentionMetadata) -> torch.Tensor | None:
         """The step's final hidden states, or None where the step is not one it takes
-        (a prompt chunk or a verification span in it, or more than MAX_ROWS rows)."""
+        (more than `MAX_ROWS` tokens, or another backend's metadata).
+
+        A decode-only step reads the backend's decode block table and lengths. Any other
+        step (a verification step's k + 1 tokens of a request, a short prompt chunk) runs
+        each token as a decode query at its own length, `seq_lens - query_lens + i + 1`
+        for the request's i-th token, through its request's block-table row."""
         n = positions.shape[0]
         m = attn_metadata
-        if (not isinstance(m, TorchSDPAMetadata) or not m.decode_only or n > MAX_ROWS
-                or m.num_actual_tokens != n or m.decode_seq_lens is None
-                or m.decode_block_table_i32 is None):
+        if not isinstance(m, TorchSDPAMetadata) or n > MAX_ROWS or m.num_actual_tokens != n:
             return None
+        if m.decode_only:
+            if m.decode_seq_lens is None or m.decode_block_table_i32 is None:
+                return None
+            block_table, seq_lens, shared = m.decode_block_table_i32, m.decode_seq_lens, False
+        else:
+            block_table, seq_lens = self._token_rows(common)
+            shared = True
         h = (self.model.embed_tokens(input_ids) if inputs_embeds is None
              else inputs_embeds.to(self.model.rotary.cos.dtype))
-        out = self.decoder.forward(h, positions, m.decode_block_table_i32, m.decode_seq_lens,
-                                   m.slot_mapping)
+        out = self.decoder.forward(h, positions, block_table, seq_lens, m.slot_mapping, shared)
         self.steps += 1
+        self.tokens += n
         return out
+
+    def _token_rows(self, common: CommonAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's block-table row and sequence length (it and the keys before it).
+
+        e.g. query_start_loc [0, 1, 4], seq_lens [7, 12]: token rows [0, 1, 1, 1], lengths
+        [7, 10, 11, 12]."""
+        starts = common.query_start_loc
+        query_lens = np.diff(starts)
+        token_rows = np.repeat(np.arange(query_lens.size), query_lens)
+        offsets = np.arange(token_rows.size) - starts[token_rows]
+        lengths = (common.seq_lens - query_lens)[token_rows] + offsets + 1
+        max_blocks = -(-int(lengths.max()) // self.block_size)
+        table = np.ascontiguousarray(common.block_table[token_rows, :max_blocks])
+        return torch.from_numpy(table), torch.from_numpy(lengths.astype(np.int32))
 
 
 class _Attention(LlamaAttention):

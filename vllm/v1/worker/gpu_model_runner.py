@@ -7,6 +7,7 @@ numpy mirrors and moved to the device once per step (see `compute_step_indices`)
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import TYPE_CHECKING, NamedTuple, cast
@@ -17,6 +18,7 @@ from torch import nn
 
 from vllm.config import VllmConfig
 from vllm.forward_context import set_forward_context
+from vllm.model_executor.layers.attention import Attention, bind_attention_layers
 from vllm.model_executor.model_loader.loader import get_model
 from vllm.model_executor.models.interfaces import (
     VllmModel,
@@ -170,6 +172,7 @@ class GPUModelRunner:
         self._kv_block_dim = 0  # the dimension of a KV cache tensor that block ids index
         self.stage_outputs = StageOutputCache(0, self.block_size, {})
         self.model: VllmModel | None = None
+        self.attn_layers: list[Attention] = []  # bound at load: compiled graphs' op ids
         self.encoder_runner: EncoderRunner | None = None
         self.graphs: CompiledGraphs | CudaGraphs | None = None
         self.fused_decode: FusedDecode | None = None  # CPU decode steps in one native call
@@ -184,6 +187,7 @@ class GPUModelRunner:
 
     def load_model(self) -> None:
         self.model = model = get_model(self.model_config, self.attn_backend, self.device)
+        self.attn_layers = bind_attention_layers(model)
         lora_config = self.vllm_config.lora_config
         if lora_config is not None:
             from vllm.lora.manager import LoRAModelManager
@@ -284,7 +288,8 @@ class GPUModelRunner:
                                      self.block_size, self.max_model_len, self.attn_backend,
                                      self._lora_state())
             with torch.inference_mode():
-                self.graphs.capture(self.kv_caches, set_forward_context)
+                self.graphs.capture(self.kv_caches, functools.partial(
+                    set_forward_context, attn_layers=self.attn_layers))
         else:
             self.graphs = CompiledGraphs(model, sizes, model_config.enable_prompt_embeds,
                                          model_config.hidden_size, self.dtype, self.device,
@@ -310,7 +315,8 @@ class GPUModelRunner:
         metadata = [self.attn_backend.build_metadata(common, self.block_size, self.device)
                     for _ in self.kv_cache_groups]
         with set_forward_context(metadata[0], self.kv_caches,
-                                 layer_attn_metadata=self._layer_metadata(metadata)):
+                                 layer_attn_metadata=self._layer_metadata(metadata),
+                                 attn_layers=self.attn_layers):
             forward()
 
     # ---- one step -----------------------------------------------------------------
@@ -330,12 +336,13 @@ class GPUModelRunner:
         assert model is not None, "load_model() first"
         if scheduler_output.scheduled_encoder_inputs:
             assert self.encoder_runner is not None  # only encoder/decoder models have them
-            self.encoder_runner.run(scheduler_output, self.kv_caches)
+            self.encoder_runner.run(scheduler_output, self.kv_caches, self.attn_layers)
         inputs = self._prepare_inputs(scheduler_output)
         self._maybe_fail_for_tests()
         with set_forward_context(inputs.attn_metadata, self.kv_caches,
                                  inputs.cross_attn_metadata,
-                                 layer_attn_metadata=inputs.layer_attn_metadata):
+                                 layer_attn_metadata=inputs.layer_attn_metadata,
+                                 attn_layers=self.attn_layers):
             hidden_states = self._run_model(model, inputs)
         self.stage_outputs.write(inputs.slot_mapping, hidden_states=hidden_states)
         logits_indices = inputs.logits_indices
@@ -364,7 +371,8 @@ class GPUModelRunner:
         the step), or eager."""
         if self.fused_decode is not None:
             hidden_states = self.fused_decode.run(inputs.input_ids, inputs.positions,
-                                                  inputs.inputs_embeds, inputs.attn_metadata)
+                                                  inputs.inputs_embeds, inputs.attn_metadata,
+                                                  inputs.common)
             if hidden_states is not None:
                 return hidden_states
         if self.graphs is not None:
@@ -649,14 +657,14 @@ class GPUModelRunner:
         logprobs = None
         if sampler_output.logprobs is not None:
             # Rows that did not sample get empty logprob rows so that indices align.
-            lp = sampler_output.logprobs
+            sampled = sampler_output.logprobs
             token_ids: list[list[int]] = [[] for _ in req_ids]
             values: list[list[float]] = [[] for _ in req_ids]
             ranks = [0] * len(req_ids)
             for i, row in enumerate(rows.tolist()):
-                token_ids[row], values[row], ranks[row] = lp.token_ids[i], lp.logprobs[i], \
-                    lp.ranks[i]
-            logprobs = type(lp)(token_ids, values, ranks)
+                token_ids[row], values[row], ranks[row] = (
+                    sampled.token_ids[i], sampled.logprobs[i], sampled.ranks[i])
+            logprobs = type(sampled)(token_ids, values, ranks)
         return ModelRunnerOutput(req_ids, dict(batch.req_id_to_index), sampled_token_ids,
                                  logprobs, finished_rows or {})
 

@@ -50,6 +50,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from vllm.config import InputKind
+from vllm.model_executor.layers.quantization.gguf_blocks import MAX_ROWS as GGUF_MAX_ROWS
 from vllm.model_executor.models.interfaces import GraphModel
 from vllm.v1.attention.backends.abstract import AttentionBackend, CommonAttentionMetadata
 
@@ -58,15 +60,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-IDS = "ids"
-EMBEDS = "embeds"
 # The size of the CPU graphs compiled for any step larger than the largest static size.
 ANY = 0
 # ANY graphs take only steps of more than this many tokens (and more than the largest static
-# size): up to it, layers may pick their kernel by row count (GGUF's quantized kernels,
-# `gguf_blocks.MAX_ROWS`), a branch that a graph with a symbolic size would have to guard
-# on. Steps between the largest static size and this run eagerly.
-ANY_MIN_TOKENS = 8
+# size): up to it, layers may pick their kernel by row count (GGUF's quantized kernels),
+# a branch that a graph with a symbolic size would have to guard on. Steps between the
+# largest static size and this run eagerly.
+ANY_MIN_TOKENS = GGUF_MAX_ROWS
 
 
 # Largest default static capture size on CPU: past it, steps run the graphs compiled for
@@ -133,7 +133,7 @@ class CompiledGraphs:
         self.lora_state = lora_state
         self.lora_variants = (False, True) if lora_state is not None else (False,)
         self.sizes = sorted(set(sizes))
-        self.kinds = (IDS, EMBEDS) if with_embeds else (IDS,)
+        self.kinds = _graph_kinds(with_embeds)
         self.max_size = self.sizes[-1]
         self.any_min = max(self.max_size, ANY_MIN_TOKENS)  # ANY takes steps of more tokens
         # A step holds at most `max_num_tokens` (the token budget): with a budget of 8 and
@@ -141,27 +141,28 @@ class CompiledGraphs:
         self.any_sizes = [ANY] if max_num_tokens > self.any_min else []
         self.positions = torch.zeros(self.max_size, dtype=torch.int64, device=device)
         # Each set's input buffer: ids, or embeds rows.
-        self.inputs = {IDS: torch.zeros(self.max_size, dtype=torch.int64, device=device)}
+        self.inputs = {InputKind.TOKEN_IDS: torch.zeros(self.max_size, dtype=torch.int64,
+                                                        device=device)}
         if with_embeds:
-            self.inputs[EMBEDS] = torch.zeros(self.max_size, hidden_size, dtype=dtype,
-                                              device=device)
-        self.captured: set[tuple[str, int]] = set()
-        self.replays: collections.Counter[tuple[str, int]] = collections.Counter()
+            self.inputs[InputKind.EMBEDS] = torch.zeros(self.max_size, hidden_size,
+                                                        dtype=dtype, device=device)
+        self.captured: set[tuple[InputKind, int]] = set()
+        self.replays: collections.Counter[tuple[InputKind, int]] = collections.Counter()
         # Each (set, size) compiles its own copies of the pieces: dynamo keeps compiled
         # entries per code object, so every copy holds exactly one, which a replay calls
         # without evaluating guards (with the sizes sharing one function, each call had to
         # tell its size apart from the others': one request's step ran ~10% slower with
         # five sizes captured than with one). The ANY copies take a symbolic token count
         # (parameters and buffers keep their static shapes).
-        self._pieces: dict[tuple[str, int, bool], tuple[Callable, Callable, Callable]] = {}
+        self._pieces: dict[tuple[InputKind, int, bool], tuple[Callable, Callable, Callable]] = {}
         for kind in self.kinds:
-            prepare = _prepare_ids if kind == IDS else _prepare_embeds
+            prepare = _prepare_ids if kind is InputKind.TOKEN_IDS else _prepare_embeds
             for size in self.sizes + self.any_sizes:
                 compile_ = functools.partial(
                     torch.compile, dynamic=size == ANY, fullgraph=True,
                     options={"cpp.min_chunk_size": CPU_MIN_PARALLEL_CHUNK})
                 for lora in self.lora_variants:
-                    tag = f"{kind}_{size or 'any'}{'_lora' if lora else ''}"
+                    tag = f"{kind.value}_{size or 'any'}{'_lora' if lora else ''}"
                     self._pieces[(kind, size, lora)] = (compile_(_own_code(prepare, tag)),
                                                         compile_(_own_code(_layer, tag)),
                                                         compile_(_own_code(_finish, tag)))
@@ -180,7 +181,7 @@ class CompiledGraphs:
         if self.lora_state is not None:
             self.lora_state.active = False
         logger.info("Captured %d graph sets (%s%s) for sizes %s%s in %.1f s.",
-                    len(self.captured), " and ".join(self.kinds),
+                    len(self.captured), " and ".join(k.value for k in self.kinds),
                     ", with and without LoRA" if self.lora_state is not None else "",
                     self.sizes, " and any larger size" if self.any_sizes else "",
                     time.perf_counter() - start)
@@ -202,10 +203,10 @@ class CompiledGraphs:
                                                 positions))
             self.captured.add((kind, ANY))
 
-    def _forward(self, kind: str, size: int) -> torch.Tensor:
+    def _forward(self, kind: InputKind, size: int) -> torch.Tensor:
         return self._run_pieces(kind, size, self.inputs[kind][:size], self.positions[:size])
 
-    def _run_pieces(self, kind: str, size: int, inputs: torch.Tensor,
+    def _run_pieces(self, kind: InputKind, size: int, inputs: torch.Tensor,
                     positions: torch.Tensor) -> torch.Tensor:
         lora = self.lora_state is not None and self.lora_state.active
         prepare, layer_fn, finish = self._pieces[(kind, size, lora)]
@@ -250,13 +251,18 @@ class CompiledGraphs:
             return self._forward(kind, size)[:n]
 
 
+def _graph_kinds(with_embeds: bool) -> tuple[InputKind, ...]:
+    """The graph sets kept: ids always, embeds only with prompt embeds enabled."""
+    return (InputKind.TOKEN_IDS, InputKind.EMBEDS) if with_embeds else (InputKind.TOKEN_IDS,)
+
+
 def _step_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None
-                 ) -> tuple[str, torch.Tensor]:
+                 ) -> tuple[InputKind, torch.Tensor]:
     """The set a step replays, and its inputs: embeds rows if it has any, else ids."""
     if inputs_embeds is not None:
-        return EMBEDS, inputs_embeds
+        return InputKind.EMBEDS, inputs_embeds
     assert input_ids is not None, "a step needs ids or embeds"
-    return IDS, input_ids
+    return InputKind.TOKEN_IDS, input_ids
 
 
 def _prepare_ids(model: GraphModel, input_ids: torch.Tensor, positions: torch.Tensor):
@@ -308,19 +314,20 @@ class CudaGraphs:
         # adapter add zeros): a CUDA graph cannot branch on the step.
         self.lora_state = lora_state
         self.sizes = sorted(set(sizes))
-        self.kinds = (IDS, EMBEDS) if with_embeds else (IDS,)
+        self.kinds = _graph_kinds(with_embeds)
         self.max_size = self.sizes[-1]
         self.max_blocks = -(-max_model_len // block_size)
         self.attn_backend = attn_backend
         n = self.max_size
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.inputs = {IDS: torch.zeros(n, dtype=torch.int64, device=device)}
+        self.inputs = {InputKind.TOKEN_IDS: torch.zeros(n, dtype=torch.int64, device=device)}
         if with_embeds:
-            self.inputs[EMBEDS] = torch.zeros(n, hidden_size, dtype=dtype, device=device)
+            self.inputs[InputKind.EMBEDS] = torch.zeros(n, hidden_size, dtype=dtype,
+                                                        device=device)
         self.attn_buffers = attn_backend.init_graph_buffers(n, self.max_blocks, block_size,
                                                             device)
-        self.captured: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.replays: collections.Counter[tuple[str, int]] = collections.Counter()
+        self.captured: dict[tuple[InputKind, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.replays: collections.Counter[tuple[InputKind, int]] = collections.Counter()
         self.pool = None
 
     def padded_size(self, num_tokens: int) -> int | None:
@@ -330,9 +337,9 @@ class CudaGraphs:
         """The attention metadata graphs of `size` rows read: views of the buffers."""
         return self.attn_backend.capture_metadata(self.attn_buffers, size)
 
-    def _forward(self, kind: str, size: int) -> torch.Tensor:
+    def _forward(self, kind: InputKind, size: int) -> torch.Tensor:
         inputs = self.inputs[kind][:size]
-        if kind == IDS:
+        if kind is InputKind.TOKEN_IDS:
             return self.model(inputs, self.positions[:size], None)
         return self.model(None, self.positions[:size], inputs)
 
@@ -351,9 +358,11 @@ class CudaGraphs:
         if self.lora_state is not None:
             self.lora_state.active = False
         logger.info("Captured %d CUDA graphs (%s) for sizes %s in %.1f s.", len(self.captured),
-                    " and ".join(self.kinds), self.sizes, time.perf_counter() - start)
+                    " and ".join(k.value for k in self.kinds), self.sizes,
+                    time.perf_counter() - start)
 
-    def _capture_graph(self, kind: str, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture_graph(self, kind: InputKind, size: int
+                       ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """One CUDA graph of the forward under the forward context now set, and its output
         tensor: capture's only CUDA work (tests substitute an eager forward)."""
         stream = torch.cuda.Stream()
@@ -389,7 +398,7 @@ class CudaGraphs:
         self.replays[(kind, size)] += 1
         return self._replay(kind, size)[:n]
 
-    def _replay(self, kind: str, size: int) -> torch.Tensor:
+    def _replay(self, kind: InputKind, size: int) -> torch.Tensor:
         """The captured graph's output for the step now in the buffers (all `size` rows):
         a replay's only CUDA work (tests substitute the eager forward on the same buffers
         and capture metadata)."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from vllm.sampling_params import may_stop_at
 from vllm.v1.sample.metadata import Penalties, SamplingMetadata
 from vllm.v1.worker.input_batch import InputBatch
 
@@ -108,12 +109,10 @@ class SamplingInputsBuilder:
         blocked_rows: dict[int, list[int]] = {}
         for i, row in enumerate(rows.tolist()):
             state = batch.state(row)
-            if len(state.output_token_ids) >= batch.min_tokens[row]:
+            # The token sampled now is output token number len(output_token_ids).
+            if may_stop_at(len(state.output_token_ids), int(batch.min_tokens[row])):
                 continue
-            params = state.sampling_params
-            blocked = list(params.stop_token_ids or ())  # a list once constructed
-            if not params.ignore_eos:
-                blocked += params.end_of_sequence_ids()
+            blocked = state.sampling_params.stop_ids()
             if blocked:
                 blocked_rows[i] = blocked
         return blocked_rows

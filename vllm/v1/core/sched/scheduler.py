@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm.config import CacheConfig, SchedulerConfig
+from vllm.config import CacheConfig, InputKind, SchedulerConfig
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.kv_cache_groups import KVCacheGroupSpec
 from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -58,7 +58,7 @@ class _Step:
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)  # drafts verified
-    only: str | None = None  # a suspect of a failed step, run alone
+    suspect: str | None = None  # a request suspected of failing a step, run alone
 
 
 class _LoRASlots:
@@ -355,41 +355,41 @@ class Scheduler:
 
     # ---- scheduling ---------------------------------------------------------------
 
-    def _step_kind(self) -> bool | None:
-        """Under `separate` embeds batching: True for a token-only step, False for an
-        embeds-only step, chosen by the oldest request; None when kinds mix freely."""
+    def _step_kind(self) -> InputKind | None:
+        """Under `separate` embeds batching: the one kind of prompt a step takes, the oldest
+        request's; None when kinds mix freely."""
         if self.config.prompt_embeds_batching != "separate":
             return None
         candidates = [*self.running, *self.waiting]
         if not candidates:
             return None
-        return min(candidates, key=lambda r: r.arrival_time).is_token_prompt
+        return min(candidates, key=lambda r: r.arrival_time).prompt_kind
 
     def schedule(self) -> SchedulerOutput:
         step = _Step(budget=self.config.max_num_batched_tokens,
                      encoder_budget=self.config.max_num_encoder_input_tokens,
-                     only=self._next_suspect())
+                     suspect=self._next_suspect())
         self._resolve_grammars()
-        kind = None if step.only is not None else self._step_kind()
+        kind = None if step.suspect is not None else self._step_kind()
         self._schedule_running(step, kind)
         if not step.preempted:
             self._schedule_waiting(step, kind)
         while not step.num_scheduled and self._preempt_parked_beam(step):
             self._schedule_waiting(step, kind)
-        if step.only is not None and not step.num_scheduled:
+        if step.suspect is not None and not step.num_scheduled:
             # The suspect waits for blocks that running requests hold: let them progress.
-            step.only = None
+            step.suspect = None
             self._schedule_running(step, None)
         if kind is not None and not step.num_scheduled:
             # The oldest request's kind cannot run (it waits for blocks held by running
             # requests of the other kind): let those progress, admitting nothing new.
-            self._schedule_running(step, not kind)
+            self._schedule_running(step, kind.other)
         output = self._make_output(step)
         for request in (*step.cached_reqs, *step.new_reqs):
             request.num_computed_tokens += step.num_scheduled[request.request_id]
         return output
 
-    def _schedule_running(self, step: _Step, kind: bool | None) -> None:
+    def _schedule_running(self, step: _Step, kind: InputKind | None) -> None:
         """Running requests, oldest first; a request short of blocks preempts the newest."""
         index = 0
         while (index < len(self.running) and step.budget > 0
@@ -398,9 +398,9 @@ class Scheduler:
             num_new = self._num_new_tokens(request, step.budget)
             drafts = self._drafts_to_verify(request, num_new, step.budget)
             num_new += len(drafts)
-            if ((kind is not None and request.is_token_prompt != kind) or num_new == 0
+            if ((kind is not None and request.prompt_kind is not kind) or num_new == 0
                     or request.request_id in step.num_scheduled
-                    or (step.only is not None and request.request_id != step.only)):
+                    or (step.suspect is not None and request.request_id != step.suspect)):
                 index += 1
                 continue
             while (new_blocks := self.kv_cache_manager.allocate_slots(
@@ -415,14 +415,14 @@ class Scheduler:
                 step.new_reqs.append(request)
             else:
                 step.cached_reqs.append(request)
-            step.new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
+            step.new_block_ids[request.request_id] = [block.block_id for block in new_blocks]
             step.num_scheduled[request.request_id] = num_new
             if drafts:
                 step.spec_tokens[request.request_id] = drafts
             step.budget -= num_new
             index += 1
 
-    def _schedule_waiting(self, step: _Step, kind: bool | None) -> None:
+    def _schedule_waiting(self, step: _Step, kind: InputKind | None) -> None:
         skipped: list[Request] = []
         loras = _LoRASlots(self.config.max_loras, self.running)
         # Beams waiting for their group's other beams hold no batch row.
@@ -432,8 +432,8 @@ class Scheduler:
                and len(step.num_scheduled) < self.config.max_num_seqs):
             request = self.waiting[0]
             if (request.status == RequestStatus.WAITING_FOR_GRAMMAR or _is_parked(request)
-                    or (kind is not None and request.is_token_prompt != kind)
-                    or (step.only is not None and request.request_id != step.only)
+                    or (kind is not None and request.prompt_kind is not kind)
+                    or (step.suspect is not None and request.request_id != step.suspect)
                     or not loras.admits(request)):
                 skipped.append(self.waiting.popleft())
                 continue
@@ -509,9 +509,9 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _make_output(self, step: _Step) -> SchedulerOutput:
-        kv = self.kv_cache_manager
-        new_data = [NewRequestData.from_request(r, kv.get_block_ids(r.request_id),
-                                                kv.get_cross_block_ids(r.request_id))
+        kv_manager = self.kv_cache_manager
+        new_data = [NewRequestData.from_request(r, kv_manager.get_block_ids(r.request_id),
+                                                kv_manager.get_cross_block_ids(r.request_id))
                     for r in step.new_reqs]
         cached = CachedRequestData()
         for request in step.cached_reqs:
@@ -519,7 +519,7 @@ class Scheduler:
             cached.new_block_ids.append(step.new_block_ids[request.request_id])
             cached.num_computed_tokens.append(request.num_computed_tokens)
         finished, self.finished_req_ids = self.finished_req_ids, []
-        rows = [RowsToGather(req_id, kv.get_group_block_ids(req_id),
+        rows = [RowsToGather(req_id, kv_manager.get_group_block_ids(req_id),
                              self.requests[req_id].num_tokens - 1)
                 for req_id in self.held_for_rows]
         grammar_ids, bitmask = self._grammar_bitmask(step)
@@ -755,13 +755,11 @@ class Scheduler:
         params = request.sampling_params
         if request.num_output_tokens < params.min_tokens:
             return False
-        if not params.ignore_eos and token in params.end_of_sequence_ids():
+        if token in params.stop_ids():
             request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = None if token == params.eos_token_id else token
-            return True
-        if token in (params.stop_token_ids or ()):  # a list once constructed
-            request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = token
+            # vLLM's stop_reason: None for the tokenizer's EOS, else the id that stopped.
+            eos = not params.ignore_eos and token == params.eos_token_id
+            request.stop_reason = None if eos else token
             return True
         return False
 
