@@ -24,6 +24,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from vllm.sampling_params import may_stop_at
 from vllm.v1.outputs import LogprobsLists
 from vllm.v1.sample.metadata import Penalties, SamplingMetadata
 from vllm.v1.sample.sampler import (
@@ -113,7 +114,7 @@ def expand_metadata(metadata: SamplingMetadata, layout: DraftLayout,
             generators[position] = metadata.generators[row]
         if row in metadata.allowed_token_ids:
             allowed[position] = metadata.allowed_token_ids[row]
-        if num_output_tokens[row] + j < min_tokens[row] and stop_ids[row]:
+        if not may_stop_at(num_output_tokens[row] + j, min_tokens[row]) and stop_ids[row]:
             blocked[position] = stop_ids[row]
     penalties = metadata.penalties
     if penalties is not None:

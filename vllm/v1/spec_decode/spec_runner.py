@@ -175,14 +175,8 @@ class SpecDecodeRunner:
     def _expand(metadata: SamplingMetadata, layout: DraftLayout,
                 states: list[CachedRequestState]) -> SamplingMetadata:
         """`expand_metadata` with each sampling row's output count, min_tokens and the
-        ids min_tokens blocks (stop ids, and EOS unless ignored)."""
-        stop_ids = []
-        for state in states:
-            params = state.sampling_params
-            ids = list(params.stop_token_ids or ())
-            if not params.ignore_eos:
-                ids += params.end_of_sequence_ids()
-            stop_ids.append(ids)
+        ids min_tokens blocks (`SamplingParams.stop_ids`)."""
+        stop_ids = [s.sampling_params.stop_ids() for s in states]
         return expand_metadata(metadata, layout, [len(s.output_token_ids) for s in states],
                                [s.sampling_params.min_tokens for s in states], stop_ids)
 
