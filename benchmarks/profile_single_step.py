@@ -2,6 +2,7 @@
 forward pass, and inside the forward, each kernel.
 
     python benchmarks/profile_single_step.py --quantization gguf   # or int8, or none
+    python benchmarks/profile_single_step.py --speculative ngram  # verification steps
 
 One request (128-token prompt, `--steps` greedy tokens) on the default model. Two passes:
 
@@ -15,6 +16,14 @@ One request (128-token prompt, `--steps` greedy tokens) on the default model. Tw
    output size, attention, inductor's fused elementwise kernels, argmax).
 
 Prints the bytes of weights a step reads and the bandwidth a step reaches.
+
+`--speculative ngram`: prompt-lookup speculation (`--num-speculative-tokens`, default 8;
+lookup n-grams 2-4) on `benchmark_peers.py --single`'s copy-heavy prompt (answering from a
+passage in the prompt), whose steps mostly verify drafts. The table then also has the
+runner's `spec.verify` (expanding the sampling metadata, rejection sampling, appending the
+accepted tokens; indented inside it, the rejection sampler and its native argmax over the
+verified positions, which like the plain sampler counts as model time) and `spec.propose`
+(the prompt-lookup drafts for the next step), and per generated token as well as per step.
 """
 
 from __future__ import annotations
@@ -38,14 +47,25 @@ from vllm.transformers_utils.default_model import default_model_path
 
 
 class SectionTimer:
-    """Accumulated wall and thread CPU time per named section."""
+    """Accumulated wall and thread CPU time and calls per named section. A label that
+    starts with a space is a section nested inside another one (not summed)."""
 
     def __init__(self) -> None:
         self.wall: collections.defaultdict[str, float] = collections.defaultdict(float)
         self.cpu: collections.defaultdict[str, float] = collections.defaultdict(float)
+        self.calls: collections.Counter[str] = collections.Counter()
         self.on = False
 
+    def clear(self) -> None:
+        self.wall.clear()
+        self.cpu.clear()
+        self.calls.clear()
+
     def wrap(self, owner: object, name: str, label: str) -> None:
+        """Times `owner.name`. A special method (`__call__`) is looked up on the type, so
+        it is wrapped on the owner's class."""
+        if name.startswith("__"):
+            owner = type(owner)
         fn: Callable = getattr(owner, name)
 
         @functools.wraps(fn)
@@ -58,6 +78,7 @@ class SectionTimer:
             finally:
                 self.wall[label] += time.perf_counter() - wall
                 self.cpu[label] += time.thread_time() - cpu
+                self.calls[label] += 1
 
         setattr(owner, name, timed)
 
@@ -94,6 +115,13 @@ def main() -> None:
     parser.add_argument("--quantization", default="gguf", choices=["gguf", "int8", "none"])
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--speculative", default="none", choices=["none", "ngram"],
+                        help="ngram: prompt-lookup speculation on the copy-heavy prompt")
+    parser.add_argument("--num-speculative-tokens", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=1,
+                        help="requests timed one after another (more steps, less noise)")
+    parser.add_argument("--torch-profile", action=argparse.BooleanOptionalAction,
+                        default=True, help="also the torch.profiler pass")
     args = parser.parse_args()
     gguf = default_model_path()
     kwargs: dict = {"enforce_eager": args.enforce_eager}
@@ -106,6 +134,17 @@ def main() -> None:
                                                  "vllm-bench-default-hf"))
     else:
         model = gguf
+    speculative = args.speculative != "none"
+    if speculative:
+        from benchmark_peers import single_workload
+
+        workload = single_workload(gguf, args.steps, args.num_speculative_tokens)
+        kwargs["speculative_config"] = {"method": args.speculative,
+                                        **workload["prompt_lookup"]}
+        prompt = {"prompt_token_ids": workload["copy_prompt"]}
+    else:
+        rng = random.Random(0)
+        prompt = {"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(128)]}
     llm = LLM(model, max_model_len=2048, max_num_seqs=8, kv_cache_memory_bytes=256 * 1024**2,
               **kwargs)
     engine = llm.llm_engine
@@ -121,10 +160,15 @@ def main() -> None:
     timer.wrap(runner, "_sampling_metadata", "sampling metadata")
     timer.wrap(runner.sampler, "__call__", "sampler")
     timer.wrap(runner, "_bookkeep", "runner: bookkeeping")
+    if speculative:
+        timer.wrap(runner.spec, "verify", "spec.verify")
+        timer.wrap(runner.spec.rejection_sampler, "__call__", "  rejection sampler")
+        from vllm.v1.spec_decode import rejection_sampler
+
+        timer.wrap(rejection_sampler, "greedy_tokens", "    its argmax (native)")
+        timer.wrap(runner.spec, "propose", "spec.propose")
     timer.wrap(core.scheduler, "update_from_output", "scheduler.update_from_output")
     timer.wrap(engine.output_processor, "process_outputs", "output processing")
-    rng = random.Random(0)
-    prompt = {"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(128)]}
     params = SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True)
     llm.generate([prompt], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
 
@@ -139,35 +183,50 @@ def main() -> None:
         timer.on = False
 
     one_request()
-    timer.wall.clear()
-    timer.cpu.clear()
-    one_request()
-    steps = args.steps - 1
+    timer.clear()
+    for _ in range(args.requests):
+        one_request()
+    steps = timer.calls["step (total)"]
+    tokens = (args.steps - 1) * args.requests  # each prefill step made the first
     total = timer.wall["step (total)"]
-    print(f"{args.quantization}: {steps} decode steps, {total / steps * 1e3:.2f} ms a step "
-          f"({steps / total:.1f} tok/s)")
-    print(f"{'section':<32}{'wall us/step':>14}{'cpu us/step':>14}{'share':>8}")
+    print(f"{args.quantization}: {args.requests} request(s), {steps} decode steps, "
+          f"{total / steps * 1e3:.2f} ms a step ({tokens / total:.1f} tok/s)")
+    if speculative:
+        verified = timer.calls["spec.verify"]
+        print(f"speculation {args.speculative} k={args.num_speculative_tokens}: {tokens} "
+              f"tokens in {steps} steps ({tokens / steps:.2f} a step), {verified} of them "
+              f"verifying drafts")
+    print(f"{'section':<32}{'wall us/step':>14}{'cpu us/step':>14}{'share':>8}"
+          + (f"{'cpu us/token':>14}" if speculative else ""))
     inner = 0.0
     for label in timer.wall:
         if label == "step (total)":
             continue
-        if label not in ("vocabulary projection", "sampling metadata"):
+        if not label.startswith(" "):
             inner += timer.wall[label]
         print(f"{label:<32}{timer.wall[label] / steps * 1e6:>14.0f}"
-              f"{timer.cpu[label] / steps * 1e6:>14.0f}{timer.wall[label] / total:>8.1%}")
+              f"{timer.cpu[label] / steps * 1e6:>14.0f}{timer.wall[label] / total:>8.1%}"
+              + (f"{timer.cpu[label] / tokens * 1e6:>14.0f}" if speculative else ""))
     rest = total - inner
     print(f"{'rest of the loop':<32}{rest / steps * 1e6:>14.0f}{'':>14}{rest / total:>8.1%}")
     forward = timer.wall["forward (layers)"] + timer.wall["vocabulary projection"]
-    model_parts = ("forward (layers)", "vocabulary projection", "sampler")
+    # The plain steps' sampler and the verification steps' argmax: the native kernel.
+    model_parts = ("forward (layers)", "vocabulary projection", "sampler",
+                   "    its argmax (native)")
     wall, cpu = (sum(t[k] for k in model_parts) for t in (timer.wall, timer.cpu))
-    print(f"engine Python per step (everything but forward, logits, sampler): "
-          f"{(total - wall) / steps * 1e6:.0f} us wall, "
-          f"{(timer.cpu['step (total)'] - cpu) / steps * 1e6:.0f} us CPU")
+    python_cpu = timer.cpu["step (total)"] - cpu
+    print(f"engine Python per step (everything but forward, logits, plain sampler"
+          f"{', the argmax of the verified positions' if speculative else ''}): "
+          f"{(total - wall) / steps * 1e6:.0f} us wall, {python_cpu / steps * 1e6:.0f} us CPU"
+          + (f"; per generated token {python_cpu / tokens * 1e6:.0f} us CPU"
+             if speculative else ""))
     nbytes = weight_bytes(runner.model)
     print(f"weights read per step: {nbytes / 1e6:.1f} MB; {nbytes / (total / steps) / 1e9:.1f}"
           f" GB/s over the whole step, {nbytes / (forward / steps) / 1e9:.1f} GB/s over the "
           "forward and logits")
 
+    if not args.torch_profile:
+        return
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -16,9 +16,15 @@ from tests.model_factory import make_tiny_model
 from vllm import LLM, SamplingParams
 from vllm.config import InputKind, SpeculativeConfig
 from vllm.v1.sample.metadata import Penalties, SamplingMetadata
-from vllm.v1.sample.sampler import sampling_probs
+from vllm.v1.sample.sampler import inverse_cdf_sample, sampling_probs
 from vllm.v1.spec_decode.ngram_proposer import NgramProposer
-from vllm.v1.spec_decode.rejection_sampler import DraftLayout, RejectionSampler, expand_metadata
+from vllm.v1.spec_decode.rejection_sampler import (
+    DraftLayout,
+    RejectionSampler,
+    expand_metadata,
+    first_stops,
+)
+from vllm.v1.spec_decode.spec_runner import SpecDecodeRunner
 
 # ---- the ngram proposer ----------------------------------------------------------------
 
@@ -59,6 +65,53 @@ def test_ngram_embeds_positions_never_match_nor_get_drafted():
     assert _propose([4, 4, 4], is_token=[1, 1, 0]) == []
 
 
+def _reference_drafts(tokens, is_token, k, lo, hi):
+    """The definition, by brute force: the largest n in [lo, hi] whose suffix n-gram (all
+    tokens) ends earlier at some j <= L - 2 (all tokens there too), the latest such j;
+    then up to k tokens after j, cut before any embeds position."""
+    length = len(tokens)
+    for n in range(min(hi, length - 1), lo - 1, -1):
+        suffix = list(range(length - n, length))
+        if not all(is_token[p] for p in suffix):
+            continue
+        for end in range(length - 2, n - 2, -1):
+            span = range(end - n + 1, end + 1)
+            if all(is_token[p] for p in span) and \
+                    [tokens[p] for p in span] == [tokens[p] for p in suffix]:
+                drafts = []
+                for p in range(end + 1, min(end + 1 + k, length)):
+                    if not is_token[p]:
+                        break
+                    drafts.append(tokens[p])
+                return drafts
+    return []
+
+
+def test_ngram_index_against_brute_force_as_tokens_arrive():
+    """Random sequences over a 3-4 token alphabet (many repeats), some prompt positions
+    embeds: an index extended chunk by chunk proposes what the brute force finds for every
+    prefix, and so does a fresh NgramProposer."""
+    rng = np.random.default_rng(0)
+    for case in range(40):
+        lo = int(rng.integers(1, 4))
+        hi = lo + int(rng.integers(0, 3))
+        k = int(rng.integers(1, 6))
+        tokens = rng.integers(0, int(rng.integers(3, 5)), 40).tolist()
+        is_token = (rng.random(40) > (0.15 if case % 2 else 0.0)).tolist()
+        proposer = NgramProposer(k, lo, hi)
+        index = proposer.index()
+        length = 0
+        while length < 40:
+            step = int(rng.integers(1, 6))
+            chunk = range(length, min(40, length + step))
+            index.extend([tokens[p] if is_token[p] else None for p in chunk])
+            length = chunk.stop
+            expected = _reference_drafts(tokens[:length], is_token[:length], k, lo, hi)
+            assert index.propose(k) == expected, (case, length)
+            assert proposer.propose(np.array(tokens[:length]),
+                                    np.array(is_token[:length])) == expected
+
+
 # ---- the rejection sampler ---------------------------------------------------------------
 
 
@@ -81,9 +134,87 @@ def _verify(logits, drafts, metadata, num_outputs=None, min_tokens=None, stop_id
 
 def test_layout_positions():
     layout = DraftLayout.of([[7, 8], [], [9]])
-    assert layout.starts.tolist() == [0, 3, 4, 6]
-    assert layout.row_of_position.tolist() == [0, 0, 0, 1, 2, 2]
-    assert layout.index_in_row.tolist() == [0, 1, 2, 0, 0, 1]
+    assert layout.starts == [0, 3, 4, 6]
+    assert layout.draft_tokens().tolist() == [7, 8, -1, -1, 9, -1]
+    assert layout.num_drafts().tolist() == [2, 0, 1]
+    rows, index = layout.positions()
+    assert rows.tolist() == [0, 0, 0, 1, 2, 2] and index.tolist() == [0, 1, 2, 0, 0, 1]
+    assert first_stops(np.array([0, 0, 1, 1, 0, 1], dtype=bool), layout.starts).tolist() \
+        == [2, 3, 5]
+    assert SpecDecodeRunner.logits_indices(np.array([0, 3, 6, 8]), np.array([0, 1, 2]),
+                                           DraftLayout.of([[], [1, 2], [3]])).tolist() \
+        == [2, 3, 4, 5, 6, 7]
+
+
+def test_greedy_acceptance_against_a_reference_loop():
+    """Random batches of rows with random drafts (often equal to the argmax): each row's
+    emitted tokens are the drafts accepted one by one while they equal the argmax, then
+    the argmax where it stopped; plain greedy metadata (not expanded) and expanded agree."""
+    rng = np.random.default_rng(0)
+    vocab = 5
+    for _ in range(50):
+        n = int(rng.integers(1, 5))
+        drafts = [rng.integers(0, vocab, int(rng.integers(0, 5))).tolist() for _ in range(n)]
+        num = sum(len(d) + 1 for d in drafts)
+        argmax = rng.integers(0, vocab, num)
+        start = 0
+        for row in drafts:  # make acceptance likely: drafts copy the argmax, some changed
+            cut = int(rng.integers(0, len(row) + 1))
+            row[:cut] = argmax[start:start + cut].tolist()
+            start += len(row) + 1
+        logits = torch.zeros(num, vocab)
+        logits[torch.arange(num), torch.from_numpy(argmax)] = 1.0
+        expected, start = [], 0
+        for row in drafts:
+            accepted = 0
+            while accepted < len(row) and row[accepted] == argmax[start + accepted]:
+                accepted += 1
+            expected.append([*row[:accepted], int(argmax[start + accepted])])
+            start += len(row) + 1
+        metadata = _metadata([0.0] * n)
+        assert RejectionSampler()(logits, metadata, DraftLayout.of(drafts)).token_ids \
+            == expected
+        assert _verify(logits, drafts, metadata).token_ids == expected
+
+
+def test_random_rows_against_a_reference_loop():
+    """The vectorised rejection rule against a position-by-position loop over the same
+    uniforms (seeded rows draw from their own generators, identically in both)."""
+    vocab, drafts = 6, [[1, 4, 2], [], [3, 3], [0]]
+    num = sum(len(d) + 1 for d in drafts)
+    logits = torch.randn(num, vocab, generator=torch.Generator().manual_seed(3)) * 2
+    metadata = _metadata([0.7, 0.0, 1.3, 1.0])
+    for seed in range(20):
+        gens = {i: torch.Generator().manual_seed(seed * 10 + i) for i in (0, 2, 3)}
+        metadata.generators = gens
+        got = _verify(logits, drafts, metadata).token_ids
+        gens = {i: torch.Generator().manual_seed(seed * 10 + i) for i in (0, 2, 3)}
+        layout = DraftLayout.of(drafts)
+        expected, start = [], 0
+        for i, row in enumerate(drafts):
+            positions = slice(start, start + len(row) + 1)
+            start += len(row) + 1
+            if i == 1:  # greedy
+                target = logits[positions].argmax(-1).tolist()
+                accepted = 0
+                while accepted < len(row) and row[accepted] == target[accepted]:
+                    accepted += 1
+                expected.append([*row[:accepted], target[accepted]])
+                continue
+            temperature = torch.full((len(row) + 1,), metadata.temperature[i].item())
+            p = sampling_probs(logits[positions], _metadata(temperature.tolist()))
+            p = p / p.sum(-1, keepdim=True)
+            u = [torch.rand(1, generator=gens[i]).item() for _ in range(len(row) + 1)]
+            accepted = 0
+            while accepted < len(row) and u[accepted] < p[accepted, row[accepted]].item():
+                accepted += 1
+            final = p[accepted].clone()
+            if accepted < len(row):
+                final[row[accepted]] = 0.0
+            token = inverse_cdf_sample(final[None], torch.rand(1, generator=gens[i]))
+            expected.append([*row[:accepted], int(token)])
+        assert layout.starts[-1] == num
+        assert got == expected, (seed, got, expected)
 
 
 def test_greedy_accepts_while_drafts_equal_the_argmax():
@@ -96,7 +227,7 @@ def test_greedy_accepts_while_drafts_equal_the_argmax():
     assert out.token_ids == [[5, 0, 2], [1], [3, 3]]
     # min_tokens blocks the stop id while the row (1 output so far) is below 3 tokens:
     # positions 0 and 1 of row 0 cannot pick 5 / 0 when those are stop ids.
-    out = _verify(logits, [[5, 0, 4]], _metadata([0.0]), num_outputs=[1], min_tokens=[3],
+    out = _verify(logits[:4], [[5, 0, 4]], _metadata([0.0]), num_outputs=[1], min_tokens=[3],
                   stop_ids=[[5]])
     assert out.token_ids[0][0] != 5 and len(out.token_ids[0]) == 1
 

@@ -22,9 +22,14 @@ from vllm.v1.attention.backends.abstract import AttentionBackend
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.sample.metadata import SamplingMetadata
-from vllm.v1.spec_decode.ngram_proposer import NgramProposer
-from vllm.v1.spec_decode.rejection_sampler import DraftLayout, RejectionSampler, expand_metadata
-from vllm.v1.worker.input_batch import InputBatch
+from vllm.v1.spec_decode.ngram_proposer import NgramIndex, NgramProposer
+from vllm.v1.spec_decode.rejection_sampler import (
+    DraftLayout,
+    RejectionSampler,
+    expand_metadata,
+    is_plain_greedy,
+)
+from vllm.v1.worker.input_batch import CachedRequestState, InputBatch
 
 
 class Proposer(Protocol):
@@ -48,20 +53,45 @@ class _HasModel(Protocol):
 
 
 class NgramRowProposer:
-    """Prompt lookup over each row's token-id table."""
+    """Prompt lookup for each batch row from an `NgramIndex` per request, extended by the
+    tokens each step appended (built from the prompt on the request's first proposal,
+    and again when its state is replaced: a preempted request re-sent, a reused id)."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.ngram = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                    config.prompt_lookup_max)
+        self.indices: dict[str, NgramIndex] = {}
 
     def propose_rows(self, batch: InputBatch, rows: list[int],
                      scheduler_output: SchedulerOutput) -> dict[int, list[int]]:
+        for req_id in scheduler_output.finished_req_ids:
+            self.indices.pop(req_id, None)
+        if len(self.indices) > 2 * batch.max_num_reqs:  # requests that left unfinished
+            self.indices = {r: i for r, i in self.indices.items()
+                            if r in batch.req_id_to_index}
         drafts = {}
         for row in rows:
-            n = min(int(batch.num_tokens[row]), batch.max_model_len)
-            drafts[row] = self.ngram.propose(batch.token_ids_cpu[row, :n],
-                                             batch.is_token_ids[row, :n])
+            state = batch.state(row)
+            index = self.indices.get(state.req_id)
+            if index is None or index.owner is not state:
+                index = self.indices[state.req_id] = self._index_prompt(state)
+            # Known tokens: the prompt and the outputs (as far as the token table goes).
+            num_tokens = min(state.num_tokens, batch.max_model_len)
+            num_indexed = len(index.tokens)
+            if num_tokens > num_indexed:
+                index.extend(state.output_token_ids[num_indexed - state.num_prompt_tokens:
+                                                    num_tokens - state.num_prompt_tokens])
+            drafts[row] = index.propose(self.ngram.k)
         return drafts
+
+    def _index_prompt(self, state: CachedRequestState) -> NgramIndex:
+        index = self.ngram.index(owner=state)
+        prompt: list[int | None] = list(state.prompt_token_ids)
+        if state.embeds_layout is not None:  # embeds positions are not tokens
+            prompt = [t if ok else None for t, ok in
+                      zip(prompt, state.embeds_layout.is_token.tolist())]
+        index.extend(prompt)
+        return index
 
 
 class SpecDecodeRunner:
@@ -115,33 +145,24 @@ class SpecDecodeRunner:
         """Every scored position: a row's last 1 + k tokens.
 
         Example: query_start_loc [0, 3, 6, 8], sampling rows [0, 1, 2] with drafts
-        [0, 2, 1]: last tokens [2, 5, 7] -> [2, 3, 4, 5, 6, 7].
+        [0, 2, 1]: ends [3, 6, 8] -> [2, 3, 4, 5, 6, 7].
         """
-        last = query_start_loc[sampling_rows + 1] - 1
-        first = last - layout.num_drafts
-        return np.repeat(first, layout.num_drafts + 1) + layout.index_in_row
+        indices: list[int] = []
+        for end, drafts in zip(query_start_loc[sampling_rows + 1].tolist(), layout.drafts):
+            indices += range(end - 1 - len(drafts), end)
+        return np.array(indices, dtype=np.int64)
 
     def verify(self, logits: torch.Tensor, metadata: SamplingMetadata, layout: DraftLayout,
                batch: InputBatch, sampling_rows: np.ndarray) -> ModelRunnerOutput:
         """Rejection-samples the step's positions; appends each row's emitted tokens."""
         rows = sampling_rows.tolist()
-        states = [batch.state(row) for row in rows]
-        stop_ids = []
-        for state in states:
-            params = state.sampling_params
-            ids = list(params.stop_token_ids or ())
-            if not params.ignore_eos:
-                ids += params.end_of_sequence_ids()
-            stop_ids.append(ids)
-        expanded = expand_metadata(metadata, layout,
-                                   [len(s.output_token_ids) for s in states],
-                                   [s.sampling_params.min_tokens for s in states], stop_ids)
-        verified = self.rejection_sampler(logits, expanded, layout)
+        if not is_plain_greedy(metadata):  # per-position metadata
+            metadata = self._expand(metadata, layout, [batch.state(row) for row in rows])
+        verified = self.rejection_sampler(logits, metadata, layout)
         req_ids = list(batch.req_ids_in_order)
         sampled: list[list[int]] = [[] for _ in req_ids]
         for row, tokens in zip(rows, verified.token_ids):
-            for token in tokens:
-                batch.append_token(row, token)
+            batch.append_tokens(row, tokens)
             sampled[row] = tokens
         # Sampling rows ascend, so the verified logprobs rows are already in batch order.
         starts = None
@@ -149,6 +170,15 @@ class SpecDecodeRunner:
             starts = [0, *np.cumsum([len(tokens) for tokens in sampled]).tolist()]
         return ModelRunnerOutput(req_ids, dict(batch.req_id_to_index), sampled,
                                  verified.logprobs, logprob_starts=starts)
+
+    @staticmethod
+    def _expand(metadata: SamplingMetadata, layout: DraftLayout,
+                states: list[CachedRequestState]) -> SamplingMetadata:
+        """`expand_metadata` with each sampling row's output count, min_tokens and the
+        ids min_tokens blocks (`SamplingParams.stop_ids`)."""
+        stop_ids = [s.sampling_params.stop_ids() for s in states]
+        return expand_metadata(metadata, layout, [len(s.output_token_ids) for s in states],
+                               [s.sampling_params.min_tokens for s in states], stop_ids)
 
     def propose(self, batch: InputBatch, sampling_rows: np.ndarray,
                 scheduler_output: SchedulerOutput) -> list[list[int]]:

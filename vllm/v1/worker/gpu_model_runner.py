@@ -636,9 +636,9 @@ class GPUModelRunner:
         logit_keys = [req_ids[row] for row in inputs.sampling_rows.tolist()]
         mask_keys = scheduler_output.structured_output_request_ids
         if inputs.draft_layout is not None:  # a key per verified position: (id, j)
-            layout = inputs.draft_layout
+            row_of_position, index_in_row = inputs.draft_layout.positions()
             logit_keys = [f"{logit_keys[row]}\0{j}" for row, j in
-                          zip(layout.row_of_position.tolist(), layout.index_in_row.tolist())]
+                          zip(row_of_position.tolist(), index_in_row.tolist())]
             mask_keys = [f"{req_id}\0{j}" for req_id, j in
                          zip(mask_keys, _occurrence_index(mask_keys))]
         apply_grammar_bitmask(logits, logit_keys, mask_keys, scheduler_output.grammar_bitmask)

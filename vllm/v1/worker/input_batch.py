@@ -189,6 +189,17 @@ class InputBatch:
         self.num_tokens[row] = pos + 1
         self.state(row).output_token_ids.append(token_id)
 
+    def append_tokens(self, row: int, token_ids: list[int]) -> None:
+        """Records a step's tokens of one row (verified drafts and the token after them):
+        `append_token` for each, with one store per table."""
+        pos = int(self.num_tokens[row])
+        end = min(pos + len(token_ids), self.max_model_len)
+        if end > pos:
+            self.token_ids_cpu[row, pos:end] = token_ids[:end - pos]
+            self.is_token_ids[row, pos:end] = True
+        self.num_tokens[row] = pos + len(token_ids)
+        self.state(row).output_token_ids.extend(token_ids)
+
     @property
     def req_ids_in_order(self) -> list[str]:
         return self.req_ids[:self.num_reqs]  # type: ignore[return-value]
