@@ -18,7 +18,7 @@ from vllm.model_executor.layers.quantization.gguf_blocks import (
     _native_kernel,
     read_block_codes,
 )
-from vllm.v1.worker.graph_capture import ANY_MIN_TOKENS
+from vllm.v1.worker.graph_capture import ANY_MIN_TOKENS, row_switch_tokens
 
 native = pytest.mark.skipif(_native_kernel() is None,
                             reason="quant_gemv needs the native kernels and AVX-512 VNNI")
@@ -144,9 +144,15 @@ def test_without_the_native_kernel_8_bit_codes_stay_dense() -> None:
 
 
 def test_row_switch_fits_the_graphs_any_size() -> None:
-    """The CPU's ANY graphs take steps of more than ANY_MIN_TOKENS tokens only, so a
-    graph with a symbolic size never sees GGUFLinear's row switch."""
-    assert MAX_ROWS <= ANY_MIN_TOKENS
+    """The CPU's ANY graphs of a model with GGUF layers take steps of more than MAX_ROWS
+    tokens only, so a graph with a symbolic size never sees GGUFLinear's row switch;
+    other models keep ANY_MIN_TOKENS."""
+    codes = _random_codes(32, 64, 4)
+    gguf = nn.Sequential(nn.Linear(64, 64), GGUFLinear(nn.Linear(64, 32, bias=False), codes,
+                                                       native=False))
+    assert row_switch_tokens(gguf) == MAX_ROWS
+    assert row_switch_tokens(nn.Sequential(nn.Linear(64, 32))) == 0
+    assert ANY_MIN_TOKENS < MAX_ROWS
 
 
 def test_gguf_quantization_needs_a_gguf_file(tiny_llama_dir) -> None:

@@ -19,6 +19,7 @@ from torch import nn
 from vllm.config import VllmConfig
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.layers.attention import Attention, bind_attention_layers
+from vllm.model_executor.layers.quantization.gguf_blocks import MAX_ROWS as GGUF_MAX_ROWS
 from vllm.model_executor.model_loader.loader import get_model
 from vllm.model_executor.models.interfaces import (
     VllmModel,
@@ -219,7 +220,7 @@ class GPUModelRunner:
         padded size (or the dummy step compiling the graphs for any larger size)."""
         sizes = self.vllm_config.compilation_config.cudagraph_capture_sizes or (0,)
         return max(self.scheduler_config.max_num_batched_tokens, max(sizes),
-                   CPU_MAX_DEFAULT_CAPTURE_SIZE, ANY_MIN_TOKENS) + 1
+                   CPU_MAX_DEFAULT_CAPTURE_SIZE, ANY_MIN_TOKENS, GGUF_MAX_ROWS) + 1
 
     def lora(self) -> LoRAModelManager:
         if self.lora_manager is None:
