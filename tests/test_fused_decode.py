@@ -148,14 +148,17 @@ def test_token_rows_of_a_mixed_step() -> None:
     assert table.tolist() == [[3, 5, 0], [8, 2, 9], [8, 2, 9], [8, 2, 9]]  # 12 keys: 3 blocks
 
 
-def test_fused_verification_steps_equal_one_token_steps(tiny_q4_1: tuple[str, str]) -> None:
+def test_fused_verification_steps_equal_one_token_steps(
+        tiny_q4_1: tuple[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
     """float32, one engine, greedy with up to 7 drafted tokens a step; two requests verify
     together in up to 16 rows (quant_gemv's rows in two passes, the vocabulary
     projection's too): verification steps run fused, and
     tokens and logprobs are exactly those of one-token fused steps. Every row is quantized,
     projected and attended on its own, so splitting a request's tokens over steps or rows
     changes no bit. The drafts come from an oracle (the plain run's tokens, every third
-    one wrong): accepted runs, rejections and bonus tokens all happen."""
+    one wrong): accepted runs, rejections and bonus tokens all happen. The runner builds
+    the backend's attention metadata only for the steps the fused decoder does not take
+    (prompts of more than 16 tokens)."""
     path, model_dir = tiny_q4_1
     llm = LLM(path, tokenizer=model_dir, quantization="gguf", dtype="float32",
               max_model_len=128, block_size=16, enable_prefix_caching=True,
@@ -171,7 +174,19 @@ def test_fused_verification_steps_equal_one_token_steps(tiny_q4_1: tuple[str, st
     runner.spec.proposer = OracleProposer(
         {tuple(p): tokens for p, (tokens, _) in zip(prompts, expected)}, 7)
     steps, tokens = fused.steps, fused.tokens
+    backend, step_sizes = runner.attn_backend, []
+    build_metadata, run_model = backend.build_metadata, runner._run_model
+    monkeypatch.setattr(backend, "build_metadata", lambda *args, **kwargs: (
+        step_sizes.append(-1), build_metadata(*args, **kwargs))[1])
+    monkeypatch.setattr(runner, "_run_model", lambda model, inputs: (
+        step_sizes.append(inputs.positions.shape[0]), run_model(model, inputs))[1])
     got = _generate(llm, prompts, fused)
+    monkeypatch.undo()
+    # Each step too large for the fused decoder, and only those, built metadata first.
+    steps_run = [(n, previous == -1) for previous, n in zip([0, *step_sizes], step_sizes)
+                 if n > 0]
+    assert all(built == (not FusedDecode.takes(n)) for n, built in steps_run)
+    assert step_sizes.count(-1) == sum(built for _, built in steps_run) > 0
     # Plain steps have at most 2 tokens (one a request): verification rows ran fused.
     assert fused.tokens - tokens > 2 * (fused.steps - steps)
     stats = llm.llm_engine.spec_decoding_stats

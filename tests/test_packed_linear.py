@@ -12,10 +12,12 @@ import vllm.model_executor.model_loader.loader as loader
 from vllm import LLM, SamplingParams
 from vllm.model_executor.layers.packed_linear import PackedLinear, can_pack
 
-pytestmark = pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")),
-                                reason="no oneDNN in this torch build")
+packs = pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")),
+                           reason="no oneDNN in this torch build, or a CPU its bfloat16 "
+                                  "reorder refuses")
 
 
+@packs
 @pytest.mark.parametrize("bias", [False, True])
 @torch._dynamo.config.patch(recompile_limit=64)  # a graph per size
 def test_packed_equals_linear_for_every_row_count(bias: bool) -> None:
@@ -35,6 +37,19 @@ def test_only_bfloat16_on_cpu_is_packed() -> None:
     assert not can_pack(torch.bfloat16, torch.device("cuda"))
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
+def test_packing_follows_the_cpu_flags() -> None:
+    """oneDNN's bfloat16 reorder raises on CPUs without AVX-512 BW/VL/DQ or AVX-NE-CONVERT
+    (an AVX2-only CPU), so such a CPU keeps `F.linear`."""
+    cpu = torch.device("cpu")
+    avx2 = frozenset({"avx", "avx2", "fma", "f16c"})
+    assert not can_pack(torch.bfloat16, cpu, cpu_flags=avx2)
+    assert not can_pack(torch.bfloat16, cpu, cpu_flags=avx2 | {"avx512f", "avx512bw"})
+    assert can_pack(torch.bfloat16, cpu, cpu_flags=avx2 | {"avx512bw", "avx512vl", "avx512dq"})
+    assert can_pack(torch.bfloat16, cpu, cpu_flags=avx2 | {"avx_ne_convert"})
+
+
+@packs
 def test_packed_model_gives_the_same_tokens(tiny_llama_tied_dir, monkeypatch) -> None:
     prompts = ["Hello world, this is", "The capital of France is", "A"]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)

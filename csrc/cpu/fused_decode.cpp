@@ -52,13 +52,16 @@
 #if defined(VLLM_QUANT_GEMV)
 namespace {
 
+using vllm_cpu::f32x16;
 using vllm_cpu::load16;
 using vllm_cpu::store16;
+using vllm_cpu::add16;
+using vllm_cpu::mul16;
 using vllm_cpu::qgemv::QuantizedRows;
 
 // x rounded to T and back (the operator path stores the value in T).
 template <typename T>
-inline __m512 round16(__m512 x) {
+inline f32x16 round16(f32x16 x) {
   if constexpr (std::is_same_v<T, float>) {
     return x;
   } else {
@@ -80,17 +83,17 @@ void rms_norm(const float* x, const float* weight, float* out, int64_t rows, int
               float eps) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * size;
-    __m512 ss = _mm512_setzero_ps();
+    f32x16 ss = vllm_cpu::zero16();
     for (int64_t j = 0; j < size; j += 16) {
-      const __m512 v = _mm512_loadu_ps(xr + j);
-      ss = _mm512_fmadd_ps(v, v, ss);
+      const f32x16 v = load16(xr + j);
+      ss = vllm_cpu::fmadd16(v, v, ss);
     }
-    const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(size) + eps);
-    const __m512 vinv = _mm512_set1_ps(inv);
+    const float inv =
+        1.0f / std::sqrt(vllm_cpu::reduce_add16(ss) / static_cast<float>(size) + eps);
+    const f32x16 vinv = vllm_cpu::set16(inv);
     for (int64_t j = 0; j < size; j += 16) {
-      const __m512 normed = round16<T>(_mm512_mul_ps(_mm512_loadu_ps(xr + j), vinv));
-      _mm512_storeu_ps(out + r * size + j,
-                       round16<T>(_mm512_mul_ps(_mm512_loadu_ps(weight + j), normed)));
+      const f32x16 normed = round16<T>(mul16(load16(xr + j), vinv));
+      store16(out + r * size + j, round16<T>(mul16(load16(weight + j), normed)));
     }
   }
 }
@@ -99,8 +102,8 @@ void rms_norm(const float* x, const float* weight, float* out, int64_t rows, int
 template <typename T>
 void add_residual(float* h, const float* y, int64_t count) {
   for (int64_t j = 0; j < count; j += 16) {
-    const __m512 sum = _mm512_add_ps(_mm512_loadu_ps(h + j), round16<T>(_mm512_loadu_ps(y + j)));
-    _mm512_storeu_ps(h + j, round16<T>(sum));
+    const f32x16 sum = add16(load16(h + j), round16<T>(load16(y + j)));
+    store16(h + j, round16<T>(sum));
   }
 }
 
@@ -264,7 +267,7 @@ class FusedDecoder {
       p.h.resize(vllm_cpu::qgemv::kMaxChunkedRows * hidden);
       p.x.resize(vllm_cpu::qgemv::kMaxChunkedRows * std::max(hidden, inter));
       for (int64_t i = 0; i < rows * hidden; i += 16)
-        _mm512_storeu_ps(p.h.data() + i, load16(hin + i));
+        store16(p.h.data() + i, load16(hin + i));
     }
     auto weight = [&](int64_t layer, int j) -> const QuantWeight& {
       return weights_[4 * layer + j];
@@ -327,7 +330,7 @@ class FusedDecoder {
     add_residual<T>(h, y_down, rows * hidden);
     rms_norm<T>(h, norms_[2 * layers_].data_ptr<float>(), x, rows, hidden, eps_);
     T* o = out.data_ptr<T>();
-    for (int64_t i = 0; i < rows * hidden; i += 16) store16(o + i, _mm512_loadu_ps(x + i));
+    for (int64_t i = 0; i < rows * hidden; i += 16) store16(o + i, load16(x + i));
   }
 
   // Rows [first, last): rotary on q and k (rotate-half form), q into `q`, k and v into the
@@ -352,17 +355,17 @@ class FusedDecoder {
         T* dst = head < num_heads_ ? q + r * q_size + head * D
                                    : k_cache + slots[r] * kv_size + (head - num_heads_) * D;
         for (int64_t j = 0; j < half; j += 16) {
-          const __m512 lo = round16<T>(_mm512_loadu_ps(in + j));
-          const __m512 hi = round16<T>(_mm512_loadu_ps(in + half + j));
+          const f32x16 lo = round16<T>(load16(in + j));
+          const f32x16 hi = round16<T>(load16(in + half + j));
           // out[j] = lo c[j] - hi s[j];  out[half + j] = hi c[half + j] + lo s[half + j]
-          store16(dst + j, _mm512_fnmadd_ps(hi, load16(s + j), _mm512_mul_ps(lo, load16(c + j))));
-          store16(dst + half + j, _mm512_fmadd_ps(lo, load16(s + half + j),
-                                                  _mm512_mul_ps(hi, load16(c + half + j))));
+          store16(dst + j, vllm_cpu::fnmadd16(hi, load16(s + j), mul16(lo, load16(c + j))));
+          store16(dst + half + j, vllm_cpu::fmadd16(lo, load16(s + half + j),
+                                                    mul16(hi, load16(c + half + j))));
         }
       }
       const float* v = src + q_size + kv_size;
       T* v_dst = v_cache + slots[r] * kv_size;
-      for (int64_t j = 0; j < kv_size; j += 16) store16(v_dst + j, _mm512_loadu_ps(v + j));
+      for (int64_t j = 0; j < kv_size; j += 16) store16(v_dst + j, load16(v + j));
     }
   }
 
@@ -381,16 +384,16 @@ class FusedDecoder {
   // out = rnd(SiLU(gate) * up) for gate_up rows [gate | up] of width 2 * inter.
   template <typename T>
   static void silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter) {
-    const __m512 one = _mm512_set1_ps(1.0f);
+    const f32x16 one = vllm_cpu::set16(1.0f);
     for (int64_t r = 0; r < rows; ++r) {
       const float* g = gate_up + r * 2 * inter;
       for (int64_t j = 0; j < inter; j += 16) {
-        const __m512 gv = round16<T>(_mm512_loadu_ps(g + j));
-        const __m512 uv = round16<T>(_mm512_loadu_ps(g + inter + j));
+        const f32x16 gv = round16<T>(load16(g + j));
+        const f32x16 uv = round16<T>(load16(g + inter + j));
         // SiLU(g) = g / (1 + e^-g); exp16 clamps its argument below at -87 (e^87 is finite).
-        const __m512 e = vllm_cpu::exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-        const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(one, e));
-        _mm512_storeu_ps(out + r * inter + j, round16<T>(_mm512_mul_ps(silu, uv)));
+        const f32x16 e = vllm_cpu::exp16(vllm_cpu::sub16(vllm_cpu::zero16(), gv));
+        const f32x16 silu = vllm_cpu::div16(gv, add16(one, e));
+        store16(out + r * inter + j, round16<T>(mul16(silu, uv)));
       }
     }
   }

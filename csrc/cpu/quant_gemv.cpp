@@ -1,4 +1,5 @@
-// Block-quantized weights times a few rows of activations (decode steps), on AVX-512 VNNI.
+// Block-quantized weights times a few rows of activations (decode steps), on AVX-512 VNNI
+// or AVX2 (quant_gemv.h has both forms of the inner loops).
 //
 // A weight row is cut into blocks of 32 along the input; block b of output row n holds
 // unsigned codes u (4 or 8 bits) with w = d[n, b] * u + m[n, b] (d, m float16). This one
@@ -29,6 +30,9 @@
 // 5 made every step read 11% more of those weights): blocks 4g, 4g+1 fill two 32-byte
 // vectors whose lane L (0..7) holds four codes of block 4g + L % 2, from index 4 (L / 2) in
 // V0 and 16 + 4 (L / 2) in V1, stored as the quad's are; 256-bit vpdpbusd.
+//
+// AVX2 reads each 64-byte vector as two 32-byte halves: lane L's block is still L % 4 in
+// both (L % 2 in a half quad), so the same layouts serve vpmaddubsw + vpmaddwd there.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -160,7 +164,7 @@ torch::Tensor quant_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor d, 
     default: TORCH_CHECK(false, "quant_gemv: unsupported dtype ", x.scalar_type());
   }
 #else
-  TORCH_CHECK(false, "quant_gemv needs AVX-512 VNNI (built without it)");
+  TORCH_CHECK(false, "quant_gemv needs AVX-512 VNNI or AVX2 with FMA and F16C (built without them)");
 #endif
   return out;
 }

@@ -10,9 +10,18 @@
 #include <cstring>
 #include <vector>
 
+// Two forms of the same layouts: AVX-512 VNNI (vpdpbusd over 64-byte vectors), and AVX2
+// with FMA and F16C (vpmaddubsw + vpmaddwd over 32-byte halves; CPUs without AVX-512, such
+// as AMD's before Zen 4). VLLM_QUANT_GEMV is defined where either is built.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512VNNI__)
 #include <immintrin.h>
+#define VLLM_QUANT_GEMV 1
+#define VLLM_QUANT_GEMV_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+
+#include "vec.h"
 #define VLLM_QUANT_GEMV 1
 #endif
 
@@ -25,6 +34,18 @@ constexpr int64_t kQuad = 128;  // weights per quad of blocks
 constexpr int64_t kHalf = 64;   // weights per half quad
 
 #if defined(VLLM_QUANT_GEMV)
+// The activation rows quantized: qx in the quad layout, per-lane scales (dx0 dx1 dx2 dx3
+// dx0 ...) per quad, and sx = dx * sum(qx) per block.
+struct QuantizedRows {
+  int64_t quads;           // whole quads
+  bool half;               // and a half quad after them
+  int64_t blocks;          // Kp / 32
+  std::vector<int8_t> qx;  // [M, quads + half, 128] (a half quad: its first 64)
+  std::vector<float> dx;   // [M, quads + half, 16] (a half quad: its first 8)
+  std::vector<float> sx;   // [M, blocks]
+};
+
+#if defined(VLLM_QUANT_GEMV_AVX512)
 // Sixteen values from `p` (those of `mask`, zeros elsewhere) as float32.
 inline __m512 load16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
 inline __m512 load16(const at::BFloat16* p, __mmask16 mask) {
@@ -40,16 +61,6 @@ inline __mmask16 tail_mask(int64_t remaining) {
                          : remaining <= 0 ? 0 : static_cast<__mmask16>((1u << remaining) - 1);
 }
 
-// The activation rows quantized: qx in the quad layout, per-lane scales (dx0 dx1 dx2 dx3
-// dx0 ...) per quad, and sx = dx * sum(qx) per block.
-struct QuantizedRows {
-  int64_t quads;           // whole quads
-  bool half;               // and a half quad after them
-  int64_t blocks;          // Kp / 32
-  std::vector<int8_t> qx;  // [M, quads + half, 128] (a half quad: its first 64)
-  std::vector<float> dx;   // [M, quads + half, 16] (a half quad: its first 8)
-  std::vector<float> sx;   // [M, blocks]
-};
 
 // One block of 32 values (x[0..k_left) real, zeros past) as 16 dwords of int8 codes: dword
 // i < 8 holds codes 4i..4i+3 (the upper 8 dwords are don't-care). Returns the scale; the
@@ -212,6 +223,208 @@ void gemv_rows(const uint8_t* codes, const at::Half* d, const at::Half* m,
   }
 }
 
+#else  // AVX2: the same layouts in 32-byte halves
+
+// One block of 32 values (x[0..k_left) real, zeros past) as int8 codes in natural order,
+// rounded to nearest (ties to even) as the AVX-512 form does. Returns the scale and the
+// codes' sum.
+template <typename T>
+inline void quantize_block(const T* x, int64_t k_left, int8_t* codes, float* scale,
+                           int32_t* sum) {
+  __m256 v[4];
+  if (k_left >= 32) {
+    for (int i = 0; i < 4; ++i) v[i] = vllm_cpu::load8(x + 8 * i);
+  } else {
+    alignas(32) float tmp[32];
+    for (int64_t j = 0; j < 32; ++j) tmp[j] = j < k_left ? static_cast<float>(x[j]) : 0.f;
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_load_ps(tmp + 8 * i);
+  }
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 amax8 = _mm256_and_ps(v[0], abs_mask);
+  for (int i = 1; i < 4; ++i) amax8 = _mm256_max_ps(amax8, _mm256_and_ps(v[i], abs_mask));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+  *scale = amax / 127.f;
+  const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+  *sum = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
+  // The packs work within 128-bit lanes: dwords come out as q0[0..3] q1[0..3] q2[0..3]
+  // q3[0..3] q0[4..7] ..., which the permute puts back in order.
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
+                                            _mm256_packs_epi32(q[2], q[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes),
+                      _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+template <typename T>
+void quantize_rows(const T* x, int64_t rows, int64_t k, int64_t kp, QuantizedRows* q) {
+  const int64_t quads = kp / kQuad, slots = (kp + kQuad - 1) / kQuad, nblocks = kp / 32;
+  q->quads = quads;
+  q->half = slots > quads;
+  q->blocks = nblocks;
+  q->qx.resize(rows * slots * kQuad);
+  q->dx.resize(rows * slots * 16);
+  q->sx.resize(rows * nblocks);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g < slots; ++g) {
+      const int nb = g < quads ? 4 : 2;  // blocks in this quad (a half quad: 2)
+      alignas(32) int32_t codes[4][8];  // each block's 32 codes as 8 dwords
+      float s[4];
+      for (int b = 0; b < nb; ++b) {
+        const int64_t col = g * kQuad + b * 32;
+        int32_t sum;
+        quantize_block(x + r * k + col, k - col, reinterpret_cast<int8_t*>(codes[b]), &s[b],
+                       &sum);
+        q->sx[r * nblocks + 4 * g + b] = s[b] * static_cast<float>(sum);
+      }
+      // Lane L of V0 holds dword L / nb of block L % nb, of V1 dword 4 + L / nb; the
+      // vectors are 16 lanes (8 in a half quad), V1 stored after V0.
+      int32_t* out = reinterpret_cast<int32_t*>(q->qx.data() + (r * slots + g) * kQuad);
+      const int lanes = 4 * nb;
+      for (int lane = 0; lane < lanes; ++lane) {
+        out[lane] = codes[lane % nb][lane / nb];
+        out[lanes + lane] = codes[lane % nb][4 + lane / nb];
+      }
+      float* dx = q->dx.data() + (r * slots + g) * 16;
+      for (int l = 0; l < 16; ++l) dx[l] = s[l % nb];
+    }
+  }
+}
+
+// sum over the 32-bit lanes' four byte products u * x: u unsigned 4-bit codes (pair sums
+// of vpmaddubsw stay far below int16's limit, so four of them add as int16), or 8-bit
+// codes taken as signed q = u - 128 (|q| times x with q's sign: at most 2 * 128 * 127 a
+// pair; the missing 128 * sum(x) goes into the offsets, see gemv_rows).
+template <int BITS>
+inline __m256i dot4(const __m256i (&w)[4], const int8_t* qx) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  auto x = [&](int i) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + 32 * i)); };
+  if constexpr (BITS == 4) {
+    __m256i p = _mm256_maddubs_epi16(w[0], x(0));
+    for (int i = 1; i < 4; ++i) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[i], x(i)));
+    return _mm256_madd_epi16(p, ones);
+  } else {
+    __m256i acc = _mm256_setzero_si256();
+    for (int i = 0; i < 4; ++i) {
+      const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w[i], w[i]),
+                                             _mm256_sign_epi8(x(i), w[i]));
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, ones));
+    }
+    return acc;
+  }
+}
+
+template <int BITS>
+inline __m256i dot2(const __m256i (&w)[2], const int8_t* qx) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  auto x = [&](int i) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + 32 * i)); };
+  if constexpr (BITS == 4) {
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(w[0], x(0)),
+                                              _mm256_maddubs_epi16(w[1], x(1))), ones);
+  } else {
+    __m256i acc = _mm256_setzero_si256();
+    for (int i = 0; i < 2; ++i) {
+      const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w[i], w[i]),
+                                             _mm256_sign_epi8(x(i), w[i]));
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, ones));
+    }
+    return acc;
+  }
+}
+
+// Rows row0..row0+M of x (quantized in q) times weight rows [begin, end): out's same rows.
+// A quad's 128 codes are four 32-byte vectors lined up with qx's four (4-bit: the low
+// nibbles of its 64 bytes, then the high ones; 8-bit: in order); in every 32-bit lane of
+// all four the block is lane % 4, so one int32 vector and one broadcast of d0 d1 d2 d3
+// d0 ... serve the quad. 8-bit codes are summed as u - 128 and their offsets use
+// m + 128 d: sum_j (d u_j + m) x_j = d sum_j (u_j - 128) x_j + (m + 128 d) sum_j x_j.
+template <int M, int BITS, typename T>
+void gemv_rows(const uint8_t* codes, const at::Half* d, const at::Half* m,
+               const QuantizedRows& q, int64_t row0, T* out, int64_t n_total, int64_t begin,
+               int64_t end) {
+  const int64_t quads = q.quads, blocks = q.blocks, slots = quads + (q.half ? 1 : 0);
+  const int64_t row_bytes = blocks * 32 * BITS / 8;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  auto load = [](const uint8_t* p) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  };
+  for (int64_t n = begin; n < end; ++n) {
+    const uint8_t* c = codes + n * row_bytes;
+    const at::Half* dn = d + n * blocks;
+    const at::Half* mn = m + n * blocks;
+    __m256 acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < quads; ++g) {
+      __m256i w[4];
+      if constexpr (BITS == 4) {
+        const __m256i p0 = load(c + g * 64), p1 = load(c + g * 64 + 32);
+        w[0] = _mm256_and_si256(p0, low4);
+        w[1] = _mm256_and_si256(p1, low4);
+        w[2] = _mm256_and_si256(_mm256_srli_epi16(p0, 4), low4);
+        w[3] = _mm256_and_si256(_mm256_srli_epi16(p1, 4), low4);
+      } else {
+        for (int i = 0; i < 4; ++i) w[i] = _mm256_xor_si256(load(c + g * kQuad + 32 * i), flip);
+      }
+      int64_t dquad;
+      std::memcpy(&dquad, dn + 4 * g, 8);
+      const __m256 dw = _mm256_cvtph_ps(_mm_set1_epi64x(dquad));  // d0 d1 d2 d3 d0 ...
+      for (int r = 0; r < M; ++r) {
+        const int64_t slot = (row0 + r) * slots + g;
+        const __m256i dot = dot4<BITS>(w, q.qx.data() + slot * kQuad);
+        const __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(dot),
+                                            _mm256_loadu_ps(q.dx.data() + slot * 16));
+        acc[r] = _mm256_fmadd_ps(scaled, dw, acc[r]);
+      }
+    }
+    if (q.half) {  // the last two blocks: lanes alternate between them
+      __m256i w[2];
+      if constexpr (BITS == 4) {
+        const __m256i p0 = load(c + quads * 64);
+        w[0] = _mm256_and_si256(p0, low4);
+        w[1] = _mm256_and_si256(_mm256_srli_epi16(p0, 4), low4);
+      } else {
+        for (int i = 0; i < 2; ++i) w[i] = _mm256_xor_si256(load(c + quads * kQuad + 32 * i), flip);
+      }
+      int32_t dpair;
+      std::memcpy(&dpair, dn + 4 * quads, 4);
+      const __m256 dw = _mm256_cvtph_ps(_mm_set1_epi32(dpair));  // d0 d1 d0 d1 ...
+      for (int r = 0; r < M; ++r) {
+        const int64_t slot = (row0 + r) * slots + quads;
+        const __m256i dot = dot2<BITS>(w, q.qx.data() + slot * kQuad);
+        const __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(dot),
+                                            _mm256_loadu_ps(q.dx.data() + slot * 16));
+        acc[r] = _mm256_fmadd_ps(scaled, dw, acc[r]);
+      }
+    }
+    // Offsets: sum_b m[b] sx[b] (8-bit: m + 128 d), eight blocks at a time.
+    for (int64_t b = 0; b < blocks; b += 8) {
+      const int64_t count = std::min<int64_t>(8, blocks - b);
+      alignas(16) uint16_t mbits[8] = {}, dbits[8] = {};
+      std::memcpy(mbits, mn + b, 2 * count);
+      __m256 mv = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(mbits)));
+      if constexpr (BITS == 8) {
+        std::memcpy(dbits, dn + b, 2 * count);
+        const __m256 dv = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dbits)));
+        mv = _mm256_fmadd_ps(dv, _mm256_set1_ps(128.f), mv);
+      }
+      const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)),
+                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      for (int r = 0; r < M; ++r) {
+        const float* sx = q.sx.data() + (row0 + r) * blocks + b;
+        acc[r] = _mm256_fmadd_ps(mv, _mm256_maskload_ps(sx, mask), acc[r]);
+      }
+    }
+    for (int r = 0; r < M; ++r) {
+      out[(row0 + r) * n_total + n] = static_cast<T>(vllm_cpu::reduce_add8(acc[r]));
+    }
+  }
+}
+#endif
 
 // Output rows [begin, end) of x (`rows` rows, quantized in `q`) times the weight, out [rows,
 // n_total]. Past kMaxRows rows, the range goes in tiles of kTile weight rows, each tile in

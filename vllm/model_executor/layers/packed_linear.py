@@ -22,18 +22,31 @@ import weakref
 import torch
 from torch import nn
 
+from vllm.platforms.cpu import read_cpu_flags
+
 logger = logging.getLogger(__name__)
 
 _ids = itertools.count()
 _layers: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()
 
 
-def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
-    """bfloat16 on a CPU with oneDNN (float32 stays on `F.linear`: oneDNN's float32 result
-    differs from MKL's in the last bits, and parity is checked in float32)."""
-    return (dtype == torch.bfloat16 and device.type == "cpu"
+# oneDNN reorders a bfloat16 weight only on CPUs with these flags (either set); elsewhere
+# (AVX2-only CPUs, where `dtype="bfloat16"` must be asked for: `auto` is float32 there) the
+# reorder raises, and `F.linear` runs bfloat16 by widening it.
+_ONEDNN_BF16_FLAGS = ({"avx512bw", "avx512vl", "avx512dq"}, {"avx_ne_convert"})
+
+
+def can_pack(dtype: torch.dtype, device: torch.device,
+             cpu_flags: frozenset[str] | None = None) -> bool:
+    """bfloat16 on a CPU with oneDNN and the instructions its bfloat16 reorder needs
+    (float32 stays on `F.linear`: oneDNN's float32 result differs from MKL's in the last
+    bits, and parity is checked in float32). `cpu_flags`: this machine's by default."""
+    if not (dtype == torch.bfloat16 and device.type == "cpu"
             and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    flags = read_cpu_flags() if cpu_flags is None else cpu_flags
+    return any(needed <= flags for needed in _ONEDNN_BF16_FLAGS)
 
 
 class PackedLinear(nn.Module):

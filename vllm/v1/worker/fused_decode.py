@@ -162,30 +162,40 @@ class FusedDecode:
                     len(layers))
         return cls(decoder, model, kv_caches[0].shape[2])
 
+    @staticmethod
+    def takes(num_tokens: int) -> bool:
+        """Whether a step of `num_tokens` tokens runs here (the runner then builds no
+        attention metadata for it but a decode-only step's, which is kept per size)."""
+        return num_tokens <= MAX_ROWS
+
     def run(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
             inputs_embeds: torch.Tensor | None, attn_metadata: object,
             common: CommonAttentionMetadata) -> torch.Tensor | None:
-        """The step's final hidden states, or None where the step is not one it takes
-        (more than `MAX_ROWS` tokens, or another backend's metadata).
+        """The step's final hidden states, or None where the step is not one it `takes`.
 
-        A decode-only step reads the backend's decode block table and lengths. Any other
-        step (a verification step's k + 1 tokens of a request, a short prompt chunk) runs
-        each token as a decode query at its own length, `seq_lens - query_lens + i + 1`
-        for the request's i-th token, through its request's block-table row."""
+        A decode-only step from the runner's persistent inputs reads the backend's decode
+        block table and lengths (`attn_metadata`). Any other step (`attn_metadata` None: a
+        verification step's k + 1 tokens of a request, a short prompt chunk) runs each
+        token as a decode query at its own length, `seq_lens - query_lens + i + 1` for the
+        request's i-th token, through its request's block-table row."""
         n = positions.shape[0]
-        m = attn_metadata
-        if not isinstance(m, TorchSDPAMetadata) or n > MAX_ROWS or m.num_actual_tokens != n:
+        if not self.takes(n) or common.num_actual_tokens != n:
             return None
-        if m.decode_only:
-            if m.decode_seq_lens is None or m.decode_block_table_i32 is None:
-                return None
-            block_table, seq_lens, shared = m.decode_block_table_i32, m.decode_seq_lens, False
-        else:
+        if attn_metadata is None:
             block_table, seq_lens = self._token_rows(common)
-            shared = True
+            slot_mapping = torch.from_numpy(common.slot_mapping)
+            # Several tokens of one sequence: every K/V row written before any attends.
+            shared = n > common.seq_lens.size
+        else:
+            m = attn_metadata
+            if (not isinstance(m, TorchSDPAMetadata) or not m.decode_only
+                    or m.decode_seq_lens is None or m.decode_block_table_i32 is None):
+                return None
+            block_table, seq_lens = m.decode_block_table_i32, m.decode_seq_lens
+            slot_mapping, shared = m.slot_mapping, False
         h = (self.model.embed_tokens(input_ids) if inputs_embeds is None
              else inputs_embeds.to(self.model.rotary.cos.dtype))
-        out = self.decoder.forward(h, positions, block_table, seq_lens, m.slot_mapping, shared)
+        out = self.decoder.forward(h, positions, block_table, seq_lens, slot_mapping, shared)
         self.steps += 1
         self.tokens += n
         return out

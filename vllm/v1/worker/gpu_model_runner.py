@@ -376,6 +376,7 @@ class GPUModelRunner:
                                                   inputs.common)
             if hidden_states is not None:
                 return hidden_states
+        assert inputs.attn_metadata is not None, "a step left to the fused decoder"
         if self.graphs is not None:
             hidden_states = self.graphs.run(inputs.input_ids, inputs.positions,
                                             inputs.inputs_embeds, inputs.common)
@@ -481,6 +482,8 @@ class GPUModelRunner:
         is_token_np = batch.is_token_ids.reshape(-1)[idx.token_indices]
         num_tokens = int(idx.query_start_loc[-1])
         num_computed = batch.num_computed_tokens_cpu[:num_reqs].copy()
+        # A step the fused decoder takes needs no backend metadata (it reads `common`).
+        fused = self.fused_decode is not None and self.fused_decode.takes(num_tokens)
         attn_metadata, group_commons = [], []
         for g in range(len(self.kv_cache_groups)):
             group_common = CommonAttentionMetadata(
@@ -493,7 +496,7 @@ class GPUModelRunner:
                 num_actual_tokens=num_tokens,
             )
             group_commons.append(group_common)
-            attn_metadata.append(self.attn_backend.build_metadata(
+            attn_metadata.append(None if fused else self.attn_backend.build_metadata(
                 group_common, self.block_size, self.device))
         common = group_commons[0]
         slot_mapping = common.slot_mapping

@@ -13,7 +13,7 @@ m = -8d, Q8_0 stores u = q + 128 with m = -128d, all exact in float16.
 
 Kernels, for steps of at most `MAX_ROWS` tokens (decode, where every weight streams from
 memory once per step and bytes are time):
-- `csrc/cpu/quant_gemv.cpp` (`torch.ops.vllm_cpu.quant_gemv`, AVX-512 VNNI) for every type:
+- `csrc/cpu/quant_gemv.cpp` (`torch.ops.vllm_cpu.quant_gemv`, AVX-512 VNNI or AVX2) for every type:
   activations quantized to int8 per row and block of 32, as llama.cpp does, and integer dot
   products against the codes with the file's float16 d and m. Measured against torch's int4
   kernel (`benchmarks/benchmark_gguf_kernels.py`): 1.1-1.55x at 1-8 rows over runs; the
