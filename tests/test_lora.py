@@ -21,6 +21,7 @@ from tests.lora_utils import make_adapter, merged_model
 from tests.model_factory import make_tiny_model
 from vllm import LLM, SamplingParams
 from vllm.lora.request import LoRARequest
+from vllm.model_executor.layers.packed_linear import can_pack
 from vllm.v1.request import RequestStatus
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -417,7 +418,7 @@ def test_layer_product_native_equals_all_slots(dtype: torch.dtype) -> None:
     assert base.weight is not None
     base.weight.data.copy_(torch.randn(base.weight.shape, generator=generator))
     base.weight.data = base.weight.data.to(dtype)
-    base.process_weights_after_loading(None, pack=dtype == torch.bfloat16)
+    base.process_weights_after_loading(None, pack=can_pack(dtype, torch.device("cpu")))
     state = LoRAState(8, 4, 4, torch.device("cpu"))
     layer = LoRALinear(base, ["q", "k", "v"], 4, 4, state, dtype)
     if layer.step is None:
