@@ -68,11 +68,14 @@ def test_engine_args_check_quantization(tiny_llama_dir) -> None:
 
 def test_int8_drift_on_the_default_model_is_bounded(default_model_path) -> None:
     """Bounds measured drift with a margin (README: 'Quantized weights'): per-token int8
-    activations are the main source; a broken kernel would share no prefix at all."""
+    activations are the main source; a broken kernel would share no prefix at all. Where
+    greedy paths part is decided by near-ties, so the prefix moves with the CPU's float
+    rounding: 12 prompts gave a mean prefix of 4.83 (logprob diff mean 0.105, max 0.53) on
+    an AVX2-only CPU, more on the AVX-512 one; the logprob bounds are the tighter check."""
     reference = greedy_runs(default_model_path, 16, dtype="float32")
     candidate = greedy_runs(default_model_path, 16, dtype="float32", quantization="int8")
     drift = measure_drift(reference, candidate, first_n=4)
     assert drift.agreement >= 0.5
-    assert drift.mean_common_prefix >= 5
+    assert drift.mean_common_prefix >= 4
     assert drift.mean_logprob_diff <= 0.3
     assert drift.max_logprob_diff <= 1.5
