@@ -42,7 +42,10 @@ struct QuantizedRows {
   int64_t blocks;          // Kp / 32
   std::vector<int8_t> qx;  // [M, quads + half, 128] (a half quad: its first 64)
   std::vector<float> dx;   // [M, quads + half, 16] (a half quad: its first 8)
-  std::vector<float> sx;   // [M, blocks]
+  // sx = dx * sum(qx) per block: [M, blocks] (AVX-512); AVX2 spreads it over each quad's
+  // 8 lanes as dx is, divided by the lanes a block has (2, or 4 in a half quad): [M, quads
+  // + half, 8], so that one product per quad adds the offsets.
+  std::vector<float> sx;
 };
 
 #if defined(VLLM_QUANT_GEMV_AVX512)
@@ -269,19 +272,21 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, int64_t kp, QuantizedRow
   q->blocks = nblocks;
   q->qx.resize(rows * slots * kQuad);
   q->dx.resize(rows * slots * 16);
-  q->sx.resize(rows * nblocks);
+  q->sx.resize(rows * slots * 8);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t g = 0; g < slots; ++g) {
       const int nb = g < quads ? 4 : 2;  // blocks in this quad (a half quad: 2)
       alignas(32) int32_t codes[4][8];  // each block's 32 codes as 8 dwords
-      float s[4];
+      float s[4], sx[4];
       for (int b = 0; b < nb; ++b) {
         const int64_t col = g * kQuad + b * 32;
         int32_t sum;
         quantize_block(x + r * k + col, k - col, reinterpret_cast<int8_t*>(codes[b]), &s[b],
                        &sum);
-        q->sx[r * nblocks + 4 * g + b] = s[b] * static_cast<float>(sum);
+        sx[b] = s[b] * static_cast<float>(sum);
       }
+      float* sx_lanes = q->sx.data() + (r * slots + g) * 8;
+      for (int l = 0; l < 8; ++l) sx_lanes[l] = sx[l % nb] * (nb / 8.f);  // exact: 1/2, 1/4
       // Lane L of V0 holds dword L / nb of block L % nb, of V1 dword 4 + L / nb; the
       // vectors are 16 lanes (8 in a half quad), V1 stored after V0.
       int32_t* out = reinterpret_cast<int32_t*>(q->qx.data() + (r * slots + g) * kQuad);
@@ -341,14 +346,19 @@ inline __m256i dot2(const __m256i (&w)[2], const int8_t* qx) {
 // A quad's 128 codes are four 32-byte vectors lined up with qx's four (4-bit: the low
 // nibbles of its 64 bytes, then the high ones; 8-bit: in order); in every 32-bit lane of
 // all four the block is lane % 4, so one int32 vector and one broadcast of d0 d1 d2 d3
-// d0 ... serve the quad. 8-bit codes are summed as u - 128 and their offsets use
-// m + 128 d: sum_j (d u_j + m) x_j = d sum_j (u_j - 128) x_j + (m + 128 d) sum_j x_j.
+// d0 ... serve the quad, and one of m0 m1 m2 m3 m0 ... times the lane-spread sx adds its
+// offsets. 8-bit codes are summed as u - 128 and their offsets use m + 128 d:
+// sum_j (d u_j + m) x_j = d sum_j (u_j - 128) x_j + (m + 128 d) sum_j x_j.
 template <int M, int BITS, typename T>
 void gemv_rows(const uint8_t* codes, const at::Half* d, const at::Half* m,
                const QuantizedRows& q, int64_t row0, T* out, int64_t n_total, int64_t begin,
                int64_t end) {
   const int64_t quads = q.quads, blocks = q.blocks, slots = quads + (q.half ? 1 : 0);
   const int64_t row_bytes = blocks * 32 * BITS / 8;
+  // The lanes' offset scales: m, or m + 128 d for 8-bit codes summed as u - 128.
+  auto offsets = [](__m256 dw, __m256 mw) {
+    return BITS == 8 ? _mm256_fmadd_ps(dw, _mm256_set1_ps(128.f), mw) : mw;
+  };
   const __m256i low4 = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(0x80));
   auto load = [](const uint8_t* p) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -370,15 +380,18 @@ void gemv_rows(const uint8_t* codes, const at::Half* d, const at::Half* m,
       } else {
         for (int i = 0; i < 4; ++i) w[i] = _mm256_xor_si256(load(c + g * kQuad + 32 * i), flip);
       }
-      int64_t dquad;
+      int64_t dquad, mquad;
       std::memcpy(&dquad, dn + 4 * g, 8);
+      std::memcpy(&mquad, mn + 4 * g, 8);
       const __m256 dw = _mm256_cvtph_ps(_mm_set1_epi64x(dquad));  // d0 d1 d2 d3 d0 ...
+      const __m256 mw = offsets(dw, _mm256_cvtph_ps(_mm_set1_epi64x(mquad)));
       for (int r = 0; r < M; ++r) {
         const int64_t slot = (row0 + r) * slots + g;
         const __m256i dot = dot4<BITS>(w, q.qx.data() + slot * kQuad);
         const __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(dot),
                                             _mm256_loadu_ps(q.dx.data() + slot * 16));
         acc[r] = _mm256_fmadd_ps(scaled, dw, acc[r]);
+        acc[r] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(q.sx.data() + slot * 8), acc[r]);
       }
     }
     if (q.half) {  // the last two blocks: lanes alternate between them
@@ -390,33 +403,18 @@ void gemv_rows(const uint8_t* codes, const at::Half* d, const at::Half* m,
       } else {
         for (int i = 0; i < 2; ++i) w[i] = _mm256_xor_si256(load(c + quads * kQuad + 32 * i), flip);
       }
-      int32_t dpair;
+      int32_t dpair, mpair;
       std::memcpy(&dpair, dn + 4 * quads, 4);
+      std::memcpy(&mpair, mn + 4 * quads, 4);
       const __m256 dw = _mm256_cvtph_ps(_mm_set1_epi32(dpair));  // d0 d1 d0 d1 ...
+      const __m256 mw = offsets(dw, _mm256_cvtph_ps(_mm_set1_epi32(mpair)));
       for (int r = 0; r < M; ++r) {
         const int64_t slot = (row0 + r) * slots + quads;
         const __m256i dot = dot2<BITS>(w, q.qx.data() + slot * kQuad);
         const __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(dot),
                                             _mm256_loadu_ps(q.dx.data() + slot * 16));
         acc[r] = _mm256_fmadd_ps(scaled, dw, acc[r]);
-      }
-    }
-    // Offsets: sum_b m[b] sx[b] (8-bit: m + 128 d), eight blocks at a time.
-    for (int64_t b = 0; b < blocks; b += 8) {
-      const int64_t count = std::min<int64_t>(8, blocks - b);
-      alignas(16) uint16_t mbits[8] = {}, dbits[8] = {};
-      std::memcpy(mbits, mn + b, 2 * count);
-      __m256 mv = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(mbits)));
-      if constexpr (BITS == 8) {
-        std::memcpy(dbits, dn + b, 2 * count);
-        const __m256 dv = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dbits)));
-        mv = _mm256_fmadd_ps(dv, _mm256_set1_ps(128.f), mv);
-      }
-      const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)),
-                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-      for (int r = 0; r < M; ++r) {
-        const float* sx = q.sx.data() + (row0 + r) * blocks + b;
-        acc[r] = _mm256_fmadd_ps(mv, _mm256_maskload_ps(sx, mask), acc[r]);
+        acc[r] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(q.sx.data() + slot * 8), acc[r]);
       }
     }
     for (int r = 0; r < M; ++r) {
