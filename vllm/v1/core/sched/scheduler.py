@@ -16,6 +16,7 @@ from vllm.v1.core.kv_cache_groups import KVCacheGroupSpec
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import make_block_hasher
 from vllm.v1.core.sched.beam_search import Beam, BeamGroup, Child, extend_history
+from vllm.v1.core.sched.lora_slots import LoRASlots
 from vllm.v1.core.sched.output import (
     CachedRequestData,
     NewRequestData,
@@ -61,40 +62,6 @@ class _Step:
     suspect: str | None = None  # a request suspected of failing a step, run alone
 
 
-class _LoRASlots:
-    """The LoRA adapters of the running requests, against the slots a step has
-    (`max_loras`; None: LoRA is off). A waiting request whose adapter is new is admitted
-    only while a slot is free; once one waits for a slot, every later request with an
-    adapter waits too (the running adapters drain and the first in line gets the slot:
-    no request starves behind a stream of others using the running adapters).
-
-    Example: max_loras 2, running adapters [1, 2], waiting [A3, A1, base] -> A3 waits (no
-    slot), A1 waits behind it, the base-model request is admitted.
-    """
-
-    def __init__(self, max_loras: int | None, running: list[Request]) -> None:
-        self.max_loras = max_loras
-        self.active: list[int] = []  # adapter ids holding slots, in first-use order
-        self.blocked = False
-        for request in running:
-            self.add(request)
-
-    def admits(self, request: Request) -> bool:
-        lora = request.lora_request
-        if lora is None or self.max_loras is None:
-            return True
-        if not self.blocked and (lora.lora_int_id in self.active
-                                 or len(self.active) < self.max_loras):
-            return True
-        self.blocked = True
-        return False
-
-    def add(self, request: Request) -> None:
-        lora = request.lora_request
-        if lora is not None and lora.lora_int_id not in self.active:
-            self.active.append(lora.lora_int_id)
-
-
 class Scheduler:
     """Decides, each step, how many tokens of which requests to compute.
 
@@ -104,7 +71,7 @@ class Scheduler:
     newest running request, which restarts from scratch later (its outputs are kept).
 
     With LoRA, the running requests never use more distinct adapters than there are slots
-    (`max_loras`): a request whose adapter would need one more waits (`_LoRASlots`).
+    (`max_loras`): a request whose adapter would need one more waits (`LoRASlots`).
 
     Encoder/decoder requests run their encoder in the step that first schedules them (or
     re-schedules them after a preemption), unless their cross-attention blocks are still
@@ -424,7 +391,7 @@ class Scheduler:
 
     def _schedule_waiting(self, step: _Step, kind: InputKind | None) -> None:
         skipped: list[Request] = []
-        loras = _LoRASlots(self.config.max_loras, self.running)
+        loras = LoRASlots(self.config.max_loras, self.running)
         # Beams waiting for their group's other beams hold no batch row.
         num_parked = sum(map(_is_parked, self.running))
         while (self.waiting and step.budget > 0
