@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections import deque
-from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
-
-import torch
 
 from vllm.config import CacheConfig, InputKind, SchedulerConfig
 from vllm.sampling_params import SamplingParams
@@ -23,6 +19,7 @@ from vllm.v1.core.sched.output import (
     RowsToGather,
     SchedulerOutput,
 )
+from vllm.v1.core.sched.structured_output import StructuredOutputTracker
 from vllm.v1.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -33,9 +30,7 @@ from vllm.v1.messages import (
 from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.spec_decode.metrics import SpecDecodingStats
-from vllm.v1.structured_output.manager import StructuredOutputManager, grammar_error
-
-logger = logging.getLogger(__name__)
+from vllm.v1.structured_output.manager import StructuredOutputManager
 
 # Failures in a row, of lone requests or of batches that no lone run explains, after which
 # the engine stops trusting itself (see `Scheduler.recover_from_failed_step`).
@@ -108,10 +103,7 @@ class Scheduler:
         self.suspects: list[str] = []
         self.lone_failures = 0  # lone requests failed in a row
         self.unexplained_failures = 0  # batches failed since the last batch that ran
-        # Structured outputs: grammars compile on the manager's thread while their requests
-        # wait (WAITING_FOR_GRAMMAR); a grammar that fails ends only its request.
-        self.structured_output_manager = structured_output_manager
-        self.grammar_failures: list[EngineCoreOutput] = []  # sent with the next outputs
+        self.structured_output = StructuredOutputTracker(structured_output_manager)
         # Beam search: groups by their request's id (each beam is a request of its own), and
         # the block copies that forked beams wait for, sent with the next step.
         self.beam_groups: dict[str, BeamGroup] = {}
@@ -130,12 +122,8 @@ class Scheduler:
             return
         request = Request.from_engine_core_request(engine_request, self.max_model_len,
                                                    self.block_hasher)
-        constraint = request.sampling_params.structured_outputs
-        if constraint is not None:
-            if self.structured_output_manager is None:
-                raise ValueError("This engine has no structured-output support.")
-            request.grammar_future = self.structured_output_manager.submit(constraint)
-            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+        if request.sampling_params.structured_outputs is not None:
+            self.structured_output.submit(request)  # it waits for its grammar
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -448,16 +436,7 @@ class Scheduler:
             return []
         room = min(budget - 1, self.max_model_len - request.num_tokens,
                    request.max_tokens - request.num_output_tokens - 1)
-        drafts = drafts[:max(0, room)]
-        grammar = request.grammar
-        if grammar is not None:  # only the drafts its grammar allows, in order
-            num_valid = 0
-            while num_valid < len(drafts) and grammar.accept_tokens([drafts[num_valid]]):
-                num_valid += 1
-            if num_valid:
-                grammar.rollback(num_valid)
-            drafts = drafts[:num_valid]
-        return drafts
+        return self.structured_output.valid_drafts(request, drafts[:max(0, room)])
 
     def _lookahead(self, request: Request, num_new: int, num_hit: int = 0) -> int:
         """KV slots past a step's tokens for the drafts a draft model writes after it
@@ -489,7 +468,8 @@ class Scheduler:
         rows = [RowsToGather(req_id, kv_manager.get_group_block_ids(req_id),
                              self.requests[req_id].num_tokens - 1)
                 for req_id in self.held_for_rows]
-        grammar_ids, bitmask = self._grammar_bitmask(step)
+        grammar_ids, bitmask = self.structured_output.bitmask(self.requests, step.num_scheduled,
+                                                              step.spec_tokens)
         copies, self.block_copies = self.block_copies, []
         return SchedulerOutput(
             scheduled_new_reqs=new_data,
@@ -506,66 +486,21 @@ class Scheduler:
             scheduled_spec_decode_tokens=step.spec_tokens,
         )
 
-    # ---- structured outputs ---------------------------------------------------------
-
     def _resolve_grammars(self) -> None:
-        """Requests whose grammar finished compiling may now be scheduled; one whose grammar
-        failed finishes with FinishReason.ERROR, the reason as its stop_reason. With nothing
-        else to run, waits (briefly) for a compile rather than spin through empty steps."""
-        pending = [r for r in self.waiting if r.status == RequestStatus.WAITING_FOR_GRAMMAR]
-        if not pending:
-            return
-        if not self.running and len(pending) == len(self.waiting):
-            futures = [r.grammar_future for r in pending if r.grammar_future is not None]
-            wait(futures, timeout=0.05, return_when=FIRST_COMPLETED)
-        for request in pending:
-            future = request.grammar_future
-            assert future is not None  # set with WAITING_FOR_GRAMMAR
-            if not future.done():
-                continue
-            request.grammar_future = None
-            error = grammar_error(future)
-            if error is None:
-                request.grammar = future.result()
-                request.status = RequestStatus.WAITING
-                continue
-            logger.warning("Request %s: %s", request.request_id, error)
+        """Requests whose grammar compiled become schedulable; one whose grammar failed
+        finishes with FinishReason.ERROR (its output leaves with the next outputs)."""
+        for request in self.structured_output.resolve(self.waiting, idle=not self.running):
             self.waiting.remove(request)
             request.status = RequestStatus.FINISHED_ERROR
             self._release(request)
             self.finished_req_ids.append(request.request_id)
-            self.grammar_failures.append(EngineCoreOutput(
-                request.request_id, [], finish_reason=FinishReason.ERROR, stop_reason=error))
-
-    def _grammar_bitmask(self, step: _Step) -> tuple[list[str], torch.Tensor | None]:
-        """The constrained requests that sample this step (their scheduled tokens reach the
-        end of what they know) and their packed allowed-token masks, one row each, or with
-        drafts one per verified position (the request's id repeated; row j: after the
-        first j drafts)."""
-        rows = []
-        for req_id, num_new in step.num_scheduled.items():
-            request = self.requests[req_id]
-            if (request.grammar is not None
-                    and request.num_computed_tokens + num_new >= request.num_tokens):
-                rows.append(request)
-        if not rows:
-            return [], None
-        assert self.structured_output_manager is not None  # requests got grammars from it
-        drafts = [step.spec_tokens.get(r.request_id, []) for r in rows]
-        bitmask = self.structured_output_manager.grammar_bitmask([r.grammar for r in rows],
-                                                                 drafts)
-        return [r.request_id for r, d in zip(rows, drafts) for _ in range(1 + len(d))], bitmask
-
-    def _take_grammar_failures(self) -> list[EngineCoreOutput]:
-        failures, self.grammar_failures = self.grammar_failures, []
-        return failures
 
     # ---- results ------------------------------------------------------------------
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
         outputs = self._release_held(scheduler_output, runner_output)
-        outputs += self._take_grammar_failures()
+        outputs += self.structured_output.take_failures()
         self.lone_failures = 0
         if len(scheduler_output.num_scheduled_tokens) > 1:
             self.unexplained_failures = 0
@@ -597,9 +532,7 @@ class Scheduler:
                 n = len(new_token_ids)
                 new_logprobs = LogprobsLists(new_logprobs.token_ids[:n],
                                              new_logprobs.logprobs[:n], new_logprobs.ranks[:n])
-            if request.grammar is not None and not request.grammar.accept_tokens(new_token_ids):
-                logger.warning("Request %s: its grammar rejected sampled token(s) %s.",
-                               req_id, new_token_ids)
+            self.structured_output.accept(request, new_token_ids)
             if runner_output.spec_token_ids is not None and not stopped:
                 request.spec_token_ids = runner_output.spec_token_ids[index]
             output = EngineCoreOutput(
@@ -654,7 +587,7 @@ class Scheduler:
             self.kv_cache_manager.uncache_uncomputed(
                 request, request.num_computed_tokens - num_scheduled[req_id],
                 req_id in scheduler_output.scheduled_encoder_inputs)
-        failures = self._take_grammar_failures()
+        failures = self.structured_output.take_failures()
         if len(scheduled) == 1:
             return EngineCoreOutputs([*failures, self._convict(scheduled[0])],
                                      self.make_stats())
