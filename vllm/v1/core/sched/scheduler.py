@@ -12,6 +12,7 @@ from vllm.v1.core.kv_cache_groups import KVCacheGroupSpec
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import make_block_hasher
 from vllm.v1.core.sched.beam_search import Beam, BeamGroup, Child, extend_history
+from vllm.v1.core.sched.failure_isolation import EngineStepError, FailureIsolation
 from vllm.v1.core.sched.lora_slots import LoRASlots
 from vllm.v1.core.sched.output import (
     CachedRequestData,
@@ -32,13 +33,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.spec_decode.metrics import SpecDecodingStats
 from vllm.v1.structured_output.manager import StructuredOutputManager
 
-# Failures in a row, of lone requests or of batches that no lone run explains, after which
-# the engine stops trusting itself (see `Scheduler.recover_from_failed_step`).
-MAX_CONSECUTIVE_FAILURES = 3
-
-
-class EngineStepError(RuntimeError):
-    """A step failed in a way no single request explains: the engine cannot go on."""
+__all__ = ["EngineStepError", "Scheduler"]
 
 
 @dataclass(slots=True)
@@ -78,7 +73,7 @@ class Scheduler:
 
     A step whose execution raised is undone (`recover_from_failed_step`): a lone request is
     failed with FinishReason.ERROR; the requests of a failed batch become suspects and run
-    one at a time until each has sampled a token or failed alone.
+    one at a time until each has sampled a token or failed alone (`FailureIsolation`).
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
@@ -99,10 +94,7 @@ class Scheduler:
         # Finished, blocks still held, final output waiting for the rows: req_id -> output.
         self.held_for_rows: dict[str, EngineCoreOutput] = {}
         self.num_preemptions = 0
-        # Requests of a failed batch, each run alone until cleared or convicted.
-        self.suspects: list[str] = []
-        self.lone_failures = 0  # lone requests failed in a row
-        self.unexplained_failures = 0  # batches failed since the last batch that ran
+        self.failure_isolation = FailureIsolation()
         self.structured_output = StructuredOutputTracker(structured_output_manager)
         # Beam search: groups by their request's id (each beam is a request of its own), and
         # the block copies that forked beams wait for, sent with the next step.
@@ -323,7 +315,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         step = _Step(budget=self.config.max_num_batched_tokens,
                      encoder_budget=self.config.max_num_encoder_input_tokens,
-                     suspect=self._next_suspect())
+                     suspect=self.failure_isolation.next_suspect(self.requests))
         self._resolve_grammars()
         kind = None if step.suspect is not None else self._step_kind()
         self._schedule_running(step, kind)
@@ -501,9 +493,7 @@ class Scheduler:
                            runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
         outputs = self._release_held(scheduler_output, runner_output)
         outputs += self.structured_output.take_failures()
-        self.lone_failures = 0
-        if len(scheduler_output.num_scheduled_tokens) > 1:
-            self.unexplained_failures = 0
+        self.failure_isolation.step_ran(len(scheduler_output.num_scheduled_tokens))
         spec_stats = (SpecDecodingStats.new(self.num_spec_tokens)
                       if scheduler_output.scheduled_spec_decode_tokens else None)
         for req_id in scheduler_output.num_scheduled_tokens:
@@ -514,8 +504,7 @@ class Scheduler:
             new_token_ids = runner_output.sampled_token_ids[index]
             if not new_token_ids:
                 continue  # a prefill chunk that did not reach the end of the prompt
-            if req_id in self.suspects:
-                self.suspects.remove(req_id)  # it ran alone to a sampled token: cleared
+            self.failure_isolation.cleared(req_id)  # if a suspect, it ran alone to a token
             new_logprobs = runner_output.logprobs_of(index)
             if request.beam_group is not None:
                 assert new_logprobs is not None  # beam rows always ask for their candidates
@@ -572,44 +561,31 @@ class Scheduler:
         scheduled alone until it samples a token (cleared) or fails alone (convicted).
 
         Raises:
-            EngineStepError: the failure cannot be attributed (no request was scheduled),
-                or it repeats: MAX_CONSECUTIVE_FAILURES lone requests failing in a row, or
-                as many failed batches with no batch running in between.
+            EngineStepError: the failure cannot be attributed, or it repeats (see
+                `FailureIsolation.blame`).
         """
         # The runner may not have dropped these yet; it does so (idempotently) next step.
         self.finished_req_ids[:0] = scheduler_output.finished_req_ids
         num_scheduled = scheduler_output.num_scheduled_tokens
         scheduled = [self.requests[req_id] for req_id in num_scheduled]
-        if not scheduled:
-            raise EngineStepError("A step with no scheduled request failed.")
         for request in scheduled:
             req_id = request.request_id
             self.kv_cache_manager.uncache_uncomputed(
                 request, request.num_computed_tokens - num_scheduled[req_id],
                 req_id in scheduler_output.scheduled_encoder_inputs)
         failures = self.structured_output.take_failures()
-        if len(scheduled) == 1:
-            return EngineCoreOutputs([*failures, self._convict(scheduled[0])],
+        culprit = self.failure_isolation.blame(list(num_scheduled))
+        if culprit is not None:
+            return EngineCoreOutputs([*failures, self._convict(self.requests[culprit])],
                                      self.make_stats())
-        self.unexplained_failures += 1
-        if self.unexplained_failures >= MAX_CONSECUTIVE_FAILURES:
-            raise EngineStepError(f"{self.unexplained_failures} batches failed in a row, "
-                                  "yet no request fails alone.")
         for request in reversed(scheduled):  # preempting puts each at the front: keep order
             self.running.remove(request)
             self._preempt(request)
-        self.suspects += [r.request_id for r in scheduled if r.request_id not in self.suspects]
         return EngineCoreOutputs(failures, self.make_stats())
 
     def _convict(self, request: Request) -> EngineCoreOutput:
         """Finishes the lone request of a failed step with FinishReason.ERROR."""
-        self.lone_failures += 1
-        self.unexplained_failures = 0
-        if self.lone_failures >= MAX_CONSECUTIVE_FAILURES:
-            raise EngineStepError(f"{self.lone_failures} requests in a row failed alone.")
-        if request.request_id in self.suspects:
-            self.suspects.remove(request.request_id)
-        group: BeamGroup | None = request.beam_group
+        group = request.beam_group
         if group is not None:  # a failing beam fails its whole request
             self.finish_requests([group.request_id], RequestStatus.FINISHED_ERROR)
             return EngineCoreOutput(group.request_id, [], finish_reason=FinishReason.ERROR)
@@ -619,15 +595,6 @@ class Scheduler:
         self.finished_req_ids.append(request.request_id)
         return EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR,
                                 num_cached_tokens=request.num_cached_tokens or 0)
-
-    def _next_suspect(self) -> str | None:
-        """The suspect to run alone this step, dropping those that finished meanwhile."""
-        while self.suspects:
-            request = self.requests.get(self.suspects[0])
-            if request is not None and not request.is_finished():
-                return request.request_id
-            self.suspects.pop(0)
-        return None
 
     def _release_held(self, scheduler_output: SchedulerOutput,
                       runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
