@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 
 from vllm.config import CacheConfig, InputKind, SchedulerConfig
-from vllm.sampling_params import SamplingParams
 from vllm.v1.core.kv_cache_groups import KVCacheGroupSpec
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import make_block_hasher
-from vllm.v1.core.sched.beam_search import Beam, BeamGroup, Child, extend_history
+from vllm.v1.core.sched.beam_search import (
+    BeamSearchCoordinator,
+    BeamUpdate,
+    is_parked,
+    parked_victim,
+)
 from vllm.v1.core.sched.failure_isolation import EngineStepError, FailureIsolation
 from vllm.v1.core.sched.lora_slots import LoRASlots
 from vllm.v1.core.sched.output import (
@@ -74,6 +77,10 @@ class Scheduler:
     A step whose execution raised is undone (`recover_from_failed_step`): a lone request is
     failed with FinishReason.ERROR; the requests of a failed batch become suspects and run
     one at a time until each has sampled a token or failed alone (`FailureIsolation`).
+
+    Its collaborators each hold one job and only that job's state; the scheduler owns the
+    requests, the queues and their KV blocks: `BeamSearchCoordinator` (beam-search requests),
+    `FailureIsolation` (whom a failed step blames), `StructuredOutputTracker` (grammars).
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
@@ -96,24 +103,23 @@ class Scheduler:
         self.num_preemptions = 0
         self.failure_isolation = FailureIsolation()
         self.structured_output = StructuredOutputTracker(structured_output_manager)
-        # Beam search: groups by their request's id (each beam is a request of its own), and
-        # the block copies that forked beams wait for, sent with the next step.
-        self.beam_groups: dict[str, BeamGroup] = {}
-        self.block_copies: list[tuple[int, int]] = []
+        # Each beam is a request of its own; the coordinator holds their groups.
+        self.beam_search = BeamSearchCoordinator(self.kv_cache_manager, self.max_model_len,
+                                                 self.block_hasher)
         # Speculative decoding: drafts per request and step (k; 0: off).
         self.num_spec_tokens = scheduler_config.num_spec_tokens
 
     # ---- requests in and out -------------------------------------------------------
 
     def add_request(self, engine_request: EngineCoreRequest) -> None:
-        if (engine_request.request_id in self.requests
-                or engine_request.request_id in self.beam_groups):
-            raise ValueError(f"Request id {engine_request.request_id!r} is already running.")
+        req_id = engine_request.request_id
+        if req_id in self.requests or req_id in self.beam_search:
+            raise ValueError(f"Request id {req_id!r} is already running.")
         if engine_request.sampling_params.beam_search is not None:
-            self._add_beam_group(engine_request)
-            return
-        request = Request.from_engine_core_request(engine_request, self.max_model_len,
-                                                   self.block_hasher)
+            request = self.beam_search.add(engine_request)  # the root beam
+        else:
+            request = Request.from_engine_core_request(engine_request, self.max_model_len,
+                                                       self.block_hasher)
         if request.sampling_params.structured_outputs is not None:
             self.structured_output.submit(request)  # it waits for its grammar
         self.requests[request.request_id] = request
@@ -124,10 +130,10 @@ class Scheduler:
         (FINISHED_STOPPED; a request that asked for its hidden states still returns them).
         A beam-search request ends with all its beams. Unknown ids are ignored."""
         for req_id in request_ids:
-            group = self.beam_groups.pop(req_id, None)
-            if group is not None:
-                for beam in group.beams:
-                    self._drop_beam(beam.request)
+            beams = self.beam_search.finish(req_id)
+            if beams is not None:
+                for beam in beams:
+                    self._drop_beam(beam)
                 continue
             request = self.requests.get(req_id)
             if request is None:
@@ -183,94 +189,26 @@ class Scheduler:
 
     # ---- beam search ----------------------------------------------------------------
 
-    def _add_beam_group(self, engine_request: EngineCoreRequest) -> None:
-        """A beam-search request: its root beam (`{id}#0`) runs the prompt, sampling
-        greedily with its top candidates' log-probabilities; the group does the rest."""
-        params = engine_request.sampling_params
-        beam_params = params.beam_search
-        assert beam_params is not None
-        group = BeamGroup(engine_request.request_id, beam_params,
-                          set(params.end_of_sequence_ids()), 0)
-        row_params = SamplingParams(temperature=0.0, max_tokens=beam_params.max_tokens,
-                                    ignore_eos=True, logprobs=group.num_keep)
-        root = Request.from_engine_core_request(
-            dataclasses.replace(engine_request, request_id=group.next_beam_id(),
-                                sampling_params=row_params),
-            self.max_model_len, self.block_hasher)
-        root.beam_group = group
-        group.max_tokens = root.max_tokens
-        group.beams.append(Beam(root))
-        self.beam_groups[group.request_id] = group
-        self.requests[root.request_id] = root
-        self.waiting.append(root)
-
-    def _beam_sampled(self, request: Request, logprobs: LogprobsLists,
-                      outputs: list[EngineCoreOutput]) -> None:
-        """A beam's candidates are in; once its group has them all, the group moves on:
-        beams continue (their chosen token appended), fork or are dropped, or the group
-        finishes with its best hypotheses."""
-        group: BeamGroup = request.beam_group
-        if request.num_computed_tokens < request.num_tokens:
-            return  # it got its next token after this step was scheduled: a stale result
-        if not group.record(request, logprobs):
-            return
-        children = group.advance()
-        if group.done:
-            del self.beam_groups[group.request_id]
-            for beam in group.beams:
-                self._drop_beam(beam.request)
-            best = group.finished[0]
-            outputs.append(EngineCoreOutput(
-                group.request_id, [], finish_reason=best.finish_reason,
-                stop_reason=best.stop_reason,
-                num_cached_tokens=group.beams[0].request.num_cached_tokens or 0,
-                beams=group.finished))
-            return
-        group.beams = self._apply_children(group, children)
-
-    def _apply_children(self, group: BeamGroup, children: list[Child]) -> list[Beam]:
-        """The next step's beams: a parent's first child continues in the parent's request,
-        its other children fork (before the parent grows), parents without children go."""
-        beams, continued = [], set()
-        for parent, candidate in children:
-            if id(parent) in continued:
-                beams.append(Beam(self._fork_beam(group, parent.request)))
-            else:
-                continued.add(id(parent))
-                beams.append(Beam(parent.request))
-            beam = beams[-1]
-            beam.token_rows, beam.logprob_rows, beam.ranks = extend_history(parent, candidate)
-            beam.cum_logprob = candidate.cum_logprob
-        for parent in group.beams:
-            if id(parent) not in continued:
-                self._drop_beam(parent.request)
-        for beam, (_, candidate) in zip(beams, children):
-            beam.request.append_output_token_ids([candidate.token_id])
-            beam.request.resend_in_full = True
-        return beams
-
-    def _fork_beam(self, group: BeamGroup, parent: Request) -> Request:
-        child = parent.fork(group.next_beam_id())
-        copies = self.kv_cache_manager.fork(parent, child)
-        self.requests[child.request_id] = child
-        if copies is not None:
-            self.block_copies += copies
-            if parent.status == RequestStatus.RUNNING:
+    def _apply_beam_update(self, update: BeamUpdate, outputs: list[EngineCoreOutput]) -> None:
+        """Queues the beams that forked (a fork without its parent's blocks recomputes from
+        scratch) and drops those that ended; a finished search's output goes to `outputs`."""
+        for child, runs in update.forks:
+            self.requests[child.request_id] = child
+            if runs:
                 self.running.append(child)
-                return child
-        child.num_computed_tokens = 0
-        child.status = RequestStatus.WAITING
-        self.waiting.appendleft(child)
-        return child
+            else:
+                child.num_computed_tokens = 0
+                child.status = RequestStatus.WAITING
+                self.waiting.appendleft(child)
+        for request in update.dropped:
+            self._drop_beam(request)
+        if update.output is not None:
+            outputs.append(update.output)
 
     def _preempt_parked_beam(self, step: _Step) -> bool:
         """When nothing could be scheduled because beams that wait for the rest of their
-        group hold the blocks a waiting request needs, preempts the newest of them (its
-        candidates are kept: it is recomputed only once its group moves on)."""
-        if not any(r.status != RequestStatus.WAITING_FOR_GRAMMAR and not _is_parked(r)
-                   for r in self.waiting):
-            return False
-        victim = next((r for r in reversed(self.running) if _is_parked(r)), None)
+        group hold the blocks a waiting request needs, preempts the newest of them."""
+        victim = parked_victim(self.running, self.waiting)
         if victim is None:
             return False
         self.running.remove(victim)
@@ -373,12 +311,12 @@ class Scheduler:
         skipped: list[Request] = []
         loras = LoRASlots(self.config.max_loras, self.running)
         # Beams waiting for their group's other beams hold no batch row.
-        num_parked = sum(map(_is_parked, self.running))
+        num_parked = sum(map(is_parked, self.running))
         while (self.waiting and step.budget > 0
                and len(self.running) - num_parked < self.config.max_num_seqs
                and len(step.num_scheduled) < self.config.max_num_seqs):
             request = self.waiting[0]
-            if (request.status == RequestStatus.WAITING_FOR_GRAMMAR or _is_parked(request)
+            if (request.status == RequestStatus.WAITING_FOR_GRAMMAR or is_parked(request)
                     or (kind is not None and request.prompt_kind is not kind)
                     or (step.suspect is not None and request.request_id != step.suspect)
                     or not loras.admits(request)):
@@ -462,7 +400,6 @@ class Scheduler:
                 for req_id in self.held_for_rows]
         grammar_ids, bitmask = self.structured_output.bitmask(self.requests, step.num_scheduled,
                                                               step.spec_tokens)
-        copies, self.block_copies = self.block_copies, []
         return SchedulerOutput(
             scheduled_new_reqs=new_data,
             scheduled_cached_reqs=cached,
@@ -474,7 +411,7 @@ class Scheduler:
             rows_to_gather=rows,
             structured_output_request_ids=grammar_ids,
             grammar_bitmask=bitmask,
-            blocks_to_copy=copies,
+            blocks_to_copy=self.beam_search.take_block_copies(),
             scheduled_spec_decode_tokens=step.spec_tokens,
         )
 
@@ -508,7 +445,8 @@ class Scheduler:
             new_logprobs = runner_output.logprobs_of(index)
             if request.beam_group is not None:
                 assert new_logprobs is not None  # beam rows always ask for their candidates
-                self._beam_sampled(request, new_logprobs, outputs)
+                self._apply_beam_update(self.beam_search.sampled(request, new_logprobs),
+                                        outputs)
                 continue
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
             if drafts:
@@ -641,12 +579,6 @@ class Scheduler:
             prefix_cache_hits=prefix.hits,
             num_preemptions=self.num_preemptions,
         )
-
-
-def _is_parked(request: Request) -> bool:
-    """A beam that has reported its candidates and waits for its group's other beams."""
-    group = request.beam_group
-    return group is not None and group.has_reported(request)
 
 
 def _wants_rows(request: Request) -> bool:
