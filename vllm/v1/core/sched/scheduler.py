@@ -24,6 +24,7 @@ from vllm.v1.core.sched.output import (
     SchedulerOutput,
 )
 from vllm.v1.core.sched.structured_output import StructuredOutputTracker
+from vllm.v1.core.sched.utils import append_until_stop
 from vllm.v1.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -187,6 +188,17 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_finished_requests(self) -> bool:
+        """Finished ids not yet delivered to the runner (it frees their state then), or
+        finished requests whose rows it has yet to read."""
+        return bool(self.finished_req_ids or self.held_for_rows)
+
+    def has_requests(self) -> bool:
+        return self.has_unfinished_requests() or self.has_finished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
     # ---- beam search ----------------------------------------------------------------
 
     def _apply_beam_update(self, update: BeamUpdate, outputs: list[EngineCoreOutput]) -> None:
@@ -226,17 +238,6 @@ class Scheduler:
         request.status = RequestStatus.FINISHED_ABORTED
         self._release(request)
         self.finished_req_ids.append(request.request_id)
-
-    def has_finished_requests(self) -> bool:
-        """Finished ids not yet delivered to the runner (it frees their state then), or
-        finished requests whose rows it has yet to read."""
-        return bool(self.finished_req_ids or self.held_for_rows)
-
-    def has_requests(self) -> bool:
-        return self.has_unfinished_requests() or self.has_finished_requests()
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
 
     # ---- scheduling ---------------------------------------------------------------
 
@@ -454,7 +455,8 @@ class Scheduler:
                 request.num_computed_tokens -= len(drafts) + 1 - len(new_token_ids)
                 assert spec_stats is not None  # drafts were scheduled
                 spec_stats.observe(len(drafts), len(new_token_ids) - 1)
-            new_token_ids, stopped = self._append_until_stop(request, new_token_ids)
+            new_token_ids, stopped = append_until_stop(request, new_token_ids,
+                                                       self.max_model_len)
             if new_logprobs is not None and len(new_logprobs.ranks) > len(new_token_ids):
                 n = len(new_token_ids)
                 new_logprobs = LogprobsLists(new_logprobs.token_ids[:n],
@@ -477,15 +479,19 @@ class Scheduler:
                 outputs.append(output)
         return EngineCoreOutputs(outputs, self.make_stats(spec_stats))
 
-    def _append_until_stop(self, request: Request, token_ids: list[int]
-                           ) -> tuple[list[int], bool]:
-        """Appends a step's sampled tokens one by one, cutting the run at the first that
-        stops the request (several arrive at once with speculative decoding)."""
-        for i, token in enumerate(token_ids):
-            request.append_output_token_ids([token])
-            if self._check_stop(request):
-                return token_ids[:i + 1], True
-        return token_ids, False
+    def _release_held(self, scheduler_output: SchedulerOutput,
+                      runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """The final outputs of requests whose rows the runner read this step, rows attached
+        (passed through, never kept); their blocks go back to the pool now."""
+        outputs = []
+        for gathered in scheduler_output.rows_to_gather:
+            final = self.held_for_rows.pop(gathered.req_id, None)
+            if final is None:
+                continue
+            final.hidden_states = runner_output.hidden_states.get(gathered.req_id)
+            self._release(self.requests[gathered.req_id])
+            outputs.append(final)
+        return outputs
 
     # ---- failed steps -------------------------------------------------------------
 
@@ -533,40 +539,6 @@ class Scheduler:
         self.finished_req_ids.append(request.request_id)
         return EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR,
                                 num_cached_tokens=request.num_cached_tokens or 0)
-
-    def _release_held(self, scheduler_output: SchedulerOutput,
-                      runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """The final outputs of requests whose rows the runner read this step, rows attached
-        (passed through, never kept); their blocks go back to the pool now."""
-        outputs = []
-        for gathered in scheduler_output.rows_to_gather:
-            final = self.held_for_rows.pop(gathered.req_id, None)
-            if final is None:
-                continue
-            final.hidden_states = runner_output.hidden_states.get(gathered.req_id)
-            self._release(self.requests[gathered.req_id])
-            outputs.append(final)
-        return outputs
-
-    def _check_stop(self, request: Request) -> bool:
-        if request.stop_requested:  # a stop string the front end matched earlier
-            request.status = RequestStatus.FINISHED_STOPPED
-            return True
-        if (request.num_output_tokens >= request.max_tokens
-                or request.num_tokens >= self.max_model_len):
-            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
-        token = request.output_token_ids[-1]
-        params = request.sampling_params
-        if request.num_output_tokens < params.min_tokens:
-            return False
-        if token in params.stop_ids():
-            request.status = RequestStatus.FINISHED_STOPPED
-            # vLLM's stop_reason: None for the tokenizer's EOS, else the id that stopped.
-            eos = not params.ignore_eos and token == params.eos_token_id
-            request.stop_reason = None if eos else token
-            return True
-        return False
 
     def make_stats(self, spec_decoding: SpecDecodingStats | None = None) -> SchedulerStats:
         prefix = self.kv_cache_manager.make_prefix_cache_stats()
