@@ -81,7 +81,8 @@ class Scheduler:
 
     Its collaborators each hold one job and only that job's state; the scheduler owns the
     requests, the queues and their KV blocks: `BeamSearchCoordinator` (beam-search requests),
-    `FailureIsolation` (whom a failed step blames), `StructuredOutputTracker` (grammars).
+    `FailureIsolation` (whom a failed step blames), `StructuredOutputTracker` (grammars),
+    `LoRASlots` (a step's adapter admission); `utils.check_stop` holds the stop rules.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
