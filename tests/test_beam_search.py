@@ -199,7 +199,7 @@ def test_aborting_a_beam_search_frees_every_beam():
                  {40: -0.1, 41: -0.2, 42: -0.3, 43: -4.0, 44: -5.0, 45: -6.0})
     assert sorted(scheduler.requests) == ["r#0", "r#1", "r#2"]
     scheduler.finish_requests(["r"], RequestStatus.FINISHED_ABORTED)
-    assert not scheduler.requests and not scheduler.beam_groups
+    assert not scheduler.requests and not scheduler.beam_search.groups
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 15
 
 
@@ -396,5 +396,5 @@ def test_beams_waiting_for_their_group_make_room_and_a_failing_beam_fails_its_re
     assert list(out.num_scheduled_tokens) == ["s#0"]
     [failed] = scheduler.recover_from_failed_step(out).outputs
     assert (failed.request_id, failed.finish_reason) == ("s", FinishReason.ERROR)
-    assert not scheduler.requests and not scheduler.beam_groups
+    assert not scheduler.requests and not scheduler.beam_search.groups
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 4

@@ -47,7 +47,7 @@ def test_bad_request_fails_alone(llm: LLM) -> None:
     assert [o.outputs[0].token_ids for o in outputs[::2]] == expected[:2]
     assert outputs[3].outputs[0].token_ids == expected[2]
     core = llm.llm_engine.engine_core
-    assert core.scheduler.suspects == [] and not core.scheduler.requests
+    assert core.scheduler.failure_isolation.suspects == [] and not core.scheduler.requests
     assert core.scheduler.kv_cache_manager.usage == 0.0
     runner = core.model_executor.model_runner
     assert not runner.requests and runner.input_batch.num_reqs == 0

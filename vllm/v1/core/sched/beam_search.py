@@ -1,4 +1,6 @@
-"""`BeamGroup`: the beams of one beam-search request and the ranking of their candidates.
+"""Beam search in the scheduler: `BeamSearchCoordinator` (the groups of the beam-search
+requests, forks and drops of their beams) and `BeamGroup` (the beams of one request and the
+ranking of their candidates).
 
 Each live beam is a `Request` of its own in the scheduler (the root one runs the prompt;
 the others are forks sharing its KV blocks, see `KVCacheManager.fork`). A beam's rows
@@ -19,13 +21,22 @@ does (`generate(num_beams=k, do_sample=False)`, `early_stopping=False`):
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from vllm.sampling_params import BeamSearchParams
-from vllm.v1.messages import BeamHypothesis, FinishReason
+from vllm.sampling_params import BeamSearchParams, SamplingParams
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_utils import BlockHash
+from vllm.v1.messages import (
+    BeamHypothesis,
+    EngineCoreOutput,
+    EngineCoreRequest,
+    FinishReason,
+)
 from vllm.v1.outputs import LogprobsLists
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 
 
 class Candidate(NamedTuple):
@@ -162,3 +173,141 @@ def extend_history(beam: Beam, candidate: Candidate
     return ([*beam.token_rows, [candidate.token_id, *token_ids]],
             [*beam.logprob_rows, [candidate.logprob, *logprobs]],
             [*beam.ranks, candidate.rank + 1])
+
+
+class Fork(NamedTuple):
+    """A beam forked this step. `runs`: it shares its running parent's blocks and joins
+    the running requests; else it waits and is computed from scratch."""
+
+    request: Request
+    runs: bool
+
+
+class BeamUpdate(NamedTuple):
+    """What one beam's sampled candidates change, for the scheduler to apply."""
+
+    forks: list[Fork]  # new beams' requests, in the order they forked
+    dropped: list[Request]  # beams that end: they leave the queues, their blocks go back
+    output: EngineCoreOutput | None  # the request's final output, once its search is done
+
+
+class BeamSearchCoordinator:
+    """Runs the beam-search requests on the scheduler's requests.
+
+    A beam-search request becomes a root beam (`{id}#0`, `add`) that runs the prompt; each
+    time one of its beams has sampled, its group may move on (`sampled`): beams continue
+    in their own request, fork (a new request sharing the parent's blocks through
+    `KVCacheManager.fork`) or end, and the search ends with the best hypotheses.
+
+    Owns the groups (by engine-core request id) and the block copies that forks wait for.
+    The scheduler owns the requests and queues: it registers, queues and drops the beams
+    this class returns (`BeamUpdate`).
+    """
+
+    def __init__(self, kv_cache_manager: KVCacheManager, max_model_len: int,
+                 block_hasher: Callable[[Request], list[BlockHash]] | None) -> None:
+        self.kv_cache_manager = kv_cache_manager
+        self.max_model_len = max_model_len
+        self.block_hasher = block_hasher
+        self.groups: dict[str, BeamGroup] = {}
+        self.block_copies: list[tuple[int, int]] = []  # (source, destination), sent next step
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.groups
+
+    def add(self, engine_request: EngineCoreRequest) -> Request:
+        """Starts a beam-search request; returns its root beam, which samples greedily with
+        its top candidates' log-probabilities (the caller queues it)."""
+        params = engine_request.sampling_params
+        beam_params = params.beam_search
+        assert beam_params is not None
+        group = BeamGroup(engine_request.request_id, beam_params,
+                          set(params.end_of_sequence_ids()), 0)
+        row_params = SamplingParams(temperature=0.0, max_tokens=beam_params.max_tokens,
+                                    ignore_eos=True, logprobs=group.num_keep)
+        root = Request.from_engine_core_request(
+            dataclasses.replace(engine_request, request_id=group.next_beam_id(),
+                                sampling_params=row_params),
+            self.max_model_len, self.block_hasher)
+        root.beam_group = group
+        group.max_tokens = root.max_tokens
+        group.beams.append(Beam(root))
+        self.groups[group.request_id] = group
+        return root
+
+    def sampled(self, request: Request, logprobs: LogprobsLists) -> BeamUpdate:
+        """A beam's candidates are in; once its group has them all, the group moves on:
+        beams continue (their chosen token appended), fork or are dropped, or the group
+        finishes with its best hypotheses."""
+        group: BeamGroup = request.beam_group
+        if request.num_computed_tokens < request.num_tokens:
+            # It got its next token after this step was scheduled: a stale result.
+            return BeamUpdate([], [], None)
+        if not group.record(request, logprobs):
+            return BeamUpdate([], [], None)
+        children = group.advance()
+        if group.done:
+            del self.groups[group.request_id]
+            best = group.finished[0]
+            output = EngineCoreOutput(
+                group.request_id, [], finish_reason=best.finish_reason,
+                stop_reason=best.stop_reason,
+                num_cached_tokens=group.beams[0].request.num_cached_tokens or 0,
+                beams=group.finished)
+            return BeamUpdate([], [beam.request for beam in group.beams], output)
+        return self._apply_children(group, children)
+
+    def _apply_children(self, group: BeamGroup, children: list[Child]) -> BeamUpdate:
+        """The next step's beams: a parent's first child continues in the parent's request,
+        its other children fork (before the parent grows), parents without children go."""
+        beams: list[Beam] = []
+        forks: list[Fork] = []
+        continued: list[int] = []  # id() of the parents that continue
+        for parent, candidate in children:
+            if id(parent) in continued:
+                child = parent.request.fork(group.next_beam_id())
+                copies = self.kv_cache_manager.fork(parent.request, child)
+                if copies is not None:
+                    self.block_copies += copies
+                forks.append(Fork(child, copies is not None
+                                  and parent.request.status == RequestStatus.RUNNING))
+                beams.append(Beam(child))
+            else:
+                continued.append(id(parent))
+                beams.append(Beam(parent.request))
+            beam = beams[-1]
+            beam.token_rows, beam.logprob_rows, beam.ranks = extend_history(parent, candidate)
+            beam.cum_logprob = candidate.cum_logprob
+        dropped = [parent.request for parent in group.beams if id(parent) not in continued]
+        for beam, (_, candidate) in zip(beams, children):
+            beam.request.append_output_token_ids([candidate.token_id])
+            beam.request.resend_in_full = True
+        group.beams = beams
+        return BeamUpdate(forks, dropped, None)
+
+    def finish(self, request_id: str) -> list[Request] | None:
+        """Ends a beam-search request from outside; returns its live beams for the caller
+        to drop (None: `request_id` is not a beam-search request)."""
+        group = self.groups.pop(request_id, None)
+        return None if group is None else [beam.request for beam in group.beams]
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        copies, self.block_copies = self.block_copies, []
+        return copies
+
+
+def is_parked(request: Request) -> bool:
+    """A beam that has reported its candidates and waits for its group's other beams."""
+    group = request.beam_group
+    return group is not None and group.has_reported(request)
+
+
+def parked_victim(running: Sequence[Request], waiting: Sequence[Request]) -> Request | None:
+    """When nothing could be scheduled: the newest running beam that waits for its group's
+    other beams, to preempt for a waiting request that could run (its candidates are kept:
+    it is recomputed only once its group moves on); None if there is none or no such
+    waiting request."""
+    if not any(r.status != RequestStatus.WAITING_FOR_GRAMMAR and not is_parked(r)
+               for r in waiting):
+        return None
+    return next((r for r in reversed(running) if is_parked(r)), None)

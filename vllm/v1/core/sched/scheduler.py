@@ -2,26 +2,29 @@
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 from collections import deque
-from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 
-import torch
-
 from vllm.config import CacheConfig, InputKind, SchedulerConfig
-from vllm.sampling_params import SamplingParams
 from vllm.v1.core.kv_cache_groups import KVCacheGroupSpec
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import make_block_hasher
-from vllm.v1.core.sched.beam_search import Beam, BeamGroup, Child, extend_history
+from vllm.v1.core.sched.beam_search import (
+    BeamSearchCoordinator,
+    BeamUpdate,
+    is_parked,
+    parked_victim,
+)
+from vllm.v1.core.sched.failure_isolation import EngineStepError, FailureIsolation
+from vllm.v1.core.sched.lora_slots import LoRASlots
 from vllm.v1.core.sched.output import (
     CachedRequestData,
     NewRequestData,
     RowsToGather,
     SchedulerOutput,
 )
+from vllm.v1.core.sched.structured_output import StructuredOutputTracker
+from vllm.v1.core.sched.utils import append_until_stop
 from vllm.v1.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -32,17 +35,9 @@ from vllm.v1.messages import (
 from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.spec_decode.metrics import SpecDecodingStats
-from vllm.v1.structured_output.manager import StructuredOutputManager, grammar_error
+from vllm.v1.structured_output.manager import StructuredOutputManager
 
-logger = logging.getLogger(__name__)
-
-# Failures in a row, of lone requests or of batches that no lone run explains, after which
-# the engine stops trusting itself (see `Scheduler.recover_from_failed_step`).
-MAX_CONSECUTIVE_FAILURES = 3
-
-
-class EngineStepError(RuntimeError):
-    """A step failed in a way no single request explains: the engine cannot go on."""
+__all__ = ["EngineStepError", "Scheduler"]
 
 
 @dataclass(slots=True)
@@ -61,40 +56,6 @@ class _Step:
     suspect: str | None = None  # a request suspected of failing a step, run alone
 
 
-class _LoRASlots:
-    """The LoRA adapters of the running requests, against the slots a step has
-    (`max_loras`; None: LoRA is off). A waiting request whose adapter is new is admitted
-    only while a slot is free; once one waits for a slot, every later request with an
-    adapter waits too (the running adapters drain and the first in line gets the slot:
-    no request starves behind a stream of others using the running adapters).
-
-    Example: max_loras 2, running adapters [1, 2], waiting [A3, A1, base] -> A3 waits (no
-    slot), A1 waits behind it, the base-model request is admitted.
-    """
-
-    def __init__(self, max_loras: int | None, running: list[Request]) -> None:
-        self.max_loras = max_loras
-        self.active: list[int] = []  # adapter ids holding slots, in first-use order
-        self.blocked = False
-        for request in running:
-            self.add(request)
-
-    def admits(self, request: Request) -> bool:
-        lora = request.lora_request
-        if lora is None or self.max_loras is None:
-            return True
-        if not self.blocked and (lora.lora_int_id in self.active
-                                 or len(self.active) < self.max_loras):
-            return True
-        self.blocked = True
-        return False
-
-    def add(self, request: Request) -> None:
-        lora = request.lora_request
-        if lora is not None and lora.lora_int_id not in self.active:
-            self.active.append(lora.lora_int_id)
-
-
 class Scheduler:
     """Decides, each step, how many tokens of which requests to compute.
 
@@ -104,7 +65,7 @@ class Scheduler:
     newest running request, which restarts from scratch later (its outputs are kept).
 
     With LoRA, the running requests never use more distinct adapters than there are slots
-    (`max_loras`): a request whose adapter would need one more waits (`_LoRASlots`).
+    (`max_loras`): a request whose adapter would need one more waits (`LoRASlots`).
 
     Encoder/decoder requests run their encoder in the step that first schedules them (or
     re-schedules them after a preemption), unless their cross-attention blocks are still
@@ -116,7 +77,12 @@ class Scheduler:
 
     A step whose execution raised is undone (`recover_from_failed_step`): a lone request is
     failed with FinishReason.ERROR; the requests of a failed batch become suspects and run
-    one at a time until each has sampled a token or failed alone.
+    one at a time until each has sampled a token or failed alone (`FailureIsolation`).
+
+    Its collaborators each hold one job and only that job's state; the scheduler owns the
+    requests, the queues and their KV blocks: `BeamSearchCoordinator` (beam-search requests),
+    `FailureIsolation` (whom a failed step blames), `StructuredOutputTracker` (grammars),
+    `LoRASlots` (a step's adapter admission); `utils.check_stop` holds the stop rules.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
@@ -137,38 +103,27 @@ class Scheduler:
         # Finished, blocks still held, final output waiting for the rows: req_id -> output.
         self.held_for_rows: dict[str, EngineCoreOutput] = {}
         self.num_preemptions = 0
-        # Requests of a failed batch, each run alone until cleared or convicted.
-        self.suspects: list[str] = []
-        self.lone_failures = 0  # lone requests failed in a row
-        self.unexplained_failures = 0  # batches failed since the last batch that ran
-        # Structured outputs: grammars compile on the manager's thread while their requests
-        # wait (WAITING_FOR_GRAMMAR); a grammar that fails ends only its request.
-        self.structured_output_manager = structured_output_manager
-        self.grammar_failures: list[EngineCoreOutput] = []  # sent with the next outputs
-        # Beam search: groups by their request's id (each beam is a request of its own), and
-        # the block copies that forked beams wait for, sent with the next step.
-        self.beam_groups: dict[str, BeamGroup] = {}
-        self.block_copies: list[tuple[int, int]] = []
+        self.failure_isolation = FailureIsolation()
+        self.structured_output = StructuredOutputTracker(structured_output_manager)
+        # Each beam is a request of its own; the coordinator holds their groups.
+        self.beam_search = BeamSearchCoordinator(self.kv_cache_manager, self.max_model_len,
+                                                 self.block_hasher)
         # Speculative decoding: drafts per request and step (k; 0: off).
         self.num_spec_tokens = scheduler_config.num_spec_tokens
 
     # ---- requests in and out -------------------------------------------------------
 
     def add_request(self, engine_request: EngineCoreRequest) -> None:
-        if (engine_request.request_id in self.requests
-                or engine_request.request_id in self.beam_groups):
-            raise ValueError(f"Request id {engine_request.request_id!r} is already running.")
+        req_id = engine_request.request_id
+        if req_id in self.requests or req_id in self.beam_search:
+            raise ValueError(f"Request id {req_id!r} is already running.")
         if engine_request.sampling_params.beam_search is not None:
-            self._add_beam_group(engine_request)
-            return
-        request = Request.from_engine_core_request(engine_request, self.max_model_len,
-                                                   self.block_hasher)
-        constraint = request.sampling_params.structured_outputs
-        if constraint is not None:
-            if self.structured_output_manager is None:
-                raise ValueError("This engine has no structured-output support.")
-            request.grammar_future = self.structured_output_manager.submit(constraint)
-            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            request = self.beam_search.add(engine_request)  # the root beam
+        else:
+            request = Request.from_engine_core_request(engine_request, self.max_model_len,
+                                                       self.block_hasher)
+        if request.sampling_params.structured_outputs is not None:
+            self.structured_output.submit(request)  # it waits for its grammar
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -177,10 +132,10 @@ class Scheduler:
         (FINISHED_STOPPED; a request that asked for its hidden states still returns them).
         A beam-search request ends with all its beams. Unknown ids are ignored."""
         for req_id in request_ids:
-            group = self.beam_groups.pop(req_id, None)
-            if group is not None:
-                for beam in group.beams:
-                    self._drop_beam(beam.request)
+            beams = self.beam_search.finish(req_id)
+            if beams is not None:
+                for beam in beams:
+                    self._drop_beam(beam)
                 continue
             request = self.requests.get(req_id)
             if request is None:
@@ -234,96 +189,39 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_finished_requests(self) -> bool:
+        """Finished ids not yet delivered to the runner (it frees their state then), or
+        finished requests whose rows it has yet to read."""
+        return bool(self.finished_req_ids or self.held_for_rows)
+
+    def has_requests(self) -> bool:
+        return self.has_unfinished_requests() or self.has_finished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
     # ---- beam search ----------------------------------------------------------------
 
-    def _add_beam_group(self, engine_request: EngineCoreRequest) -> None:
-        """A beam-search request: its root beam (`{id}#0`) runs the prompt, sampling
-        greedily with its top candidates' log-probabilities; the group does the rest."""
-        params = engine_request.sampling_params
-        beam_params = params.beam_search
-        assert beam_params is not None
-        group = BeamGroup(engine_request.request_id, beam_params,
-                          set(params.end_of_sequence_ids()), 0)
-        row_params = SamplingParams(temperature=0.0, max_tokens=beam_params.max_tokens,
-                                    ignore_eos=True, logprobs=group.num_keep)
-        root = Request.from_engine_core_request(
-            dataclasses.replace(engine_request, request_id=group.next_beam_id(),
-                                sampling_params=row_params),
-            self.max_model_len, self.block_hasher)
-        root.beam_group = group
-        group.max_tokens = root.max_tokens
-        group.beams.append(Beam(root))
-        self.beam_groups[group.request_id] = group
-        self.requests[root.request_id] = root
-        self.waiting.append(root)
-
-    def _beam_sampled(self, request: Request, logprobs: LogprobsLists,
-                      outputs: list[EngineCoreOutput]) -> None:
-        """A beam's candidates are in; once its group has them all, the group moves on:
-        beams continue (their chosen token appended), fork or are dropped, or the group
-        finishes with its best hypotheses."""
-        group: BeamGroup = request.beam_group
-        if request.num_computed_tokens < request.num_tokens:
-            return  # it got its next token after this step was scheduled: a stale result
-        if not group.record(request, logprobs):
-            return
-        children = group.advance()
-        if group.done:
-            del self.beam_groups[group.request_id]
-            for beam in group.beams:
-                self._drop_beam(beam.request)
-            best = group.finished[0]
-            outputs.append(EngineCoreOutput(
-                group.request_id, [], finish_reason=best.finish_reason,
-                stop_reason=best.stop_reason,
-                num_cached_tokens=group.beams[0].request.num_cached_tokens or 0,
-                beams=group.finished))
-            return
-        group.beams = self._apply_children(group, children)
-
-    def _apply_children(self, group: BeamGroup, children: list[Child]) -> list[Beam]:
-        """The next step's beams: a parent's first child continues in the parent's request,
-        its other children fork (before the parent grows), parents without children go."""
-        beams, continued = [], set()
-        for parent, candidate in children:
-            if id(parent) in continued:
-                beams.append(Beam(self._fork_beam(group, parent.request)))
-            else:
-                continued.add(id(parent))
-                beams.append(Beam(parent.request))
-            beam = beams[-1]
-            beam.token_rows, beam.logprob_rows, beam.ranks = extend_history(parent, candidate)
-            beam.cum_logprob = candidate.cum_logprob
-        for parent in group.beams:
-            if id(parent) not in continued:
-                self._drop_beam(parent.request)
-        for beam, (_, candidate) in zip(beams, children):
-            beam.request.append_output_token_ids([candidate.token_id])
-            beam.request.resend_in_full = True
-        return beams
-
-    def _fork_beam(self, group: BeamGroup, parent: Request) -> Request:
-        child = parent.fork(group.next_beam_id())
-        copies = self.kv_cache_manager.fork(parent, child)
-        self.requests[child.request_id] = child
-        if copies is not None:
-            self.block_copies += copies
-            if parent.status == RequestStatus.RUNNING:
+    def _apply_beam_update(self, update: BeamUpdate, outputs: list[EngineCoreOutput]) -> None:
+        """Queues the beams that forked (a fork without its parent's blocks recomputes from
+        scratch) and drops those that ended; a finished search's output goes to `outputs`."""
+        for child, runs in update.forks:
+            self.requests[child.request_id] = child
+            if runs:
                 self.running.append(child)
-                return child
-        child.num_computed_tokens = 0
-        child.status = RequestStatus.WAITING
-        self.waiting.appendleft(child)
-        return child
+            else:
+                child.num_computed_tokens = 0
+                child.status = RequestStatus.WAITING
+                self.waiting.appendleft(child)
+        for request in update.dropped:
+            self._drop_beam(request)
+        if update.output is not None:
+            outputs.append(update.output)
 
     def _preempt_parked_beam(self, step: _Step) -> bool:
         """When nothing could be scheduled because beams that wait for the rest of their
-        group hold the blocks a waiting request needs, preempts the newest of them (its
-        candidates are kept: it is recomputed only once its group moves on)."""
-        if not any(r.status != RequestStatus.WAITING_FOR_GRAMMAR and not _is_parked(r)
-                   for r in self.waiting):
-            return False
-        victim = next((r for r in reversed(self.running) if _is_parked(r)), None)
+        group hold the blocks a waiting request needs, preempts the newest of them."""
+        victim = parked_victim(self.running, self.waiting)
         if victim is None:
             return False
         self.running.remove(victim)
@@ -342,17 +240,6 @@ class Scheduler:
         self._release(request)
         self.finished_req_ids.append(request.request_id)
 
-    def has_finished_requests(self) -> bool:
-        """Finished ids not yet delivered to the runner (it frees their state then), or
-        finished requests whose rows it has yet to read."""
-        return bool(self.finished_req_ids or self.held_for_rows)
-
-    def has_requests(self) -> bool:
-        return self.has_unfinished_requests() or self.has_finished_requests()
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     # ---- scheduling ---------------------------------------------------------------
 
     def _step_kind(self) -> InputKind | None:
@@ -368,7 +255,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         step = _Step(budget=self.config.max_num_batched_tokens,
                      encoder_budget=self.config.max_num_encoder_input_tokens,
-                     suspect=self._next_suspect())
+                     suspect=self.failure_isolation.next_suspect(self.requests))
         self._resolve_grammars()
         kind = None if step.suspect is not None else self._step_kind()
         self._schedule_running(step, kind)
@@ -424,14 +311,14 @@ class Scheduler:
 
     def _schedule_waiting(self, step: _Step, kind: InputKind | None) -> None:
         skipped: list[Request] = []
-        loras = _LoRASlots(self.config.max_loras, self.running)
+        loras = LoRASlots(self.config.max_loras, self.running)
         # Beams waiting for their group's other beams hold no batch row.
-        num_parked = sum(map(_is_parked, self.running))
+        num_parked = sum(map(is_parked, self.running))
         while (self.waiting and step.budget > 0
                and len(self.running) - num_parked < self.config.max_num_seqs
                and len(step.num_scheduled) < self.config.max_num_seqs):
             request = self.waiting[0]
-            if (request.status == RequestStatus.WAITING_FOR_GRAMMAR or _is_parked(request)
+            if (request.status == RequestStatus.WAITING_FOR_GRAMMAR or is_parked(request)
                     or (kind is not None and request.prompt_kind is not kind)
                     or (step.suspect is not None and request.request_id != step.suspect)
                     or not loras.admits(request)):
@@ -481,16 +368,7 @@ class Scheduler:
             return []
         room = min(budget - 1, self.max_model_len - request.num_tokens,
                    request.max_tokens - request.num_output_tokens - 1)
-        drafts = drafts[:max(0, room)]
-        grammar = request.grammar
-        if grammar is not None:  # only the drafts its grammar allows, in order
-            num_valid = 0
-            while num_valid < len(drafts) and grammar.accept_tokens([drafts[num_valid]]):
-                num_valid += 1
-            if num_valid:
-                grammar.rollback(num_valid)
-            drafts = drafts[:num_valid]
-        return drafts
+        return self.structured_output.valid_drafts(request, drafts[:max(0, room)])
 
     def _lookahead(self, request: Request, num_new: int, num_hit: int = 0) -> int:
         """KV slots past a step's tokens for the drafts a draft model writes after it
@@ -522,8 +400,8 @@ class Scheduler:
         rows = [RowsToGather(req_id, kv_manager.get_group_block_ids(req_id),
                              self.requests[req_id].num_tokens - 1)
                 for req_id in self.held_for_rows]
-        grammar_ids, bitmask = self._grammar_bitmask(step)
-        copies, self.block_copies = self.block_copies, []
+        grammar_ids, bitmask = self.structured_output.bitmask(self.requests, step.num_scheduled,
+                                                              step.spec_tokens)
         return SchedulerOutput(
             scheduled_new_reqs=new_data,
             scheduled_cached_reqs=cached,
@@ -535,73 +413,26 @@ class Scheduler:
             rows_to_gather=rows,
             structured_output_request_ids=grammar_ids,
             grammar_bitmask=bitmask,
-            blocks_to_copy=copies,
+            blocks_to_copy=self.beam_search.take_block_copies(),
             scheduled_spec_decode_tokens=step.spec_tokens,
         )
 
-    # ---- structured outputs ---------------------------------------------------------
-
     def _resolve_grammars(self) -> None:
-        """Requests whose grammar finished compiling may now be scheduled; one whose grammar
-        failed finishes with FinishReason.ERROR, the reason as its stop_reason. With nothing
-        else to run, waits (briefly) for a compile rather than spin through empty steps."""
-        pending = [r for r in self.waiting if r.status == RequestStatus.WAITING_FOR_GRAMMAR]
-        if not pending:
-            return
-        if not self.running and len(pending) == len(self.waiting):
-            futures = [r.grammar_future for r in pending if r.grammar_future is not None]
-            wait(futures, timeout=0.05, return_when=FIRST_COMPLETED)
-        for request in pending:
-            future = request.grammar_future
-            assert future is not None  # set with WAITING_FOR_GRAMMAR
-            if not future.done():
-                continue
-            request.grammar_future = None
-            error = grammar_error(future)
-            if error is None:
-                request.grammar = future.result()
-                request.status = RequestStatus.WAITING
-                continue
-            logger.warning("Request %s: %s", request.request_id, error)
+        """Requests whose grammar compiled become schedulable; one whose grammar failed
+        finishes with FinishReason.ERROR (its output leaves with the next outputs)."""
+        for request in self.structured_output.resolve(self.waiting, idle=not self.running):
             self.waiting.remove(request)
             request.status = RequestStatus.FINISHED_ERROR
             self._release(request)
             self.finished_req_ids.append(request.request_id)
-            self.grammar_failures.append(EngineCoreOutput(
-                request.request_id, [], finish_reason=FinishReason.ERROR, stop_reason=error))
-
-    def _grammar_bitmask(self, step: _Step) -> tuple[list[str], torch.Tensor | None]:
-        """The constrained requests that sample this step (their scheduled tokens reach the
-        end of what they know) and their packed allowed-token masks, one row each, or with
-        drafts one per verified position (the request's id repeated; row j: after the
-        first j drafts)."""
-        rows = []
-        for req_id, num_new in step.num_scheduled.items():
-            request = self.requests[req_id]
-            if (request.grammar is not None
-                    and request.num_computed_tokens + num_new >= request.num_tokens):
-                rows.append(request)
-        if not rows:
-            return [], None
-        assert self.structured_output_manager is not None  # requests got grammars from it
-        drafts = [step.spec_tokens.get(r.request_id, []) for r in rows]
-        bitmask = self.structured_output_manager.grammar_bitmask([r.grammar for r in rows],
-                                                                 drafts)
-        return [r.request_id for r, d in zip(rows, drafts) for _ in range(1 + len(d))], bitmask
-
-    def _take_grammar_failures(self) -> list[EngineCoreOutput]:
-        failures, self.grammar_failures = self.grammar_failures, []
-        return failures
 
     # ---- results ------------------------------------------------------------------
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
         outputs = self._release_held(scheduler_output, runner_output)
-        outputs += self._take_grammar_failures()
-        self.lone_failures = 0
-        if len(scheduler_output.num_scheduled_tokens) > 1:
-            self.unexplained_failures = 0
+        outputs += self.structured_output.take_failures()
+        self.failure_isolation.step_ran(len(scheduler_output.num_scheduled_tokens))
         spec_stats = (SpecDecodingStats.new(self.num_spec_tokens)
                       if scheduler_output.scheduled_spec_decode_tokens else None)
         for req_id in scheduler_output.num_scheduled_tokens:
@@ -612,12 +443,12 @@ class Scheduler:
             new_token_ids = runner_output.sampled_token_ids[index]
             if not new_token_ids:
                 continue  # a prefill chunk that did not reach the end of the prompt
-            if req_id in self.suspects:
-                self.suspects.remove(req_id)  # it ran alone to a sampled token: cleared
+            self.failure_isolation.cleared(req_id)  # if a suspect, it ran alone to a token
             new_logprobs = runner_output.logprobs_of(index)
             if request.beam_group is not None:
                 assert new_logprobs is not None  # beam rows always ask for their candidates
-                self._beam_sampled(request, new_logprobs, outputs)
+                self._apply_beam_update(self.beam_search.sampled(request, new_logprobs),
+                                        outputs)
                 continue
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
             if drafts:
@@ -625,14 +456,13 @@ class Scheduler:
                 request.num_computed_tokens -= len(drafts) + 1 - len(new_token_ids)
                 assert spec_stats is not None  # drafts were scheduled
                 spec_stats.observe(len(drafts), len(new_token_ids) - 1)
-            new_token_ids, stopped = self._append_until_stop(request, new_token_ids)
+            new_token_ids, stopped = append_until_stop(request, new_token_ids,
+                                                       self.max_model_len)
             if new_logprobs is not None and len(new_logprobs.ranks) > len(new_token_ids):
                 n = len(new_token_ids)
                 new_logprobs = LogprobsLists(new_logprobs.token_ids[:n],
                                              new_logprobs.logprobs[:n], new_logprobs.ranks[:n])
-            if request.grammar is not None and not request.grammar.accept_tokens(new_token_ids):
-                logger.warning("Request %s: its grammar rejected sampled token(s) %s.",
-                               req_id, new_token_ids)
+            self.structured_output.accept(request, new_token_ids)
             if runner_output.spec_token_ids is not None and not stopped:
                 request.spec_token_ids = runner_output.spec_token_ids[index]
             output = EngineCoreOutput(
@@ -650,85 +480,6 @@ class Scheduler:
                 outputs.append(output)
         return EngineCoreOutputs(outputs, self.make_stats(spec_stats))
 
-    def _append_until_stop(self, request: Request, token_ids: list[int]
-                           ) -> tuple[list[int], bool]:
-        """Appends a step's sampled tokens one by one, cutting the run at the first that
-        stops the request (several arrive at once with speculative decoding)."""
-        for i, token in enumerate(token_ids):
-            request.append_output_token_ids([token])
-            if self._check_stop(request):
-                return token_ids[:i + 1], True
-        return token_ids, False
-
-    # ---- failed steps -------------------------------------------------------------
-
-    def recover_from_failed_step(self, scheduler_output: SchedulerOutput) -> EngineCoreOutputs:
-        """Undoes a step whose execution raised, blaming one request when it can.
-
-        The blocks the step was to fill leave the prefix cache (their K/V may never have
-        been written). A step of one request convicts it: it finishes with
-        FinishReason.ERROR and its blocks go back. The requests of a failed batch go back to
-        waiting with nothing computed (as if preempted) and become suspects, each then
-        scheduled alone until it samples a token (cleared) or fails alone (convicted).
-
-        Raises:
-            EngineStepError: the failure cannot be attributed (no request was scheduled),
-                or it repeats: MAX_CONSECUTIVE_FAILURES lone requests failing in a row, or
-                as many failed batches with no batch running in between.
-        """
-        # The runner may not have dropped these yet; it does so (idempotently) next step.
-        self.finished_req_ids[:0] = scheduler_output.finished_req_ids
-        num_scheduled = scheduler_output.num_scheduled_tokens
-        scheduled = [self.requests[req_id] for req_id in num_scheduled]
-        if not scheduled:
-            raise EngineStepError("A step with no scheduled request failed.")
-        for request in scheduled:
-            req_id = request.request_id
-            self.kv_cache_manager.uncache_uncomputed(
-                request, request.num_computed_tokens - num_scheduled[req_id],
-                req_id in scheduler_output.scheduled_encoder_inputs)
-        failures = self._take_grammar_failures()
-        if len(scheduled) == 1:
-            return EngineCoreOutputs([*failures, self._convict(scheduled[0])],
-                                     self.make_stats())
-        self.unexplained_failures += 1
-        if self.unexplained_failures >= MAX_CONSECUTIVE_FAILURES:
-            raise EngineStepError(f"{self.unexplained_failures} batches failed in a row, "
-                                  "yet no request fails alone.")
-        for request in reversed(scheduled):  # preempting puts each at the front: keep order
-            self.running.remove(request)
-            self._preempt(request)
-        self.suspects += [r.request_id for r in scheduled if r.request_id not in self.suspects]
-        return EngineCoreOutputs(failures, self.make_stats())
-
-    def _convict(self, request: Request) -> EngineCoreOutput:
-        """Finishes the lone request of a failed step with FinishReason.ERROR."""
-        self.lone_failures += 1
-        self.unexplained_failures = 0
-        if self.lone_failures >= MAX_CONSECUTIVE_FAILURES:
-            raise EngineStepError(f"{self.lone_failures} requests in a row failed alone.")
-        if request.request_id in self.suspects:
-            self.suspects.remove(request.request_id)
-        group: BeamGroup | None = request.beam_group
-        if group is not None:  # a failing beam fails its whole request
-            self.finish_requests([group.request_id], RequestStatus.FINISHED_ERROR)
-            return EngineCoreOutput(group.request_id, [], finish_reason=FinishReason.ERROR)
-        self.running.remove(request)
-        request.status = RequestStatus.FINISHED_ERROR
-        self._release(request)
-        self.finished_req_ids.append(request.request_id)
-        return EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR,
-                                num_cached_tokens=request.num_cached_tokens or 0)
-
-    def _next_suspect(self) -> str | None:
-        """The suspect to run alone this step, dropping those that finished meanwhile."""
-        while self.suspects:
-            request = self.requests.get(self.suspects[0])
-            if request is not None and not request.is_finished():
-                return request.request_id
-            self.suspects.pop(0)
-        return None
-
     def _release_held(self, scheduler_output: SchedulerOutput,
                       runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """The final outputs of requests whose rows the runner read this step, rows attached
@@ -743,25 +494,52 @@ class Scheduler:
             outputs.append(final)
         return outputs
 
-    def _check_stop(self, request: Request) -> bool:
-        if request.stop_requested:  # a stop string the front end matched earlier
-            request.status = RequestStatus.FINISHED_STOPPED
-            return True
-        if (request.num_output_tokens >= request.max_tokens
-                or request.num_tokens >= self.max_model_len):
-            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
-        token = request.output_token_ids[-1]
-        params = request.sampling_params
-        if request.num_output_tokens < params.min_tokens:
-            return False
-        if token in params.stop_ids():
-            request.status = RequestStatus.FINISHED_STOPPED
-            # vLLM's stop_reason: None for the tokenizer's EOS, else the id that stopped.
-            eos = not params.ignore_eos and token == params.eos_token_id
-            request.stop_reason = None if eos else token
-            return True
-        return False
+    # ---- failed steps -------------------------------------------------------------
+
+    def recover_from_failed_step(self, scheduler_output: SchedulerOutput) -> EngineCoreOutputs:
+        """Undoes a step whose execution raised, blaming one request when it can.
+
+        The blocks the step was to fill leave the prefix cache (their K/V may never have
+        been written). A step of one request convicts it: it finishes with
+        FinishReason.ERROR and its blocks go back. The requests of a failed batch go back to
+        waiting with nothing computed (as if preempted) and become suspects, each then
+        scheduled alone until it samples a token (cleared) or fails alone (convicted).
+
+        Raises:
+            EngineStepError: the failure cannot be attributed, or it repeats (see
+                `FailureIsolation.blame`).
+        """
+        # The runner may not have dropped these yet; it does so (idempotently) next step.
+        self.finished_req_ids[:0] = scheduler_output.finished_req_ids
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        scheduled = [self.requests[req_id] for req_id in num_scheduled]
+        for request in scheduled:
+            req_id = request.request_id
+            self.kv_cache_manager.uncache_uncomputed(
+                request, request.num_computed_tokens - num_scheduled[req_id],
+                req_id in scheduler_output.scheduled_encoder_inputs)
+        failures = self.structured_output.take_failures()
+        culprit = self.failure_isolation.blame(list(num_scheduled))
+        if culprit is not None:
+            return EngineCoreOutputs([*failures, self._convict(self.requests[culprit])],
+                                     self.make_stats())
+        for request in reversed(scheduled):  # preempting puts each at the front: keep order
+            self.running.remove(request)
+            self._preempt(request)
+        return EngineCoreOutputs(failures, self.make_stats())
+
+    def _convict(self, request: Request) -> EngineCoreOutput:
+        """Finishes the lone request of a failed step with FinishReason.ERROR."""
+        group = request.beam_group
+        if group is not None:  # a failing beam fails its whole request
+            self.finish_requests([group.request_id], RequestStatus.FINISHED_ERROR)
+            return EngineCoreOutput(group.request_id, [], finish_reason=FinishReason.ERROR)
+        self.running.remove(request)
+        request.status = RequestStatus.FINISHED_ERROR
+        self._release(request)
+        self.finished_req_ids.append(request.request_id)
+        return EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR,
+                                num_cached_tokens=request.num_cached_tokens or 0)
 
     def make_stats(self, spec_decoding: SpecDecodingStats | None = None) -> SchedulerStats:
         prefix = self.kv_cache_manager.make_prefix_cache_stats()
@@ -774,12 +552,6 @@ class Scheduler:
             prefix_cache_hits=prefix.hits,
             num_preemptions=self.num_preemptions,
         )
-
-
-def _is_parked(request: Request) -> bool:
-    """A beam that has reported its candidates and waits for its group's other beams."""
-    group = request.beam_group
-    return group is not None and group.has_reported(request)
 
 
 def _wants_rows(request: Request) -> bool:
