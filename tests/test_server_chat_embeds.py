@@ -164,9 +164,9 @@ def test_bad_parts_are_400s(server, default_model_path, embed) -> None:
 def test_parts_need_enable_prompt_embeds(tiny_llama_dir) -> None:
     """Refused before any decoding or engine work (no server needed)."""
     from vllm import EngineArgs
+    from vllm.entrypoints.errors import OpenAIError
     from vllm.entrypoints.openai.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
-    from vllm.entrypoints.openai.serving_engine import OpenAIError
 
     config = EngineArgs(model=tiny_llama_dir, max_model_len=64).create_engine_config()
     engine = SimpleNamespace(vllm_config=config, tokenizer=get_tokenizer(tiny_llama_dir))

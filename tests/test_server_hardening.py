@@ -128,9 +128,10 @@ def test_trusted_request_template_and_output_bound(tiny_llama_dir: str) -> None:
     from types import SimpleNamespace
 
     from vllm import EngineArgs
+    from vllm.entrypoints.errors import OpenAIError
     from vllm.entrypoints.openai.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
-    from vllm.entrypoints.openai.serving_engine import OpenAIError, ServingOptions
+    from vllm.entrypoints.openai.serving_engine import ServingOptions
     from vllm.transformers_utils.tokenizer import get_tokenizer
 
     config = EngineArgs(model=tiny_llama_dir, max_model_len=64).create_engine_config()

@@ -16,9 +16,9 @@ import openai
 import pytest
 
 from tests.server_utils import SMALL_ENGINE_ARGS, RemoteServer
+from vllm.entrypoints.chat_utils import render_chat
+from vllm.entrypoints.errors import OpenAIError
 from vllm.entrypoints.openai.protocol import ChatCompletionRequest
-from vllm.entrypoints.openai.serving_chat import render_chat
-from vllm.entrypoints.openai.serving_engine import OpenAIError
 from vllm.entrypoints.openai.tool_calls import AUTO_NEEDS_FLAGS, check_tool_request
 from vllm.transformers_utils.tokenizer import get_tokenizer
 

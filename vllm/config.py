@@ -16,6 +16,11 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from vllm.platforms.cpu import choose_cpu_dtype, read_cpu_flags
+from vllm.transformers_utils.config import (
+    head_dim_of,
+    is_encoder_decoder_config,
+    num_kv_heads_of,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_groups import KVCacheGroupSpec
@@ -125,7 +130,7 @@ class ModelConfig:
 
     @property
     def is_encoder_decoder(self) -> bool:
-        return bool(getattr(self.hf_config, "is_encoder_decoder", False))
+        return is_encoder_decoder_config(self.hf_config)
 
     @property
     def num_layers(self) -> int:
@@ -140,8 +145,6 @@ class ModelConfig:
         cfg = self.hf_config
         if self.is_encoder_decoder:
             return cfg.decoder_attention_heads
-        from vllm.transformers_utils.config import num_kv_heads_of
-
         return num_kv_heads_of(cfg)
 
     def get_num_kv_heads(self, tensor_parallel_size: int) -> int:
@@ -156,8 +159,6 @@ class ModelConfig:
         cfg = self.hf_config
         if self.is_encoder_decoder:
             return cfg.d_model // cfg.decoder_attention_heads
-        from vllm.transformers_utils.config import head_dim_of
-
         return head_dim_of(cfg)
 
     @property

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from vllm.transformers_utils.config import is_encoder_decoder_config
+
 
 def divide(numerator: int, denominator: int, what: str = "") -> int:
     if numerator % denominator:
@@ -41,7 +43,7 @@ def check_tp_divisibility(hf_config, tp: int) -> None:
         return
     name = getattr(hf_config, "architectures", None) or [type(hf_config).__name__]
     what = name[0]
-    if getattr(hf_config, "is_encoder_decoder", False):
+    if is_encoder_decoder_config(hf_config):
         for side in ("encoder", "decoder"):
             heads = getattr(hf_config, f"{side}_attention_heads")
             _check_heads(heads, heads, tp, f"{what} {side}")

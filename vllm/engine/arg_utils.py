@@ -27,6 +27,7 @@ from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
 from vllm.transformers_utils.config import (
     get_config,
     get_generation_defaults,
+    is_encoder_decoder_config,
     resolve_model_path,
 )
 
@@ -277,7 +278,7 @@ def max_decoder_positions(hf_config) -> int:
 
     positions = (getattr(hf_config, "max_target_positions", None)
                  or getattr(hf_config, "max_position_embeddings", None) or 2048)
-    if getattr(hf_config, "is_encoder_decoder", False):
+    if is_encoder_decoder_config(hf_config):
         return positions
     rope = rope_parameters_of(hf_config)
     factor = rope.get("factor")

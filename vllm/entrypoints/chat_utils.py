@@ -1,19 +1,140 @@
-"""Chat messages with `prompt_embeds` content parts: the template renders as usual, and each
-part's rows stand exactly where the part stood.
+"""Chat rendering, shared by `LLM.chat` and the server's `/v1/chat/completions` (and
+`/tokenize`): message checks, the `chat_template_kwargs` rules, size bounds, tools shown to
+the template, and `prompt_embeds` content parts. Nothing here imports the server.
 
-Each part is swapped for a unique placeholder text part (a random nonce per conversation,
-so no message text can forge one); the rendered prompt is then cut at the placeholders.
-The text pieces between them are tokenized one by one, so no token ever spans a part's
-edge: the template's own text (role headers, end-of-turn markers) and the message text
-tokenize as they would against any hard boundary (a special token, the prompt's start).
+`prompt_embeds` parts: each part is swapped for a unique placeholder text part (a random
+nonce per conversation, so no message text can forge one); the rendered prompt is then cut
+at the placeholders. The text pieces between them are tokenized one by one, so no token ever
+spans a part's edge: the template's own text (role headers, end-of-turn markers) and the
+message text tokenize as they would against any hard boundary (a special token, the prompt's
+start).
 """
 
 from __future__ import annotations
 
+import json
 import secrets
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
+
+from vllm.entrypoints.embeds_codec import decode_prompt_embeds, prompt_embeds_byte_budget
+from vllm.entrypoints.errors import OpenAIError
+
+
+def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Checks roles and flattens OpenAI content parts to text (only text parts exist here)."""
+    result = []
+    for i, message in enumerate(messages):
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise OpenAIError(f"messages[{i}] needs a string 'role'.")
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" \
+                        or not isinstance(part.get("text"), str):
+                    raise OpenAIError(f"messages[{i}]: only text and prompt_embeds content "
+                                      "parts are supported.")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise OpenAIError(f"messages[{i}].content must be a string or a list of parts.")
+        result.append({**message, "content": content})
+    return result
+
+
+# Arguments of `apply_chat_template` itself: template variables may not override them.
+_RESERVED_TEMPLATE_KWARGS = (
+    "chat_template", "conversation", "messages", "tools", "documents", "tokenize",
+    "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "padding", "truncation", "max_length")
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """`chat_template_kwargs` as template variables; raises OpenAIError for a template
+    smuggled in (`chat_template`) or a key that would change how rendering works."""
+    kwargs = dict(kwargs or {})
+    if "chat_template" in kwargs:
+        raise OpenAIError("chat_template is not allowed in chat_template_kwargs: a chat "
+                          "template is code the server runs. Use the request's chat_template "
+                          "field, honoured only by a server started with "
+                          "--trust-request-chat-template.")
+    for key in kwargs:
+        if key in _RESERVED_TEMPLATE_KWARGS or not key.isidentifier():
+            raise OpenAIError(f"chat_template_kwargs may not set {key!r}.")
+    return kwargs
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                continue_final_message: bool = False,
+                chat_template_kwargs: dict[str, Any] | None = None,
+                chat_template: str | None = None, max_chars: int | None = None,
+                tools: list[dict[str, Any]] | None = None) -> str:
+    """The prompt text the chat template makes of `messages` (and `tools`, OpenAI's
+    function definitions, for templates that show them); raises OpenAIError.
+
+    With `max_chars`, the messages' text and the rendered prompt must each fit in it.
+    """
+    if not messages:
+        raise OpenAIError("messages must not be empty.")
+    if add_generation_prompt and continue_final_message:
+        raise OpenAIError("continue_final_message and add_generation_prompt cannot both be "
+                          "true.")
+    kwargs = check_template_kwargs(chat_template_kwargs)
+    if continue_final_message:
+        kwargs["continue_final_message"] = True
+    messages = parse_message_arguments(normalize_messages(messages))
+    size = sum(len(m["content"]) for m in messages) + len(json.dumps(tools or []))
+    if max_chars is not None and size > max_chars:
+        raise OpenAIError(f"The messages hold {size} characters, more than the {max_chars} "
+                          "that could fit this model's maximum context length.")
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt,
+                                             chat_template=chat_template, tools=tools,
+                                             **kwargs)
+    except OpenAIError:
+        raise
+    except Exception as e:  # jinja errors, a tokenizer without a template, bad kwargs
+        raise OpenAIError(f"The chat template could not be applied: {e}") from None
+    if max_chars is not None and len(text) > max_chars:
+        raise OpenAIError(f"The chat template rendered {len(text)} characters, more than the "
+                          f"{max_chars} that could fit this model's maximum context length.")
+    return text
+
+
+def parse_message_arguments(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Assistant messages' `tool_calls` with their `arguments` JSON text parsed into objects,
+    the form chat templates render; raises OpenAIError naming a malformed call."""
+    result = []
+    for i, message in enumerate(messages):
+        tool_calls = message.get("tool_calls")
+        if tool_calls is None:
+            result.append(message)
+            continue
+        if not isinstance(tool_calls, list):
+            raise OpenAIError(f"messages[{i}].tool_calls must be a list.")
+        parsed = []
+        for j, call in enumerate(tool_calls):
+            where = f"messages[{i}].tool_calls[{j}]"
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise OpenAIError(f"{where} needs a function with a name.")
+            arguments = function.get("arguments", "{}")
+            if isinstance(arguments, str):
+                try:
+                    arguments = json.loads(arguments)
+                except ValueError as e:
+                    raise OpenAIError(f"{where}.function.arguments is not JSON: {e}") from None
+            parsed.append({**call, "function": {**function, "arguments": arguments}})
+        result.append({**message, "tool_calls": parsed})
+    return result
+
 
 EMBEDS_PART_TYPE = "prompt_embeds"
 
@@ -80,19 +201,27 @@ def split_at_placeholders(text: str, placeholders: list[str]) -> list[str | int]
     return pieces
 
 
+def segments_prompt(pieces: list[str | int], texts: Sequence[Any],
+                    rows: Sequence[torch.Tensor]) -> dict[str, Any]:
+    """The engine's mixed prompt of a rendered conversation with prompt_embeds parts:
+    `pieces` (from `split_at_placeholders`) in order, the i-th text piece as `texts[i]` (its
+    text, or its token ids) and part k as `rows[k]`. The template writes its own special
+    tokens, so the engine adds none.
+
+    Example: pieces ["<s>user: ", 0, "\\nassistant:"], texts [[1, 7], [9, 4]], rows [R0]
+    -> {"prompt_segments": [[1, 7], R0, [9, 4]], "add_special_tokens": False}.
+    """
+    text_iter = iter(texts)
+    segments = [rows[piece] if isinstance(piece, int) else next(text_iter) for piece in pieces]
+    return {"prompt_segments": segments, "add_special_tokens": False}
+
+
 def chat_prompt(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
                 continue_final_message: bool, chat_template_kwargs: dict[str, Any] | None,
                 chat_template: str | None, max_model_len: int, hidden_size: int,
                 tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The engine prompt of one conversation, offline (`LLM.chat`): its rendered text as
     ids, or, with prompt_embeds parts, a `prompt_segments` prompt; raises ValueError."""
-    from vllm.entrypoints.openai.prompt_embeds import (
-        decode_prompt_embeds,
-        prompt_embeds_byte_budget,
-    )
-    from vllm.entrypoints.openai.serving_chat import render_chat
-    from vllm.entrypoints.openai.serving_engine import OpenAIError
-
     parts = take_embeds_parts(messages)
     try:
         text = render_chat(tokenizer, parts.messages, add_generation_prompt,
@@ -103,17 +232,18 @@ def chat_prompt(tokenizer: Any, messages: list[dict[str, Any]], add_generation_p
     if not parts.data:
         return {"prompt": text,
                 "prompt_token_ids": list(tokenizer.encode(text, add_special_tokens=False))}
+    pieces = split_at_placeholders(text, parts.placeholders)
     budget = prompt_embeds_byte_budget(max_model_len, hidden_size)
-    segments: list[Any] = []
-    for piece in split_at_placeholders(text, parts.placeholders):
-        if isinstance(piece, str):
-            segments.append(piece)
-            continue
-        data = parts.data[piece]
-        if isinstance(data, str):
-            data = decode_prompt_embeds(data, budget)
-        elif not isinstance(data, torch.Tensor):
-            raise ValueError("A prompt_embeds part's data must be a tensor or base64 of "
-                             f"torch.save(tensor), got {type(data).__name__}.")
-        segments.append(data)
-    return {"prompt_segments": segments, "add_special_tokens": False}
+    rows = [_offline_rows(data, budget) for data in parts.data]
+    # Text pieces stay text: the engine tokenizes each on its own, without special tokens.
+    return segments_prompt(pieces, [p for p in pieces if isinstance(p, str)], rows)
+
+
+def _offline_rows(data: Any, budget: int) -> torch.Tensor:
+    """A part's rows offline: a tensor as given, or base64 of torch.save decoded."""
+    if isinstance(data, str):
+        return decode_prompt_embeds(data, budget)
+    if not isinstance(data, torch.Tensor):
+        raise ValueError("A prompt_embeds part's data must be a tensor or base64 of "
+                         f"torch.save(tensor), got {type(data).__name__}.")
+    return data

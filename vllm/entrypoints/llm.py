@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from vllm.beam_search import BeamSearchOutput, BeamSearchSequence
 from vllm.engine.arg_utils import EngineArgs
+from vllm.entrypoints.chat_utils import chat_prompt
 from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import (
@@ -131,8 +132,6 @@ class LLM:
         stood (see `vllm.entrypoints.chat_utils`). The rendered text is tokenized without
         special tokens: the template writes its own.
         """
-        from vllm.entrypoints.chat_utils import chat_prompt
-
         if add_generation_prompt and continue_final_message:
             raise ValueError("continue_final_message and add_generation_prompt cannot both "
                              "be true.")

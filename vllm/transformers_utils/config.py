@@ -22,6 +22,13 @@ def resolve_model_path(model: str | None) -> str:
     return model
 
 
+def is_encoder_decoder_config(config) -> bool:
+    """Whether the config is an encoder/decoder model's (Whisper, BART): the one place that
+    reads `is_encoder_decoder`; read through `ModelConfig.is_encoder_decoder` where one is
+    at hand."""
+    return bool(getattr(config, "is_encoder_decoder", False))
+
+
 def head_dim_of(config) -> int:
     """A decoder's `head_dim` where the config sets it (it may differ from hidden / heads)."""
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -26,6 +26,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import vllm
+from vllm.entrypoints.chat_utils import render_chat
+from vllm.entrypoints.errors import OpenAIError
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -39,13 +41,13 @@ from vllm.entrypoints.openai.protocol import (
     TranscriptionRequest,
     UnloadLoRAAdapterRequest,
 )
-from vllm.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
+from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm.entrypoints.openai.serving_engine import (
     MAX_CHARS_PER_TOKEN,
-    OpenAIError,
     OpenAIServing,
     ServingOptions,
+    error_response,
 )
 from vllm.entrypoints.openai.serving_models import (
     ServedLoRAs,
@@ -96,7 +98,7 @@ class ServerState:
 
 
 def error_json(message: str, err_type: str, status: int) -> JSONResponse:
-    return JSONResponse(OpenAIError(message, err_type, status).to_response().model_dump(),
+    return JSONResponse(error_response(OpenAIError(message, err_type, status)).model_dump(),
                         status_code=status)
 
 
@@ -192,7 +194,7 @@ def _respond(result: Any) -> Response:
 def _add_exception_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-        return JSONResponse(exc.to_response().model_dump(), status_code=exc.status_code,
+        return JSONResponse(error_response(exc).model_dump(), status_code=exc.status_code,
                             headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)

@@ -5,21 +5,29 @@ A chat template is code the server runs, so clients do not get to supply one: a 
 `chat_template_kwargs` is refused. Rendering runs off the event loop on bounded input, and
 output longer than could fit the context is refused.
 
-`prompt_embeds` content parts (`vllm.entrypoints.chat_utils`): the template renders with a
-placeholder per part, the text between parts is tokenized piece by piece, and the engine
-gets a mixed prompt of token ids and rows; the parts decode through the server's one
-`EmbedsIntake` (byte budget, in-flight cap) like completion prompts.
+Rendering and its checks are `vllm.entrypoints.chat_utils` (shared with `LLM.chat`).
+`prompt_embeds` content parts: the template renders with a placeholder per part, the text
+between parts is tokenized piece by piece, and the engine gets a mixed prompt of token ids
+and rows; the parts decode through the server's one `EmbedsIntake` (byte budget, in-flight
+cap) like completion prompts.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from vllm.entrypoints.chat_utils import EmbedsParts, split_at_placeholders, take_embeds_parts
+from vllm.entrypoints.chat_utils import (
+    EmbedsParts,
+    check_template_kwargs,
+    render_chat,
+    segments_prompt,
+    split_at_placeholders,
+    take_embeds_parts,
+)
+from vllm.entrypoints.errors import OpenAIError
 from vllm.entrypoints.openai.prompt_embeds import EmbedsLease
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
@@ -37,7 +45,6 @@ from vllm.entrypoints.openai.protocol import (
 from vllm.entrypoints.openai.serving_completion import EMBEDS_DISABLED, EmbedsIntake
 from vllm.entrypoints.openai.serving_engine import (
     MAX_CHARS_PER_TOKEN,
-    OpenAIError,
     OpenAIServing,
     ServedEngine,
     ServingOptions,
@@ -52,7 +59,6 @@ from vllm.entrypoints.openai.tool_calls import (
     check_tool_request,
     finish_reason_with_tools,
     make_tool_parser,
-    parse_message_arguments,
     tool_calls_of,
     tool_choice_schema,
 )
@@ -60,91 +66,6 @@ from vllm.entrypoints.openai.tool_parsers import ToolParser
 from vllm.outputs import CompletionOutput
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm.v1.engine.async_llm import RequestStream
-
-
-def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Checks roles and flattens OpenAI content parts to text (only text parts exist here)."""
-    result = []
-    for i, message in enumerate(messages):
-        role = message.get("role")
-        if not isinstance(role, str) or not role:
-            raise OpenAIError(f"messages[{i}] needs a string 'role'.")
-        content = message.get("content")
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" \
-                        or not isinstance(part.get("text"), str):
-                    raise OpenAIError(f"messages[{i}]: only text and prompt_embeds content "
-                                      "parts are supported.")
-                texts.append(part["text"])
-            content = "\n".join(texts)
-        elif content is None:
-            content = ""
-        elif not isinstance(content, str):
-            raise OpenAIError(f"messages[{i}].content must be a string or a list of parts.")
-        result.append({**message, "content": content})
-    return result
-
-
-# Arguments of `apply_chat_template` itself: template variables may not override them.
-_RESERVED_TEMPLATE_KWARGS = (
-    "chat_template", "conversation", "messages", "tools", "documents", "tokenize",
-    "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors",
-    "return_assistant_tokens_mask", "tokenizer_kwargs", "padding", "truncation", "max_length")
-
-
-def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
-    """`chat_template_kwargs` as template variables; raises OpenAIError for a template
-    smuggled in (`chat_template`) or a key that would change how rendering works."""
-    kwargs = dict(kwargs or {})
-    if "chat_template" in kwargs:
-        raise OpenAIError("chat_template is not allowed in chat_template_kwargs: a chat "
-                          "template is code the server runs. Use the request's chat_template "
-                          "field, honoured only by a server started with "
-                          "--trust-request-chat-template.")
-    for key in kwargs:
-        if key in _RESERVED_TEMPLATE_KWARGS or not key.isidentifier():
-            raise OpenAIError(f"chat_template_kwargs may not set {key!r}.")
-    return kwargs
-
-
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                continue_final_message: bool = False,
-                chat_template_kwargs: dict[str, Any] | None = None,
-                chat_template: str | None = None, max_chars: int | None = None,
-                tools: list[dict[str, Any]] | None = None) -> str:
-    """The prompt text the chat template makes of `messages` (and `tools`, OpenAI's
-    function definitions, for templates that show them); raises OpenAIError.
-
-    With `max_chars`, the messages' text and the rendered prompt must each fit in it.
-    """
-    if not messages:
-        raise OpenAIError("messages must not be empty.")
-    if add_generation_prompt and continue_final_message:
-        raise OpenAIError("continue_final_message and add_generation_prompt cannot both be "
-                          "true.")
-    kwargs = check_template_kwargs(chat_template_kwargs)
-    if continue_final_message:
-        kwargs["continue_final_message"] = True
-    messages = parse_message_arguments(normalize_messages(messages))
-    size = sum(len(m["content"]) for m in messages) + len(json.dumps(tools or []))
-    if max_chars is not None and size > max_chars:
-        raise OpenAIError(f"The messages hold {size} characters, more than the {max_chars} "
-                          "that could fit this model's maximum context length.")
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt,
-                                             chat_template=chat_template, tools=tools,
-                                             **kwargs)
-    except OpenAIError:
-        raise
-    except Exception as e:  # jinja errors, a tokenizer without a template, bad kwargs
-        raise OpenAIError(f"The chat template could not be applied: {e}") from None
-    if max_chars is not None and len(text) > max_chars:
-        raise OpenAIError(f"The chat template rendered {len(text)} characters, more than the "
-                          f"{max_chars} that could fit this model's maximum context length.")
-    return text
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -237,18 +158,18 @@ class OpenAIServingChat(OpenAIServing):
         except ValueError as e:
             raise OpenAIError(str(e)) from None
         copies = max(1, request.n or 1)
-        segments: list[Any] = []
+        texts: list[list[int]] = []
+        rows: list[Any] = [None] * len(parts.data)
         num_tokens = 0
         for i, piece in enumerate(pieces):
             if isinstance(piece, str):
                 ids = await self.tokenize(piece, request.add_special_tokens and i == 0)
-                segments.append(ids)
+                texts.append(ids)
                 num_tokens += len(ids)
                 continue
-            rows = await self.embeds.decode(parts.data[piece], lease, copies)
-            segments.append(rows)
-            num_tokens += rows.shape[-2] if rows.dim() >= 2 else 0
-        return {"prompt_segments": segments, "add_special_tokens": False}, num_tokens
+            rows[piece] = await self.embeds.decode(parts.data[piece], lease, copies)
+            num_tokens += rows[piece].shape[-2] if rows[piece].dim() >= 2 else 0
+        return segments_prompt(pieces, texts, rows), num_tokens
 
     def _sampling_params(self, request: ChatCompletionRequest, max_tokens: int | None,
                          num_logprobs: int | None) -> SamplingParams:

@@ -11,13 +11,13 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from vllm.entrypoints.openai.prompt_embeds import (
-    EmbedsBytesInFlight,
-    EmbedsLease,
+from vllm.entrypoints.embeds_codec import (
     decode_prompt_embeds,
     encode_tensor,
     prompt_embeds_byte_budget,
 )
+from vllm.entrypoints.errors import OpenAIError
+from vllm.entrypoints.openai.prompt_embeds import EmbedsBytesInFlight, EmbedsLease
 from vllm.entrypoints.openai.protocol import (
     CompletionLogProbs,
     CompletionRequest,
@@ -28,7 +28,6 @@ from vllm.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from vllm.entrypoints.openai.serving_engine import (
-    OpenAIError,
     OpenAIServing,
     ServedEngine,
     ServingOptions,

@@ -8,6 +8,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from vllm.entrypoints.errors import OpenAIError
 from vllm.entrypoints.openai.protocol import (
     ErrorInfo,
     ErrorResponse,
@@ -24,20 +25,10 @@ if TYPE_CHECKING:
     from vllm.entrypoints.openai.serving_models import ServedLoRAs
 
 
-class OpenAIError(Exception):
-    """An error answered with the OpenAI error body and an HTTP status."""
-
-    def __init__(self, message: str, err_type: str = "BadRequestError",
-                 status_code: int = 400, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.err_type = err_type
-        self.status_code = status_code
-        self.headers = headers  # e.g. Retry-After on a 503
-
-    def to_response(self) -> ErrorResponse:
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.err_type,
-                                             code=self.status_code))
+def error_response(error: OpenAIError) -> ErrorResponse:
+    """The OpenAI error body of `error`."""
+    return ErrorResponse(error=ErrorInfo(message=error.message, type=error.err_type,
+                                         code=error.status_code))
 
 
 # What the handlers serve: one engine, or a pipeline of them (it answers the same calls).
@@ -85,8 +76,8 @@ def sse(payload: OpenAIBaseModel | str) -> str:
 def stream_error(error: Exception) -> ErrorResponse:
     """The error event sent when a stream fails after its 200 status went out."""
     if isinstance(error, OpenAIError):
-        return error.to_response()
-    return OpenAIError(str(error), "InternalServerError", 500).to_response()
+        return error_response(error)
+    return error_response(OpenAIError(str(error), "InternalServerError", 500))
 
 
 def random_id(prefix: str, given: str | None = None) -> str:

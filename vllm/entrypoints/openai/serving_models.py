@@ -12,8 +12,8 @@ import itertools
 import json
 import os
 
+from vllm.entrypoints.errors import OpenAIError
 from vllm.entrypoints.openai.protocol import ModelCard
-from vllm.entrypoints.openai.serving_engine import OpenAIError
 from vllm.lora.request import LoRARequest
 
 RUNTIME_UPDATING_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"

@@ -38,6 +38,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from vllm.entrypoints.errors import OpenAIError
 from vllm.entrypoints.longform import (
     DecodeSetup,
     EngineRequest,
@@ -64,7 +65,6 @@ from vllm.entrypoints.openai.protocol import (
     TranscriptionWord,
 )
 from vllm.entrypoints.openai.serving_engine import (
-    OpenAIError,
     OpenAIServing,
     ServedEngine,
     random_id,

@@ -11,9 +11,9 @@ calls as OpenAI deltas.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from vllm.entrypoints.errors import OpenAIError
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionNamedToolChoiceParam,
     ChatCompletionRequest,
@@ -24,7 +24,6 @@ from vllm.entrypoints.openai.protocol import (
     ToolCall,
     random_tool_call_id,
 )
-from vllm.entrypoints.openai.serving_engine import OpenAIError
 from vllm.entrypoints.openai.tool_parsers import (
     ExtractedToolCalls,
     ParsedToolText,
@@ -216,31 +215,3 @@ class ToolCallStreamer:
             delta.function.arguments = fragment
             message.tool_calls.append(delta)
         return message
-
-
-def parse_message_arguments(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Assistant messages' `tool_calls` with their `arguments` JSON text parsed into objects,
-    the form chat templates render; raises OpenAIError naming a malformed call."""
-    result = []
-    for i, message in enumerate(messages):
-        tool_calls = message.get("tool_calls")
-        if tool_calls is None:
-            result.append(message)
-            continue
-        if not isinstance(tool_calls, list):
-            raise OpenAIError(f"messages[{i}].tool_calls must be a list.")
-        parsed = []
-        for j, call in enumerate(tool_calls):
-            where = f"messages[{i}].tool_calls[{j}]"
-            function = call.get("function") if isinstance(call, dict) else None
-            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-                raise OpenAIError(f"{where} needs a function with a name.")
-            arguments = function.get("arguments", "{}")
-            if isinstance(arguments, str):
-                try:
-                    arguments = json.loads(arguments)
-                except ValueError as e:
-                    raise OpenAIError(f"{where}.function.arguments is not JSON: {e}") from None
-            parsed.append({**call, "function": {**function, "arguments": arguments}})
-        result.append({**message, "tool_calls": parsed})
-    return result
