@@ -23,7 +23,7 @@ from vllm.v1.attention.backends.torch_sdpa import TorchSDPABackend, TorchSDPAMet
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.request import RequestStatus
 from vllm.v1.sample.sampler import SamplerOutput
-from vllm.v1.worker.gpu_model_runner import GPUModelRunner, ModelInputs
+from vllm.v1.worker.model_runner import ModelRunner, ModelInputs
 
 
 def test_design_note_decode_rows() -> None:
@@ -128,7 +128,7 @@ def _common(inputs: ModelInputs) -> CommonAttentionMetadata:
     return inputs.attn_metadata
 
 
-def _general(runner: GPUModelRunner, out: SchedulerOutput) -> ModelInputs:
+def _general(runner: ModelRunner, out: SchedulerOutput) -> ModelInputs:
     decode, runner.decode_inputs = runner.decode_inputs, None
     try:
         return runner._prepare_inputs(out)

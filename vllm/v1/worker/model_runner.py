@@ -127,11 +127,11 @@ class ModelInputs(NamedTuple):
     common: CommonAttentionMetadata  # the step's batch layout (for CUDA graph buffers)
 
 
-class GPUModelRunner:
+class ModelRunner:
     """Owns the model, the KV cache tensors, the stage-output cache and the persistent
     `InputBatch`.
 
-    vLLM's name, but CPU-first: the same code runs on CPU (the machines we test on) and
+    One runner for every device: the same code runs on CPU (the machines we test on) and
     CUDA. Encoder/decoder models add one encoder pass per step (`EncoderRunner`) and
     cross-attention metadata.
     """
