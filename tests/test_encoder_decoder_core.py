@@ -46,8 +46,8 @@ from vllm.v1.engine import EncoderInput, EngineCoreOutputs
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.sample.sampler import SamplerOutput
 from vllm.v1.worker.encoder_runner import EncoderRunner, compute_cross_slot_mapping
-from vllm.v1.worker.model_runner import ModelRunner
 from vllm.v1.worker.input_batch import CachedRequestState, InputBatch
+from vllm.v1.worker.model_runner import ModelRunner
 
 BLOCK_SIZE = 4
 

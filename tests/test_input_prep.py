@@ -28,7 +28,8 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 from vllm.v1.sample.sampler import SamplerOutput
 from vllm.v1.worker.block_table import BlockTable
-from vllm.v1.worker.model_runner import ModelRunner, compute_step_indices
+from vllm.v1.worker.model_runner import ModelRunner
+from vllm.v1.worker.step_inputs import compute_step_indices
 
 # ---- compute_step_indices ---------------------------------------------------------------
 

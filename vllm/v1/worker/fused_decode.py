@@ -162,11 +162,14 @@ class FusedDecode:
                     len(layers))
         return cls(decoder, model, kv_caches[0].shape[2])
 
+    # The most tokens of a step it takes: as many as the layers' quant_gemv kernels take.
+    MAX_TOKENS = MAX_ROWS
+
     @staticmethod
     def takes(num_tokens: int) -> bool:
         """Whether a step of `num_tokens` tokens runs here (the runner then builds no
         attention metadata for it but a decode-only step's, which is kept per size)."""
-        return num_tokens <= MAX_ROWS
+        return num_tokens <= FusedDecode.MAX_TOKENS
 
     def run(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
             inputs_embeds: torch.Tensor | None, attn_metadata: object,
