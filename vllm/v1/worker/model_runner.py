@@ -10,16 +10,14 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from torch import nn
 
 from vllm.config import VllmConfig
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.layers.attention import Attention, bind_attention_layers
-from vllm.model_executor.layers.quantization.gguf_blocks import MAX_ROWS as GGUF_MAX_ROWS
 from vllm.model_executor.model_loader.loader import get_model
 from vllm.model_executor.models.interfaces import (
     VllmModel,
@@ -133,8 +131,8 @@ class ModelRunner:
             from vllm.lora.manager import LoRAModelManager
 
             self.lora_manager = LoRAModelManager(
-                cast(nn.Module, model), lora_config, self.model_config.hf_config,
-                self._max_step_tokens(), self.device, self.dtype)
+                model, lora_config, self.model_config.hf_config,
+                self._max_step_tokens(model), self.device, self.dtype)
         if self.spec is not None:
             self.spec.load_model()
         if self.is_encoder_decoder:
@@ -148,12 +146,13 @@ class ModelRunner:
             cpu_ops()  # build or load the native kernels now, not on the first request
         self.step_inputs.build_decode_metadata(self.attn_backend)
 
-    def _max_step_tokens(self) -> int:
+    def _max_step_tokens(self, model: VllmModel) -> int:
         """The most tokens a forward may hold: a step's budget, or a captured graph's
         padded size (or the dummy step compiling the graphs for any larger size)."""
         sizes = self.vllm_config.compilation_config.cudagraph_capture_sizes or (0,)
+        row_switch = model.row_switch_tokens() if supports_graph_capture(model) else 0
         return max(self.scheduler_config.max_num_batched_tokens, max(sizes),
-                   CPU_MAX_DEFAULT_CAPTURE_SIZE, ANY_MIN_TOKENS, GGUF_MAX_ROWS) + 1
+                   CPU_MAX_DEFAULT_CAPTURE_SIZE, ANY_MIN_TOKENS, row_switch) + 1
 
     def lora(self) -> LoRAModelManager:
         if self.lora_manager is None:
@@ -233,7 +232,8 @@ class ModelRunner:
                 self.graphs.capture(self._dummy_step)
             self.fused_decode = FusedDecode.build(model, self.kv_caches, self.dtype,
                                                   len(self.kv_cache_groups),
-                                                  lora=self.lora_manager is not None)
+                                                  self.lora_manager is not None,
+                                                  self.attn_backend)
             if self.spec is not None:  # a draft model's graphs (CPU)
                 self.spec.capture_model(sizes, scheduler_config.max_num_batched_tokens)
         for kv_cache in self.kv_caches:  # the dummy steps wrote K/V into the null block
