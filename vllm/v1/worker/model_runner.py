@@ -20,6 +20,7 @@ from vllm.forward_context import set_forward_context
 from vllm.model_executor.layers.attention import Attention, bind_attention_layers
 from vllm.model_executor.model_loader.loader import get_model
 from vllm.model_executor.models.interfaces import (
+    GraphModel,
     VllmModel,
     is_encoder_decoder,
     supports_graph_capture,
@@ -93,7 +94,6 @@ class ModelRunner:
         self.attn_backend = get_attn_backend(self.model_config.attention_backend)
         self.is_encoder_decoder = self.model_config.is_encoder_decoder
         self.kv_cache_groups = self.model_config.kv_cache_groups
-        self._layer_slots = layer_slots(self.kv_cache_groups)
         self.input_batch = InputBatch(self.scheduler_config.max_num_seqs, self.max_model_len,
                                       self.block_size, self.model_config.vocab_size,
                                       self.model_config.max_encoder_len,
@@ -210,34 +210,42 @@ class ModelRunner:
         sizes = list(compilation.cudagraph_capture_sizes or default_capture_sizes(
             scheduler_config.max_num_batched_tokens, scheduler_config.max_num_seqs,
             self.device.type))
-        model_config = self.model_config
         if self.device.type == "cuda":
-            if any(group.sliding_window is not None for group in self.kv_cache_groups):
-                # Its graph buffers hold one block table and no window.
-                logger.info("CUDA graphs are off for sliding-window models: eager.")
-                return
-            self.graphs = CudaGraphs(model, sizes, model_config.enable_prompt_embeds,
-                                     model_config.hidden_size, self.dtype, self.device,
-                                     self.block_size, self.max_model_len, self.attn_backend,
-                                     self._lora_state())
-            with torch.inference_mode():
-                self.graphs.capture(self.kv_caches, functools.partial(
-                    set_forward_context, attn_layers=self.attn_layers))
+            self._capture_cuda(model, sizes)
         else:
-            self.graphs = CompiledGraphs(model, sizes, model_config.enable_prompt_embeds,
-                                         model_config.hidden_size, self.dtype, self.device,
-                                         scheduler_config.max_num_batched_tokens,
-                                         self._lora_state())
-            with torch.inference_mode():
-                self.graphs.capture(self._dummy_step)
-            self.fused_decode = FusedDecode.build(model, self.kv_caches, self.dtype,
-                                                  len(self.kv_cache_groups),
-                                                  self.lora_manager is not None,
-                                                  self.attn_backend)
-            if self.spec is not None:  # a draft model's graphs (CPU)
-                self.spec.capture_model(sizes, scheduler_config.max_num_batched_tokens)
+            self._capture_cpu(model, sizes)
         for kv_cache in self.kv_caches:  # the dummy steps wrote K/V into the null block
             kv_cache.zero_()
+
+    def _capture_cuda(self, model: GraphModel, sizes: list[int]) -> None:
+        if any(group.sliding_window is not None for group in self.kv_cache_groups):
+            # Its graph buffers hold one block table and no window.
+            logger.info("CUDA graphs are off for sliding-window models: eager.")
+            return
+        model_config = self.model_config
+        self.graphs = CudaGraphs(model, sizes, model_config.enable_prompt_embeds,
+                                 model_config.hidden_size, self.dtype, self.device,
+                                 self.block_size, self.max_model_len, self.attn_backend,
+                                 self._lora_state())
+        with torch.inference_mode():
+            self.graphs.capture(self.kv_caches, functools.partial(
+                set_forward_context, attn_layers=self.attn_layers))
+
+    def _capture_cpu(self, model: GraphModel, sizes: list[int]) -> None:
+        """The compiled graphs, then the fused decoder where it applies, then a draft
+        model's graphs."""
+        model_config = self.model_config
+        max_num_tokens = self.scheduler_config.max_num_batched_tokens
+        self.graphs = CompiledGraphs(model, sizes, model_config.enable_prompt_embeds,
+                                     model_config.hidden_size, self.dtype, self.device,
+                                     max_num_tokens, self._lora_state())
+        with torch.inference_mode():
+            self.graphs.capture(self._dummy_step)
+        self.fused_decode = FusedDecode.build(model, self.kv_caches, self.dtype,
+                                              len(self.kv_cache_groups),
+                                              self.lora_manager is not None, self.attn_backend)
+        if self.spec is not None:
+            self.spec.capture_model(sizes, max_num_tokens)
 
     def _lora_state(self) -> LoRAState | None:
         return None if self.lora_manager is None else self.lora_manager.state

@@ -152,16 +152,8 @@ class StepInputsBuilder:
         attn_metadata, common = self._group_metadata(idx, backend, build=not fused)
         cross_attn_metadata = (self._cross_attn_metadata(common, backend)
                                if self.is_encoder_decoder else None)
-        # A request samples once its whole known sequence is computed; a prefill chunk
-        # that stops short of the prompt's end produces no token.
-        sampling_rows = np.flatnonzero(idx.seq_lens >= batch.num_tokens[:num_reqs])
-        logits_indices = idx.query_start_loc[sampling_rows + 1] - 1
-        draft_layout = None
-        if scheduler_output.scheduled_spec_decode_tokens:
-            assert self.spec is not None  # drafts are scheduled only with it
-            draft_layout = self.spec.layout(batch, sampling_rows, scheduler_output)
-            logits_indices = self.spec.logits_indices(idx.query_start_loc, sampling_rows,
-                                                      draft_layout)
+        sampling_rows, logits_indices, draft_layout = self._sampling_rows(idx,
+                                                                          scheduler_output)
         input_ids = torch.from_numpy(input_ids_np.astype(np.int64)).to(self.device)
         inputs_embeds = None
         if not is_token_np.all():
@@ -182,6 +174,23 @@ class StepInputsBuilder:
             common=common,
             num_scheduled=num_scheduled,
         )
+
+    def _sampling_rows(self, idx: StepIndices, scheduler_output: SchedulerOutput
+                       ) -> tuple[np.ndarray, np.ndarray, DraftLayout | None]:
+        """The rows that sample, the token index of each logit row and the drafts' layout.
+        A request samples once its whole known sequence is computed; a prefill chunk that
+        stops short of the prompt's end produces no token. With drafts, a row's logits are
+        its 1 + k verified positions."""
+        batch = self.batch
+        sampling_rows = np.flatnonzero(idx.seq_lens >= batch.num_tokens[:batch.num_reqs])
+        logits_indices = idx.query_start_loc[sampling_rows + 1] - 1
+        if not scheduler_output.scheduled_spec_decode_tokens:
+            return sampling_rows, logits_indices, None
+        assert self.spec is not None  # drafts are scheduled only with it
+        draft_layout = self.spec.layout(batch, sampling_rows, scheduler_output)
+        logits_indices = self.spec.logits_indices(idx.query_start_loc, sampling_rows,
+                                                  draft_layout)
+        return sampling_rows, logits_indices, draft_layout
 
     def _group_metadata(self, idx: StepIndices, backend: type[AttentionBackend],
                         build: bool) -> tuple[list, CommonAttentionMetadata]:
