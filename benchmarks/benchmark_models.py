@@ -62,10 +62,10 @@ from benchmarks.benchmark_throughput import make_workload, report, run_hf  # noq
 from tests.core_factories import make_scheduler_request  # noqa: E402
 from tests.model_factory import make_tiny_model  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.transformers_utils.config import layer_sliding_windows  # noqa: E402
 from vllm.v1.core.kv_cache_groups import (  # noqa: E402
     KVCacheGroupSpec,
     group_size,
-    layer_sliding_windows,
     make_kv_cache_groups,
 )
 from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402

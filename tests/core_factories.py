@@ -22,7 +22,7 @@ from vllm.v1.engine import EncoderInput, EngineCoreRequest
 from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output.manager import StructuredOutputManager
-from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+from vllm.v1.worker.model_runner import ModelRunner
 
 EOS_TOKEN_ID = 2
 HIDDEN = 8  # hidden size of the stub model and of test prompt embeds
@@ -177,8 +177,8 @@ class CommonMetadataBackend:
 
 
 def make_model_runner(block_size: int, max_model_len: int, max_num_seqs: int = 4,
-                      vocab_size: int = 100) -> GPUModelRunner:
-    """A CPU `GPUModelRunner` with a `StubModel`, a `CommonMetadataBackend` and no KV
+                      vocab_size: int = 100) -> ModelRunner:
+    """A CPU `ModelRunner` with a `StubModel`, a `CommonMetadataBackend` and no KV
     cache: enough for `_update_states`, `_prepare_inputs`, `_sampling_metadata` and
     `_bookkeep`."""
     hf_config = SimpleNamespace(vocab_size=vocab_size, hidden_size=HIDDEN, num_hidden_layers=1,
@@ -189,7 +189,7 @@ def make_model_runner(block_size: int, max_model_len: int, max_num_seqs: int = 4
                         cache_config=CacheConfig(block_size=block_size),
                         scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs,
                                                          max_model_len=max_model_len))
-    runner = GPUModelRunner(config, torch.device("cpu"))
+    runner = ModelRunner(config, torch.device("cpu"))
     runner.model = StubModel()
     runner.attn_backend = CommonMetadataBackend
     return runner

@@ -23,7 +23,8 @@ from vllm.v1.attention.backends.torch_sdpa import TorchSDPABackend, TorchSDPAMet
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.request import RequestStatus
 from vllm.v1.sample.sampler import SamplerOutput
-from vllm.v1.worker.gpu_model_runner import GPUModelRunner, ModelInputs
+from vllm.v1.worker.model_runner import ModelRunner
+from vllm.v1.worker.step_inputs import ModelInputs
 
 
 def test_design_note_decode_rows() -> None:
@@ -128,12 +129,12 @@ def _common(inputs: ModelInputs) -> CommonAttentionMetadata:
     return inputs.attn_metadata
 
 
-def _general(runner: GPUModelRunner, out: SchedulerOutput) -> ModelInputs:
-    decode, runner.decode_inputs = runner.decode_inputs, None
+def _general(runner: ModelRunner, out: SchedulerOutput) -> ModelInputs:
+    decode, runner.step_inputs.decode_inputs = runner.step_inputs.decode_inputs, None
     try:
         return runner._prepare_inputs(out)
     finally:
-        runner.decode_inputs = decode
+        runner.step_inputs.decode_inputs = decode
 
 
 @pytest.mark.parametrize(("seed", "loop_max_rows"), [(0, 64), (1, 64), (2, 2), (3, 0)])
@@ -146,8 +147,8 @@ def test_decode_path_matches_the_general_path(seed: int, loop_max_rows: int) -> 
     s = make_scheduler(block_size=2, num_blocks=24, max_model_len=32,
                        max_num_batched_tokens=8, max_num_seqs=4, enable_chunked_prefill=True)
     runner = make_model_runner(block_size=2, max_model_len=32)
-    assert runner.decode_inputs is not None
-    runner.decode_inputs.loop_max_rows = loop_max_rows
+    assert runner.step_inputs.decode_inputs is not None
+    runner.step_inputs.decode_inputs.loop_max_rows = loop_max_rows
     num_decode_steps = 0
     for step_no in range(300):
         if step_no < 80 and rng.random() < 0.3:
@@ -236,8 +237,8 @@ def test_sampling_inputs_hit_on_the_same_rows_until_a_row_changes_request() -> N
             total_num_scheduled_tokens=2 * len(new_reqs), finished_req_ids=finished))
 
     step([new("a", 0.5)], [])
-    assert runner.decode_inputs is not None
-    rows = runner.decode_inputs.step(1).rows
+    assert runner.step_inputs.decode_inputs is not None
+    rows = runner.step_inputs.decode_inputs.step(1).rows
     first = runner._sampling_metadata(rows)
     assert runner._sampling_metadata(rows) is first
     assert runner.sampling_inputs.num_rebuilds == 1

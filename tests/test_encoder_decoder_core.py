@@ -46,8 +46,8 @@ from vllm.v1.engine import EncoderInput, EngineCoreOutputs
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.sample.sampler import SamplerOutput
 from vllm.v1.worker.encoder_runner import EncoderRunner, compute_cross_slot_mapping
-from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.input_batch import CachedRequestState, InputBatch
+from vllm.v1.worker.model_runner import ModelRunner
 
 BLOCK_SIZE = 4
 
@@ -713,7 +713,7 @@ class RecordingBackend:
         return common, causal
 
 
-def make_encdec_runner(max_encoder_len: int = 12) -> GPUModelRunner:
+def make_encdec_runner(max_encoder_len: int = 12) -> ModelRunner:
     hf_config = SimpleNamespace(is_encoder_decoder=True, vocab_size=100, d_model=8,
                                 hidden_size=8, decoder_attention_heads=2, decoder_layers=1,
                                 max_source_positions=max_encoder_len)
@@ -722,12 +722,12 @@ def make_encdec_runner(max_encoder_len: int = 12) -> GPUModelRunner:
     config = VllmConfig(model_config=model_config,
                         cache_config=CacheConfig(block_size=BLOCK_SIZE),
                         scheduler_config=SchedulerConfig(max_num_seqs=4, max_model_len=32))
-    runner = GPUModelRunner(config, torch.device("cpu"))
+    runner = ModelRunner(config, torch.device("cpu"))
     runner.attn_backend = RecordingBackend
     return runner
 
 
-def runner_step(runner: GPUModelRunner, out: SchedulerOutput, tokens: list[int]):
+def runner_step(runner: ModelRunner, out: SchedulerOutput, tokens: list[int]):
     runner._update_states(out)
     inputs = runner._prepare_inputs(out)
     sampled = torch.tensor(tokens[:len(inputs.sampling_rows)], dtype=torch.int64)

@@ -17,8 +17,9 @@ from vllm.model_executor.layers.quantization.gguf_blocks import (
     GGUFLinear,
     _native_kernel,
     read_block_codes,
+    row_switch_tokens,
 )
-from vllm.v1.worker.graph_capture import ANY_MIN_TOKENS, row_switch_tokens
+from vllm.v1.worker.graph_capture import ANY_MIN_TOKENS
 
 native = pytest.mark.skipif(_native_kernel() is None,
                             reason="quant_gemv needs the native kernels and AVX-512 VNNI")

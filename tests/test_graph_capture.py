@@ -241,7 +241,7 @@ def test_cuda_graph_buffers_and_metadata_equal_eager(tiny_llama_dir, eager, prom
     monkeypatch.setattr(torch_sdpa, "_native_ops", lambda device: None)  # CUDA's path
     # The module's eager engine built its native decode metadata (reused per batch size)
     # before the kernels went away under it: it builds each step's again.
-    _runner(eager)._decode_metadata.clear()
+    _runner(eager).step_inputs._decode_metadata.clear()
     llm = _llm(tiny_llama_dir, enable_prompt_embeds=True, enforce_eager=True)
     runner = _runner(llm)
     model_config = runner.model_config

@@ -28,7 +28,8 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 from vllm.v1.sample.sampler import SamplerOutput
 from vllm.v1.worker.block_table import BlockTable
-from vllm.v1.worker.gpu_model_runner import GPUModelRunner, compute_step_indices
+from vllm.v1.worker.model_runner import ModelRunner
+from vllm.v1.worker.step_inputs import compute_step_indices
 
 # ---- compute_step_indices ---------------------------------------------------------------
 
@@ -130,7 +131,7 @@ def test_slot_mapping_walkthrough_block_size_2() -> None:
 # ---- the runner, driven by the real scheduler (no model) -----------------------------------
 
 
-def run_step(runner: GPUModelRunner, out: SchedulerOutput, tokens: list[int]):
+def run_step(runner: ModelRunner, out: SchedulerOutput, tokens: list[int]):
     """`execute_model` without the forward pass: the sampling rows 'sample' `tokens`."""
     runner._update_states(out)
     inputs = runner._prepare_inputs(out)
@@ -139,13 +140,13 @@ def run_step(runner: GPUModelRunner, out: SchedulerOutput, tokens: list[int]):
     return inputs, result
 
 
-def table_rows(runner: GPUModelRunner) -> list[list[int]]:
+def table_rows(runner: ModelRunner) -> list[list[int]]:
     b = runner.input_batch
     return [b.block_table.table[i, :b.block_table.num_blocks_per_row[i]].tolist()
             for i in range(b.num_reqs)]
 
 
-def walkthrough_setup() -> tuple[Scheduler, GPUModelRunner]:
+def walkthrough_setup() -> tuple[Scheduler, ModelRunner]:
     s = make_scheduler(block_size=2, max_num_batched_tokens=10, max_model_len=12)
     s.add_request(make_request("0", [10, 11, 12], max_tokens=1))
     s.add_request(make_request("1", [20, 21]))

@@ -10,10 +10,10 @@ import pytest
 import transformers
 
 from tests.core_factories import make_scheduler_request
+from vllm.transformers_utils.config import layer_sliding_windows
 from vllm.v1.core.kv_cache_groups import (
     KVCacheGroupSpec,
     blocks_needed,
-    layer_sliding_windows,
     make_kv_cache_groups,
     window_start_block,
 )

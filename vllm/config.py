@@ -165,7 +165,8 @@ class ModelConfig:
     def kv_cache_groups(self) -> list[KVCacheGroupSpec]:
         """The attention layers' KV cache groups (one unless some layers use a sliding
         window; see `vllm/v1/core/kv_cache_groups.py`)."""
-        from vllm.v1.core.kv_cache_groups import layer_sliding_windows, make_kv_cache_groups
+        from vllm.transformers_utils.config import layer_sliding_windows
+        from vllm.v1.core.kv_cache_groups import make_kv_cache_groups
 
         windows: list[int | None] = (
             [None] * self.num_layers if self.is_encoder_decoder

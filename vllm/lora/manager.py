@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from typing import cast
 
 import numpy as np
 import torch
@@ -15,6 +16,7 @@ from vllm.lora.layers import LoRALinear, LoRAState
 from vllm.lora.peft import SUPPORTED_MODULES, PeftAdapter, load_adapter
 from vllm.lora.request import LoRARequest
 from vllm.model_executor.layers.linear import LinearBase
+from vllm.model_executor.models.interfaces import VllmModel
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +32,7 @@ class LoRAModelManager:
     `set_step` raises if it does.
     """
 
-    def __init__(self, model: nn.Module, lora_config: LoRAConfig, hf_config,
+    def __init__(self, model: VllmModel, lora_config: LoRAConfig, hf_config,
                  max_num_tokens: int, device: torch.device, dtype: torch.dtype) -> None:
         self.config = lora_config
         self.hf_config = hf_config
@@ -39,8 +41,9 @@ class LoRAModelManager:
         # Hugging Face module name -> (LoRA layer, part index in it)
         self.targets: dict[str, tuple[LoRALinear, int]] = {}
         self.layers: list[LoRALinear] = []
-        mapping = getattr(model, "packed_modules_mapping", {})
-        for path, module in list(model.named_modules()):
+        mapping = model.packed_modules_mapping
+        module_tree = cast(nn.Module, model)  # every model is an nn.Module
+        for path, module in list(module_tree.named_modules()):
             if not isinstance(module, LinearBase) or "." not in path:
                 continue
             parent_path, leaf = path.rsplit(".", 1)
@@ -49,7 +52,7 @@ class LoRAModelManager:
                 continue
             layer = LoRALinear(module, [shard for _, shard in parts], lora_config.max_loras,
                                lora_config.max_lora_rank, self.state, dtype)
-            setattr(model.get_submodule(parent_path), leaf, layer)
+            setattr(module_tree.get_submodule(parent_path), leaf, layer)
             self.layers.append(layer)
             for index, (name, _) in enumerate(parts):
                 self.targets[f"model.{parent_path}.{name}"] = (layer, index)

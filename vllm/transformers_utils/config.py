@@ -39,6 +39,28 @@ def num_kv_heads_of(config) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
+def layer_sliding_windows(hf_config, num_layers: int) -> list[int | None]:
+    """Each layer's window from a transformers config: `layer_types` where the config
+    has them (Gemma 2/3, Qwen2 with `use_sliding_window`), else `sliding_window` for every
+    layer (Mistral), else none."""
+    window = getattr(hf_config, "sliding_window", None)
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None:
+        if len(layer_types) != num_layers:
+            raise ValueError(f"The config's layer_types has {len(layer_types)} entries for "
+                             f"{num_layers} layers.")
+        unknown = sorted({t for t in layer_types}
+                         - {"sliding_attention", "full_attention"})
+        if unknown:
+            raise ValueError(f"Unsupported layer types {unknown} in the config's layer_types.")
+        if window is None and "sliding_attention" in layer_types:
+            raise ValueError("The config has sliding_attention layers but no sliding_window.")
+        return [window if t == "sliding_attention" else None for t in layer_types]
+    if window is not None and window <= 0:
+        raise ValueError(f"sliding_window must be positive, got {window}.")
+    return [window] * num_layers
+
+
 def get_config(model: str) -> PretrainedConfig:
     if model.endswith(".gguf"):
         from vllm.model_executor.model_loader.gguf_loader import load_gguf_config

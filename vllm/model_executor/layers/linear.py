@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from types import SimpleNamespace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +40,9 @@ from vllm.distributed import (
 )
 from vllm.distributed.utils import divide, kv_head_start, kv_heads_per_rank
 from vllm.model_executor.layers.quantization.int8 import Int8Linear
+
+if TYPE_CHECKING:
+    from vllm.model_executor.layers.quantization.gguf_blocks import QuantGemvWeights
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +167,16 @@ class LinearBase(nn.Module):
     def int8_weight_absmax(self) -> torch.Tensor | None:
         """The absmax int8 scales each output row by; None: this rank's rows are whole."""
         return None
+
+    def quant_gemv_weights(self) -> QuantGemvWeights | None:
+        """This layer's GGUF block codes where it multiplies by them with `quant_gemv`, on
+        one rank and without a bias (as the fused CPU decoder takes them); else None."""
+        from vllm.model_executor.layers.quantization.gguf_blocks import GGUFLinear
+
+        if (not isinstance(self.kernel, GGUFLinear) or self.bias is not None
+                or self.tp_size != 1):
+            return None
+        return self.kernel.quant_gemv_weights()
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x times this rank's weight, plus `bias` on the dense path; a kernel adds the

@@ -70,15 +70,15 @@ def resolve_name(name: str, mapping: PackedModulesMapping,
     return name, None
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any]], *,
-                 skip: Sequence[str] = (), rename: Mapping[str, str | None] | None = None
-                 ) -> set[str]:
-    """Loads checkpoint tensors (or GGUF block codes) into `model`; returns the names of
-    the parameters and buffers filled. A name containing one of `skip` is left out;
-    `rename` maps names (after the `model.` prefix is stripped) first, None to skip."""
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any]],
+                 mapping: PackedModulesMapping, *, skip: Sequence[str] = (),
+                 rename: Mapping[str, str | None] | None = None) -> set[str]:
+    """Loads checkpoint tensors (or GGUF block codes) into `model`, fused parts by its
+    `mapping` (the model's `packed_modules_mapping`); returns the names of the parameters
+    and buffers filled. A name containing one of `skip` is left out; `rename` maps names
+    (after the `model.` prefix is stripped) first, None to skip."""
     from vllm.model_executor.layers.quantization.gguf_blocks import BlockCodes
 
-    mapping: PackedModulesMapping = getattr(model, "packed_modules_mapping", {})
     targets: dict[str, torch.Tensor] = dict(model.named_parameters())
     targets.update(model.named_buffers())
     users: dict[int, list[LinearBase]] = {}  # parameter -> the linear layers multiplying by it

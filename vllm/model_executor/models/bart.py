@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import cast
+from typing import ClassVar, cast
 
 import torch
 from torch import nn
@@ -20,7 +20,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.model_loader.weight_utils import load_weights
+from vllm.model_executor.model_loader.weight_utils import PackedModulesMapping, load_weights
 from vllm.model_executor.models.encoder_decoder import (
     PACKED_MODULES_MAPPING,
     CrossAttention,
@@ -90,7 +90,7 @@ class _BartStack(nn.Module):
 
 class BartForConditionalGeneration(nn.Module):
     final_logits_bias: torch.Tensor  # [1, vocab_size] buffer
-    packed_modules_mapping = PACKED_MODULES_MAPPING
+    packed_modules_mapping: ClassVar[PackedModulesMapping] = PACKED_MODULES_MAPPING
 
     def __init__(self, config, backend: type[AttentionBackend], max_model_len: int,
                  dtype: torch.dtype) -> None:
@@ -143,4 +143,4 @@ class BartForConditionalGeneration(nn.Module):
                                          "decoder.embed_tokens.weight": "shared.weight"}
         if self.tie_word_embeddings:
             rename["lm_head.weight"] = None
-        return load_weights(self, weights, rename=rename)
+        return load_weights(self, weights, self.packed_modules_mapping, rename=rename)

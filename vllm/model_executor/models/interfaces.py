@@ -3,13 +3,16 @@ model in the registry to, and the checks that tell which optional parts a model 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Protocol, TypeGuard
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Protocol, TypeGuard
 
 import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from vllm.model_executor.layers.quantization.gguf_blocks import QuantGemvWeights
+    from vllm.model_executor.model_loader.weight_utils import PackedModulesMapping
     from vllm.model_executor.models.encoder_decoder import CrossAttention
     from vllm.v1.messages import EncoderInput
 
@@ -17,6 +20,10 @@ if TYPE_CHECKING:
 class VllmModel(Protocol):
     """Every model: built as `cls(hf_config, attention backend, max_model_len, dtype)`,
     then loaded with `load_weights`."""
+
+    # checkpoint projections -> the fused layer holding them, in order (`load_weights`,
+    # LoRA's targets); {} where no layer fuses several
+    packed_modules_mapping: ClassVar[PackedModulesMapping]
 
     def __call__(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                  inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -57,6 +64,42 @@ class GraphModel(VllmModel, Protocol):
 
     def finish(self, h: torch.Tensor) -> torch.Tensor: ...
 
+    def row_switch_tokens(self) -> int:
+        """The most tokens at which a layer picks its kernel by row count (GGUF's quantized
+        kernels: `gguf_blocks.MAX_ROWS`), 0 where none does: graphs with a symbolic size
+        take only larger steps, so that they never guard on that branch."""
+        ...
+
+
+@dataclass(slots=True)
+class FusedDecodeSpec:
+    """A decoder as the native fused decoder (`v1/worker/fused_decode.py`) runs its small
+    steps: plain tensors in layer order. Every layer is pre-norm attention (RMSNorm, q/k/v,
+    full rotary in rotate-half form, paged attention, o) and a SiLU-gated MLP (RMSNorm,
+    gate_up, down), each with a residual; then the final RMSNorm."""
+
+    embed_tokens: Callable[[torch.Tensor], torch.Tensor]  # ids [n] -> rows [n, hidden_size]
+    # [2 * num_layers + 1]: each layer's input and post-attention norm, then the final norm
+    norm_weights: list[torch.Tensor]
+    norm_eps: list[float]  # the same norms' epsilons
+    projections: list[QuantGemvWeights]  # [4 * num_layers]: each layer's qkv, o, gate_up, down
+    kv_cache_layers: list[int]  # [num_layers] each layer's index into the KV caches
+    cos: torch.Tensor  # [max_positions, rotary_dim] the rotary table
+    sin: torch.Tensor  # [max_positions, rotary_dim]
+    num_heads: int  # this rank's
+    num_kv_heads: int
+    head_dim: int
+    scale: float  # the attention's softmax scale (`AttentionImpl.fused_decode_scale`)
+
+
+class FusedDecodeModel(VllmModel, Protocol):
+    """A decoder the native fused decoder may run (the Llama family's plain layers)."""
+
+    def fused_decode_spec(self) -> FusedDecodeSpec | str:
+        """The description the fused decoder runs from, or why this model (as built and
+        loaded) is not one it computes exactly."""
+        ...
+
 
 def is_encoder_decoder(model: VllmModel) -> TypeGuard[EncoderDecoderModel]:
     return callable(getattr(model, "encode", None)) and callable(
@@ -65,3 +108,7 @@ def is_encoder_decoder(model: VllmModel) -> TypeGuard[EncoderDecoderModel]:
 
 def supports_graph_capture(model: VllmModel) -> TypeGuard[GraphModel]:
     return bool(getattr(model, "supports_graph_capture", False))
+
+
+def supports_fused_decode(model: VllmModel) -> TypeGuard[FusedDecodeModel]:
+    return callable(getattr(model, "fused_decode_spec", None))

@@ -13,7 +13,7 @@ from the forward context.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Literal
+from typing import ClassVar, Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -27,15 +27,16 @@ from vllm.model_executor.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
+from vllm.model_executor.layers.quantization import gguf_blocks
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.model_loader.weight_utils import load_weights
-from vllm.transformers_utils.config import head_dim_of, num_kv_heads_of
+from vllm.model_executor.model_loader.weight_utils import PackedModulesMapping, load_weights
+from vllm.model_executor.models.interfaces import FusedDecodeSpec
+from vllm.transformers_utils.config import head_dim_of, layer_sliding_windows, num_kv_heads_of
 from vllm.v1.attention.backends.abstract import AttentionBackend
-from vllm.v1.core.kv_cache_groups import layer_sliding_windows
 
 # Where q and k are RMS-normed before rope: each head on its own (Qwen3), or the whole
 # projection (OLMo-2).
@@ -152,7 +153,7 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     supports_graph_capture = True
     # checkpoint projections -> the fused layer holding them, in order (`load_weights`)
-    packed_modules_mapping = {
+    packed_modules_mapping: ClassVar[PackedModulesMapping] = {
         "qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")],
         "gate_up_proj": [("gate_proj", 0), ("up_proj", 1)],
     }
@@ -206,8 +207,85 @@ class LlamaForCausalLM(nn.Module):
         skip = ["rotary_emb.inv_freq"]
         if self.tie_word_embeddings:
             skip.append("lm_head.weight")
-        return load_weights(self, weights, skip=skip)
+        return load_weights(self, weights, self.packed_modules_mapping, skip=skip)
+
+    def row_switch_tokens(self) -> int:
+        return gguf_blocks.row_switch_tokens(self)
+
+    def fused_decode_spec(self) -> FusedDecodeSpec | str:
+        """This model as the fused CPU decoder runs it, where that computes exactly what
+        the layers would: the plain forward (a family overriding `forward`, `prepare` or
+        `finish` changes it), RMSNorms, plain `LlamaDecoderLayer`s (see `_fused_reason`).
+        """
+        cls = type(self)
+        if any(getattr(cls, name) is not getattr(LlamaForCausalLM, name)
+               for name in ("forward", "prepare", "finish")):
+            return f"{cls.__name__} is not a plain Llama-family decoder"
+        if type(self.norm) is not RMSNorm:
+            return "final norm is not RMSNorm"
+        for i, layer in enumerate(self.layers):
+            if (type(layer) is not LlamaDecoderLayer
+                    or type(layer.self_attn) is not LlamaAttention
+                    or type(layer.mlp) is not LlamaMLP):
+                return f"layer {i} is not a plain Llama layer"
+        layers = [cast(_PlainLayer, layer) for layer in self.layers]
+        for i, layer in enumerate(layers):
+            reason = _fused_reason(i, layer)
+            if reason is not None:
+                return reason
+        norms = [n for layer in layers for n in (layer.input_layernorm,
+                                                 layer.post_attention_layernorm)]
+        norms.append(self.norm)
+        projections = [linear.quant_gemv_weights() for layer in layers for linear in (
+            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+            layer.mlp.down_proj)]
+        attn = layers[0].self_attn
+        scale = attn.attn.impl.fused_decode_scale()
+        assert scale is not None and all(p is not None for p in projections)  # as checked
+        return FusedDecodeSpec(
+            embed_tokens=self.embed_tokens, norm_weights=[n.weight for n in norms],
+            norm_eps=[n.eps for n in norms], projections=cast(list, projections),
+            kv_cache_layers=[layer.self_attn.attn.layer_idx for layer in layers],
+            cos=self.rotary.cos, sin=self.rotary.sin, num_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, scale=scale)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     qkv_bias = True
+
+
+class _PlainAttention(LlamaAttention):
+    """`LlamaAttention` as `fused_decode_spec` found it (the layer types its parts as
+    modules)."""
+
+    qkv_proj: QKVParallelLinear
+    o_proj: RowParallelLinear
+    attn: Attention
+
+
+class _PlainLayer(LlamaDecoderLayer):
+    self_attn: _PlainAttention
+    mlp: LlamaMLP
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+
+
+def _fused_reason(i: int, layer: _PlainLayer) -> str | None:
+    """Why the fused decoder cannot compute plain Llama layer `i`: q/k norms or clipping,
+    attention its backend does not let it compute (`fused_decode_scale`: a window, a
+    soft-cap, another backend), another activation or norm, a projection other than a
+    bias-free one-rank quant_gemv kernel; None where it can."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if attn.qk_norm is not None or attn.clip_qkv is not None:
+        return f"layer {i} has q/k norms or clipping"
+    if attn.attn.impl.fused_decode_scale() is None:
+        return f"layer {i}'s attention has a window, a soft-cap or another backend"
+    if mlp.act is not ACTIVATIONS["silu"]:
+        return f"layer {i}'s activation is not SiLU"
+    if not all(type(n) is RMSNorm for n in (layer.input_layernorm,
+                                            layer.post_attention_layernorm)):
+        return f"layer {i}'s norms are not RMSNorm"
+    if any(linear.quant_gemv_weights() is None for linear in (
+            attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+        return f"layer {i} has a projection other than a bias-free quant_gemv GGUF kernel"
+    return None

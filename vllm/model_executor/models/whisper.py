@@ -9,7 +9,7 @@ its output projection tied to the token embeddings.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import cast
+from typing import ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +20,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.model_loader.weight_utils import load_weights
+from vllm.model_executor.model_loader.weight_utils import PackedModulesMapping, load_weights
 from vllm.model_executor.models.encoder_decoder import (
     PACKED_MODULES_MAPPING,
     CrossAttention,
@@ -110,7 +110,7 @@ class WhisperDecoder(nn.Module):
 
 
 class WhisperForConditionalGeneration(nn.Module):
-    packed_modules_mapping = PACKED_MODULES_MAPPING
+    packed_modules_mapping: ClassVar[PackedModulesMapping] = PACKED_MODULES_MAPPING
 
     def __init__(self, config, backend: type[AttentionBackend], max_model_len: int,
                  dtype: torch.dtype) -> None:
@@ -156,4 +156,4 @@ class WhisperForConditionalGeneration(nn.Module):
         rename: dict[str, str | None] = {}
         if self.tie_word_embeddings:
             rename["proj_out.weight"] = None
-        return load_weights(self, weights, rename=rename)
+        return load_weights(self, weights, self.packed_modules_mapping, rename=rename)

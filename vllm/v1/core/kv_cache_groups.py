@@ -33,28 +33,6 @@ class KVCacheGroupSpec:
     sliding_window: int | None  # positions a query sees, itself included; None: all
 
 
-def layer_sliding_windows(hf_config, num_layers: int) -> list[int | None]:
-    """Each layer's window from a transformers config: `layer_types` where the config
-    has them (Gemma 2/3, Qwen2 with `use_sliding_window`), else `sliding_window` for every
-    layer (Mistral), else none."""
-    window = getattr(hf_config, "sliding_window", None)
-    layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types is not None:
-        if len(layer_types) != num_layers:
-            raise ValueError(f"The config's layer_types has {len(layer_types)} entries for "
-                             f"{num_layers} layers.")
-        unknown = sorted({t for t in layer_types}
-                         - {"sliding_attention", "full_attention"})
-        if unknown:
-            raise ValueError(f"Unsupported layer types {unknown} in the config's layer_types.")
-        if window is None and "sliding_attention" in layer_types:
-            raise ValueError("The config has sliding_attention layers but no sliding_window.")
-        return [window if t == "sliding_attention" else None for t in layer_types]
-    if window is not None and window <= 0:
-        raise ValueError(f"sliding_window must be positive, got {window}.")
-    return [window] * num_layers
-
-
 def make_kv_cache_groups(windows: list[int | None]) -> list[KVCacheGroupSpec]:
     """Groups of `group_size` layers (the fewest layers of one window kind), full
     attention first, each kind's layers in order. One kind: a single group of every layer.

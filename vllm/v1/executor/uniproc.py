@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from vllm.v1.executor.abstract import Executor
-from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+from vllm.v1.worker.model_runner import ModelRunner
 from vllm.v1.worker.worker import Worker
 
 
@@ -16,7 +16,7 @@ class UniProcExecutor(Executor):
         self.driver_worker.load_model()
 
     @property
-    def model_runner(self) -> GPUModelRunner:
+    def model_runner(self) -> ModelRunner:
         return self.driver_worker.runner
 
     def collective_rpc(self, method: str, args: tuple = (),

@@ -49,11 +49,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from vllm.config import InputKind
-from vllm.model_executor.layers.quantization.gguf_blocks import MAX_ROWS as GGUF_MAX_ROWS
-from vllm.model_executor.layers.quantization.gguf_blocks import GGUFLinear
 from vllm.model_executor.models.interfaces import GraphModel
 from vllm.v1.attention.backends.abstract import AttentionBackend, CommonAttentionMetadata
 
@@ -65,19 +62,10 @@ logger = logging.getLogger(__name__)
 # The size of the CPU graphs compiled for any step larger than the largest static size.
 ANY = 0
 # ANY graphs take only steps of more than this many tokens, more than the largest static
-# size, and more than the model's row switch (`row_switch_tokens`): up to that, layers may
-# pick their kernel by row count, a branch that a graph with a symbolic size would have to
-# guard on. Steps between the largest static size and that run eagerly.
+# size, and more than the model's row switch (`GraphModel.row_switch_tokens`): up to that,
+# layers may pick their kernel by row count, a branch that a graph with a symbolic size
+# would have to guard on. Steps between the largest static size and that run eagerly.
 ANY_MIN_TOKENS = 8
-
-
-def row_switch_tokens(model: object) -> int:
-    """The most tokens at which a layer of `model` picks its kernel by row count: GGUF's
-    quantized kernels (`gguf_blocks.MAX_ROWS`), 0 in a model without them."""
-    if isinstance(model, nn.Module) and any(isinstance(m, GGUFLinear)
-                                            for m in model.modules()):
-        return GGUF_MAX_ROWS
-    return 0
 
 
 # Largest default static capture size on CPU: past it, steps run the graphs compiled for
@@ -147,7 +135,7 @@ class CompiledGraphs:
         self.kinds = _graph_kinds(with_embeds)
         self.max_size = self.sizes[-1]
         # ANY takes steps of more tokens
-        self.any_min = max(self.max_size, ANY_MIN_TOKENS, row_switch_tokens(model))
+        self.any_min = max(self.max_size, ANY_MIN_TOKENS, model.row_switch_tokens())
         # A step holds at most `max_num_tokens` (the token budget): with a budget of 8 and
         # sizes [4], steps of 5-8 tokens run eagerly and no step would ever replay ANY.
         self.any_sizes = [ANY] if max_num_tokens > self.any_min else []

@@ -20,7 +20,7 @@ from vllm.distributed.utils import (
 from vllm.lora.request import LoRARequest
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import ModelRunnerOutput
-from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+from vllm.v1.worker.model_runner import ModelRunner
 from vllm.v1.worker.stage_output_cache import StageOutputCache
 
 logger = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ class Worker:
         self.local_world_size = self.world_size if local_world_size is None \
             else local_world_size
         self.device = torch.device(vllm_config.device_config.device)
-        self.model_runner: GPUModelRunner | None = None
+        self.model_runner: ModelRunner | None = None
 
     def init_device(self) -> None:
         if self.device.type == "cpu":
@@ -64,7 +64,7 @@ class Worker:
             init_distributed_environment(self.world_size, self.rank,
                                          self.distributed_init_method, backend)
             initialize_model_parallel(self.world_size, backend)
-        self.model_runner = GPUModelRunner(self.vllm_config, self.device)
+        self.model_runner = ModelRunner(self.vllm_config, self.device)
 
     def _bind_cpus(self) -> None:
         """Only ranks in processes of their own bind (the `uni` executor shares the
@@ -96,7 +96,7 @@ class Worker:
                     f", memory on NUMA node {node}" if node is not None else "")
 
     @property
-    def runner(self) -> GPUModelRunner:
+    def runner(self) -> ModelRunner:
         assert self.model_runner is not None, "init_device() first"
         return self.model_runner
 

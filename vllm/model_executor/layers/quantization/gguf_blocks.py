@@ -29,6 +29,7 @@ numerics may therefore differ slightly between small and large steps.
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -117,6 +118,21 @@ def _native_kernel():
     return ops if ops is not None and ops.quant_gemv_available() else None
 
 
+class QuantGemvWeights(NamedTuple):
+    """One weight as `quant_gemv` reads it (the buffers of a "quant_gemv" `GGUFLinear`)."""
+
+    codes: torch.Tensor  # packed block codes (`pack_block_codes`)
+    d: torch.Tensor  # [out_features, padded blocks] float16 scales
+    m: torch.Tensor  # [out_features, padded blocks] float16 offsets
+    bits: int  # 4 or 8
+
+
+def row_switch_tokens(module: nn.Module) -> int:
+    """The most tokens at which a layer of `module` picks its kernel by row count:
+    `MAX_ROWS` where it holds a `GGUFLinear`, else 0."""
+    return MAX_ROWS if any(isinstance(m, GGUFLinear) for m in module.modules()) else 0
+
+
 class GGUFLinear(nn.Module):
     """A `nn.Linear` whose weight also lives as GGUF block codes: steps of up to `MAX_ROWS`
     tokens take the quantized kernel, larger ones the dense weight."""
@@ -180,6 +196,12 @@ class GGUFLinear(nn.Module):
                 x.to(torch.bfloat16), self.packed, GROUP, self.scale_zero).to(x.dtype)
         bias = self.dense.bias
         return y if bias is None else y + bias  # pyright: ignore[reportOperatorIssue]
+
+    def quant_gemv_weights(self) -> QuantGemvWeights | None:
+        """The block codes `quant_gemv` reads, where this layer runs that kernel."""
+        if self.kernel != "quant_gemv":
+            return None
+        return QuantGemvWeights(self.codes, self.d, self.m, self.bits)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -74,6 +75,14 @@ class CommonAttentionMetadata:
         )
 
 
+class DecodeRows(NamedTuple):
+    """A decode-only step's paged-cache layout as tensors, one row per request."""
+
+    block_table: torch.Tensor  # [num_reqs, max_blocks] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32
+    slot_mapping: torch.Tensor  # [num_reqs] int64
+
+
 class AttentionBackend(ABC):
     """A way of computing paged attention, registered by name (`register_attn_backend` in
     `backends/__init__.py`) and chosen by `attention_backend` / `VLLM_ATTENTION_BACKEND`.
@@ -106,6 +115,13 @@ class AttentionBackend(ABC):
         arrays in place, never copying them: the runner refills those arrays each step and
         reuses this metadata for every later step of as many requests. None (the default)
         where the backend cannot: the runner then calls `build_metadata` every step."""
+        return None
+
+    @staticmethod
+    def decode_rows(metadata: object) -> DecodeRows | None:
+        """The block table, lengths and slots of a decode-only step's metadata (built by
+        `build_decode_metadata`), which the fused CPU decoder reads in this backend's KV
+        cache layout; None (the default) where the metadata holds none."""
         return None
 
     @staticmethod
@@ -163,3 +179,9 @@ class AttentionImpl(ABC):
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
         """Stores key/value rows [n, num_kv_heads, head_size] at flat cache slots [n]."""
+
+    def fused_decode_scale(self) -> float | None:
+        """The softmax scale where the fused CPU decoder may compute this layer's attention
+        in its place (plain causal attention over this backend's paged KV cache: no window,
+        no soft-cap); None (the default) where it may not."""
+        return None

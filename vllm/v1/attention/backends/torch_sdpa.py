@@ -34,6 +34,7 @@ from vllm.v1.attention.backends.abstract import (
     AttentionImpl,
     AttentionType,
     CommonAttentionMetadata,
+    DecodeRows,
     EncoderAttentionMetadata,
 )
 
@@ -163,6 +164,14 @@ class TorchSDPABackend(AttentionBackend):
                                  decode_seq_lens_np=seq_lens[token_rows].copy())
 
     @staticmethod
+    def decode_rows(metadata: object) -> DecodeRows | None:
+        m = metadata
+        if (not isinstance(m, TorchSDPAMetadata) or not m.decode_only
+                or m.decode_seq_lens is None or m.decode_block_table_i32 is None):
+            return None
+        return DecodeRows(m.decode_block_table_i32, m.decode_seq_lens, m.slot_mapping)
+
+    @staticmethod
     def build_decode_metadata(common: CommonAttentionMetadata, block_size: int,
                               device: torch.device) -> TorchSDPAMetadata | None:
         """The native kernel's decode metadata as tensors sharing the runner's persistent
@@ -260,6 +269,11 @@ class TorchSDPAImpl(AttentionImpl):
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
         self.plain = sliding_window is None and logits_soft_cap is None  # torch paths
+
+    def fused_decode_scale(self) -> float | None:
+        if self.sliding_window is not None or self.logits_soft_cap is not None:
+            return None
+        return self.scale
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:

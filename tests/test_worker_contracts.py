@@ -1,0 +1,101 @@
+"""The worker reads capabilities off the model and backend protocols, never off concrete
+classes: no module under `vllm/v1/worker/` imports a model family or a concrete attention
+backend, and the fused decoder's eligibility comes from what a model declares
+(`fused_decode_spec`) and what its attention backend declares (`fused_decode_scale`)."""
+
+from __future__ import annotations
+
+import ast
+import logging
+import pathlib
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+import vllm._custom_ops
+from vllm.model_executor.models.llama import LlamaForCausalLM
+from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+from vllm.v1.attention.backends.abstract import AttentionBackend
+from vllm.v1.attention.backends.torch_sdpa import TorchSDPABackend
+from vllm.v1.worker.fused_decode import FusedDecode, unsupported_reason
+
+
+def _worker_dir() -> pathlib.Path:
+    return pathlib.Path(vllm.__file__).parent / "v1" / "worker"
+
+
+def _imports(path: pathlib.Path) -> list[tuple[str, str]]:
+    """(module, name) of every import in a file, `import x.y` as ("x.y", "")."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, "") for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module is not None:
+            found += [(node.module, alias.name) for alias in node.names]
+    return found
+
+
+def test_the_worker_imports_no_model_family_nor_concrete_backend() -> None:
+    files = sorted(_worker_dir().glob("*.py"))
+    assert any(f.name == "fused_decode.py" for f in files)
+    offending = []
+    for path in files:
+        for module, name in _imports(path):
+            family = (module.startswith("vllm.model_executor.models.")
+                      and module != "vllm.model_executor.models.interfaces")
+            concrete_backend = (module.startswith("vllm.v1.attention.backends.")
+                                and module != "vllm.v1.attention.backends.abstract")
+            if family or concrete_backend or name in ("TorchSDPAImpl", "TorchSDPAMetadata"):
+                offending.append(f"{path.name}: {module} {name}".strip())
+    assert offending == []
+
+
+class _Undeclared(nn.Module):
+    """A model that declares no fused decode description."""
+
+    packed_modules_mapping = {}
+
+
+def _fake_native_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Native kernels as `FusedDecode.build` checks for them (never called here)."""
+    ops = SimpleNamespace(FusedDecoder=None, quant_gemv_available=lambda: True)
+    monkeypatch.setattr(vllm._custom_ops, "cpu_ops", lambda: ops)
+
+
+def test_a_model_without_the_declaration_gets_the_logged_reason(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    model = cast(Any, _Undeclared())
+    reason = "_Undeclared is not a plain Llama-family decoder"
+    assert unsupported_reason(model, [], torch.float32, 1, lora=False) == reason
+    _fake_native_ops(monkeypatch)
+    with caplog.at_level(logging.INFO, logger="vllm.v1.worker.fused_decode"):
+        assert FusedDecode.build(model, [], torch.float32, 1, False, AttentionBackend) is None
+    assert f"Fused decode steps off: {reason}." in caplog.messages
+
+
+def _llama_config(**kwargs) -> transformers.LlamaConfig:
+    return transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128,
+                                    num_hidden_layers=2, num_attention_heads=2,
+                                    num_key_value_heads=1, **kwargs)
+
+
+def test_the_llama_family_and_its_backend_declare_the_reasons() -> None:
+    """The reasons come from the model's declaration (dense projections, q/k norms, a
+    family's own forward pieces) and its backend's (a sliding window)."""
+    caches = [torch.zeros(1)] * 2
+    plain = LlamaForCausalLM(_llama_config(), TorchSDPABackend, 64, torch.float32)
+    assert unsupported_reason(cast(Any, plain), caches, torch.float32, 1, lora=False) \
+        == "layer 0 has a projection other than a bias-free quant_gemv GGUF kernel"
+    windowed = LlamaForCausalLM(_llama_config(sliding_window=4), TorchSDPABackend, 64,
+                                torch.float32)
+    assert unsupported_reason(cast(Any, windowed), caches, torch.float32, 1, lora=False) \
+        == "layer 0's attention has a window, a soft-cap or another backend"
+    qwen3 = Qwen3ForCausalLM(_llama_config(head_dim=32), TorchSDPABackend, 64, torch.float32)
+    assert unsupported_reason(cast(Any, qwen3), caches, torch.float32, 1, lora=False) \
+        == "layer 0 has q/k norms or clipping"
+    assert unsupported_reason(cast(Any, plain), caches, torch.float64, 1, lora=False) \
+        == "dtype torch.float64"
