@@ -28,7 +28,8 @@ from vllm.v1.worker.fused_decode import ENV_SWITCH, FusedDecode, unsupported_rea
 _ops = cpu_ops()
 pytestmark = pytest.mark.skipif(
     _ops is None or not _ops.quant_gemv_available() or not hasattr(_ops, "FusedDecoder"),
-    reason="needs the native CPU kernels with quant_gemv (AVX-512 VNNI)")
+    reason="needs the native CPU kernels with quant_gemv (AVX-512 VNNI, or AVX2 with FMA "
+           "and F16C)")
 
 # Prompts of 5 to 40 tokens (blocks of 16: up to 4 blocks after 24 new tokens); the last
 # repeats the first's opening so that it hits the prefix cache.

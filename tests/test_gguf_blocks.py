@@ -22,7 +22,8 @@ from vllm.model_executor.layers.quantization.gguf_blocks import (
 from vllm.v1.worker.graph_capture import ANY_MIN_TOKENS
 
 native = pytest.mark.skipif(_native_kernel() is None,
-                            reason="quant_gemv needs the native kernels and AVX-512 VNNI")
+                            reason="quant_gemv needs the native kernels and AVX-512 VNNI "
+                                   "or AVX2 with FMA and F16C")
 
 
 def _q4_1_block(d: float, m: float, q: list[int]) -> bytes:

@@ -364,16 +364,40 @@ def _kernel_reference(x: torch.Tensor, indices: list[int], a: torch.Tensor, b: t
     return out
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_lora_kernel_against_float64(dtype: torch.dtype) -> None:
-    """`vllm_cpu::lora_delta` (packed by `pack_slot_a` / `pack_slot_b`): rows of several
-    adapters and none, ranks below the maximum (odd ones too), an empty slot and a slot
-    whose rank is 0, parts whose bounds are not multiples of 16, ranks over 16 lanes."""
-    from vllm.lora.layers import native_kernel_step, pack_slot_a, pack_slot_b
+def _lora_path(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """"native": skip where the kernel is not built (it needs AVX-512); "portable": layers
+    built from here on take the traced product over all slots, as on such CPUs."""
+    from vllm.lora import layers
 
-    step = native_kernel_step(dtype, torch.device("cpu"), 64)
-    if step is None:
-        pytest.skip("no native LoRA kernel on this machine")
+    if path == "portable":
+        monkeypatch.setattr(layers, "native_kernel_step", lambda *args: None)
+    elif layers.native_kernel_step(torch.float32, torch.device("cpu"), 64) is None:
+        pytest.skip("no AVX-512 (avx512f): the native LoRA kernel is not built; "
+                    "[portable] checks the product the layers take")
+
+
+LORA_PATHS = ["native", "portable"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("path", LORA_PATHS)
+def test_lora_delta_against_float64(path: str, dtype: torch.dtype,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """native: `vllm_cpu::lora_delta` (packed by `pack_slot_a` / `pack_slot_b`); portable:
+    a fused layer's `delta` over slots written by `set_slot` (the masked product over all
+    slots). Rows of several adapters and none, ranks below the maximum (odd ones too), an
+    empty slot and a slot whose rank is 0, parts whose bounds are not multiples of 16,
+    ranks over 16 lanes."""
+    from vllm.lora.layers import (
+        LoRALinear,
+        LoRAState,
+        native_kernel_step,
+        pack_slot_a,
+        pack_slot_b,
+    )
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear
+
+    _lora_path(path, monkeypatch)
     generator = torch.Generator().manual_seed(0)
     for in_features, bounds, max_rank, slot_ranks, indices in (
             (64, [0, 40, 52, 64], 8, [8, 3, 0, 5], [0, -1, 3, 0, 1, 1, 0, 0, 0, 0, 0, 0, 3,
@@ -387,32 +411,59 @@ def test_native_lora_kernel_against_float64(dtype: torch.dtype) -> None:
             a[:, slot, :rank] = torch.randn(parts, rank, in_features, generator=generator)
             b[:, slot, :rank] = torch.randn(bounds[-1], rank, generator=generator)
         a, b = a.to(dtype), b.to(dtype)
-        padded = -(-max_rank // 16) * 16
-        a_packed = torch.stack([pack_slot_a(a[:, s], padded, step) for s in range(slots)], 1)
-        b_packed = torch.stack([pack_slot_b(b[:, s], padded, step) for s in range(slots)])
         x = torch.randn(len(indices), in_features, generator=generator).to(dtype)
         index_buffer = torch.tensor(indices + [5, 5], dtype=torch.int64)  # past n: unread
-        got = torch.ops.vllm_cpu.lora_delta(x, index_buffer, torch.tensor(slot_ranks),
-                                            a_packed.contiguous(), b_packed, bounds)
+        if path == "native":
+            step = native_kernel_step(dtype, torch.device("cpu"), in_features)
+            assert step is not None
+            padded = -(-max_rank // 16) * 16
+            a_packed = torch.stack([pack_slot_a(a[:, s], padded, step) for s in range(slots)],
+                                   1)
+            b_packed = torch.stack([pack_slot_b(b[:, s], padded, step) for s in range(slots)])
+            got = torch.ops.vllm_cpu.lora_delta(x, index_buffer, torch.tensor(slot_ranks),
+                                                a_packed.contiguous(), b_packed, bounds)
+        else:
+            base = MergedColumnParallelLinear(
+                in_features, [hi - lo for lo, hi in zip(bounds, bounds[1:])], bias=False)
+            state = LoRAState(len(indices) + 2, slots, max_rank, torch.device("cpu"))
+            layer = LoRALinear(base, list(range(parts)), slots, max_rank, state, dtype)
+            assert layer.step is None
+            for slot, rank in enumerate(slot_ranks):
+                if rank:
+                    layer.set_slot(slot, [(a[p, slot, :rank], b[first:last, slot, :rank])
+                                          for p, (first, last) in
+                                          enumerate(zip(bounds, bounds[1:]))])
+                elif slot == 2:  # the first case's rank-0 slot: an adapter of no part
+                    layer.set_slot(slot, [None] * parts)
+                # (the last case's slot 1 is never written: empty)
+            state.indices.copy_(index_buffer)
+            got = layer.delta(x)
         want = _kernel_reference(x, indices, a, b, bounds, max_rank)
         scale = want.abs().max().item()
         assert got.dtype == dtype and got.shape == want.shape and scale > 1
         rtol = 1e-5 if dtype == torch.float32 else 2 ** -8  # bfloat16: one ulp
         torch.testing.assert_close(got.double(), want, rtol=rtol, atol=rtol * scale)
         assert not got[[i for i, s in enumerate(indices) if slot_ranks[s] == 0 or s < 0]].any()
-    with pytest.raises(RuntimeError, match="row 1 has slot 2, not in"):
-        torch.ops.vllm_cpu.lora_delta(x[:2], torch.tensor([0, 2]), torch.tensor(slot_ranks),
-                                      a_packed.contiguous(), b_packed, bounds)
+    if path == "native":
+        with pytest.raises(RuntimeError, match="row 1 has slot 2, not in"):
+            torch.ops.vllm_cpu.lora_delta(x[:2], torch.tensor([0, 2]),
+                                          torch.tensor(slot_ranks), a_packed.contiguous(),
+                                          b_packed, bounds)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_layer_product_native_equals_all_slots(dtype: torch.dtype) -> None:
-    """The CPU layer's product (the native kernel over slots packed by `set_slot`) equals
-    the traced product over all slots, for q/k/v parts of different sizes, ranks below
-    max_rank, a part an adapter leaves alone, a slot rewritten with a smaller adapter."""
+@pytest.mark.parametrize("path", LORA_PATHS)
+def test_layer_product_against_float64(path: str, dtype: torch.dtype,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU layer's product (native: the kernel over slots packed by `set_slot`;
+    portable: the traced product over all slots) against the adapters' product in float64,
+    for q/k/v parts of different sizes, ranks below max_rank, a part an adapter leaves
+    alone, a slot rewritten with a smaller adapter, an empty slot. Natively it also equals
+    the traced product."""
     from vllm.lora.layers import LoRALinear, LoRAState
     from vllm.model_executor.layers.linear import QKVParallelLinear
 
+    _lora_path(path, monkeypatch)
     generator = torch.Generator().manual_seed(0)
     base = QKVParallelLinear(32, 8, 4, 2, bias=False)  # q 32 rows, k and v 16 each
     assert base.weight is not None
@@ -421,8 +472,7 @@ def test_layer_product_native_equals_all_slots(dtype: torch.dtype) -> None:
     base.process_weights_after_loading(None, pack=can_pack(dtype, torch.device("cpu")))
     state = LoRAState(8, 4, 4, torch.device("cpu"))
     layer = LoRALinear(base, ["q", "k", "v"], 4, 4, state, dtype)
-    if layer.step is None:
-        pytest.skip("no native LoRA kernel on this machine")
+    assert (layer.step is None) == (path == "portable")
     assert layer.part_rows == [(0, 32), (32, 16), (48, 16)]
 
     def adapter(rank: int, skip: str | None = None):
@@ -430,15 +480,32 @@ def test_layer_product_native_equals_all_slots(dtype: torch.dtype) -> None:
                  torch.randn(out, rank, generator=generator)) if part != skip else None
                 for part, out in (("q", 32), ("k", 16), ("v", 16))]
 
+    written = {}
     for slot, rank, skip in ((0, 4, None), (1, 2, "v"), (3, 4, None), (3, 3, "q")):
-        layer.set_slot(slot, adapter(rank, skip))  # slot 3 rewritten, slot 2 left empty
-    assert layer.slot_ranks.tolist() == [4, 2, 0, 3]
+        written[slot] = adapter(rank, skip)
+        layer.set_slot(slot, written[slot])  # slot 3 rewritten, slot 2 left empty
+    if path == "native":
+        assert layer.slot_ranks.tolist() == [4, 2, 0, 3]
     x = torch.randn(5, 32, generator=generator).to(dtype)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for slots in ([0, -1, 0, 0, -1], [1, 0, -1, 1, 0], [3, 1, 0, -1, 3]):
+    rtol = 1e-5 if dtype == torch.float32 else 2 ** -8  # bfloat16: one ulp
+    for slots in ([0, -1, 0, 0, -1], [1, 0, -1, 1, 0], [3, 1, 0, -1, 3], [2, 3, 2, 1, 0]):
         state.indices[:5] = torch.tensor(slots)
         with torch.inference_mode():
-            got, want = layer.delta(x), layer.delta_all_slots(x)
-        assert got.shape == (5, 64) and want.abs().max() > 1
-        torch.testing.assert_close(got.float(), want.float(), atol=tol * 10, rtol=tol)
-        assert not got[[i for i, s in enumerate(slots) if s == -1]].any()
+            got = layer.delta(x)
+        # Row i: per part, B (A x_i) (x A^T rounded to x's dtype, as both products do).
+        want = torch.zeros(5, 64, dtype=torch.float64)
+        for i, slot in enumerate(slots):
+            for (first, count), pair in zip(layer.part_rows, written.get(slot, [None] * 3)):
+                if slot >= 0 and pair is not None:
+                    a, b = (t.to(dtype).double() for t in pair)
+                    xa = (a @ x[i].double()).to(dtype).double()
+                    want[i, first:first + count] = b @ xa
+        scale = want.abs().max().item()
+        assert got.shape == (5, 64) and scale > 1
+        torch.testing.assert_close(got.double(), want, rtol=rtol, atol=rtol * scale)
+        assert not got[[i for i, s in enumerate(slots) if s in (-1, 2)]].any()
+        if path == "native":
+            with torch.inference_mode():
+                all_slots = layer.delta_all_slots(x)
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(got.float(), all_slots.float(), atol=tol * 10, rtol=tol)

@@ -1,6 +1,7 @@
 """`PackedLinear` (oneDNN-packed bfloat16 weights): bit-identical to `nn.Linear` eagerly and
 inside a compiled graph, swapped in for every linear of a Llama model in bfloat16 on CPU
-(the tied vocabulary projection included) without changing a single token."""
+(the tied vocabulary projection included) without changing a single token; where oneDNN
+refuses the bfloat16 reorder (AVX2-only CPUs), layers keep `F.linear`, equally exact."""
 
 from __future__ import annotations
 
@@ -10,25 +11,39 @@ from torch import nn
 
 import vllm.model_executor.model_loader.loader as loader
 from vllm import LLM, SamplingParams
+from vllm.model_executor.layers.linear import LinearBase, ReplicatedLinear
 from vllm.model_executor.layers.packed_linear import PackedLinear, can_pack
 
-packs = pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")),
-                           reason="no oneDNN in this torch build, or a CPU its bfloat16 "
-                                  "reorder refuses")
+PACKS = can_pack(torch.bfloat16, torch.device("cpu"))
+packs = pytest.mark.skipif(
+    not PACKS, reason="no oneDNN bfloat16 reorder: it needs AVX-512 BW+VL+DQ or "
+                      "AVX-NE-CONVERT (or a torch build with oneDNN); [unpacked] checks the "
+                      "F.linear path layers take here")
+# "packed" where oneDNN reorders bfloat16 weights; "unpacked" the path the loader takes
+# where it refuses (here on AVX2), forced where it would not.
+PATHS = [pytest.param("packed", marks=packs), "unpacked"]
 
 
-@packs
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("bias", [False, True])
 @torch._dynamo.config.patch(recompile_limit=64)  # a graph per size
-def test_packed_equals_linear_for_every_row_count(bias: bool) -> None:
+def test_kernel_equals_linear_for_every_row_count(path: str, bias: bool) -> None:
+    """A bfloat16 layer's kernel after loading (packed: `PackedLinear`; unpacked: none,
+    `F.linear` on the weight) is bit-identical to `nn.Linear`, eagerly and compiled."""
     torch.manual_seed(0)
     linear = nn.Linear(96, 80, bias=bias).to(torch.bfloat16)
-    packed = PackedLinear(linear)
-    compiled = torch.compile(packed, dynamic=False, fullgraph=True)
+    layer = ReplicatedLinear(96, 80, bias=bias)
+    layer.weight.data = linear.weight.data.clone()
+    if bias:
+        layer.bias.data = linear.bias.data.clone()
+    kind = layer.process_weights_after_loading(None, pack=path == "packed")
+    assert kind == ("packed" if path == "packed" else "dense")
+    assert isinstance(layer.kernel, PackedLinear) if path == "packed" else layer.kernel is None
+    compiled = torch.compile(layer, dynamic=False, fullgraph=True)
     with torch.inference_mode():
         for rows in (1, 3, 8, 64, 300):
             x = torch.randn(rows, 96, dtype=torch.bfloat16)
-            assert torch.equal(packed(x), linear(x))
+            assert torch.equal(layer(x), linear(x))
             assert torch.equal(compiled(x), linear(x))
 
 
@@ -47,6 +62,27 @@ def test_packing_follows_the_cpu_flags() -> None:
     assert not can_pack(torch.bfloat16, cpu, cpu_flags=avx2 | {"avx512f", "avx512bw"})
     assert can_pack(torch.bfloat16, cpu, cpu_flags=avx2 | {"avx512bw", "avx512vl", "avx512dq"})
     assert can_pack(torch.bfloat16, cpu, cpu_flags=avx2 | {"avx_ne_convert"})
+
+
+def test_unpacked_model_keeps_f_linear(tiny_llama_tied_dir, monkeypatch) -> None:
+    """Where packing is refused (here, or forced where it would not be), the loader installs
+    no `PackedLinear`: every linear of the bfloat16 model runs `F.linear` on its weight."""
+    if PACKS:
+        monkeypatch.setattr(loader, "can_pack", lambda dtype, device: False)
+    llm = LLM(tiny_llama_tied_dir, dtype="bfloat16", enforce_eager=True,
+              kv_cache_memory_bytes=16 * 1024**2, max_model_len=256)
+    model = llm.llm_engine.engine_core.model_executor.model_runner.model
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    assert model.lm_head in linears and model.layers[0].self_attn.qkv_proj in linears
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+    x = torch.randn(5, model.layers[0].self_attn.qkv_proj.in_features, dtype=torch.bfloat16)
+    for layer in (model.lm_head, model.layers[0].self_attn.qkv_proj):
+        assert layer.kernel is None and layer.weight.dtype == torch.bfloat16
+        with torch.inference_mode():
+            assert torch.equal(layer(x), nn.functional.linear(x, layer.weight, layer.bias))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert len(llm.generate(["Hello world"], params, use_tqdm=False)[0].outputs[0]
+               .token_ids) == 4
 
 
 @packs
