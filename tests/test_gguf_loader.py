@@ -410,3 +410,56 @@ def test_tiny_model_seed_controls_weights(tmp_path: Any) -> None:
     name = "model.layers.0.self_attn.q_proj.weight"
     assert torch.equal(weights[0][name], weights[1][name])
     assert not torch.equal(weights[0][name], weights[2][name])
+
+
+def test_gguf_file_reads_what_gguf_py_reads(tmp_path, default_model_path: str) -> None:
+    """`GGUFFile` (struct over a memory map) gives gguf-py's field values and tensor views:
+    every metadata value type, numeric and string arrays, and float and block tensors."""
+    import gguf
+    import numpy as np
+
+    from vllm.model_executor.model_loader.gguf_file import GGUFFile
+
+    path = str(tmp_path / "kinds.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_uint8("t.u8", 200)
+    writer.add_int8("t.i8", -3)
+    writer.add_uint16("t.u16", 60000)
+    writer.add_int16("t.i16", -30000)
+    writer.add_uint32("t.u32", 4_000_000_000)
+    writer.add_int32("t.i32", -2_000_000_000)
+    writer.add_uint64("t.u64", 2**63 + 5)
+    writer.add_int64("t.i64", -(2**62))
+    writer.add_float32("t.f32", 1e-5)
+    writer.add_float64("t.f64", 0.1)
+    writer.add_bool("t.bool", True)
+    writer.add_string("t.str", "héllo")
+    writer.add_array("t.ints", [1, -2, 3])
+    writer.add_array("t.floats", [0.5, 1.5])
+    writer.add_array("t.strs", ["a", "", "ü"])
+    writer.add_array("t.bools", [True, False])
+    generator = np.random.default_rng(0)
+    tensors = {"f32": np.float32, "f16": np.float16}
+    for name, dtype in tensors.items():
+        writer.add_tensor(name, generator.standard_normal((3, 64)).astype(dtype))
+    for kind in (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0,
+                 gguf.GGMLQuantizationType.BF16):
+        array = generator.standard_normal((2, 4, 64)).astype(np.float32)
+        writer.add_tensor(kind.name, gguf.quants.quantize(array, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    for file in (path, default_model_path):
+        ours, theirs = GGUFFile(file), gguf.GGUFReader(file)
+        expected = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+        assert ours.fields == expected
+        assert {k: type(v) for k, v in ours.fields.items()} == {
+            k: type(v) for k, v in expected.items()}
+        assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+        for mine, ref in zip(ours.tensors, theirs.tensors):
+            assert mine.tensor_type == ref.tensor_type
+            assert mine.shape.tolist() == ref.shape.tolist()
+            assert mine.data.dtype == ref.data.dtype and mine.data.shape == ref.data.shape
+            assert np.array_equal(mine.data, ref.data)

@@ -46,12 +46,11 @@ def tokenizer(default_model_path: str):
 @pytest.fixture(scope="module")
 def embed(default_model_path: str, tokenizer):
     """Text -> the embedding-table rows of its tokens (no special tokens), float32."""
-    import gguf
-
+    from vllm.model_executor.model_loader.gguf_file import GGUFFile
     from vllm.model_executor.model_loader.gguf_loader import _dequantize
 
-    reader = gguf.GGUFReader(default_model_path)
-    table = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    table = next(t for t in GGUFFile(default_model_path).tensors
+                 if t.name == "token_embd.weight")
     weights = torch.from_numpy(_dequantize(table))
 
     def rows(text: str) -> torch.Tensor:

@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm.model_executor.model_loader.gguf_file import GGUFFile, GGUFTensor
+
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -123,12 +125,8 @@ _FILE_TYPE_DTYPES: dict[int, str] = {0: "float32", 1: "float16", 32: "bfloat16"}
 @functools.lru_cache(maxsize=4)
 def _read_metadata_cached(path: str, mtime_ns: int) -> tuple[dict[str, Any], frozenset[str]]:
     """Parse every metadata field and the tensor names of a GGUF file (cached per file version)."""
-    import gguf
-
-    reader = gguf.GGUFReader(path)
-    fields = {name: field.contents() for name, field in reader.fields.items()}
-    tensor_names = frozenset(tensor.name for tensor in reader.tensors)
-    return fields, tensor_names
+    gguf_file = GGUFFile(path)
+    return gguf_file.fields, frozenset(tensor.name for tensor in gguf_file.tensors)
 
 
 def _read_metadata(path: str) -> tuple[dict[str, Any], frozenset[str]]:
@@ -394,8 +392,8 @@ def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return restored.reshape(weight.shape)
 
 
-def _dequantize(tensor: Any) -> np.ndarray:
-    """Dequantize one ``ReaderTensor`` to float32 in HF (row-major ``[out, in]``) shape."""
+def _dequantize(tensor: GGUFTensor) -> np.ndarray:
+    """Dequantize one tensor to float32 in HF (row-major ``[out, in]``) shape."""
     import gguf
 
     values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
@@ -435,13 +433,10 @@ def _unstack_experts(hf_name: str, weight: torch.Tensor
 def load_gguf_state_dict(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Dequantize every GGUF tensor into an HF-named, HF-shaped state dict cast to ``dtype``
     (stacked experts split into the HF checkpoint's per-expert tensors)."""
-    import gguf
-
     config = load_gguf_config(path)
     arch = _architecture(_read_metadata(path)[0])
-    reader = gguf.GGUFReader(path)
     state_dict: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
+    for tensor in GGUFFile(path).tensors:
         name = hf_tensor_name(tensor.name, config["model_type"])
         if name is None:
             continue
@@ -460,8 +455,6 @@ def load_gguf_state_dict(path: str, dtype: torch.dtype) -> dict[str, torch.Tenso
 
 def load_gguf_block_codes(path: str) -> dict[str, Any]:
     """HF name -> `BlockCodes` of every Q4_0 / Q4_1 / Q8_0 tensor, rows in HF order."""
-    import gguf
-
     from vllm.model_executor.layers.quantization.gguf_blocks import (
         BLOCK_TYPES,
         read_block_codes,
@@ -469,7 +462,7 @@ def load_gguf_block_codes(path: str) -> dict[str, Any]:
 
     config = load_gguf_config(path)
     codes = {}
-    for tensor in gguf.GGUFReader(path).tensors:
+    for tensor in GGUFFile(path).tensors:
         name = hf_tensor_name(tensor.name, config["model_type"])
         if name is None or tensor.tensor_type.name not in BLOCK_TYPES:
             continue
@@ -494,10 +487,8 @@ def load_gguf_tokenizer(path: str) -> Any:
     The bos/eos/pad special tokens are checked against the file's ``tokenizer.ggml.*`` ids and
     reset from them if ``transformers`` picked different ones.
     """
-    from transformers import AutoTokenizer
-
     path = os.path.abspath(path)
-    tokenizer = AutoTokenizer.from_pretrained(
+    tokenizer = _tokenizer_class(path).from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), local_files_only=True
     )
     fields, _ = _read_metadata(path)
@@ -509,3 +500,19 @@ def load_gguf_tokenizer(path: str) -> Any:
         if getattr(tokenizer, f"{role}_token_id") != token_id:
             setattr(tokenizer, f"{role}_token", tokens[token_id])
     return tokenizer
+
+
+def _tokenizer_class(path: str) -> Any:
+    """The tokenizer class `AutoTokenizer` picks for the file's model type (the registered
+    class, else the generic fast backend), found from this loader's own config: asked to
+    find it itself, `AutoTokenizer` reads the whole file with gguf-py first (~3 s)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    config_dict = dict(load_gguf_config(path))
+    config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
+    cls = TOKENIZER_MAPPING.get(type(config), None)
+    if cls is None or cls.__name__ == "MistralCommonBackend":  # a GGUF has no mistral format
+        return TokenizersBackend
+    return cls
