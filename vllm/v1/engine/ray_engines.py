@@ -120,9 +120,11 @@ class RayEngine:
         return f"{self.name} failed: {_first_line(error)}"
 
     def stop(self) -> None:
+        if not self._ray.is_initialized():  # Ray took the actor with it (and a call now
+            return  # would start a new local instance)
         try:
             self._ray.kill(self.actor, no_restart=True)
-        except Exception:  # Ray already shut down (interpreter exit) or the actor gone
+        except Exception:  # the actor is gone
             pass
 
 
