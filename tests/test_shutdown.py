@@ -111,7 +111,7 @@ def _port(init_method: str) -> int:
 
 
 def _listening(port: int) -> bool:
-    return any(c.laddr.port == port and c.status == psutil.CONN_LISTEN
+    return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr[1] == port
                for c in psutil.net_connections("tcp"))
 
 
