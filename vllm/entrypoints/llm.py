@@ -44,6 +44,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
 
+    def shutdown(self) -> None:
+        """Releases the engine's workers (processes, Ray actors and placement group) now;
+        idempotent. Deleting the `LLM` does the same once it is garbage-collected."""
+        self.llm_engine.shutdown()
+
     def get_metrics(self) -> list[Metric]:
         """Metric snapshots since start, as vLLM v1's `LLM.get_metrics()`: with
         speculative decoding, `vllm:spec_decode_num_drafts`, `..._num_draft_tokens`,

@@ -37,6 +37,22 @@ class EngineCore:
         torch.manual_seed(vllm_config.model_config.seed)
         self.vllm_config = vllm_config
         self.model_executor = Executor.get_class(vllm_config.parallel_config)(vllm_config)
+        try:
+            self._initialize_kv_cache()
+        except BaseException:  # the workers are up: release them now, not at gc
+            self.model_executor.shutdown()
+            raise
+        self.structured_output_manager = _structured_output_manager(vllm_config, grammar_compiler)
+        self.scheduler = Scheduler(vllm_config.scheduler_config, vllm_config.cache_config,
+                                   vllm_config.model_config.kv_cache_groups,
+                                   self.structured_output_manager)
+        # adapter id -> the fingerprint of its files when the workers read them
+        self._recent_loras: OrderedDict[int, bytes] = OrderedDict()
+
+    def _initialize_kv_cache(self) -> None:
+        """Sizes the KV cache from the workers' free memory and allocates it there; refuses
+        a cache too small for one longest request."""
+        vllm_config = self.vllm_config
         cache = vllm_config.cache_config
         num_blocks = self.model_executor.determine_num_blocks()
         max_len = vllm_config.model_config.max_model_len
@@ -55,11 +71,6 @@ class EngineCore:
                 "the KV cache size (kv_cache_memory_bytes) or lower max_model_len.")
         self.model_executor.initialize_kv_cache(num_blocks)
         cache.num_blocks = num_blocks
-        self.structured_output_manager = _structured_output_manager(vllm_config, grammar_compiler)
-        self.scheduler = Scheduler(vllm_config.scheduler_config, cache, groups,
-                                   self.structured_output_manager)
-        # adapter id -> the fingerprint of its files when the workers read them
-        self._recent_loras: OrderedDict[int, bytes] = OrderedDict()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         if request.lora_request is not None:
@@ -144,6 +155,9 @@ class EngineCore:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        """Stops the grammar compiler's threads and the executor's workers (idempotent;
+        an engine core dropped unshut releases its workers through the executor's
+        finalizer)."""
         if self.structured_output_manager is not None:
             self.structured_output_manager.shutdown()
         self.model_executor.shutdown()

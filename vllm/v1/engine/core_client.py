@@ -156,12 +156,31 @@ class EngineProcess:
                 self.proc.join(5)
 
 
-def _stop_engine(handle: EngineHandle, ctx: zmq.Context, tmpdir: str | None) -> None:
-    """Stops the engine core and frees the sockets (also run at interpreter exit)."""
+def _stop_engine(handle: EngineHandle, ctx: zmq.Context, sockets: list[zmq.Socket],
+                 tmpdir: str | None) -> None:
+    """Stops the engine core and frees the sockets (also run at interpreter exit). The
+    sockets are closed by name: when the client is collected as part of a reference cycle,
+    the context has already lost track of them, and ending it would wait for them forever."""
     handle.stop()
+    for socket in sockets:
+        socket.close(linger=0)
     ctx.destroy(linger=0)
     if tmpdir is not None:
         shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _weak_callback(method: Callable[[], None]) -> Callable[[], None]:
+    """`method` called through a weak reference to its object: a watch that outlives the
+    client (a Ray `run` call pending until its actor dies) must not keep the client, its
+    sockets and its finalizer alive."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> None:
+        bound = ref()
+        if bound is not None:
+            bound()
+
+    return call
 
 
 def _bind(socket: zmq.Socket, address: str) -> str:
@@ -213,6 +232,7 @@ class AsyncMPClient:
                 shutil.rmtree(self.tmpdir, ignore_errors=True)
             raise
         self._finalizer = weakref.finalize(self, _stop_engine, self.handle, self.ctx,
+                                           [self.input_socket, self.output_socket],
                                            self.tmpdir)
         self.num_blocks = 0
         self.encoder = MsgpackEncoder()
@@ -246,7 +266,7 @@ class AsyncMPClient:
         self._loop = asyncio.get_running_loop()
         self.outputs_queue = asyncio.Queue()
         self._reader_task = self._loop.create_task(self._read_outputs())
-        self.handle.watch(self._loop, self._on_engine_exit)
+        self.handle.watch(self._loop, _weak_callback(self._on_engine_exit))
 
     def _on_engine_exit(self) -> None:
         if self._loop is not None:

@@ -91,3 +91,8 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Releases the engine core's workers now (idempotent); dropping the engine does
+        the same when it is garbage-collected."""
+        self.engine_core.shutdown()

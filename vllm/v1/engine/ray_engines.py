@@ -19,6 +19,10 @@ which fails when the actor (its process or machine) dies; that stands in for the
 sentinel. The actor watches this process's end of its output socket (`PeerWatch`) and
 stops once it has been gone for a few seconds; Ray also kills the actors of a driver that
 exits, but the socket watch does not depend on Ray's view of the API process.
+
+The placement group outlives a driver's actors (Ray frees it when the driver exits), so
+`RayEngines` removes it on `shutdown()` and, through a `weakref.finalize`, when it is
+garbage-collected unshut.
 """
 
 from __future__ import annotations
@@ -28,12 +32,13 @@ import dataclasses
 import logging
 import os
 import uuid
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
 from vllm.config import VllmConfig
-from vllm.v1.executor.ray_executor import init_ray
+from vllm.v1.executor.ray_executor import init_ray, release_placement_group
 
 logger = logging.getLogger(__name__)
 
@@ -115,9 +120,11 @@ class RayEngine:
         return f"{self.name} failed: {_first_line(error)}"
 
     def stop(self) -> None:
+        if not self._ray.is_initialized():  # Ray took the actor with it (and a call now
+            return  # would start a new local instance)
         try:
             self._ray.kill(self.actor, no_restart=True)
-        except Exception:  # Ray already shut down (interpreter exit) or the actor gone
+        except Exception:  # the actor is gone
             pass
 
 
@@ -148,8 +155,11 @@ class RayEngines:
             self.bundle["GPU"] = float(parallel.tensor_parallel_size)
         engines = parallel.data_parallel_size
         self.engines: list[RayEngine] = []
+        self._actors: list[Any] = []  # the engines' actors, for the finalizer
         self.placement_group = placement_group([dict(self.bundle) for _ in range(engines)],
                                                strategy="SPREAD")
+        self._finalizer = weakref.finalize(self, release_placement_group, ray,
+                                           self.placement_group, self._actors)
         try:
             ray.get(self.placement_group.ready(), timeout=_PLACEMENT_TIMEOUT_S)
         except Exception:
@@ -181,17 +191,12 @@ class RayEngines:
         start_ref = actor.start.remote(vllm_config, input_addr, output_addr,
                                        1 if vllm_config.parallel_config.world_size > 1
                                        else self.cpus)
+        self._actors.append(actor)
         engine = RayEngine(self._ray, actor, name, start_ref)
         self.engines.append(engine)
         return engine
 
     def shutdown(self) -> None:
-        """Kills the actors (if their clients have not) and frees the placement group."""
-        from ray.util.placement_group import remove_placement_group
-
-        for engine in self.engines:
-            engine.stop()
-        try:
-            remove_placement_group(self.placement_group)
-        except Exception:  # Ray already shut down (interpreter exit)
-            pass
+        """Kills the actors (if their clients have not) and removes the placement group
+        (idempotent)."""
+        self._finalizer()

@@ -4,6 +4,10 @@ rank) and calls their methods by name on all of them (`collective_rpc`).
     uni  UniProcExecutor          one worker in this process
     mp   MultiprocExecutor        one worker process per rank on this machine
     ray  RayDistributedExecutor   one Ray actor per rank in a placement group (any machine)
+
+An executor owns its workers and whatever holds them (processes, actors, the placement
+group): `shutdown()` releases them, and the executors that start processes or actors also
+release them through a `weakref.finalize` when they are garbage-collected unshut.
 """
 
 from __future__ import annotations
@@ -80,4 +84,6 @@ class Executor(ABC):
         return self.collective_rpc("remove_lora", (lora_int_id,))[0]
 
     def shutdown(self) -> None:
+        """Lets every rank drop its caches and leave its process group, then releases the
+        workers; idempotent."""
         self.collective_rpc("shutdown")

@@ -79,14 +79,16 @@ def _worker_main(vllm_config: VllmConfig, rank: int, init_method: str,
 class MultiprocExecutor(Executor):
     def _init_executor(self) -> None:
         world = self.parallel_config.tensor_parallel_size
-        init_method = f"tcp://127.0.0.1:{get_open_port()}"
+        # Rank 0's process listens there (torch.distributed's store) while it lives.
+        self.distributed_init_method = f"tcp://127.0.0.1:{get_open_port()}"
         ctx = multiprocessing.get_context("spawn")
         self.procs: list[Any] = []
         self.conns: list[Connection] = []
         for rank in range(world):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_worker_main, name=f"VllmWorker-{rank}", daemon=True,
-                               args=(self.vllm_config, rank, init_method, child))
+                               args=(self.vllm_config, rank, self.distributed_init_method,
+                                     child))
             with openmp_spin_count():  # read when the new process loads torch
                 proc.start()
             child.close()
@@ -151,6 +153,11 @@ class MultiprocExecutor(Executor):
                 f"(exit code {proc.exitcode}).")
 
     def shutdown(self) -> None:
+        """Lets each rank leave its process group and exit, then joins them (idempotent;
+        the finalizer alone, when the executor is garbage-collected unshut, closes the
+        pipes: each worker exits when it reads the end of its pipe)."""
+        if not self._finalizer.alive:
+            return
         try:
             if all(p.is_alive() for p in self.procs):
                 self.collective_rpc("shutdown")

@@ -8,6 +8,11 @@ actor. Ray carries the calls and results; the ranks' collectives go through
 torch.distributed (gloo across machines, NCCL between GPUs).
 
 A dead actor (its process or node gone) raises `ExecutorDeadError`.
+
+The placement group belongs to the Ray job (this process), not to the actors: Ray frees it
+only when the driver exits. So the executor removes it (and kills its actors) on
+`shutdown()` and, through a `weakref.finalize`, when it is garbage-collected unshut;
+otherwise the next engine of this process could not place its ranks.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import os
 import signal
 import socket
 import threading
+import weakref
 from typing import Any
 
 from vllm.config import VllmConfig
@@ -76,39 +82,50 @@ class RayWorker:
 class RayDistributedExecutor(Executor):
     def _init_executor(self) -> None:
         ray = init_ray()
-        from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        from ray.util.placement_group import placement_group
 
         self._ray = ray
         world = self.parallel_config.tensor_parallel_size
         gpu = self.vllm_config.device_config.device == "cuda"
         bundle = {"GPU": 1.0, "CPU": 1.0} if gpu else {"CPU": 1.0}
+        self.workers: list[Any] = []
         self.placement_group = placement_group([dict(bundle) for _ in range(world)],
                                                strategy="PACK")
-        self._remove_placement_group = remove_placement_group
+        # Holds the actors list itself, so that it frees the actors started after it.
+        self._finalizer = weakref.finalize(self, release_placement_group, ray, self.placement_group,
+                                           self.workers)
         try:
             ray.get(self.placement_group.ready(), timeout=120)
         except Exception:
-            remove_placement_group(self.placement_group)
+            self._finalizer()
             raise ValueError(f"Ray could not place {world} ranks of {bundle} (its cluster: "
                              f"{ray.cluster_resources()}).") from None
-        actor_cls: Any = ray.remote(RayWorker)
-        self.workers: list[Any] = [
-            actor_cls.options(
+        try:
+            self._start_workers(bundle)
+        except BaseException:
+            self._finalizer()
+            raise
+
+    def _start_workers(self, bundle: dict[str, float]) -> None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        actor_cls: Any = self._ray.remote(RayWorker)
+        for rank in range(self.parallel_config.tensor_parallel_size):
+            self.workers.append(actor_cls.options(
                 num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.placement_group, placement_group_bundle_index=rank),
-            ).remote(self.vllm_config, rank)
-            for rank in range(world)
-        ]
-        places = ray.get([w.node_and_port.remote() for w in self.workers])
+            ).remote(self.vllm_config, rank))
+        places = self._ray.get([w.node_and_port.remote() for w in self.workers])
         _, master_ip, master_port = places[0]
-        init_method = f"tcp://{master_ip}:{master_port}"
+        self.distributed_init_method = f"tcp://{master_ip}:{master_port}"
         # Ranks on one node split its cores (local rank, local count).
         nodes = [node for node, _, _ in places]
         local = [nodes[:rank].count(node) for rank, node in enumerate(nodes)]
-        logger.info("Ray ranks on nodes %s; rendezvous %s.", nodes, init_method)
-        self._get([w.start.remote(init_method, local[rank], nodes.count(nodes[rank]))
+        logger.info("Ray ranks on nodes %s; rendezvous %s.", nodes,
+                    self.distributed_init_method)
+        self._get([w.start.remote(self.distributed_init_method, local[rank],
+                                  nodes.count(nodes[rank]))
                    for rank, w in enumerate(self.workers)])
 
     def _get(self, refs: list[Any]) -> list[Any]:
@@ -126,10 +143,32 @@ class RayDistributedExecutor(Executor):
                           for w in self.workers])
 
     def shutdown(self) -> None:
+        """Lets each rank leave its process group, then kills the actors and removes the
+        placement group (idempotent)."""
+        if not self._finalizer.alive:
+            return
         try:
             self.collective_rpc("shutdown")
         except Exception:
             logger.exception("Ray worker shutdown failed.")
-        for worker in self.workers:
-            self._ray.kill(worker)
-        self._remove_placement_group(self.placement_group)
+        finally:
+            self._finalizer()
+
+
+def release_placement_group(ray: Any, placement_group: Any, actors: list[Any]) -> None:
+    """Kills the actors and removes their placement group (an owner's finalizer: it holds
+    no reference to the owner). Nothing to do once Ray is shut down: a local instance took
+    everything with it, a cluster frees a driver's groups when the driver leaves."""
+    if not ray.is_initialized():
+        return
+    from ray.util.placement_group import remove_placement_group
+
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # already dead
+            pass
+    try:
+        remove_placement_group(placement_group)
+    except Exception:
+        logger.exception("Removing the Ray placement group failed.")

@@ -1,0 +1,248 @@
+"""Every engine releases what it holds when it is deleted or shut down, so that the next
+engine of the same process starts: worker processes (`mp`), Ray actors and placement
+groups (`ray`, and the data-parallel engine cores placed by Ray), the ranks' shared-memory
+all-reduce segment and their rendezvous port. One local Ray instance serves the module.
+
+Each case builds an engine, notes what it holds, deletes it (`del` + gc) and checks all of
+it is gone; then builds a second engine of the same kind, which must place and generate
+the same tokens, shuts it down explicitly (twice: idempotent) and checks again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import importlib.util
+import os
+import socket
+import time
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+import pytest
+import zmq
+
+from vllm import LLM, SamplingParams
+from vllm._custom_ops import cpu_ops
+from vllm.distributed.shm_all_reduce import SHM_DIR
+from vllm.engine.arg_utils import EngineArgs
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.core_client import DPAsyncMPClient
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                                reason="Ray is not installed")
+
+PROMPTS = ["the colour of seven is", "hello"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+SMALL = dict(dtype="float32", max_model_len=64, kv_cache_memory_bytes=4 * 2**20, seed=0,
+             enforce_eager=True)
+
+
+@pytest.fixture(scope="module")
+def ray_module() -> Iterator[Any]:
+    """A local Ray instance of 2 CPUs for the module. Restores os.environ afterwards
+    (importing Ray and ray.init set variables of their own)."""
+    environ = dict(os.environ)
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+        os.environ.clear()
+        os.environ.update(environ)
+
+
+def _until(condition, what: str, tries: int = 200, every: float = 0.05) -> None:
+    for _ in range(tries):  # bounded: tries * every seconds at most
+        if condition():
+            return
+        time.sleep(every)
+    raise AssertionError(f"never: {what}")
+
+
+@dataclass
+class Held:
+    """What one engine holds outside this process's Python objects."""
+
+    pids: list[int]  # the ranks' (or engine cores') processes
+    executor: weakref.ref | None = None  # the in-process executor (offline engines)
+    ports: list[int] = field(default_factory=list)  # rendezvous, the engines' sockets
+    segments: list[str] = field(default_factory=list)  # shared-memory all-reduce
+    placement_group: Any = None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _spawned_children() -> list[int]:
+    """This process's children started by multiprocessing (workers, engine cores); Ray's
+    own daemons and multiprocessing's resource tracker are not."""
+    pids = []
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):
+            if "spawn_main" in " ".join(child.cmdline()) and _alive(child.pid):
+                pids.append(child.pid)
+    return pids
+
+
+def _shm_segments(pids: list[int]) -> list[str]:
+    """The shared-memory all-reduce segments these processes map (their names are
+    unlinked from /dev/shm as soon as every rank has mapped them)."""
+    names = set()
+    for pid in pids:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
+            names.update(line.split()[5] for line in maps
+                         if len(line.split()) > 5 and "vllm_allreduce_" in line)
+    return sorted(names)
+
+
+def _port(init_method: str) -> int:
+    return int(init_method.rsplit(":", 1)[1])
+
+
+def _listening(port: int) -> bool:
+    return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr[1] == port
+               for c in psutil.net_connections("tcp"))
+
+
+def _actor_pids(actor_class: str) -> list[int]:
+    """The processes of this class's Ray actors (the local raylet is this process's child;
+    an actor's process title is `ray::<class>[.<method running>]`)."""
+    pids = []
+    for process in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if process.cmdline()[0].startswith(f"ray::{actor_class}") and _alive(process.pid):
+                pids.append(process.pid)
+    return pids
+
+
+def _held_offline(llm: LLM) -> Held:
+    executor = llm.llm_engine.engine_core.model_executor
+    backend = llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend
+    held = Held([], weakref.ref(executor))
+    if backend == "mp":
+        held.pids = [p.pid for p in executor.procs]  # type: ignore[attr-defined]
+    elif backend == "ray":
+        held.pids = _actor_pids("RayWorker")
+        assert len(held.pids) == 2
+        held.placement_group = executor.placement_group  # type: ignore[attr-defined]
+    if backend != "uni":
+        held.ports = [_port(executor.distributed_init_method)]  # type: ignore[attr-defined]
+        assert _listening(held.ports[0])  # rank 0's torch.distributed store
+        held.segments = _shm_segments(held.pids)
+        if cpu_ops() is not None:  # the ranks all-reduce through shared memory
+            assert len(held.segments) == 1, held.segments
+    return held
+
+
+def _assert_released(ray, held: Held) -> None:
+    if held.executor is not None:
+        assert held.executor() is None, "the executor outlived its engine"
+    assert _spawned_children() == []
+    _until(lambda: not any(map(_alive, held.pids)), f"the engine's processes {held.pids} exit")
+    for name in held.segments:
+        assert not os.path.exists(os.path.join(SHM_DIR, os.path.basename(name)))
+    assert _shm_segments([p.pid for p in psutil.Process().children(recursive=True)]) == []
+    for port in held.ports:  # nobody listens there any more: the next engine may bind it
+        assert not _listening(port)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's store does
+            s.bind(("", port))
+    if held.placement_group is not None:
+        table = ray.util.placement_group_table()
+        assert table[held.placement_group.id.hex()]["state"] == "REMOVED"
+    assert [pg for pg in ray.util.placement_group_table().values()
+            if pg["state"] != "REMOVED"] == []
+    _until(lambda: ray.available_resources().get("CPU") == 2, "Ray's cores are free again")
+
+
+def _offline(backend: str, path: str) -> LLM:
+    tp = 1 if backend == "uni" else 2
+    return LLM(path, tensor_parallel_size=tp, distributed_executor_backend=backend, **SMALL)
+
+
+def _tokens(llm: LLM) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids)
+            for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("backend", ["uni", "mp", "ray"])
+def test_offline_engine_releases_everything(ray_module, tiny_llama_dir, backend) -> None:
+    """`del llm` + gc, then `LLM.shutdown()`: each time every worker process, Ray actor,
+    placement group, shared-memory segment and port is gone, and the next engine starts."""
+    ray = ray_module
+    assert _spawned_children() == []
+    llm = _offline(backend, tiny_llama_dir)
+    expected = _tokens(llm)
+    held = _held_offline(llm)
+    del llm
+    gc.collect()
+    _assert_released(ray, held)
+
+    llm = _offline(backend, tiny_llama_dir)  # places its ranks where the first one was
+    assert _tokens(llm) == expected
+    held = _held_offline(llm)
+    llm.shutdown()
+    llm.shutdown()
+    del llm
+    gc.collect()
+    _assert_released(ray, held)
+
+
+async def _generate(engine: AsyncLLM) -> list[list[int]]:
+    async def one(index: int, prompt: str) -> list[int]:
+        final = None
+        async for output in engine.generate(prompt, GREEDY, f"r{index}"):
+            final = output
+        assert final is not None
+        return list(final.outputs[0].token_ids)
+
+    return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS))))
+
+
+def _ray_data_parallel(path: str) -> AsyncLLM:
+    args = EngineArgs.from_kwargs(model=path, data_parallel_size=2,
+                                  distributed_executor_backend="ray", **SMALL)
+    return AsyncLLM.from_engine_args(args)
+
+
+def _held_ray_engines(engine: AsyncLLM) -> Held:
+    client = engine.engine_core
+    assert isinstance(client, DPAsyncMPClient) and client.ray_engines is not None
+    pids = _actor_pids("EngineCoreActor")
+    assert len(pids) == 2
+    # This process binds each engine core's two sockets (TCP: the actor may be elsewhere).
+    ports = [_port(sock.getsockopt_string(zmq.LAST_ENDPOINT)) for e in client.engines
+             for sock in (e.input_socket, e.output_socket)]
+    assert len(ports) == 4 and all(map(_listening, ports))
+    return Held(pids, ports=ports, placement_group=client.ray_engines.placement_group)
+
+
+def test_ray_data_parallel_engines_release_everything(ray_module, tiny_llama_dir) -> None:
+    """Two engine cores in Ray actors (as `vllm serve -dp 2 --distributed-executor-backend
+    ray` starts them): deleting the `AsyncLLM` kills the actors and removes their placement
+    group, so a second set places and serves; its `shutdown()` releases it too."""
+    ray = ray_module
+    engine = _ray_data_parallel(tiny_llama_dir)
+    expected = asyncio.run(_generate(engine))
+    held = _held_ray_engines(engine)
+    del engine
+    gc.collect()
+    _assert_released(ray, held)
+
+    engine = _ray_data_parallel(tiny_llama_dir)
+    assert asyncio.run(_generate(engine)) == expected
+    held = _held_ray_engines(engine)
+    engine.shutdown()
+    engine.shutdown()
+    _assert_released(ray, held)
