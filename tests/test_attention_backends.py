@@ -22,6 +22,9 @@ from vllm.v1.attention.backends.abstract import CommonAttentionMetadata
 from vllm.v1.attention.backends.torch_sdpa import TorchSDPABackend
 from vllm.v1.worker.graph_capture import ANY
 
+# End to end (engines or servers): left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 IDS = InputKind.TOKEN_IDS
 
 PROMPTS = [

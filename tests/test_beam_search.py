@@ -27,6 +27,9 @@ from vllm.v1.engine import FinishReason
 from vllm.v1.outputs import LogprobsLists
 from vllm.v1.request import Request, RequestStatus
 
+# End to end (engines or servers): left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 # ---- ranking and a group's steps ---------------------------------------------------------
 
 

@@ -469,6 +469,7 @@ def test_get_config_and_tokenizer_dispatch(whisper_dir: str) -> None:
     assert get_tokenizer(whisper_dir).convert_tokens_to_ids("<|notimestamps|>") == 50362
 
 
+@pytest.mark.slow
 def test_tiny_en_loads_strictly_with_tied_projection(whisper_dir: str) -> None:
     state_dict = ct2_loader.load_ct2_state_dict(whisper_dir, torch.float16)
     reference = WhisperForConditionalGeneration(WhisperConfig(vocab_size=51864)).state_dict()
@@ -502,6 +503,7 @@ def greedy_transcribe(model: Any, features: torch.Tensor, config: dict, max_toke
 
 
 @pytest.mark.parametrize("clip", sorted(SPEECH_CLIPS))
+@pytest.mark.slow
 def test_tiny_en_transcribes_clip(
     clip: str, whisper_dir: str, whisper_config: dict, whisper_model: Any, whisper_tokenizer: Any
 ) -> None:

@@ -21,6 +21,9 @@ from tests.test_ct2_loader import read_wav
 from tests.wer import word_error_rate
 from vllm import LLM, SamplingParams
 
+# End to end (engines or servers): left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 DATA_DIR = Path(__file__).parent / "data"
 SPEECH_CLIPS: dict[str, str] = json.loads((DATA_DIR / "speech_clips.json").read_text())
 

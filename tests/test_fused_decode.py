@@ -74,6 +74,7 @@ def _generate(llm: LLM, prompts: list[list[int]], fused: Any
     return results
 
 
+@pytest.mark.slow
 def test_fused_decode_matches_the_graphs_on_a_tiny_q4_1_llama(
         tiny_q4_1: tuple[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
     """float32, one engine: the fused decoder's steps against the graphs' (the same engine
@@ -110,6 +111,7 @@ def test_fused_decode_matches_the_graphs_on_a_tiny_q4_1_llama(
             == f"{ENV_SWITCH}=0"
 
 
+@pytest.mark.slow
 def test_fused_decode_drift_on_the_default_model(default_model_path: str) -> None:
     """The default model's Q4_1 file in bfloat16, one engine, four requests decoding
     together. Not token-identical over long runs: the graphs' own eager and compiled forms
@@ -149,6 +151,7 @@ def test_token_rows_of_a_mixed_step() -> None:
     assert table.tolist() == [[3, 5, 0], [8, 2, 9], [8, 2, 9], [8, 2, 9]]  # 12 keys: 3 blocks
 
 
+@pytest.mark.slow
 def test_fused_verification_steps_equal_one_token_steps(
         tiny_q4_1: tuple[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
     """float32, one engine, greedy with up to 7 drafted tokens a step; two requests verify

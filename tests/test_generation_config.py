@@ -37,6 +37,7 @@ def test_defaults_read_from_the_file_or_ignored(model_dir, tiny_llama_dir, tmp_p
         get_generation_defaults(model_dir, "nowhere")
 
 
+@pytest.mark.slow
 def test_offline_requests_without_params_take_the_models_defaults(model_dir):
     llm = LLM(model_dir, dtype="float32", max_model_len=128, enforce_eager=True,
               kv_cache_memory_bytes=4 * 1024**2)

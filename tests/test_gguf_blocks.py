@@ -162,6 +162,7 @@ def test_gguf_quantization_needs_a_gguf_file(tiny_llama_dir) -> None:
         EngineArgs(tiny_llama_dir, quantization="gguf").create_engine_config()
 
 
+@pytest.mark.slow
 def test_gguf_drift_on_the_default_model_is_bounded(default_model_path) -> None:
     """One request at a time (every step takes the block kernel) against the dequantized
     bfloat16 model; bounds in the README ('Quantized weights')."""

@@ -231,6 +231,7 @@ def test_unpermute_inverts_llama_cpp_permute(num_heads: int, head_dim: int, cols
     assert torch.equal(gguf_loader.unpermute_rotary_rows(permuted, num_heads), weight)
 
 
+@pytest.mark.slow
 def test_state_dict_matches_transformers_conversion(
     default_model_path: str, gguf_config: dict, gguf_state_dict: dict[str, torch.Tensor]
 ) -> None:
@@ -313,6 +314,7 @@ def test_gguf_tokenizer_round_trip(gguf_tokenizer: Any, text: str) -> None:
     assert gguf_tokenizer.decode(ids) == text
 
 
+@pytest.mark.slow
 def test_gguf_model_generates_english(
     gguf_config: dict, gguf_state_dict: dict[str, torch.Tensor], gguf_tokenizer: Any
 ) -> None:
@@ -412,6 +414,7 @@ def test_tiny_model_seed_controls_weights(tmp_path: Any) -> None:
     assert not torch.equal(weights[0][name], weights[2][name])
 
 
+@pytest.mark.slow
 def test_gguf_file_reads_what_gguf_py_reads(tmp_path, default_model_path: str) -> None:
     """`GGUFFile` (struct over a memory map) gives gguf-py's field values and tensor views:
     every metadata value type, numeric and string arrays, and float and block tensors."""

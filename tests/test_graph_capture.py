@@ -23,6 +23,9 @@ from vllm.v1.worker.graph_capture import (
     default_capture_sizes,
 )
 
+# End to end (engines or servers): left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 IDS, EMBEDS = InputKind.TOKEN_IDS, InputKind.EMBEDS
 SIZES = [1, 2, 4, 8]
 

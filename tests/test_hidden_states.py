@@ -17,6 +17,9 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.engine.output_processor import OutputProcessor
 
+# End to end (engines or servers): left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. Once upon a time there was a little robot "
     "who lived in a quiet village by the sea.",

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parent.parent / "vllm"
 
 # Lazy imports that would close an import cycle were they at module level: importer ->
@@ -229,6 +231,7 @@ print(json.dumps({"after_vllm": after_vllm, "text": text["prompt"], "segments": 
 """
 
 
+@pytest.mark.slow
 def test_import_vllm_and_offline_chat_load_no_server():
     out = subprocess.run([sys.executable, "-c", _LIGHTNESS_CHECK], check=True,
                          capture_output=True, text=True, timeout=300,

@@ -10,6 +10,9 @@ import pytest
 
 from vllm import LLM, SamplingParams
 
+# End to end (engines or servers): left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir) -> LLM:

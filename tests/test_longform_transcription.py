@@ -44,6 +44,9 @@ from vllm.sampling_params import BeamSearchParams
 from vllm.transformers_utils.default_model import default_whisper_model_path
 from vllm.v1.outputs import Logprob
 
+# End to end (engines or servers): left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 RATE = 16_000
 WORDS = [str(w) for w in "the green garden needs water every morning before breakfast".split()]
 WORD_GAPS = [0.25, 0.4, 0.2, 0.6, 0.3, 0.35, 0.5, 0.3, 0.2]

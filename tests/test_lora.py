@@ -24,6 +24,9 @@ from vllm.lora.request import LoRARequest
 from vllm.model_executor.layers.packed_linear import can_pack
 from vllm.v1.request import RequestStatus
 
+# End to end (engines or servers): left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # name -> (rank, alpha, targets, rslora): several ranks and target sets
 SPECS = {

@@ -66,6 +66,7 @@ def _check(outputs, refs) -> None:
 
 
 @pytest.mark.parametrize("arch", list(FAMILIES))
+@pytest.mark.slow
 def test_family_matches_transformers(arch, family_dirs):
     path = family_dirs[arch]
     # 8-token chunks; 22 blocks of 4 tokens for 4 requests that grow to ~11 blocks each.

@@ -193,6 +193,7 @@ def _check(outputs, refs) -> None:
 
 
 @pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "mixtral", "olmoe"])
+@pytest.mark.slow
 def test_moe_family_matches_transformers(arch: str, tmp_path) -> None:
     """One engine: chunks of 16 tokens, blocks of 4, a cache too small for the batch
     (preemptions), prompt embeds on, graphs of 4 tokens (both sets replayed): text prompts,
@@ -223,6 +224,7 @@ def test_moe_family_matches_transformers(arch: str, tmp_path) -> None:
 # ---- tensor parallel ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_two_ranks_equal_one_int8_and_drift(tmp_path) -> None:
     """OLMoE in int8 on 2 ranks and on 1: the experts sliced by the loader, the q/k norms
     over the whole projection summed over the ranks, the ranks' int32 accumulators summed

@@ -22,6 +22,7 @@ print(changed)
 """
 
 
+@pytest.mark.slow
 def test_import_vllm_leaves_environ_unchanged():
     env = {k: v for k, v in os.environ.items() if k != SPIN_COUNT_VAR}
     out = subprocess.run([sys.executable, "-c", _IMPORT_CHECK], env=env, check=True,

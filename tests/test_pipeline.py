@@ -11,6 +11,9 @@ from vllm import LLM, Pipeline, SamplingParams, Stage
 from vllm.pipeline import EventKind, HiddenStatesToEmbeds, PipelineEvent, TextToPrompt
 from vllm.pipeline.stage import load_pipeline_spec
 
+# End to end (engines or servers): left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 PROMPTS = ["Hello world, this is", "The quick brown fox jumps over the lazy dog.", "A"]
 ENGINE = {"dtype": "float32", "kv_cache_memory_bytes": 16 * 1024**2, "max_model_len": 256}
 

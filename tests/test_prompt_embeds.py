@@ -12,6 +12,9 @@ from tests.hf_reference import hf_greedy, load_hf_model
 from vllm import LLM, SamplingParams
 from vllm.config import InputKind
 
+# End to end (engines or servers): left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 PROMPTS = [
     "Hello world, this is",
     "The quick brown fox jumps over the lazy dog. Once upon a time there was a little robot "

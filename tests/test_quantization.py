@@ -66,6 +66,7 @@ def test_engine_args_check_quantization(tiny_llama_dir) -> None:
     assert config.model_config.quantization == "int8"
 
 
+@pytest.mark.slow
 def test_int8_drift_on_the_default_model_is_bounded(default_model_path) -> None:
     """Bounds measured drift with a margin (README: 'Quantized weights'): per-token int8
     activations are the main source; a broken kernel would share no prefix at all. Where

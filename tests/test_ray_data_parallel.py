@@ -25,6 +25,9 @@ from tests.test_server_data_parallel import LONG, _metric, _wait_running
 from vllm import LLM, SamplingParams
 from vllm.v1.engine.core_proc import PeerWatch
 
+# End to end (engines or servers): left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 
 def _until(condition, what: str, tries: int = 200, every: float = 0.05) -> None:
     for _ in range(tries):  # bounded: tries * every seconds at most
@@ -92,7 +95,7 @@ def test_ray_placed_engines_serve_and_fail_alone(tiny_llama_dir: str) -> None:
     prompts = [f"request {i}: the colour of {i * 7} is" for i in range(16)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     offline = LLM(tiny_llama_dir, dtype="float32", max_model_len=512,
-                  kv_cache_memory_bytes=64 * 2**20, seed=0)
+                  kv_cache_memory_bytes=64 * 2**20, seed=0, enforce_eager=True)
     expected = [o.outputs[0].text for o in offline.generate(prompts, params, use_tqdm=False)]
     del offline
 

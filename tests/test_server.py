@@ -20,8 +20,11 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server_utils import SMALL_ENGINE_ARGS, RemoteServer, encode_tensor
+from tests.server_utils import GRAPHS_ENGINE_ARGS, RemoteServer, encode_tensor
 from vllm import LLM, SamplingParams
+
+# End to end (engines or servers): left out of `make test-fast`.
+pytestmark = pytest.mark.slow
 
 HIDDEN = 64  # tests/model_factory.py tiny configs
 MAX_MODEL_LEN = 512
@@ -31,7 +34,7 @@ TEXTS = ["The quick brown fox", "Once upon a time there was", "What is the capit
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir: str):
-    srv = RemoteServer(tiny_llama_dir, ["--enable-prompt-embeds", *SMALL_ENGINE_ARGS])
+    srv = RemoteServer(tiny_llama_dir, ["--enable-prompt-embeds", *GRAPHS_ENGINE_ARGS])
     yield srv
     engine_pids = srv.engine_core_pids()
     assert srv.stop() == 0, srv.final_log

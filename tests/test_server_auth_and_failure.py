@@ -19,6 +19,9 @@ from tests.server_utils import (
     requests_running,
 )
 
+# End to end (engines or servers): left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 API_KEY = "test-secret"
 NAME = "tiny-qwen"
 

@@ -17,6 +17,9 @@ import torch
 from tests.server_utils import RemoteServer, encode_tensor
 from vllm.transformers_utils.tokenizer import get_tokenizer
 
+# End to end (engines or servers): left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 QUESTION = "What is the capital of France?"
 FRUIT = "Name a fruit that is red."
 BRIEF = "Answer in one short sentence."

@@ -23,6 +23,9 @@ from vllm import LLM, SamplingParams
 from vllm.distributed.utils import engine_cpus
 from vllm.engine.arg_utils import EngineArgs
 
+# End to end (engines or servers): left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 DP_ARGS = ["-dp", "2", *SMALL_ENGINE_ARGS]
 PREFIX = " ".join(f"word{i}" for i in range(40))  # far more than two blocks of 16 tokens
 # Eight sequences of 480 tokens: about a second on one engine (several with one sequence
@@ -71,7 +74,7 @@ def test_concurrent_requests_equal_offline(server: RemoteServer, tiny_llama_dir:
     prompts = [f"request {i}: the colour of {i * 7} is" for i in range(32)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     offline = LLM(tiny_llama_dir, dtype="float32", max_model_len=512,
-                  kv_cache_memory_bytes=64 * 2**20, seed=0)
+                  kv_cache_memory_bytes=64 * 2**20, seed=0, enforce_eager=True)
     expected = [o.outputs[0].text for o in offline.generate(prompts, params, use_tqdm=False)]
     before = _served(server)
 

@@ -18,6 +18,9 @@ from tests.server_utils import SMALL_ENGINE_ARGS, RemoteServer, encode_tensor
 from vllm import LLM, SamplingParams
 from vllm.entrypoints.cli import main as cli_main
 
+# End to end (engines or servers): left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 TEXTS = ["The quick brown fox", "Once upon a time there was a little robot",
          "What is the capital of France?"]
 MAX_TOKENS = 8
@@ -43,7 +46,7 @@ def client(server: RemoteServer) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def offline(bart_dir: str) -> LLM:
     return LLM(bart_dir, dtype="float32", kv_cache_memory_bytes=64 * 1024**2,
-               max_model_len=512, seed=0, enable_prompt_embeds=True)
+               max_model_len=512, seed=0, enable_prompt_embeds=True, enforce_eager=True)
 
 
 def _greedy() -> SamplingParams:

@@ -28,6 +28,9 @@ from tests.server_utils import (
     rss_bytes,
 )
 
+# End to end (engines or servers): left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 MARK = 7
 HIDDEN = 64
 EMBEDS_CAP = 256 * 1024
@@ -246,7 +249,8 @@ def test_engine_exits_when_api_process_is_killed(tiny_llama_dir: str) -> None:
     core, busy with a full batch, is gone within 10 s (it used to run the queued work to
     the end, then block forever sending to the dead peer)."""
     srv = RemoteServer(tiny_llama_dir, ["--dtype", "float32", "--max-model-len", "1024",
-                                        "--kv-cache-memory-bytes", "256MiB", "--seed", "0"])
+                                        "--kv-cache-memory-bytes", "256MiB", "--seed", "0",
+                                        "--enforce-eager"])
     try:
         (engine_pid,) = srv.engine_core_pids()
 

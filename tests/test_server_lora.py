@@ -17,6 +17,9 @@ from tests.server_utils import SMALL_ENGINE_ARGS, RemoteServer, encode_tensor
 from vllm import LLM, SamplingParams
 from vllm.lora.request import LoRARequest
 
+# End to end (engines or servers): left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 HIDDEN = 64  # tests/model_factory.py tiny configs
 
 
@@ -38,7 +41,7 @@ def server(tiny_llama_dir: str, adapters: dict[str, str]):
     srv = RemoteServer(tiny_llama_dir, [
         "--enable-prompt-embeds", "--enable-lora", "--lora-modules",
         f"alpha={adapters['alpha']}", beta, "--max-loras", "2", "--max-lora-rank", "8",
-        "--enforce-eager", *SMALL_ENGINE_ARGS], env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
+        *SMALL_ENGINE_ARGS], env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
     yield srv
     assert srv.stop() == 0, srv.final_log
 

@@ -18,6 +18,9 @@ import torch
 
 from tests.server_utils import SMALL_ENGINE_ARGS, RemoteServer, encode_tensor
 
+# End to end (engines or servers): left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 NUM_REQUESTS = 2000
 CONCURRENCY = 64
 HIDDEN = 64

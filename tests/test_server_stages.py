@@ -13,6 +13,9 @@ import torch
 from tests.server_utils import SMALL_ENGINE_ARGS, RemoteServer
 from vllm import LLM, Pipeline, SamplingParams
 
+# End to end (engines or servers): left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 TEXTS = ["The quick brown fox", "Once upon a time there was"]
 HIDDEN_STATES = {"return_hidden_states": True}
 
@@ -42,7 +45,8 @@ def client(server: RemoteServer) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def offline(tiny_llama_dir: str) -> LLM:
     return LLM(tiny_llama_dir, enable_prompt_embeds=True, enable_return_hidden_states=True,
-               dtype="float32", kv_cache_memory_bytes=64 * 1024**2, max_model_len=512, seed=0)
+               dtype="float32", kv_cache_memory_bytes=64 * 1024**2, max_model_len=512, seed=0,
+               enforce_eager=True)
 
 
 def test_return_hidden_states_per_choice(client, offline, server):
@@ -95,7 +99,8 @@ def server_model(client: openai.OpenAI) -> str:
 @pytest.fixture(scope="module")
 def stages_yaml(tmp_path_factory, tiny_llama_dir: str, tiny_qwen2_dir: str) -> str:
     path = tmp_path_factory.mktemp("pipeline") / "stages.yaml"
-    engine = "    dtype: float32\n    max_model_len: 512\n    kv_cache_memory_bytes: 16777216\n"
+    engine = ("    dtype: float32\n    max_model_len: 512\n    kv_cache_memory_bytes: 16777216\n"
+              "    enforce_eager: true\n")
     path.write_text(
         "name: tiny-pipe\nstages:\n"
         f"  - model: {tiny_llama_dir}\n{engine}"

@@ -16,6 +16,9 @@ import pytest
 
 from tests.server_utils import SMALL_ENGINE_ARGS, RemoteServer
 
+# End to end (engines or servers): left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 SCHEMA = {"type": "object", "properties": {
     "color": {"enum": ["red", "green"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
     "required": ["color", "n"], "additionalProperties": False}

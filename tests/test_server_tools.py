@@ -22,6 +22,9 @@ from vllm.entrypoints.openai.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.tool_calls import AUTO_NEEDS_FLAGS, check_tool_request
 from vllm.transformers_utils.tokenizer import get_tokenizer
 
+# End to end (engines or servers): left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 TEMPLATE = Path(__file__).parent.parent / "examples" / "tool_chat_template_hermes.jinja"
 MODEL = "smollm2"
 

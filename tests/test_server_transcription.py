@@ -39,6 +39,9 @@ from vllm.inputs.whisper import decoder_prompt, join_texts, language_name, langu
 from vllm.transformers_utils.default_model import default_whisper_model_path
 from vllm.v1.executor.uniproc import UniProcExecutor
 
+# End to end (engines or servers): left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 DATA = Path(__file__).parent / "data"
 CLIPS: dict[str, str] = json.loads((DATA / "speech_clips.json").read_text())
 NAME = "whisper-tiny.en"  # the default model's served name
@@ -46,7 +49,8 @@ API_KEY = "transcribe-key"
 RATE = 16_000
 MAX_FILE_BYTES = 4 * 2**20
 MAX_SECONDS = 120
-ENGINE_ARGS = ["--dtype", "float32", "--kv-cache-memory-bytes", "512MiB", "--seed", "0"]
+ENGINE_ARGS = ["--dtype", "float32", "--kv-cache-memory-bytes", "512MiB", "--seed", "0",
+               "--enforce-eager"]
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +71,7 @@ def client(server: RemoteServer) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def offline() -> LLM:
     return LLM(default_whisper_model_path(), dtype="float32",
-               kv_cache_memory_bytes=512 * 2**20, seed=0)
+               kv_cache_memory_bytes=512 * 2**20, seed=0, enforce_eager=True)
 
 
 def read_clip(name: str | Path) -> np.ndarray:
@@ -561,7 +565,7 @@ def multilingual(tmp_path_factory: pytest.TempPathFactory):
     """A tiny random multilingual Whisper (seed 0 detects Somali in every clip), served."""
     path = make_tiny_whisper(str(tmp_path_factory.mktemp("multilingual")), multilingual=True)
     srv = RemoteServer(path, ["--served-model-name", "tiny-multi", "--dtype", "float32",
-                              "--kv-cache-memory-bytes", "64MiB"])
+                              "--kv-cache-memory-bytes", "64MiB", "--enforce-eager"])
     yield path, srv
     assert srv.stop() == 0, srv.final_log
 

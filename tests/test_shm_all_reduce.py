@@ -146,6 +146,7 @@ def reports() -> list[dict[str, object]]:
                 p.kill()
 
 
+@pytest.mark.slow
 def test_same_bits_on_every_rank_and_equal_to_gloo(reports):
     rows = [report["matrix"] for report in reports]
     assert len(rows[0]) == len(DTYPES) * len(SHAPES)

@@ -33,8 +33,9 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.core_client import DPAsyncMPClient
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
-                                reason="Ray is not installed")
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                                 reason="Ray is not installed"),
+              pytest.mark.slow]  # engines of every executor: left out of `make test-fast`
 
 PROMPTS = ["the colour of seven is", "hello"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)

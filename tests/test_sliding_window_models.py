@@ -95,6 +95,7 @@ GEMMAS: dict[str, tuple[int, list[tuple[tuple[int, ...], int | None]]]] = {
 
 
 @pytest.mark.parametrize("arch", list(GEMMAS))
+@pytest.mark.slow
 def test_gemma_chunked_prefill_preemption_prefix_hits_embeds_and_graphs(arch, request):
     path = request.getfixturevalue(f"{arch}_dir")
     num_blocks, groups = GEMMAS[arch]
@@ -135,6 +136,7 @@ def test_mistral_window_with_chunked_prefill_and_graphs(mistral_dir):
 
 
 
+@pytest.mark.slow
 def test_gemma_int8_two_ranks_equal_one_and_stay_close(tmp_path):
     """A Gemma 3 with Gemma 2's soft-caps (one model file serves both), in int8: 2 ranks
     (one KV head each, four KV cache groups, the vocabulary split) give 1 rank's tokens and

@@ -361,6 +361,7 @@ def _greedy(**kwargs) -> SamplingParams:
                              "logprobs": 2, **kwargs})
 
 
+@pytest.mark.slow
 def test_ngram_greedy_identical_with_chunks_preemption_prefix_hits_embeds_graphs(
         tiny_llama_dir):
     """One engine: 8-token chunks, 23 blocks of 4 for 4 growing requests (preemptions),
@@ -460,6 +461,7 @@ def _with_vocab_size(path: str, vocab_size: int) -> str:
     return path
 
 
+@pytest.mark.slow
 def test_draft_model_greedy_identical(tiny_llama_dir, drafters):
     """The target itself as drafter accepts every draft; a random drafter with the same
     vocabulary mostly not. Both give transformers' greedy tokens, with chunked prefill,
@@ -506,6 +508,7 @@ def test_bad_drafters_are_refused(tiny_llama_dir, drafters):
         build(drafters["narrow"], enable_prompt_embeds=True)
 
 
+@pytest.mark.slow
 def test_structured_outputs_verify_drafts_against_the_grammar(tiny_llama_dir):
     """Drafts the grammar forbids are dropped before verification; each verified position
     is masked by the grammar after the drafts before it; outputs equal plain decoding's."""
@@ -555,6 +558,7 @@ def test_serve_flag_and_prometheus_counters(tiny_llama_dir):
     assert stats.acceptance_rate == 2 / 5 and stats.mean_acceptance_length == 2.0
 
 
+@pytest.mark.slow
 def test_default_model_copy_prompt_identical(default_model_path):
     """The default model answering from a passage in its prompt: prompt lookup drafts most
     of the answer, and greedy outputs (float32) equal plain decoding's."""

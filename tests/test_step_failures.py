@@ -13,6 +13,9 @@ import pytest
 from vllm import LLM, SamplingParams
 from vllm.v1.core.sched.scheduler import EngineStepError
 
+# End to end (engines or servers): left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 MARK = 7  # the token id that makes a step fail
 # Three blocks of 16 tokens each, none of them MARK.
 GOOD = [[(11 * i + 3 * j) % 90 + 10 for j in range(40)] for i in range(3)]

@@ -17,6 +17,9 @@ from tests.structured_output_schemas import SCHEMAS
 from vllm import LLM, SamplingParams
 from vllm.sampling_params import StructuredOutputsParams as S
 
+# End to end (engines or servers): left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 PROMPT = "Answer with a JSON value that matches the request.\nJSON:"
 CHOICES = ["positive", "negative", "neutral"]
 PHONE = r"\(\d{3}\) \d{3}-\d{4}"

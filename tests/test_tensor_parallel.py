@@ -30,6 +30,9 @@ LOGPROB_TOL = 1e-4
 
 
 def _llm(path: str, tp: int, **kwargs) -> LLM:
+    """Eager unless a test asks for graphs: sharding does not depend on them, and graphs
+    under tp 2 are the subject of the mixed-batches test alone."""
+    kwargs.setdefault("enforce_eager", True)
     kwargs.setdefault("kv_cache_memory_bytes", 8 * 1024**2)
     kwargs.setdefault("max_model_len", 128)
     return LLM(path, dtype="float32", tensor_parallel_size=tp, **kwargs)
@@ -162,6 +165,7 @@ def test_ray_not_installed_is_refused(tiny_llama_dir, monkeypatch) -> None:
 # ---- two ranks equal one ----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_llama_prompt_embeds_mixed_batches_hidden_states_and_graphs(tiny_llama_dir) -> None:
     """4 heads / 2 KV heads, graphs on: text, prompt embeds and both in one batch, with the
     hidden states returned once, equal across tp 1 and 2."""
@@ -175,7 +179,7 @@ def test_llama_prompt_embeds_mixed_batches_hidden_states_and_graphs(tiny_llama_d
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3,
                             return_hidden_states=True)
     ones, twos = _run_both(tiny_llama_dir, prompts, params, enable_prompt_embeds=True,
-                           enable_return_hidden_states=True)
+                           enable_return_hidden_states=True, enforce_eager=False)
     _assert_same(ones, twos)
     for a, b in zip(ones, twos):
         ha, hb = a.outputs[0].hidden_states, b.outputs[0].hidden_states
@@ -183,6 +187,7 @@ def test_llama_prompt_embeds_mixed_batches_hidden_states_and_graphs(tiny_llama_d
         torch.testing.assert_close(ha, hb, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_llama_one_kv_head_replicated_eager(tmp_path) -> None:
     """4 heads / 1 KV head: each rank keeps a copy of the only KV head; graphs off; a
     chunked prefill, a prefix-cache hit and preemptions (a cache of 40 blocks for ~80
@@ -199,7 +204,7 @@ def test_llama_one_kv_head_replicated_eager(tmp_path) -> None:
     # after set-up: ranks that drew differently would feed different tokens on.
     params = [greedy] * 6 + [random] * 2 + [unseeded] * 2
     preemptions: list[int] = []
-    ones, twos = _run_both(path, prompts, params, preemptions, enforce_eager=True,
+    ones, twos = _run_both(path, prompts, params, preemptions,
                            max_num_batched_tokens=32, block_size=4,
                            num_gpu_blocks_override=40)
     assert preemptions[0] > 0 and preemptions[0] == preemptions[1]
@@ -222,6 +227,7 @@ def _mostly_copying_llama(path: str) -> str:
     return path
 
 
+@pytest.mark.slow
 def test_prompt_lookup_speculation_equals_one_rank(tmp_path) -> None:
     """ngram speculation under tp 2: a verification step is one forward of 1 + k rows per
     request on every rank; greedy and seeded random rows, drafts accepted and rejected,
@@ -250,6 +256,7 @@ def test_prompt_lookup_speculation_equals_one_rank(tmp_path) -> None:
     _assert_same(outputs[1][:2], plain)
 
 
+@pytest.mark.slow
 def test_qwen2_biases_int8(tiny_qwen2_dir) -> None:
     """Qwen2's q/k/v biases sharded with their rows; int8 as on one rank: row-parallel
     shards scale by their whole rows' absmax and sum int32 accumulators exactly."""
@@ -259,6 +266,7 @@ def test_qwen2_biases_int8(tiny_qwen2_dir) -> None:
     _assert_same(ones, twos)
 
 
+@pytest.mark.slow
 def test_bart_and_whisper(tiny_bart_dir, tiny_whisper_dir) -> None:
     """Encoder/decoder: encoder heads, decoder self- and cross-attention heads sharded; the
     cross K/V each rank writes are its heads'."""
@@ -272,6 +280,7 @@ def test_bart_and_whisper(tiny_bart_dir, tiny_whisper_dir) -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="Ray is not installed")
+@pytest.mark.slow
 def test_ray_backend_equals_one_rank(tiny_llama_dir) -> None:
     """Two Ray actors in a placement group on a local Ray instance started here."""
     import os
@@ -282,7 +291,7 @@ def test_ray_backend_equals_one_rank(tiny_llama_dir) -> None:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         one = _llm(tiny_llama_dir, 1).generate(PROMPTS, GREEDY, use_tqdm=False)
-        llm = _llm(tiny_llama_dir, 2, distributed_executor_backend="ray", enforce_eager=True)
+        llm = _llm(tiny_llama_dir, 2, distributed_executor_backend="ray")
         two = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         llm.llm_engine.engine_core.shutdown()
     finally:
@@ -337,6 +346,7 @@ def test_gguf_block_codes_shard_like_their_weights(layer_kind: str) -> None:
     torch.testing.assert_close(got, reference, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_numa_placement_and_memory_binding() -> None:
     """`auto` with two visible nodes: ranks fill the nodes in order and split each node's
     cores; `CPU_VISIBLE_MEMORY_NODES` must name nodes that exist; binding memory to this
@@ -372,9 +382,10 @@ def test_numa_placement_and_memory_binding() -> None:
 
 
 
+@pytest.mark.slow
 def test_olmo2_sharded_qk_norms_int8(tmp_path) -> None:
     """OLMo-2's q/k norm over the whole projection: its sum of squares all-reduced, with
     one KV head that each rank holds a replica of (counted half by each); int8 layers."""
     path = make_tiny_model(str(tmp_path / "olmo2"), "olmo2", num_key_value_heads=1)
-    ones, twos = _run_both(path, PROMPTS, enforce_eager=True, quantization="int8")
+    ones, twos = _run_both(path, PROMPTS, quantization="int8")
     _assert_same(ones, twos)
