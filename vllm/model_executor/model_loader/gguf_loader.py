@@ -326,10 +326,8 @@ def _rope_config(path: str, fields: dict[str, Any], arch: str, config: dict) -> 
     original = fields.get(f"{arch}.rope.scaling.original_context_length")
     _, tensor_names = _read_metadata(path)
     if "rope_factors_long.weight" in tensor_names:
-        import gguf
-
         factors = {t.name: [_float32_value(v) for v in _dequantize(t).reshape(-1)]
-                   for t in gguf.GGUFReader(path).tensors if t.name.startswith("rope_factors")}
+                   for t in GGUFFile(path).tensors if t.name.startswith("rope_factors")}
         scaling: dict[str, Any] = {
             "rope_type": "longrope", "long_factor": factors["rope_factors_long.weight"],
             "short_factor": factors["rope_factors_short.weight"]}
@@ -512,7 +510,7 @@ def _tokenizer_class(path: str) -> Any:
 
     config_dict = dict(load_gguf_config(path))
     config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
-    cls = TOKENIZER_MAPPING.get(type(config), None)
+    cls: Any = TOKENIZER_MAPPING.get(type(config), None)
     if cls is None or cls.__name__ == "MistralCommonBackend":  # a GGUF has no mistral format
         return TokenizersBackend
     return cls
