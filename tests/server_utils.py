@@ -178,3 +178,12 @@ def process_gone(pid: int) -> bool:
 def rss_bytes(pid: int) -> int:
     with open(f"/proc/{pid}/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def wait_until(condition, what: str, tries: int = 200, every: float = 0.05) -> None:
+    """Polls `condition` until it holds; bounded (tries * every seconds at most)."""
+    for _ in range(tries):
+        if condition():
+            return
+        time.sleep(every)
+    raise AssertionError(f"never: {what}")

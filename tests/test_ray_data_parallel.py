@@ -20,21 +20,18 @@ import httpx
 import pytest
 import zmq
 
-from tests.server_utils import SMALL_ENGINE_ARGS, RemoteServer, concurrent_completions
+from tests.server_utils import (
+    SMALL_ENGINE_ARGS,
+    RemoteServer,
+    concurrent_completions,
+    wait_until,
+)
 from tests.test_server_data_parallel import LONG, _metric, _wait_running
 from vllm import LLM, SamplingParams
 from vllm.v1.engine.core_proc import PeerWatch
 
 # End to end (engines or servers): left out of `make test-fast`.
 pytestmark = pytest.mark.slow
-
-
-def _until(condition, what: str, tries: int = 200, every: float = 0.05) -> None:
-    for _ in range(tries):  # bounded: tries * every seconds at most
-        if condition():
-            return
-        time.sleep(every)
-    raise AssertionError(f"never: {what}")
 
 
 def test_peer_watch_sees_the_api_process_go() -> None:
@@ -50,13 +47,13 @@ def test_peer_watch_sees_the_api_process_go() -> None:
         watch = PeerWatch(client, grace_s=0.5)
         assert watch.alive()  # not connected yet, within the grace
         client.connect(server.getsockopt_string(zmq.LAST_ENDPOINT))
-        _until(lambda: watch.connected, "connected")
+        wait_until(lambda: watch.connected, "connected")
         time.sleep(0.6)
         assert watch.alive()  # connected for longer than the grace
         server.close()
-        _until(lambda: not watch.connected, "disconnected")
+        wait_until(lambda: not watch.connected, "disconnected")
         assert watch.alive()  # a short outage is forgiven
-        _until(lambda: not watch.alive(), "gone after the grace")
+        wait_until(lambda: not watch.alive(), "gone after the grace")
     finally:
         ctx.destroy(linger=0)
 
@@ -143,8 +140,8 @@ def test_ray_placed_engines_serve_and_fail_alone(tiny_llama_dir: str) -> None:
             assert _metric(server, "vllm:request_success_total", 1) == before + 3
 
             assert server.stop() == 0, server.final_log
-            _until(lambda: _engine_actors(ray) == [], "the actors are gone")
-            _until(lambda: ray.available_resources().get("CPU", 0) == 2,
+            wait_until(lambda: _engine_actors(ray) == [], "the actors are gone")
+            wait_until(lambda: ray.available_resources().get("CPU", 0) == 2,
                    "the placement group is removed")
         finally:
             if server is not None:
@@ -161,8 +158,8 @@ def test_engine_actors_end_with_the_api_server(tiny_llama_dir: str) -> None:
         try:
             assert len(_engine_actors(ray)) == 2
             os.kill(server.proc.pid, signal.SIGKILL)
-            _until(lambda: _engine_actors(ray) == [], "the actors are gone", tries=600)
-            _until(lambda: ray.available_resources().get("CPU", 0) == 2, "the cores are free",
+            wait_until(lambda: _engine_actors(ray) == [], "the actors are gone", tries=600)
+            wait_until(lambda: ray.available_resources().get("CPU", 0) == 2, "the cores are free",
                    tries=600)
         finally:
             server.stop()

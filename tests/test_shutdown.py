@@ -16,7 +16,6 @@ import gc
 import importlib.util
 import os
 import socket
-import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ import psutil
 import pytest
 import zmq
 
+from tests.server_utils import wait_until
 from vllm import LLM, SamplingParams
 from vllm._custom_ops import cpu_ops
 from vllm.distributed.shm_all_reduce import SHM_DIR
@@ -57,14 +57,6 @@ def ray_module() -> Iterator[Any]:
         ray.shutdown()
         os.environ.clear()
         os.environ.update(environ)
-
-
-def _until(condition, what: str, tries: int = 200, every: float = 0.05) -> None:
-    for _ in range(tries):  # bounded: tries * every seconds at most
-        if condition():
-            return
-        time.sleep(every)
-    raise AssertionError(f"never: {what}")
 
 
 @dataclass
@@ -150,7 +142,7 @@ def _assert_released(ray, held: Held) -> None:
     if held.executor is not None:
         assert held.executor() is None, "the executor outlived its engine"
     assert _spawned_children() == []
-    _until(lambda: not any(map(_alive, held.pids)), f"the engine's processes {held.pids} exit")
+    wait_until(lambda: not any(map(_alive, held.pids)), f"the engine's processes {held.pids} exit")
     for name in held.segments:
         assert not os.path.exists(os.path.join(SHM_DIR, os.path.basename(name)))
     assert _shm_segments([p.pid for p in psutil.Process().children(recursive=True)]) == []
@@ -164,7 +156,7 @@ def _assert_released(ray, held: Held) -> None:
         assert table[held.placement_group.id.hex()]["state"] == "REMOVED"
     assert [pg for pg in ray.util.placement_group_table().values()
             if pg["state"] != "REMOVED"] == []
-    _until(lambda: ray.available_resources().get("CPU") == 2, "Ray's cores are free again")
+    wait_until(lambda: ray.available_resources().get("CPU") == 2, "Ray's cores are free again")
 
 
 def _offline(backend: str, path: str) -> LLM:
