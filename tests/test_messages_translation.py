@@ -5,7 +5,9 @@ test_server_messages.py.)"""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import pytest
@@ -19,6 +21,7 @@ from vllm.entrypoints.anthropic.protocol import (
 from vllm.entrypoints.anthropic.serving_messages import (
     EventTranslator,
     is_messages_path,
+    message_events,
     message_of,
     to_chat_request,
 )
@@ -302,3 +305,64 @@ def test_error_bodies_take_anthropics_form(status: int, kind: str) -> None:
 def test_messages_paths() -> None:
     assert is_messages_path("/v1/messages") and is_messages_path("/v1/messages/count_tokens")
     assert not is_messages_path("/v1/messagesx") and not is_messages_path("/v1/chat/completions")
+
+
+class FakeChatStream:
+    """A chat stream's SSE text, recording whether it was closed (closing aborts the
+    engine request)."""
+
+    def __init__(self, payloads: list[str]) -> None:
+        self.payloads = payloads
+        self.closed = False
+
+    async def stream(self) -> AsyncGenerator[str, None]:
+        try:
+            for payload in self.payloads:
+                yield f"data: {payload}\n\n"
+        finally:
+            self.closed = True
+
+
+ROLE = chunk({"role": "assistant", "content": ""}, usage(5, 0)).model_dump_json()
+TEXT = chunk({"content": "Hi"}, usage(5, 1)).model_dump_json()
+
+
+def read(fake: FakeChatStream, limit: int | None = None
+         ) -> tuple[list[tuple[str, dict]], bool]:
+    """(event name, data) of the Messages stream, stopping after `limit` events, and
+    whether the chat stream was closed by then (checked before asyncio.run would close
+    every generator left open)."""
+    async def run() -> tuple[list[str], bool]:
+        events = []
+        generator = message_events(fake.stream())
+        async for event in generator:
+            events.append(event)
+            if len(events) == limit:
+                break
+        await generator.aclose()
+        return events, fake.closed
+
+    texts, closed = asyncio.run(run())
+    result = []
+    for text in texts:
+        name_line, data_line = text.strip().split("\n")
+        result.append((name_line.removeprefix("event: "),
+                       json.loads(data_line.removeprefix("data: "))))
+    return result, closed
+
+
+def test_a_failure_after_the_200_is_an_error_event() -> None:
+    error = json.dumps({"error": {"message": "engine failed", "type": "InternalServerError",
+                                  "code": 500}})
+    events, closed = read(FakeChatStream([ROLE, TEXT, error, "[DONE]"]))
+    assert [name for name, _ in events] == [
+        "message_start", "ping", "content_block_start", "content_block_delta", "error"]
+    assert events[-1][1] == {"type": "error", "error": {"type": "api_error",
+                                                        "message": "engine failed"}}
+    assert closed
+
+
+def test_a_client_that_leaves_closes_the_chat_stream() -> None:
+    events, closed = read(FakeChatStream([ROLE, TEXT, TEXT, TEXT, "[DONE]"]), limit=3)
+    assert [name for name, _ in events] == ["message_start", "ping", "content_block_start"]
+    assert closed

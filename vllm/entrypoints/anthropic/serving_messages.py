@@ -99,7 +99,7 @@ class AnthropicServingMessages:
         result = await self.chat.create_chat_completion(to_chat_request(request))
         if isinstance(result, ChatCompletionResponse):
             return message_of(result)
-        return _events(result)
+        return message_events(result)
 
     async def count_tokens(self, request: CountTokensRequest) -> MessageTokensCount:
         """The prompt's length as generation renders and tokenizes it."""
@@ -290,7 +290,7 @@ def event_sse(event: StreamEvent | ErrorResponse) -> str:
     return f"event: {event.type}\ndata: {event.model_dump_json()}\n\n"
 
 
-async def _events(chat_stream: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
+async def message_events(chat_stream: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
     """The Messages events of a chat stream (closing it, which aborts the request, if the
     client goes away)."""
     translator = EventTranslator()
