@@ -131,7 +131,8 @@ class SamplingRequest(OpenAIBaseModel):
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, or the
     # older guided_* spellings; at most one constraint in all.
     response_format: ResponseFormat | None = None
-    # Validated as the dataclass itself (its types, an unknown key, exactly one constraint).
+    # Validated as the dataclass itself (its types, an unknown key, at most one constraint;
+    # options alone apply to the constraint given another way: structured_outputs_params).
     structured_outputs: StructuredOutputsParams | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
