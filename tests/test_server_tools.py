@@ -1,7 +1,9 @@
 """Tool calling through the `openai` client against `vllm serve` (the default SmolLM2 model,
 with a chat template that shows tools and the hermes parser for tool_choice "auto"): required,
-named, auto, parallel, streamed and not; arguments validate against their schemas; a tool
-result fed back renders into the second turn. One server for the module."""
+named, auto, parallel, streamed and not; arguments validate against their schemas; forced
+calls cut by max_tokens; a tool result fed back renders into the second turn. Strict
+response_format schemas on the same model (a varied set, at temperature 0 and 0.8), and the
+field audit. One server for the module."""
 
 from __future__ import annotations
 
@@ -131,12 +133,43 @@ def test_forced_calls_validate_streamed_or_not(client: openai.OpenAI, kwargs: di
 def test_required_with_n_samples_each_call(client: openai.OpenAI) -> None:
     """Sampled (n=3, one call each): every sample is a valid call, and they differ."""
     response = chat(client, tool_choice="required", parallel_tool_calls=False, n=3,
-                    temperature=1.0, seed=5)
+                    temperature=1.5, seed=5)
     samples = [calls_of(choice.message) for choice in response.choices]
     for calls in samples:
         assert len(calls) == 1
         assert_valid_calls(calls)
     assert len(set(map(tuple, samples))) > 1
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"tool_choice": "required"},
+    {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}])
+def test_forced_calls_cut_by_max_tokens_say_length(client: openai.OpenAI, kwargs: dict
+                                                   ) -> None:
+    """Forced calls are compact JSON (no whitespace to spend the budget on); cut by
+    max_tokens, the reply says "length" and holds no half call, as content or as a call;
+    streamed, its fragments go out only as a call's arguments."""
+    whole = chat(client, **kwargs).choices[0]
+    [(_, arguments)] = calls_of(whole.message)[:1]
+    assert whole.finish_reason == "tool_calls"
+    assert arguments == json.dumps(json.loads(arguments), separators=(",", ":"),
+                                   ensure_ascii=False)
+    cut = chat(client, max_tokens=4, **kwargs)
+    assert cut.usage.completion_tokens == 4
+    message = cut.choices[0].message
+    assert cut.choices[0].finish_reason == "length"
+    assert message.content is None and not message.tool_calls
+    content, calls, finish = streamed(client, max_tokens=4, **kwargs)
+    assert content == "" and finish == "length"
+    assert all(not json_complete(arguments) for _, arguments in calls)
+
+
+def json_complete(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def test_auto_calls_a_tool_with_the_hermes_parser(client: openai.OpenAI) -> None:
@@ -203,6 +236,82 @@ def test_auto_without_the_flags_is_refused_naming_them() -> None:
     assert "--enable-auto-tool-choice" in AUTO_NEEDS_FLAGS
     check_tool_request(ChatCompletionRequest.model_validate(
         {"messages": ASK, "tools": TOOLS, "tool_choice": "none"}), tool_parser=None)
+
+
+# ---- strict schemas: every schema of a varied set answers valid, complete JSON ------------
+
+JSON_ASK = "Answer with a JSON value that matches the request."
+# Schemas as a user writes them (issue 37): without additionalProperties; their objects must
+# still have only the declared properties. (Strings and arrays bounded: a small model can
+# repeat an unbounded list item until max_tokens, a different matter.)
+TEXT = {"type": "string", "maxLength": 20}
+OPEN_SCHEMAS: list[dict[str, Any]] = [
+    {"type": "object", "properties": {"name": TEXT, "age": {"type": "integer"}},
+     "required": ["name", "age"]},
+    {"type": "object", "properties": {"city": TEXT, "temperature": {"type": "number"},
+                                      "conditions": TEXT},
+     "required": ["city", "temperature", "conditions"]},
+    {"type": "object", "properties": {"items": {"type": "array", "maxItems": 3, "items": {
+        "type": "object", "properties": {"task": TEXT, "done": {"type": "boolean"}},
+        "required": ["task", "done"]}}}, "required": ["items"]},
+    {"type": "object", "properties": {"label": {"enum": ["positive", "negative"]},
+                                      "score": {"type": "number"}},
+     "required": ["label", "score"]},
+    {"type": "object", "properties": {"title": TEXT, "author": {
+        "type": "object", "properties": {"name": TEXT}, "required": ["name"]}},
+     "required": ["title", "author"]},
+]
+
+
+def closed(schema: Any) -> Any:
+    """The schema with additionalProperties false on every object (the validator's view of
+    strict mode; the grammar's own closing is unit-tested in test_strict_schemas.py)."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v) if k in ("items", "anyOf") else v for k, v in schema.items()}
+    if "properties" in schema:
+        out["properties"] = {k: closed(v) for k, v in schema["properties"].items()}
+        out.setdefault("additionalProperties", False)
+    return out
+
+
+def answer(client: openai.OpenAI, schema: dict[str, Any], temperature: float, seed: int,
+           strict: bool) -> Any:
+    return client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": JSON_ASK}],
+        temperature=temperature, seed=seed,
+        max_tokens=150, response_format={"type": "json_schema", "json_schema": {
+            "name": "answer", "schema": schema, "strict": strict}}).choices[0]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_every_schema_answers_valid_complete_json(client: openai.OpenAI,
+                                                  temperature: float) -> None:
+    """tests/structured_output_schemas.py's 42 schemas (nested objects, bounded arrays,
+    enums, patterns, formats, anyOf, refs) and schemas that do not say
+    additionalProperties: every answer ends by itself and validates. Strict ones are
+    compact; the others may use whitespace, bounded."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.structured_output_schemas import SCHEMAS as VARIED
+
+    jobs = [(s, i, True) for i, s in enumerate(VARIED)] + \
+        [(s, i, i % 2 == 0) for i, s in enumerate(OPEN_SCHEMAS)] + \
+        [(s, i, False) for i, s in enumerate(VARIED[8:40:4])]
+    with ThreadPoolExecutor(16) as pool:
+        choices = list(pool.map(lambda job: answer(client, job[0], temperature, job[1],
+                                                   job[2]), jobs))
+    checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
+    for (schema, _, strict), choice in zip(jobs, choices, strict=True):
+        content = choice.message.content or ""
+        assert choice.finish_reason == "stop", (schema, content)
+        errors = list(jsonschema.Draft202012Validator(
+            closed(schema), format_checker=checker).iter_errors(json.loads(content)))
+        assert not errors, (schema, content, errors[0].message)
+        if strict:
+            assert "\n" not in content and ": " not in content.split('"')[0], content
 
 
 # ---- the field audit: every request field is honoured, refused by name, or advisory ---------

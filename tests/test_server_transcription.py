@@ -464,7 +464,14 @@ def test_every_transcription_field_is_honoured_or_refused(server: RemoteServer) 
     # Beam search: one beam is greedy; 5 (the default) transcribe the clip too; streaming,
     # sampling fields, and beam fields without beams are refused by name.
     assert text(use_beam_search="true", best_of="1") == greedy
+    assert text(use_beam_search="true", n="1") == greedy  # vLLM's width: n
+    assert text(use_beam_search="true", n="3") == text(use_beam_search="true", best_of="3")
     assert text(use_beam_search="true", length_penalty="0.5").strip()
+    for fields, name in (({"n": "2"}, "n=2 applies only with use_beam_search"),
+                         ({"use_beam_search": "true", "n": "3", "best_of": "2"},
+                          "best_of must be at least n=3")):
+        response = post(**fields)
+        assert response.status_code == 400 and name in response.json()["error"]["message"]
     for fields, name in (({"stream": "true"}, "use_beam_search"),
                          ({"top_p": "0.5"}, "top_p")):
         response = post(use_beam_search="true", **fields)
@@ -476,7 +483,8 @@ def test_every_transcription_field_is_honoured_or_refused(server: RemoteServer) 
                "repetition_penalty", "frequency_penalty", "presence_penalty",
                "max_completion_tokens", "stream", "stream_include_usage",
                "stream_continuous_usage_stats", "language", "prompt", "response_format",
-               "timestamp_granularities", "use_beam_search", "best_of", "length_penalty"}
+               "timestamp_granularities", "use_beam_search", "n", "best_of",
+               "length_penalty"}
     assert checked == set(TranscriptionRequest.model_fields)
     for field in ("chunking_strategy", "include[]", "known_speaker_names[]",
                   "to_language", "vllm_xargs"):

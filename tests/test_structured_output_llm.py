@@ -125,8 +125,10 @@ def test_bad_constraints_fail_alone(llm):
             llm.generate(["a", "b"], [SamplingParams(max_tokens=2), SamplingParams(
                 max_tokens=2, structured_outputs=constraint)], use_tqdm=False)
         assert not llm.llm_engine.has_unfinished_requests()
-    with pytest.raises(ValueError, match="exactly one constraint"):
+    with pytest.raises(ValueError, match="takes one constraint"):
         S(regex="a", json_object=True)
+    with pytest.raises(ValueError, match="options but no constraint"):
+        llm.generate("a", SamplingParams(structured_outputs=S(disable_any_whitespace=True)))
     with pytest.raises(ValueError, match="min_tokens cannot be combined"):
         llm.generate("a", SamplingParams(min_tokens=2, structured_outputs=S(regex="a+")))
     # LLM.chat: the rendered conversation, constrained like any prompt.

@@ -106,11 +106,18 @@ def test_a_stream_holds_back_what_may_start_a_call() -> None:
     (hermes, '<tool_call>{"name": 3, "arguments": {}}</tool_call>'),  # name not a string
     (hermes, '<tool_call>{"name": "f", "arguments": {"a": tru}}</tool_call>'),  # bad literal
     (llama3, '{"name": "f", "parameters": {}} and then prose'),
-    (lambda: RequiredToolParser(), '[{"name": "f", "arguments": {}}'),  # cut short (length)
-    (lambda: NamedToolParser("f"), '{"a": 1} {"b": 2}'),
 ])
 def test_a_malformed_call_leaves_the_output_as_content(make, text) -> None:
     assert make().extract(text) == ExtractedToolCalls(text, [])
+
+
+@pytest.mark.parametrize("make, text", [
+    (lambda: RequiredToolParser(), '[{"name": "f", "arguments": {}}'),  # cut short (length)
+    (lambda: NamedToolParser("f"), '{"a": 1} {"b": 2}'),
+])
+def test_a_forced_choice_never_returns_a_half_call_as_content(make, text) -> None:
+    """Forced choices' output is only calls: what is not a whole call is dropped."""
+    assert make().extract(text) == ExtractedToolCalls(None, [])
 
 
 def test_max_calls_keeps_the_first_call_only() -> None:

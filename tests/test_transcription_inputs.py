@@ -273,3 +273,27 @@ def test_stream_pieces_add_up_to_the_joined_text() -> None:
         sent += "".join(stream_pieces(sent, window))
     assert sent == join_texts(texts)
 
+
+
+@pytest.mark.parametrize("fields, width", [
+    ({}, 5), ({"n": 3}, 3), ({"best_of": 4}, 4), ({"n": 2, "best_of": 4}, 4), ({"n": 1}, 1)])
+def test_beam_width_is_n_or_best_of(fields: dict, width: int) -> None:
+    """vLLM's convention: n is the beam width (as on completions), best_of may widen it."""
+    from vllm.entrypoints.openai.protocol import TranscriptionRequest
+
+    request = TranscriptionRequest.model_construct(use_beam_search=True, **fields)
+    params = request.to_sampling_params(max_tokens=10, logprobs=None)
+    assert params.beam_search is not None and params.beam_search.beam_width == width
+    assert params.n == 1  # one text: the best beam's
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"n": 2}, "n=2 applies only with use_beam_search"),
+    ({"use_beam_search": True, "n": 3, "best_of": 2}, "best_of must be at least n=3"),
+    ({"use_beam_search": True, "n": 0}, "n must be at least 1"),
+])
+def test_bad_beam_widths_name_the_field(fields: dict, message: str) -> None:
+    from vllm.entrypoints.openai.protocol import TranscriptionRequest
+
+    with pytest.raises(ValueError, match=message):
+        TranscriptionRequest.model_construct(**fields).to_sampling_params(10, None)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json as _json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
@@ -20,9 +20,11 @@ STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", 
 
 @dataclass(slots=True)
 class StructuredOutputsParams:
-    """One output constraint (vLLM's names); exactly one of the kinds below is set.
+    """One output constraint (vLLM's names): at most one of the kinds below is set.
 
     - `json`: a JSON schema (a dict or its JSON text); the output is JSON that validates.
+      Schemas are strict, as OpenAI's strict mode and vLLM's default backend make them: an
+      object that does not say `additionalProperties` has only its declared properties.
     - `regex`: the whole output matches this regular expression.
     - `choice`: the output is exactly one of these strings.
     - `grammar`: an EBNF (GBNF) or Lark grammar; the output is a sentence of it.
@@ -30,10 +32,16 @@ class StructuredOutputsParams:
     - `structural_tag`: refused (not supported by this engine); the field exists so a request
       that sets it gets an error naming it instead of being silently unconstrained.
 
-    Options: `disable_any_whitespace` forbids whitespace between JSON tokens outside strings;
-    `disable_additional_properties` adds `"additionalProperties": false` to every object of
-    the schema that does not say otherwise; `disable_fallback` is accepted (there is one backend
-    and no fallback). `whitespace_pattern` is refused by name.
+    None set: options only, which the server merges into the constraint a request gives
+    another way (`response_format`, `guided_*`, `tool_choice`), as vLLM does; a request
+    that samples needs a constraint (SamplingParams refuses options alone).
+
+    Options: `disable_any_whitespace` True forbids whitespace between JSON tokens outside
+    strings, False allows a bounded run of it (one line break and an indent), None leaves
+    it to where the constraint came from (the server: compact for tool calls and strict
+    `response_format` schemas; elsewhere bounded); `whitespace_pattern` (a regex) replaces
+    the bounded run; `disable_additional_properties` is accepted (every object is closed
+    already); `disable_fallback` is accepted (there is one backend and no fallback).
     Invalid input raises `ValueError` naming the field.
     """
 
@@ -44,25 +52,26 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     structural_tag: str | None = None
     disable_fallback: bool = False
-    disable_any_whitespace: bool = False
+    disable_any_whitespace: bool | None = None
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
 
     def __post_init__(self) -> None:
         set_kinds = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
-        if len(set_kinds) != 1:
+        if len(set_kinds) > 1:
             raise ValueError(
-                "structured_outputs needs exactly one constraint of "
-                f"{', '.join(STRUCTURED_OUTPUT_KINDS)}; got "
-                f"{', '.join(set_kinds) if set_kinds else 'none'}."
+                "structured_outputs takes one constraint of "
+                f"{', '.join(STRUCTURED_OUTPUT_KINDS)}; got {', '.join(set_kinds)}."
             )
         if self.structural_tag is not None:
             raise ValueError("structured_outputs.structural_tag is not supported by this engine.")
         if self.whitespace_pattern is not None:
-            raise ValueError(
-                "structured_outputs.whitespace_pattern is not supported by this engine "
-                "(use disable_any_whitespace)."
-            )
+            if not isinstance(self.whitespace_pattern, str) or not self.whitespace_pattern:
+                raise ValueError("structured_outputs.whitespace_pattern must be a non-empty "
+                                 "regex.")
+            if self.disable_any_whitespace:
+                raise ValueError("structured_outputs.whitespace_pattern cannot be combined "
+                                 "with disable_any_whitespace=true.")
         if isinstance(self.json, str):
             try:
                 schema = _json.loads(self.json)
@@ -85,14 +94,37 @@ class StructuredOutputsParams:
             self.choice = list(self.choice)
         if self.json_object is not None and self.json_object is not True:
             raise ValueError("structured_outputs.json_object must be true when given.")
-        for name in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties"):
+        for name in ("disable_fallback", "disable_additional_properties"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"structured_outputs.{name} must be a bool.")
+        if self.disable_any_whitespace is not None \
+                and not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError("structured_outputs.disable_any_whitespace must be a bool.")
+
+    def with_options(self, options: StructuredOutputsParams | None,
+                     compact: bool = False) -> StructuredOutputsParams:
+        """This constraint with the options of an options-only params (the request's own
+        choice wins); `compact`: the whitespace default of where the constraint came from
+        (True: compact JSON, unless the request asks otherwise)."""
+        whitespace = self.disable_any_whitespace
+        pattern = self.whitespace_pattern
+        if options is not None:
+            if options.disable_any_whitespace is not None:
+                whitespace = options.disable_any_whitespace
+            pattern = options.whitespace_pattern or pattern
+        if whitespace is None and pattern is None and compact:
+            whitespace = True
+        return replace(
+            self, disable_any_whitespace=whitespace, whitespace_pattern=pattern,
+            disable_fallback=self.disable_fallback or bool(options and options.disable_fallback),
+            disable_additional_properties=self.disable_additional_properties
+            or bool(options and options.disable_additional_properties))
 
     @property
-    def kind(self) -> str:
-        """Which constraint is set: one of STRUCTURED_OUTPUT_KINDS."""
-        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False))
+    def kind(self) -> str | None:
+        """Which constraint is set: one of STRUCTURED_OUTPUT_KINDS (None: options only)."""
+        return next((k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)),
+                    None)
 
 
 @dataclass(slots=True)
@@ -268,9 +300,13 @@ class SamplingParams:
                 not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
                 or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)):
             raise bad("allowed_token_ids", "must be a non-empty list of non-negative integers")
-        if self.structured_outputs is not None and not isinstance(
-                self.structured_outputs, StructuredOutputsParams):
-            raise bad("structured_outputs", "must be a StructuredOutputsParams")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise bad("structured_outputs", "must be a StructuredOutputsParams")
+            if self.structured_outputs.kind is None:
+                raise ValueError(
+                    "structured_outputs has options but no constraint: give one of "
+                    f"{', '.join(STRUCTURED_OUTPUT_KINDS[:5])}.")
         if self.beam_search is not None:
             self._verify_beam_search()
 

@@ -85,7 +85,9 @@ class JsonSchemaResponseFormat(OpenAIBaseModel):
     description: str | None = None
     # `schema` shadows a BaseModel attribute, hence the alias.
     json_schema: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None  # the schema is always enforced
+    # The schema is always enforced and its objects closed; strict also makes the JSON
+    # compact (unless structured_outputs.disable_any_whitespace says false).
+    strict: bool | None = None
 
 
 class ResponseFormat(OpenAIBaseModel):
@@ -132,7 +134,8 @@ class SamplingRequest(OpenAIBaseModel):
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, or the
     # older guided_* spellings; at most one constraint in all.
     response_format: ResponseFormat | None = None
-    # Validated as the dataclass itself (its types, an unknown key, exactly one constraint).
+    # Validated as the dataclass itself (its types, an unknown key, at most one constraint;
+    # options alone apply to the constraint given another way: structured_outputs_params).
     structured_outputs: StructuredOutputsParams | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
@@ -141,10 +144,13 @@ class SamplingRequest(OpenAIBaseModel):
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None,
                            prompt_logprobs: int | None = None,
-                           defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+                           defaults: Mapping[str, Any] | None = None,
+                           forced: tuple[str, StructuredOutputsParams] | None = None
+                           ) -> SamplingParams:
         """Raises ValueError (naming the field) for out-of-range values. A field the
         request leaves unset (None) takes the model's default from `defaults` (its
-        generation_config.json), else SamplingParams' own."""
+        generation_config.json), else SamplingParams' own. `forced`: an output constraint
+        the endpoint adds (see `structured_outputs_params`)."""
         self._check_unhonoured()
         return SamplingParams(
             n=self.n,
@@ -162,7 +168,7 @@ class SamplingRequest(OpenAIBaseModel):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
-            structured_outputs=self.structured_outputs_params(),
+            structured_outputs=self.structured_outputs_params(forced),
         )
 
     def beam_search_params(self, beam_width: int, length_penalty: float, max_tokens: int,
@@ -213,13 +219,22 @@ class SamplingRequest(OpenAIBaseModel):
                 raise ValueError("stream_options.continuous_usage_stats is supported only on "
                                  "/v1/chat/completions.")
 
-    def structured_outputs_params(self) -> StructuredOutputsParams | None:
-        """The request's one output constraint, from whichever field spelled it.
+    def structured_outputs_params(
+            self, forced: tuple[str, StructuredOutputsParams] | None = None
+    ) -> StructuredOutputsParams | None:
+        """The request's one output constraint, from whichever field spelled it (`forced`:
+        one the endpoint adds, e.g. ("tool_choice", its calls' schema)), with the options of
+        a `structured_outputs` that gives options only (vLLM's way to pass e.g.
+        disable_any_whitespace beside response_format). Tool calls and strict
+        response_format schemas are compact JSON unless the options say otherwise.
 
-        Raises ValueError naming the fields when more than one constraint is given."""
+        Raises ValueError naming the fields when more than one constraint is given, or
+        options without any."""
         given: list[tuple[str, StructuredOutputsParams]] = []
-        if self.structured_outputs is not None:
-            given.append(("structured_outputs", self.structured_outputs))
+        options = self.structured_outputs
+        if options is not None and options.kind is not None:
+            given.append(("structured_outputs", options))
+            options = None
         for name, kind in (("guided_json", "json"), ("guided_regex", "regex"),
                            ("guided_choice", "choice"), ("guided_grammar", "grammar")):
             value = getattr(self, name)
@@ -227,10 +242,23 @@ class SamplingRequest(OpenAIBaseModel):
                 given.append((name, StructuredOutputsParams(**{kind: value})))
         if self.response_format is not None and self.response_format.type != "text":
             given.append(("response_format", _response_format_params(self.response_format)))
+        if forced is not None:
+            given.append(forced)
         if len(given) > 1:
             raise ValueError("Only one output constraint per request; got "
                              f"{', '.join(name for name, _ in given)}.")
-        return given[0][1] if given else None
+        if not given:
+            if options is not None:
+                raise ValueError("structured_outputs gives options but no constraint: add one "
+                                 "of json, regex, choice, grammar, json_object (or "
+                                 "response_format, or tool_choice \"required\").")
+            return None
+        source, constraint = given[0]
+        strict = source == "tool_choice" or (
+            source == "response_format" and self.response_format is not None
+            and self.response_format.json_schema is not None
+            and bool(self.response_format.json_schema.strict))
+        return constraint.with_options(options, compact=strict)
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -484,9 +512,11 @@ class TranscriptionRequest(OpenAIBaseModel):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     max_completion_tokens: int | None = None
-    # Beam search over each window: best_of beams (default 5, as faster-whisper's and
-    # OpenAI whisper's beam_size), the best one's text returned.
+    # Beam search over each window: max(n, best_of) beams (vLLM's beam width is n, as on
+    # completions; default 5, as faster-whisper's and OpenAI whisper's beam_size), the best
+    # one's text returned (a transcription is one text: n is the width, not a count).
     use_beam_search: bool = False
+    n: int | None = None
     best_of: int | None = None
     length_penalty: float = 1.0
 
@@ -497,6 +527,9 @@ class TranscriptionRequest(OpenAIBaseModel):
             return self._beam_search_params(max_tokens, logprobs)
         if self.best_of is not None or self.length_penalty != 1.0:
             raise ValueError("best_of and length_penalty apply only with use_beam_search=true.")
+        if self.n not in (None, 1):
+            raise ValueError(f"n={self.n} applies only with use_beam_search=true (it is the "
+                             "beam width): a transcription returns one text.")
         return SamplingParams(
             temperature=self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -526,8 +559,14 @@ class TranscriptionRequest(OpenAIBaseModel):
         given = [name for name, value in sampling_only.items() if value is not None]
         if given:
             raise ValueError(f"{', '.join(given)} cannot be combined with use_beam_search.")
-        beam = BeamSearchParams(beam_width=5 if self.best_of is None else self.best_of,
-                                max_tokens=max_tokens, length_penalty=self.length_penalty)
+        for name in ("n", "best_of"):
+            if (value := getattr(self, name)) is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}.")
+        if self.n is not None and self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of must be at least n={self.n}, got {self.best_of}.")
+        width = max(self.n or 0, self.best_of or 0) or 5
+        beam = BeamSearchParams(beam_width=width, max_tokens=max_tokens,
+                                length_penalty=self.length_penalty)
         return beam.sampling_params(logprobs=logprobs, output_kind=RequestOutputKind.FINAL_ONLY)
 
 

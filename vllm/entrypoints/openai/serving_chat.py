@@ -180,16 +180,12 @@ class OpenAIServingChat(OpenAIServing):
                 return self._beam_search_params(request, max_tokens, num_logprobs)
             if request.length_penalty != 1.0:
                 raise ValueError("length_penalty applies only with use_beam_search=true.")
-            params = request.to_sampling_params(max_tokens, num_logprobs,
-                                                defaults=self.model_config.generation_defaults)
             schema = tool_choice_schema(request)
-            if schema is not None:
-                if params.structured_outputs is not None:
-                    raise ValueError("tool_choice \"required\" or a named function constrains "
-                                     "the output to tool calls; it cannot be combined with "
-                                     "another output constraint (response_format, "
-                                     "structured_outputs).")
-                params.structured_outputs = StructuredOutputsParams(json=schema)
+            forced = None if schema is None else ("tool_choice",
+                                                  StructuredOutputsParams(json=schema))
+            params = request.to_sampling_params(max_tokens, num_logprobs,
+                                                defaults=self.model_config.generation_defaults,
+                                                forced=forced)
         except ValueError as e:
             raise OpenAIError(str(e)) from None
         return params

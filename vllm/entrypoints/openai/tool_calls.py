@@ -1,5 +1,6 @@
 """Tool calling on `/v1/chat/completions`: which parser reads a request's output, the JSON
-schema that enforces `tool_choice` "required" or a named function, and the streaming of
+schema that enforces `tool_choice` "required" or a named function (strict and compact, so
+the output is at least one whole call unless max_tokens cuts it), and the streaming of
 calls as OpenAI deltas.
 
     tool_choice   prompt        output constrained to            read by
@@ -102,7 +103,17 @@ def tool_choice_schema(request: ChatCompletionRequest) -> dict[str, Any] | None:
     return schema
 
 
-class NamedToolParser(ToolParser):
+class ForcedToolParser(ToolParser):
+    """A forced choice's output is only calls (its grammar makes it so). What is not a whole
+    call (an output cut by max_tokens: finish_reason "length") is dropped, never returned as
+    content; a stream has sent its fragments as a call's arguments, never as content."""
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        extracted = super().extract(text)
+        return extracted if extracted.calls else ExtractedToolCalls(None, [])
+
+
+class NamedToolParser(ForcedToolParser):
     """The output is the named function's arguments object (enforced by its schema)."""
 
     def __init__(self, name: str) -> None:
@@ -119,7 +130,7 @@ class NamedToolParser(ToolParser):
         return ParsedToolText("", [PartialToolCall(self.name, arguments, arguments)], complete)
 
 
-class RequiredToolParser(ToolParser):
+class RequiredToolParser(ForcedToolParser):
     """The output is a JSON array of `{"name": ..., "arguments": {...}}` (enforced by
     `tool_choice_schema`)."""
 

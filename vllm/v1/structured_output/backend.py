@@ -16,50 +16,152 @@ class GrammarError(ValueError):
     """A constraint that cannot be compiled, or that no output can satisfy."""
 
 
+# Whitespace allowed between JSON tokens unless the request asks for compact JSON: at most
+# one line break and an indent, so a model can pretty-print but cannot spend its budget on
+# blank lines (an unbounded run of whitespace is always a valid continuation).
+BOUNDED_WHITESPACE = r"(\n|\r\n)?[ \t]{0,24}"
+
+
 class GrammarKey(NamedTuple):
     """A constraint in canonical form: equal constraints compile once.
 
     kind: "json" | "regex" | "choice" | "grammar" (json_object is the schema
-    {"type": "object"}); spec: the schema as compact JSON (key order kept), the regex, the
-    choices as a JSON list, or the grammar text; any_whitespace: JSON may have whitespace
-    between tokens.
+    {"type": "object"}); spec: the schema as compact JSON (key order kept; objects closed,
+    see `strict_schema`), the regex, the choices as a JSON list, or the grammar text;
+    whitespace: the regex of whitespace allowed between JSON tokens ("" for compact JSON).
     """
 
     kind: str
     spec: str
-    any_whitespace: bool
+    whitespace: str
 
 
 def grammar_key(params: StructuredOutputsParams) -> GrammarKey:
     kind = params.kind
-    any_whitespace = not params.disable_any_whitespace
+    if kind is None:
+        raise GrammarError("structured_outputs has options but no constraint.")
+    if params.disable_any_whitespace:
+        whitespace = ""
+    else:
+        whitespace = params.whitespace_pattern or BOUNDED_WHITESPACE
     if kind in ("json", "json_object"):
-        schema: Any = {"type": "object"} if kind == "json_object" else params.json
+        schema: Any = params.json
         if isinstance(schema, str):
             schema = json.loads(schema)
-        if params.disable_additional_properties:
-            schema = _close_objects(schema)
+        # json_object is any object: open by definition. Every schema is strict.
+        schema = {"type": "object"} if kind == "json_object" else strict_schema(schema)
         spec = json.dumps(schema, separators=(",", ":"))  # key order kept: it is the output's
-        return GrammarKey("json", spec, any_whitespace)
+        return GrammarKey("json", spec, whitespace)
     if kind == "choice":
-        return GrammarKey("choice", json.dumps(params.choice), any_whitespace)
+        return GrammarKey("choice", json.dumps(params.choice), whitespace)
     value = getattr(params, kind)
     assert isinstance(value, str), kind  # regex or grammar: StructuredOutputsParams checked
-    return GrammarKey(kind, value, any_whitespace)
+    return GrammarKey(kind, value, whitespace)
 
 
-def _close_objects(schema: Any) -> Any:
-    """The schema with `"additionalProperties": false` on every object schema that does not
-    set it (disable_additional_properties)."""
-    if isinstance(schema, list):
-        return [_close_objects(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    closed = {k: _close_objects(v) for k, v in schema.items()}
-    if (closed.get("type") == "object" or "properties" in closed) \
-            and "additionalProperties" not in closed:
-        closed["additionalProperties"] = False
-    return closed
+# Keywords whose value is one subschema, a list of them, or a map of name -> subschema.
+_ONE_SCHEMA = ("additionalProperties", "unevaluatedProperties", "items", "additionalItems",
+               "unevaluatedItems", "contains", "propertyNames", "not", "if", "then", "else")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def strict_schema(schema: Any) -> Any:
+    """The schema in strict mode (OpenAI's strict schemas; vLLM's default backend): an
+    object schema that does not say `additionalProperties` (or `unevaluatedProperties`)
+    gets `"additionalProperties": false`, and an array of `prefixItems` that does not say
+    `items` gets `"items": false`. One that says them (true, or a schema) keeps them. An
+    integer without bounds gets I-JSON's (+/- 2**53 - 1, what every JSON reader holds
+    exactly), so its digits end: a small model otherwise writes digits until max_tokens.
+
+    Composed objects close as a whole: the branches of `allOf` (and of `anyOf`/`oneOf` on a
+    node that is itself an object schema) are parts of their node, so they stay open at
+    their top and the node declares every property the parts do (as `{}`: the parts say
+    what each holds). `$ref` parts are resolved in the document and inlined for that. E.g.
+    {"allOf": [{"properties": {"a": A}}, {"properties": {"b": B}}]} becomes
+    {"allOf": [...], "properties": {"a": {}, "b": {}}, "additionalProperties": false}.
+    Only keywords holding subschemas are walked: `const`, `enum`, `default`, `examples` and
+    property names are data and stay as they are.
+    """
+    return _StrictWalk(schema).close(schema, is_part=False)
+
+
+class _StrictWalk:
+    def __init__(self, root: Any) -> None:
+        self.root = root
+
+    def close(self, node: Any, is_part: bool) -> Any:
+        if not isinstance(node, dict):
+            return node
+        out = dict(node)
+        objectish = _is_object_schema(node)
+        parts = ["allOf"] + (["anyOf", "oneOf"] if objectish else [])
+        for key, value in node.items():
+            if key in _ONE_SCHEMA or (key == "items" and isinstance(value, list)):
+                out[key] = ([self.close(v, False) for v in value] if isinstance(value, list)
+                            else self.close(value, False))
+            elif key in _SCHEMA_LISTS and isinstance(value, list):
+                out[key] = [self.close(self._inline(v) if key in parts else v, key in parts)
+                            for v in value]
+            elif key in _SCHEMA_MAPS and isinstance(value, dict):
+                out[key] = {name: self.close(v, False) for name, v in value.items()}
+        if is_part:
+            return out
+        part_names = [name for key in parts for part in out.get(key) or []
+                      if isinstance(part, dict) for name in part.get("properties") or {}]
+        if (objectish or part_names) and not _says_extra(node):
+            own = dict(out.get("properties") or {})
+            for name in part_names:
+                own.setdefault(name, {})
+            if own or "properties" in out:
+                out["properties"] = own
+            out["additionalProperties"] = False
+        if "prefixItems" in node and "items" not in node and "unevaluatedItems" not in node:
+            out["items"] = False
+        if node.get("type") == "integer":
+            _bound_integer(out)
+        return out
+
+    def _inline(self, part: Any) -> Any:
+        """A part that is only a local `$ref` ("#/..."), replaced by what it points to (so
+        its properties are known); any other part as it is."""
+        if not (isinstance(part, dict) and set(part) == {"$ref"}
+                and isinstance(part["$ref"], str) and part["$ref"].startswith("#")):
+            return part
+        target: Any = self.root
+        for token in part["$ref"][1:].split("/")[1:]:
+            token = token.replace("~1", "/").replace("~0", "~")
+            if not isinstance(target, dict) or token not in target:
+                return part  # a dangling ref: the backend names it
+            target = target[token]
+        return target
+
+
+# I-JSON's (RFC 7493) integers: what every JSON reader holds exactly.
+MAX_SAFE_INTEGER = 2**53 - 1
+
+
+def _bound_integer(node: dict[str, Any]) -> None:
+    """Gives an integer schema the bounds it lacks: +/- MAX_SAFE_INTEGER (a side whose other
+    bound lies beyond it stays open)."""
+    def given(*keys: str) -> list[float]:
+        return [node[k] for k in keys if isinstance(node.get(k), int | float)]
+
+    low, high = given("minimum", "exclusiveMinimum"), given("maximum", "exclusiveMaximum")
+    if not low and all(h >= -MAX_SAFE_INTEGER for h in high):
+        node["minimum"] = -MAX_SAFE_INTEGER
+    if not high and all(lo <= MAX_SAFE_INTEGER for lo in low):
+        node["maximum"] = MAX_SAFE_INTEGER
+
+
+def _is_object_schema(node: dict[str, Any]) -> bool:
+    kind = node.get("type")
+    return kind == "object" or (isinstance(kind, list) and "object" in kind) \
+        or "properties" in node
+
+
+def _says_extra(node: dict[str, Any]) -> bool:
+    return "additionalProperties" in node or "unevaluatedProperties" in node
 
 
 class StructuredOutputGrammar(ABC):

@@ -9,7 +9,7 @@ model's 49,152-token vocabulary takes ~20 us per row (README, "Structured output
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.hf
@@ -22,6 +22,9 @@ from vllm.v1.structured_output.backend import (
     StructuredOutputBackend,
     StructuredOutputGrammar,
 )
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
 
 class GuidanceGrammar(StructuredOutputGrammar):
@@ -90,8 +93,12 @@ def _to_guidance(key: GrammarKey) -> str:
     """The llguidance grammar text of a constraint; GrammarError on malformed input."""
     try:
         if key.kind == "json":
-            return llguidance.LLMatcher.grammar_from_json_schema(
-                key.spec, defaults={"whitespace_flexible": key.any_whitespace})
+            # Overrides, not defaults: a schema's own "x-guidance" options cannot unbound the
+            # whitespace.
+            whitespace: JsonCompileOptions = (
+                {"whitespace_flexible": True, "whitespace_pattern": key.whitespace}
+                if key.whitespace else {"whitespace_flexible": False})
+            return llguidance.LLMatcher.grammar_from_json_schema(key.spec, overrides=whitespace)
         if key.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(key.spec)
         if key.kind == "choice":
