@@ -158,9 +158,10 @@ def test_a_q4_k_m_file_keeps_its_blocks_and_matches_its_dequantized_weights(tmp_
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.model_loader.gguf_file import GGUFFile
 
+    # Untied: the Q8_0 embedding table and the Q8_0 output each read their own blocks.
     model_dir = make_tiny_model(str(tmp_path / "llama"), "llama", hidden_size=256,
                                 intermediate_size=512, num_attention_heads=4,
-                                num_key_value_heads=2)
+                                num_key_value_heads=2, tie_word_embeddings=False)
     path = str(tmp_path / "q4_k_m.gguf")
     _write_gguf(path, model_dir, "llama", layer_qtype=q4_k_m_type)
     kwargs: dict[str, Any] = dict(tokenizer=model_dir, dtype="float32", max_model_len=128,
@@ -169,15 +170,22 @@ def test_a_q4_k_m_file_keeps_its_blocks_and_matches_its_dequantized_weights(tmp_
     model = cast(Any, quantized.llm_engine.engine_core.model_executor).model_runner.model
     blocks = [m.kernel for m in model.modules()
               if isinstance(m, LinearBase) and isinstance(m.kernel, GGUFBlockLinear)]
-    assert len(blocks) == 2 * 4  # qkv, o, gate_up, down in each of the two layers
-    layer_bytes = sum(b.numel() for kernel in blocks for b in kernel.buffers())
+    assert len(blocks) == 2 * 4 + 1  # qkv, o, gate_up, down of two layers; the output
     for m in model.modules():
         if isinstance(m, LinearBase) and isinstance(m.kernel, GGUFBlockLinear):
             assert m.weight is None  # no dense copy kept
-    assert {name for k in blocks for name in k.type_names} == {"Q4_K", "Q6_K", "Q5_0"}
+    assert {name for k in blocks for name in k.type_names} == {"Q4_K", "Q6_K", "Q5_0", "Q8_0"}
+    embedding = model.embed_tokens
+    assert embedding.weight is None and embedding.blocks is not None
+    # Every quantized tensor's resident bytes are the file's (the norms are float32 in
+    # both), and nothing else of size is held.
+    block_bytes = sum(b.numel() for kernel in blocks for b in kernel.buffers())
+    block_bytes += embedding.blocks.numel()
     file_bytes = sum(t.data.nbytes for t in GGUFFile(path).tensors
-                     if t.name.startswith("blk.") and t.tensor_type.name != "F32")
-    assert layer_bytes == file_bytes  # the layers' resident bytes are the file's
+                     if t.tensor_type.name != "F32")
+    assert block_bytes == file_bytes
+    dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert dense_bytes < 0.02 * file_bytes
 
     # Against the same file dequantized at load. Layer by layer: each kernel is exactly the
     # dequantized weight times int8-rounded activations (the loader kept every part, in its

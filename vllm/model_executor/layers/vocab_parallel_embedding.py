@@ -73,6 +73,30 @@ class VocabParallelEmbedding(nn.Module):
         self.blocks: torch.Tensor | None = None
         self.block_type = 0
         self.dtype = self.weight.dtype
+        self._codes: list = []  # GGUF blocks of the table (`add_block_codes`)
+
+    def add_block_codes(self, codes, shard_id) -> None:
+        """The table's GGUF blocks, this rank's rows (padding rows zeros)."""
+        piece = self.vocab.rows(codes, shard_id)
+        if self.vocab.num_real < self.vocab.per_rank:
+            piece = piece.pad_rows(self.vocab.per_rank)
+        self._codes.append(piece)
+
+    def process_weights_after_loading(self, quantization: str | None) -> str:
+        """Looks rows up in the file's blocks with `quantization="gguf"` where `gguf_mm`
+        reads them (a tied LM head then shares them, `read_blocks`); returns how ("gguf
+        TYPE" or "dense")."""
+        from vllm.model_executor.layers.quantization.gguf_blocks import (
+            GGUFBlocks,
+            gguf_mm_available,
+        )
+
+        codes, self._codes = self._codes, []
+        if (quantization != "gguf" or len(codes) != 1 or not isinstance(codes[0], GGUFBlocks)
+                or not gguf_mm_available()):
+            return "dense"
+        self.read_blocks(torch.from_numpy(codes[0].data.copy()), codes[0].type_id)
+        return f"gguf {codes[0].type_name}"
 
     def read_blocks(self, blocks: torch.Tensor, block_type: int) -> None:
         """Looks rows up in GGUF `blocks` (uint8 [rows of this rank, bytes a row], ggml type
@@ -119,7 +143,8 @@ class ParallelLMHead(LinearBase):
             self.weight = tied_to.weight  # one parameter, two uses
 
     def _gguf_kernel(self, parts, view, dense, repack_for_fused_decode):
-        kernel = super()._gguf_kernel(parts, view, dense, repack_for_fused_decode)
+        # The fused decoder reads the decoder layers only: the head keeps the file's blocks.
+        kernel = super()._gguf_kernel(parts, view, dense, repack_for_fused_decode=False)
         from vllm.model_executor.layers.quantization.gguf_blocks import GGUFBlockLinear
 
         if (self._tied_to and isinstance(self.kernel, GGUFBlockLinear)

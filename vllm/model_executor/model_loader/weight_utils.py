@@ -27,6 +27,7 @@ from torch import nn
 
 from vllm.model_executor.layers.fused_moe import EXPERT_PARTS, FusedMoE
 from vllm.model_executor.layers.linear import LinearBase, default_weight_loader
+from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
 # fused module name -> [(checkpoint module name, part id)]
 PackedModulesMapping = Mapping[str, Sequence[tuple[str, int | str]]]
@@ -81,9 +82,11 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any]],
 
     targets: dict[str, torch.Tensor] = dict(model.named_parameters())
     targets.update(model.named_buffers())
-    users: dict[int, list[LinearBase]] = {}  # parameter -> the linear layers multiplying by it
+    # parameter -> the layers reading it (linear layers, embeddings), which take its GGUF
+    # blocks too
+    users: dict[int, list[LinearBase | VocabParallelEmbedding]] = {}
     for module in model.modules():
-        if isinstance(module, LinearBase) and module.weight is not None:
+        if isinstance(module, LinearBase | VocabParallelEmbedding) and module.weight is not None:
             users.setdefault(id(module.weight), []).append(module)
     loaded: set[str] = set()
     for name, value in weights:
@@ -116,15 +119,17 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any]],
 def process_weights_after_loading(model: nn.Module, quantization: str | None,
                                   pack: bool) -> dict[str, int]:
     """Every linear layer and experts layer picks how it multiplies (see `LinearBase`,
-    `FusedMoE`); returns the count of layers per kernel. A model the fused decoder may run
-    (`fused_decode_shape_reason()` None) keeps its GGUF Q4_0 / Q4_1 / Q8_0 layers in that
-    decoder's layout."""
+    `FusedMoE`) and every embedding how it looks rows up; returns the count of layers per
+    kernel. A model the fused decoder may run (`fused_decode_shape_reason()` None) keeps its
+    decoder layers' GGUF Q4_0 / Q4_1 / Q8_0 weights in that decoder's layout."""
     shape_reason = getattr(model, "fused_decode_shape_reason", None)
     fused_decode = callable(shape_reason) and shape_reason() is None
     counts: dict[str, int] = {}
     for module in model.modules():
         if isinstance(module, LinearBase):
             kernel = module.process_weights_after_loading(quantization, pack, fused_decode)
+        elif isinstance(module, VocabParallelEmbedding):
+            kernel = f"embedding {module.process_weights_after_loading(quantization)}"
         elif isinstance(module, FusedMoE):
             kernel = module.process_weights_after_loading(quantization, pack)
         else:
