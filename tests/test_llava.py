@@ -8,9 +8,16 @@ import io
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
+from tests.llava_reference import (
+    MAX_TOKENS,
+    chat_messages,
+    hf_chat_greedy,
+    hf_greedy,
+    load_reference,
+    random_image,
+)
 from tests.model_factory import TINY_IMAGE_SIZE, TINY_PATCH_SIZE, make_tiny_llava
 from vllm import LLM, SamplingParams
 
@@ -19,11 +26,6 @@ pytestmark = pytest.mark.slow
 PROMPT = "USER: <image>\nWhat is this?\nASSISTANT:"
 TWO = "USER: <image> and <image>\nCompare them.\nASSISTANT:"
 IMAGE_TOKENS = (TINY_IMAGE_SIZE // TINY_PATCH_SIZE) ** 2
-MAX_TOKENS = 8
-
-
-def _image(seed: int, shape: tuple[int, int, int] = (40, 52, 3)) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, size=shape, dtype=np.uint8)
 
 
 def _greedy() -> SamplingParams:
@@ -49,36 +51,7 @@ def llm(llava_dir):
 
 @pytest.fixture(scope="module")
 def hf(llava_dir):
-    from transformers import (
-        AutoTokenizer,
-        CLIPImageProcessorPil,
-        LlavaForConditionalGeneration,
-        LlavaProcessor,
-    )
-
-    processor = LlavaProcessor(
-        image_processor=CLIPImageProcessorPil.from_pretrained(llava_dir),
-        tokenizer=AutoTokenizer.from_pretrained(llava_dir), patch_size=TINY_PATCH_SIZE,
-        vision_feature_select_strategy="default", image_token="<image>",
-        num_additional_image_tokens=1)
-    model = LlavaForConditionalGeneration.from_pretrained(llava_dir, dtype=torch.float32)
-    return processor, model.eval()
-
-
-@torch.inference_mode()
-def _hf_greedy(hf, text: str, images: list[np.ndarray]) -> tuple[list[int], list[int]]:
-    """(prompt ids, greedy tokens) from transformers: its processor expands the
-    placeholders, its model runs the vision tower and the language model."""
-    processor, model = hf
-    inputs = processor(text=text, images=images or None, return_tensors="pt")
-    out = model(**inputs, use_cache=True)
-    tokens = []
-    for _ in range(MAX_TOKENS):
-        token = int(out.logits[0, -1].argmax())
-        tokens.append(token)
-        out = model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values,
-                    use_cache=True)
-    return inputs["input_ids"][0].tolist(), tokens
+    return load_reference(llava_dir)
 
 
 def _engine_state(llm: LLM) -> dict:
@@ -86,12 +59,12 @@ def _engine_state(llm: LLM) -> dict:
 
 
 def test_one_image_equals_transformers(llm, hf) -> None:
-    images = [_image(1), _image(2, (64, 30, 3)), _image(3, (33, 33, 4))]
+    images = [random_image(1), random_image(2, (64, 30, 3)), random_image(3, (33, 33, 4))]
     prompts = [{"prompt": PROMPT, "multi_modal_data": {"image": image}} for image in images]
     outputs = llm.generate(prompts, _greedy(), use_tqdm=False)
     tokens = []
     for output, image in zip(outputs, images, strict=True):
-        prompt_ids, expected = _hf_greedy(hf, PROMPT, [image])
+        prompt_ids, expected = hf_greedy(hf, PROMPT, [image])
         assert output.prompt_token_ids == prompt_ids
         assert list(output.outputs[0].token_ids) == expected
         tokens.append(expected)
@@ -99,11 +72,11 @@ def test_one_image_equals_transformers(llm, hf) -> None:
 
 
 def test_two_images_equal_transformers(llm, hf) -> None:
-    pairs = [(_image(4), _image(5)), (_image(5), _image(4))]
+    pairs = [(random_image(4), random_image(5)), (random_image(5), random_image(4))]
     prompts = [{"prompt": TWO, "multi_modal_data": {"image": list(pair)}} for pair in pairs]
     outputs = llm.generate(prompts, _greedy(), use_tqdm=False)
     for output, pair in zip(outputs, pairs, strict=True):
-        prompt_ids, expected = _hf_greedy(hf, TWO, list(pair))
+        prompt_ids, expected = hf_greedy(hf, TWO, list(pair))
         assert output.prompt_token_ids == prompt_ids
         assert prompt_ids.count(hf[1].config.image_token_index) == 2 * IMAGE_TOKENS
         assert list(output.outputs[0].token_ids) == expected
@@ -112,11 +85,11 @@ def test_two_images_equal_transformers(llm, hf) -> None:
 def test_text_only_prompt_equals_transformers(llm, hf) -> None:
     text = "USER: Describe a robot.\nASSISTANT:"
     output = llm.generate(text, _greedy(), use_tqdm=False)[0]
-    assert list(output.outputs[0].token_ids) == _hf_greedy(hf, text, [])[1]
+    assert list(output.outputs[0].token_ids) == hf_greedy(hf, text, [])[1]
 
 
 def test_same_image_hits_prefix_and_encoder_caches(llm, hf) -> None:
-    image = _image(6, (90, 70, 3))
+    image = random_image(6, (90, 70, 3))
     png = io.BytesIO()
     Image.fromarray(image).save(png, format="PNG")
     before = _engine_state(llm)
@@ -129,34 +102,34 @@ def test_same_image_hits_prefix_and_encoder_caches(llm, hf) -> None:
     assert first.num_cached_tokens == 0
     assert again.num_cached_tokens == (first.num_prompt_tokens - 1) // 16 * 16
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
-    assert list(first.outputs[0].token_ids) == _hf_greedy(hf, PROMPT, [image])[1]
+    assert list(first.outputs[0].token_ids) == hf_greedy(hf, PROMPT, [image])[1]
     assert after["encoder_cache_misses"] - before["encoder_cache_misses"] == 1
     assert after["encoder_cache_hits"] - before["encoder_cache_hits"] == 1
 
 
 def test_same_text_other_image_is_no_prefix_hit(llm, hf) -> None:
-    llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": _image(7)}}, _greedy(),
+    llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": random_image(7)}}, _greedy(),
                  use_tqdm=False)
-    other = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": _image(8)}},
+    other = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": random_image(8)}},
                          _greedy(), use_tqdm=False)[0]
     # Only the text block before the image may be shared (the prompt starts with 4 text
     # tokens: no full block), never the image's rows.
     assert other.num_cached_tokens == 0
-    assert list(other.outputs[0].token_ids) == _hf_greedy(hf, PROMPT, [_image(8)])[1]
+    assert list(other.outputs[0].token_ids) == hf_greedy(hf, PROMPT, [random_image(8)])[1]
 
 
 @pytest.mark.parametrize("prompt, message", [
-    ({"prompt": TWO, "multi_modal_data": {"image": [_image(1)] * 3}},
+    ({"prompt": TWO, "multi_modal_data": {"image": [random_image(1)] * 3}},
      r"At most 2 image\(s\) may be provided in one prompt, got 3 \(limit_mm_per_prompt\)"),
-    ({"prompt": TWO, "multi_modal_data": {"image": _image(1)}},
+    ({"prompt": TWO, "multi_modal_data": {"image": random_image(1)}},
      r"2 image placeholder\(s\) .* but 1 image\(s\) were given"),
-    ({"prompt": "USER: no placeholder", "multi_modal_data": {"image": _image(1)}},
+    ({"prompt": "USER: no placeholder", "multi_modal_data": {"image": random_image(1)}},
      r"0 image placeholder\(s\)"),
     ({"prompt": PROMPT, "multi_modal_data": {"image": b"not an image"}}, "not an image"),
     ({"prompt": PROMPT, "multi_modal_data": {"image": np.zeros((9000, 9000, 3), np.uint8)}},
      "over the limit"),
-    ({"prompt": PROMPT, "multi_modal_data": {"audio": _image(1)}}, "images only"),
-    ({"prompt": PROMPT, "multi_modal_data": [_image(1)]}, "must be a dict"),
+    ({"prompt": PROMPT, "multi_modal_data": {"audio": random_image(1)}}, "images only"),
+    ({"prompt": PROMPT, "multi_modal_data": [random_image(1)]}, "must be a dict"),
 ])
 def test_bad_image_prompts_are_refused_and_the_engine_serves_on(llm, hf, prompt,
                                                                message) -> None:
@@ -164,16 +137,36 @@ def test_bad_image_prompts_are_refused_and_the_engine_serves_on(llm, hf, prompt,
         llm.generate(prompt, _greedy(), use_tqdm=False)
     state = _engine_state(llm)
     assert state["num_requests"] == 0 and state["num_runner_requests"] == 0
-    image = _image(9)
+    image = random_image(9)
     output = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": image}},
                           _greedy(), use_tqdm=False)[0]
-    assert list(output.outputs[0].token_ids) == _hf_greedy(hf, PROMPT, [image])[1]
+    assert list(output.outputs[0].token_ids) == hf_greedy(hf, PROMPT, [image])[1]
 
 
 def test_truncated_image_bytes_are_refused(llm) -> None:
     png = io.BytesIO()
-    Image.fromarray(_image(10, (64, 64, 3))).save(png, format="PNG")
+    Image.fromarray(random_image(10, (64, 64, 3))).save(png, format="PNG")
     data = png.getvalue()[:200]
     with pytest.raises(ValueError, match="truncated or corrupt"):
         llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": data}}, _greedy(),
                      use_tqdm=False)
+
+
+def test_chat_with_image_url_parts_equals_transformers(llm, hf) -> None:
+    images = [random_image(11), random_image(12, (50, 20, 3))]
+    output = llm.chat(chat_messages(images), _greedy(), use_tqdm=False)[0]
+    prompt_ids, expected = hf_chat_greedy(hf, images)
+    assert output.prompt_token_ids == prompt_ids
+    assert list(output.outputs[0].token_ids) == expected
+
+
+@pytest.mark.parametrize("url, message", [
+    ("https://example.com/cat.png", "Remote image URLs are not fetched"),
+    ("file:///etc/passwd", "not supported"),
+    ("data:image/png;base64,aGVsbG8=", "not an image"),
+])
+def test_chat_refuses_bad_image_urls(llm, url, message) -> None:
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "Hi"}, {"type": "image_url", "image_url": {"url": url}}]}]
+    with pytest.raises(ValueError, match=message):
+        llm.chat(messages, _greedy(), use_tqdm=False)
