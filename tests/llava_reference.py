@@ -25,7 +25,7 @@ def data_url(array: np.ndarray) -> str:
     return "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
 
 
-def load_reference(path: str):
+def load_reference(path: str, strategy: str = "default"):
     """(LlavaProcessor, LlavaForConditionalGeneration) of a tiny LLaVA directory."""
     from transformers import (
         AutoTokenizer,
@@ -37,15 +37,15 @@ def load_reference(path: str):
     processor = LlavaProcessor(
         image_processor=CLIPImageProcessorPil.from_pretrained(path),
         tokenizer=AutoTokenizer.from_pretrained(path), patch_size=TINY_PATCH_SIZE,
-        vision_feature_select_strategy="default", image_token="<image>",
+        vision_feature_select_strategy=strategy, image_token="<image>",
         num_additional_image_tokens=1)
     model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
     return processor, model.eval()
 
 
 @torch.inference_mode()
-def hf_greedy(hf, text: str, images: list[np.ndarray], add_special_tokens: bool = True
-              ) -> tuple[list[int], list[int]]:
+def hf_greedy(hf, text: str, images: list[np.ndarray], add_special_tokens: bool = True,
+              max_tokens: int = MAX_TOKENS) -> tuple[list[int], list[int]]:
     """(prompt ids, greedy tokens) from transformers: its processor expands the
     placeholders, its model runs the vision tower and the language model."""
     processor, model = hf
@@ -53,7 +53,7 @@ def hf_greedy(hf, text: str, images: list[np.ndarray], add_special_tokens: bool 
                        add_special_tokens=add_special_tokens)
     out = model(**inputs, use_cache=True)
     tokens = []
-    for _ in range(MAX_TOKENS):
+    for _ in range(max_tokens):
         token = int(out.logits[0, -1].argmax())
         tokens.append(token)
         out = model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values,

@@ -5,6 +5,7 @@ and prefix hits; the encoder cache; refusals that leave the engine serving."""
 from __future__ import annotations
 
 import io
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from tests.llava_reference import (
 )
 from tests.model_factory import TINY_IMAGE_SIZE, TINY_PATCH_SIZE, make_tiny_llava
 from vllm import LLM, SamplingParams
+from vllm.config import InputKind
 
 pytestmark = pytest.mark.slow
 
@@ -170,3 +172,55 @@ def test_chat_refuses_bad_image_urls(llm, url, message) -> None:
         {"type": "text", "text": "Hi"}, {"type": "image_url", "image_url": {"url": url}}]}]
     with pytest.raises(ValueError, match=message):
         llm.chat(messages, _greedy(), use_tqdm=False)
+
+
+# ---- engines of their own ----------------------------------------------------------------
+
+def _cases(n: int) -> list[tuple[str, list]]:
+    return [(TWO, [random_image(30 + i), random_image(40 + i)]) if i % 2 else
+            (PROMPT, [random_image(30 + i)]) for i in range(n)]
+
+
+def test_under_preemption_and_with_graphs(llava_dir, hf) -> None:
+    """Preemption (16 blocks of 8 for prompts of 41 and 61 tokens: a preempted request
+    keeps its rows and recomputes its KV), then compiled graphs (the embeds set, captured
+    for an image model without enable_prompt_embeds), both equal to transformers."""
+    cases = _cases(4)
+    prompts = [{"prompt": text, "multi_modal_data": {"image": images}}
+               for text, images in cases]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = [hf_greedy(hf, text, images, max_tokens=24)[1] for text, images in cases]
+    small = LLM(llava_dir, dtype="float32", max_model_len=96, enforce_eager=True,
+                num_gpu_blocks_override=16, block_size=8, enable_prefix_caching=False)
+    outputs = small.generate(prompts, params, use_tqdm=False)
+    assert small.llm_engine.engine_core.scheduler.num_preemptions > 0
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+    small.shutdown()
+    graphs = LLM(llava_dir, dtype="float32", max_model_len=96,
+                 kv_cache_memory_bytes=16 * 1024**2,
+                 compilation_config={"cudagraph_capture_sizes": [1, 4]})
+    outputs = graphs.generate(prompts, params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+    executor: Any = graphs.llm_engine.engine_core.model_executor  # uni: the runner in process
+    replays = executor.model_runner.graphs.replays
+    assert any(kind == InputKind.EMBEDS for kind, _ in replays)  # image rows in a graph
+    graphs.shutdown()
+
+
+@pytest.mark.parametrize("overrides", [
+    {"vision_feature_layer": [-3, -1], "vision_feature_select_strategy": "default"},
+    {"vision_feature_layer": 1, "vision_feature_select_strategy": "full"},
+])
+def test_feature_layers_and_strategies_equal_transformers(tmp_path, overrides) -> None:
+    path = make_tiny_llava(str(tmp_path), seed=1, **overrides)
+    reference = load_reference(path, overrides["vision_feature_select_strategy"])
+    llm = LLM(path, dtype="float32", max_model_len=128, enforce_eager=True,
+              kv_cache_memory_bytes=8 * 1024**2)
+    cases = _cases(2)
+    outputs = llm.generate([{"prompt": text, "multi_modal_data": {"image": images}}
+                            for text, images in cases], _greedy(), use_tqdm=False)
+    for output, (text, images) in zip(outputs, cases, strict=True):
+        prompt_ids, expected = hf_greedy(reference, text, images)
+        assert output.prompt_token_ids == prompt_ids
+        assert list(output.outputs[0].token_ids) == expected
+    llm.shutdown()
