@@ -89,7 +89,8 @@ class Processor:
                              "hidden states: create it with enable_return_hidden_states=True "
                              "(server: --enable-return-hidden-states).")
         embeds = token_ids = is_token = images = None
-        mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        mm_data = (prompt.get("multi_modal_data")
+                   if self.image_processor is not None and isinstance(prompt, dict) else None)
         if mm_data is not None:
             token_ids, is_token, images = self._image_prompt(parsed, mm_data)
         elif parsed.prompt_segments is not None:
@@ -192,7 +193,7 @@ class Processor:
                       ) -> tuple[list[int], torch.Tensor, list[ImageInput]]:
         """A prompt with images: its ids with each placeholder expanded to the image's run,
         the is_token mask (False on image positions) and the preprocessed images."""
-        assert self.image_processor is not None  # _reject_encoder_inputs let it through
+        assert self.image_processor is not None  # only image models take this path
         if parsed.prompt_embeds is not None or parsed.prompt_segments is not None:
             raise ValueError("multi_modal_data goes with a text prompt or prompt_token_ids, "
                              "not with prompt_embeds or prompt_segments.")
@@ -362,12 +363,10 @@ def _reject_encoder_inputs(prompt: Any, model_config: ModelConfig, takes_images:
         keys = ("encoder_prompt", "decoder_prompt") + (() if takes_images
                                                         else ("multi_modal_data",))
         for key in keys:
-            if prompt.get(key) is not None and key == "multi_modal_data":
-                raise ValueError(f"'multi_modal_data' given, but {model_config.architecture} "
-                                 "takes no media (images, audio) in its prompt.")
             if prompt.get(key) is not None:
+                media = " and no media" if key == "multi_modal_data" else ""
                 raise ValueError(f"{key!r} given, but {model_config.architecture} is a "
-                                 "decoder-only model: it takes one prompt.")
+                                 f"decoder-only model: it takes one prompt{media}.")
 
 
 def _generation_config_eos_ids(model: str) -> list[int]:
