@@ -224,3 +224,21 @@ def test_feature_layers_and_strategies_equal_transformers(tmp_path, overrides) -
         assert output.prompt_token_ids == prompt_ids
         assert list(output.outputs[0].token_ids) == expected
     llm.shutdown()
+
+
+def test_encoder_failure_fails_only_its_request(llm, hf, monkeypatch) -> None:
+    def broken(pixels):
+        raise RuntimeError("vision tower out of memory")
+
+    stage = llm.llm_engine.engine_core.image_rows
+    monkeypatch.setattr(stage, "embed_images", broken)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": random_image(50)}},
+                     _greedy(), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert _engine_state(llm)["num_requests"] == 0
+    monkeypatch.undo()
+    image = random_image(50)
+    output = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": image}},
+                          _greedy(), use_tqdm=False)[0]
+    assert list(output.outputs[0].token_ids) == hf_greedy(hf, PROMPT, [image])[1]
