@@ -84,6 +84,16 @@ def test_bad_image_prompts(tmp_path, ids, data, message) -> None:
         _processor(tmp_path, limit=2).process(ids, data)
 
 
+def test_siglip_tower_is_refused(tmp_path) -> None:
+    from transformers import LlavaConfig, SiglipVisionConfig
+
+    config = LlavaConfig(vision_config=SiglipVisionConfig(), image_token_index=IMAGE)
+    model_config = ModelConfig(model=str(tmp_path), tokenizer=str(tmp_path),
+                               hf_config=config, dtype=torch.float32, max_model_len=64)
+    with pytest.raises(ValueError, match="'siglip_vision_model' vision tower is not supported"):
+        ImagePromptProcessor(model_config)
+
+
 def test_expanded_prompt_must_fit_the_model(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"length 9, with 2 image\(s\) of 4 positions"):
         _processor(tmp_path, max_model_len=8).process([1, IMAGE, IMAGE],

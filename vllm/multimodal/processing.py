@@ -34,6 +34,14 @@ def num_image_tokens(config: Any) -> int:
     return patches + (1 if config.vision_feature_select_strategy == "full" else 0)
 
 
+def check_vision_tower(config: Any) -> None:
+    """LLaVA's tower must be CLIP's (SigLIP and others: not yet)."""
+    kind = getattr(config.vision_config, "model_type", None)
+    if kind != "clip_vision_model":
+        raise ValueError(f"LLaVA with a {kind!r} vision tower is not supported yet (CLIP "
+                         "only).")
+
+
 def image_token_id(config: Any) -> int:
     token = getattr(config, "image_token_id", None)
     if token is None:
@@ -49,6 +57,7 @@ class ImagePromptProcessor:
 
     def __init__(self, model_config: ModelConfig) -> None:
         config = model_config.hf_config
+        check_vision_tower(config)
         self.model_config = model_config
         self.image_token_id = image_token_id(config)
         self.num_image_tokens = num_image_tokens(config)

@@ -27,6 +27,7 @@ from torch import nn
 from vllm.model_executor.model_loader.weight_utils import PackedModulesMapping
 from vllm.model_executor.models.clip import CLIPVisionModel, vision_activation
 from vllm.model_executor.models.interfaces import FusedDecodeSpec, VllmModel
+from vllm.multimodal.processing import check_vision_tower
 from vllm.v1.attention.backends.abstract import AttentionBackend
 
 # The language model's class, from its `model_type` (a text_config carries no architecture).
@@ -74,6 +75,7 @@ class LlavaForConditionalGeneration(nn.Module):
         from vllm.model_executor.models.registry import resolve_model_cls
 
         self.config = config
+        check_vision_tower(config)
         strategy = config.vision_feature_select_strategy
         if strategy not in ("default", "full"):
             raise ValueError(f"vision_feature_select_strategy {strategy!r} is not supported "
