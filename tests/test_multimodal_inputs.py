@@ -193,3 +193,14 @@ def test_data_url_size_cap() -> None:
     with pytest.raises(ValueError, match="over the limit of 100 bytes"):
         image_url_bytes(url, max_bytes=100)
     assert image_url_bytes(url, max_bytes=len(data)) == data
+
+
+def test_lora_on_an_image_model_is_refused(tmp_path) -> None:
+    from vllm import EngineArgs
+
+    _processor(tmp_path)  # writes the image processor config
+    _llava_config().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="LoRA adapters are not supported on "
+                                         "LlavaForConditionalGeneration"):
+        EngineArgs(model=str(tmp_path), enable_lora=True, max_model_len=64,
+                   device="cpu").create_engine_config()
