@@ -351,3 +351,38 @@ def _multilingual_whisper_tokenizer(path: str) -> None:
             token["id"] += 1
     with open(file, "w") as f:
         json.dump(spec, f)
+
+
+# ---- vision-language models --------------------------------------------------------------
+
+IMAGE_TOKEN = "<image>"
+TINY_IMAGE_SIZE = 28  # 4 x 4 patches of 7 px: 16 image positions per image ("default")
+TINY_PATCH_SIZE = 7
+
+
+def make_tiny_llava(path: str, *, seed: int = 0, **config_overrides: Any) -> str:
+    """Write a tiny random `LlavaForConditionalGeneration` (a 3-layer CLIP vision tower, the
+    projector, a tiny Llama) with its tokenizer (plus `<image>`) and a CLIP image processor
+    config (shortest edge 32, center crop 28) to ``path``. Returns ``path``."""
+    import transformers
+    from transformers import AutoTokenizer, CLIPImageProcessorPil
+
+    make_tiny_tokenizer(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    tokenizer.save_pretrained(path)
+    image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        image_size=TINY_IMAGE_SIZE, patch_size=TINY_PATCH_SIZE, projection_dim=16)
+    text = tiny_model_config("llama", len(tokenizer))
+    config = transformers.LlavaConfig(vision_config=vision, text_config=text,
+                                      image_token_index=image_token_id, **config_overrides)
+    torch.manual_seed(seed)
+    model = transformers.LlavaForConditionalGeneration(config).eval()  # float32
+    _randomize_parameters(model, seed, WEIGHT_INIT_STD)
+    model.save_pretrained(path, safe_serialization=True)
+    CLIPImageProcessorPil(size={"shortest_edge": 32},
+                          crop_size={"height": TINY_IMAGE_SIZE, "width": TINY_IMAGE_SIZE}
+                          ).save_pretrained(path)
+    return path

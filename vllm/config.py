@@ -85,6 +85,8 @@ class ModelConfig:
     max_model_len: int
     seed: int = 0
     enable_prompt_embeds: bool = False
+    # Most media items per prompt by modality (`limit_mm_per_prompt`); see `mm_limit`.
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
     # Requests may ask for their last hidden states; the engine then keeps them per token
     # in a CPU tensor beside the KV cache (its bytes come out of the KV budget).
     enable_return_hidden_states: bool = False
@@ -109,12 +111,37 @@ class ModelConfig:
         return archs[0] if archs else ""
 
     @property
+    def hf_text_config(self) -> Any:
+        """The language model's config: a vision-language model's `text_config`, else the
+        whole config."""
+        return getattr(self.hf_config, "text_config", None) or self.hf_config
+
+    @property
     def hidden_size(self) -> int:
-        return self.hf_config.hidden_size
+        return self.hf_text_config.hidden_size
 
     @property
     def vocab_size(self) -> int:
-        return self.hf_config.vocab_size
+        return self.hf_text_config.vocab_size
+
+    @property
+    def is_image_model(self) -> bool:
+        """The model takes images (`multi_modal_data={"image": ...}`) into its prompt."""
+        from vllm.model_executor.models.registry import takes_images
+
+        return takes_images(self.architecture)
+
+    def mm_limit(self, modality: str) -> int:
+        """The most items of `modality` one prompt may carry."""
+        from vllm.multimodal import DEFAULT_MM_LIMIT
+
+        return self.limit_mm_per_prompt.get(modality, DEFAULT_MM_LIMIT)
+
+    @property
+    def uses_prompt_embeds(self) -> bool:
+        """Steps may carry embeds rows (the runner's embeds graphs): user prompt embeds,
+        or an image model's image rows."""
+        return self.enable_prompt_embeds or self.is_image_model
 
     @property
     def audio_frames_per_encoder_token(self) -> int | None:
@@ -138,11 +165,11 @@ class ModelConfig:
         cache tensor per layer; the encoder keeps none)."""
         if self.is_encoder_decoder:
             return self.hf_config.decoder_layers
-        return self.hf_config.num_hidden_layers
+        return self.hf_text_config.num_hidden_layers
 
     @property
     def num_kv_heads(self) -> int:
-        cfg = self.hf_config
+        cfg = self.hf_text_config
         if self.is_encoder_decoder:
             return cfg.decoder_attention_heads
         return num_kv_heads_of(cfg)
@@ -156,7 +183,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        cfg = self.hf_config
+        cfg = self.hf_text_config
         if self.is_encoder_decoder:
             return cfg.d_model // cfg.decoder_attention_heads
         return head_dim_of(cfg)
@@ -170,7 +197,7 @@ class ModelConfig:
 
         windows: list[int | None] = (
             [None] * self.num_layers if self.is_encoder_decoder
-            else layer_sliding_windows(self.hf_config, self.num_layers))
+            else layer_sliding_windows(self.hf_text_config, self.num_layers))
         return make_kv_cache_groups(windows)
 
     @property

@@ -24,6 +24,7 @@ from vllm.config import (
     resolve_dtype,
 )
 from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+from vllm.multimodal import MODALITIES
 from vllm.transformers_utils.config import (
     get_config,
     get_generation_defaults,
@@ -73,6 +74,9 @@ class EngineArgs:
     max_cpu_loras: int | None = None
     # Speculative decoding (vLLM's dict: method "ngram" or "draft_model", ...).
     speculative_config: SpeculativeConfig | dict | None = None
+    # Most media items of each modality in one prompt (vLLM's `limit_mm_per_prompt`, e.g.
+    # {"image": 2}); a modality not named keeps `DEFAULT_MM_LIMIT`.
+    limit_mm_per_prompt: dict[str, int] | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -90,6 +94,15 @@ class EngineArgs:
                              f"{self.prompt_embeds_batching!r}.")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
+        limits = self.limit_mm_per_prompt or {}
+        if not isinstance(limits, dict) or any(
+                not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in limits.values()):
+            raise ValueError("limit_mm_per_prompt must map modalities to counts >= 0, e.g. "
+                             f"{{'image': 2}}; got {limits!r}.")
+        unknown = sorted(set(limits) - set(MODALITIES))
+        if unknown:
+            raise ValueError(f"limit_mm_per_prompt: unknown modality {unknown[0]!r} "
+                             f"({', '.join(MODALITIES)}).")
 
     def _check_quantization(self, device: str, model: str) -> None:
         self._check_quantization_of(self.quantization, device, model)
@@ -121,6 +134,9 @@ class EngineArgs:
         if model_config.is_encoder_decoder:
             raise ValueError("enable_lora: LoRA adapters are supported on decoder-only "
                              "models, not encoder/decoder ones.")
+        if model_config.is_image_model:
+            raise ValueError(f"enable_lora: LoRA adapters are not supported on "
+                             f"{model_config.architecture} yet.")
         return LoRAConfig(self.max_loras, self.max_lora_rank, max_cpu)
 
     def _parallel_config(self, hf_config, device: str) -> ParallelConfig:
@@ -183,15 +199,16 @@ class EngineArgs:
     def create_engine_config(self) -> VllmConfig:
         model = resolve_model_path(self.model)
         hf_config = get_config(model)
+        text_config = getattr(hf_config, "text_config", None) or hf_config  # VLMs: the LM's
         device = self.device or default_device()
-        max_pos = max_decoder_positions(hf_config)
+        max_pos = max_decoder_positions(text_config)
         max_model_len = self.max_model_len or max_pos
         if max_model_len > max_pos:
             raise ValueError(f"max_model_len={max_model_len} is larger than the model's "
                              f"maximum number of (decoder) positions, {max_pos}.")
         self._check_knobs()
         self._check_quantization(device, model)
-        parallel_config = self._parallel_config(hf_config, device)
+        parallel_config = self._parallel_config(text_config, device)
         from vllm.v1.attention.backends import get_attn_backend
 
         get_attn_backend(self.attention_backend)  # an unknown name (or env value) fails here
@@ -204,6 +221,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             seed=self.seed,
             enable_prompt_embeds=self.enable_prompt_embeds,
+            limit_mm_per_prompt=dict(self.limit_mm_per_prompt or {}),
             enable_return_hidden_states=self.enable_return_hidden_states,
             served_model_name=self.served_model_name,
             skip_tokenizer_init=self.skip_tokenizer_init,

@@ -216,13 +216,64 @@ def segments_prompt(pieces: list[str | int], texts: Sequence[Any],
     return {"prompt_segments": segments, "add_special_tokens": False}
 
 
+IMAGE_PART_TYPE = "image_url"
+
+
+def image_placeholder(model_config: Any, tokenizer: Any) -> str | None:
+    """The text of an image model's image token ("<image>" for LLaVA), which an image_url
+    part becomes in the rendered prompt; None for a model without images."""
+    if not model_config.is_image_model or tokenizer is None:
+        return None
+    from vllm.multimodal.processing import image_token_id
+
+    return tokenizer.convert_ids_to_tokens(image_token_id(model_config.hf_config))
+
+
+def take_image_parts(messages: list[dict[str, Any]], image_token: str | None
+                     ) -> tuple[list[dict[str, Any]], list[bytes]]:
+    """Replaces every `{"type": "image_url", "image_url": {"url": "data:..."}}` part by a
+    text part holding the model's image placeholder (`image_token`, e.g. "<image>"), which
+    the engine expands to the image's run; returns the messages and the encoded images in
+    order. Raises ValueError for a model without images, a bad or remote URL."""
+    from vllm.multimodal.media import image_url_bytes
+
+    images: list[bytes] = []
+    result = []
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            result.append(message)
+            continue
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != IMAGE_PART_TYPE:
+                parts.append(part)
+                continue
+            if image_token is None:
+                raise ValueError(f"messages[{i}].content[{j}]: this model takes no images.")
+            image_url = part.get("image_url")
+            url = image_url.get("url") if isinstance(image_url, dict) else image_url
+            try:
+                images.append(image_url_bytes(url))
+            except ValueError as e:
+                raise ValueError(f"messages[{i}].content[{j}]: {e}") from None
+            parts.append({"type": "text", "text": image_token})
+        result.append({**message, "content": parts})
+    return result, images
+
+
 def chat_prompt(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
                 continue_final_message: bool, chat_template_kwargs: dict[str, Any] | None,
                 chat_template: str | None, max_model_len: int, hidden_size: int,
-                tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                tools: list[dict[str, Any]] | None = None,
+                image_token: str | None = None) -> dict[str, Any]:
     """The engine prompt of one conversation, offline (`LLM.chat`): its rendered text as
-    ids, or, with prompt_embeds parts, a `prompt_segments` prompt; raises ValueError."""
+    ids, with `image_url` parts its images (`multi_modal_data`), or, with prompt_embeds
+    parts, a `prompt_segments` prompt; raises ValueError."""
+    messages, images = take_image_parts(messages, image_token)
     parts = take_embeds_parts(messages)
+    if images and parts.data:
+        raise ValueError("A conversation cannot mix image_url and prompt_embeds parts.")
     try:
         text = render_chat(tokenizer, parts.messages, add_generation_prompt,
                            continue_final_message, chat_template_kwargs, chat_template,
@@ -230,8 +281,9 @@ def chat_prompt(tokenizer: Any, messages: list[dict[str, Any]], add_generation_p
     except OpenAIError as e:
         raise ValueError(str(e)) from None
     if not parts.data:
-        return {"prompt": text,
-                "prompt_token_ids": list(tokenizer.encode(text, add_special_tokens=False))}
+        prompt = {"prompt": text,
+                  "prompt_token_ids": list(tokenizer.encode(text, add_special_tokens=False))}
+        return {**prompt, "multi_modal_data": {"image": images}} if images else prompt
     pieces = split_at_placeholders(text, parts.placeholders)
     budget = prompt_embeds_byte_budget(max_model_len, hidden_size)
     rows = [_offline_rows(data, budget) for data in parts.data]

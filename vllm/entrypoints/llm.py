@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from vllm.beam_search import BeamSearchOutput, BeamSearchSequence
 from vllm.engine.arg_utils import EngineArgs
-from vllm.entrypoints.chat_utils import chat_prompt
+from vllm.entrypoints.chat_utils import chat_prompt, image_placeholder
 from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import (
@@ -134,8 +134,10 @@ class LLM:
         them. A content list may hold text parts and `{"type": "prompt_embeds", "data":
         tensor [n, hidden_size]}` parts (a tensor, or base64 of torch.save(tensor) as the
         server takes it) anywhere a text part may stand; their rows stand where the part
-        stood (see `vllm.entrypoints.chat_utils`). The rendered text is tokenized without
-        special tokens: the template writes its own.
+        stood (see `vllm.entrypoints.chat_utils`). An image model's content lists may hold
+        `{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}` parts: each
+        stands where the model's image placeholder would. The rendered text is tokenized
+        without special tokens: the template writes its own.
         """
         if add_generation_prompt and continue_final_message:
             raise ValueError("continue_final_message and add_generation_prompt cannot both "
@@ -147,9 +149,10 @@ class LLM:
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer (skip_tokenizer_init is set).")
         budget = self.llm_engine.vllm_config.model_config
+        image_token = image_placeholder(budget, tokenizer)
         prompts = [chat_prompt(tokenizer, conversation, add_generation_prompt,
                                continue_final_message, chat_template_kwargs, chat_template,
-                               budget.max_model_len, budget.hidden_size, tools)
+                               budget.max_model_len, budget.hidden_size, tools, image_token)
                    for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 

@@ -44,6 +44,18 @@ class EncoderInput:
     content_hash: bytes
 
 
+@dataclass(slots=True)
+class ImageInput:
+    """One image of a prompt, preprocessed by the `Processor`: the engine core's image stage
+    (`vllm/v1/engine/image_rows.py`) turns it into `num_tokens` prompt-embeds rows for the
+    placeholder run starting at prompt position `offset`."""
+
+    pixel_values: torch.Tensor  # [3, H, W] float32, CPU; raw tensor frames on the wire
+    offset: int
+    num_tokens: int
+    content_hash: bytes  # sha256 of the pixel values: the encoder cache's key
+
+
 class EmbedsLayout:
     """Which prompt positions take their input from prompt-embeds rows, and which row.
 
@@ -115,6 +127,9 @@ class EngineCoreRequest:
     # its files as the workers read them (set by the engine core; `files_fingerprint`).
     lora_request: LoRARequest | None = None
     lora_fingerprint: bytes = b""
+    # Images whose rows the engine core computes: their placeholder positions are False in
+    # `prompt_is_token_ids`, and `prompt_embeds` is None until the image stage fills it.
+    mm_inputs: list[ImageInput] | None = None
 
     @property
     def embeds_layout(self) -> EmbedsLayout | None:

@@ -132,6 +132,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "\"ngram\", \"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4}' or "
                         "'{\"method\": \"draft_model\", \"model\": PATH, "
                         "\"num_speculative_tokens\": 3}'")
+    engine.add_argument("--limit-mm-per-prompt", type=json_object_arg, default=None,
+                        help="most media items per prompt, a JSON object such as "
+                        "'{\"image\": 2}' (default: 999 of each)")
     engine.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     _add_parallel_args(engine)
 
@@ -255,6 +258,7 @@ def engine_args_from_namespace(args: argparse.Namespace) -> EngineArgs:
         max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras,
         speculative_config=args.speculative_config,
+        limit_mm_per_prompt=args.limit_mm_per_prompt,
     )
 
 

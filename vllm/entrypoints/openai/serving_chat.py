@@ -22,10 +22,12 @@ from typing import Any
 from vllm.entrypoints.chat_utils import (
     EmbedsParts,
     check_template_kwargs,
+    image_placeholder,
     render_chat,
     segments_prompt,
     split_at_placeholders,
     take_embeds_parts,
+    take_image_parts,
 )
 from vllm.entrypoints.errors import OpenAIError
 from vllm.entrypoints.openai.prompt_embeds import EmbedsLease
@@ -80,6 +82,7 @@ class OpenAIServingChat(OpenAIServing):
         mc = self.model_config
         # prompt_embeds parts: the server's intake, shared with /v1/completions.
         self.embeds = embeds or EmbedsIntake(self.options, mc.max_model_len, mc.hidden_size)
+        self.image_token = image_placeholder(mc, self.tokenizer)  # image_url parts become it
 
     async def render(self, request: ChatCompletionRequest,
                      messages: list[dict[str, Any]] | None = None) -> str:
@@ -106,16 +109,20 @@ class OpenAIServingChat(OpenAIServing):
         if request.logit_bias:
             raise OpenAIError("logit_bias is not supported.")
         try:
-            parts = take_embeds_parts(request.messages)
+            messages, images = take_image_parts(request.messages, self.image_token)
+            parts = take_embeds_parts(messages)
         except ValueError as e:
             raise OpenAIError(str(e)) from None
+        if images and parts.data:
+            raise OpenAIError("A conversation cannot mix image_url and prompt_embeds parts.")
         if parts.data and not self.model_config.enable_prompt_embeds:
             raise OpenAIError(EMBEDS_DISABLED)
         check_tool_request(request, self.options.tool_parser)
         lease = self.embeds.reserve(parts.data, max(1, request.n or 1))
-        return await self.embeds.leased(lease, self._create(request, parts, lease))
+        return await self.embeds.leased(lease, self._create(request, parts, lease, images))
 
-    async def _create(self, request: ChatCompletionRequest, parts: EmbedsParts, lease: EmbedsLease
+    async def _create(self, request: ChatCompletionRequest, parts: EmbedsParts,
+                      lease: EmbedsLease, images: list[bytes]
                       ) -> ChatCompletionResponse | AsyncGenerator[str, None]:
         num_logprobs = self._num_logprobs(request)
         text = await self.render(request, parts.messages)
@@ -125,6 +132,8 @@ class OpenAIServingChat(OpenAIServing):
         else:
             token_ids = await self.tokenize(text, request.add_special_tokens)
             prompt, num_tokens = {"prompt": text, "prompt_token_ids": token_ids}, len(token_ids)
+            if images:  # each placeholder becomes its image's run in the engine's processor
+                prompt["multi_modal_data"] = {"image": images}
         max_tokens = request.max_completion_tokens or request.max_tokens
         self.check_max_tokens(num_tokens, max_tokens)
         params = self._sampling_params(request, max_tokens, num_logprobs)

@@ -101,6 +101,18 @@ class FusedDecodeModel(VllmModel, Protocol):
         ...
 
 
+class ImageModel(VllmModel, Protocol):
+    """A model whose prompts take images (LLaVA): the engine core asks for their rows."""
+
+    def embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """Images [n, 3, H, W] -> rows [n, num_image_tokens, hidden_size]."""
+        ...
+
+
+def supports_images(model: VllmModel) -> TypeGuard[ImageModel]:
+    return callable(getattr(model, "embed_images", None))
+
+
 def is_encoder_decoder(model: VllmModel) -> TypeGuard[EncoderDecoderModel]:
     return callable(getattr(model, "encode", None)) and callable(
         getattr(model, "cross_attention_layers", None))

@@ -34,6 +34,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "OlmoeForCausalLM": ("olmoe", "OlmoeForCausalLM"),
     "BartForConditionalGeneration": ("bart", "BartForConditionalGeneration"),
     "WhisperForConditionalGeneration": ("whisper", "WhisperForConditionalGeneration"),
+    "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
 }
 
 # Architectures whose encoder input is audio -> log-mel frames per encoder position (the
@@ -43,11 +44,16 @@ _AUDIO_MODELS: dict[str, int] = {
     "WhisperForConditionalGeneration": 2,
 }
 
+# Architectures whose prompts take images (`multi_modal_data={"image": ...}`), read by the
+# front end without importing the model.
+_IMAGE_MODELS: tuple[str, ...] = ("LlavaForConditionalGeneration",)
+
 if TYPE_CHECKING:  # the type checker holds every registered class to `ModelClass`
     from vllm.model_executor.models.bart import BartForConditionalGeneration
     from vllm.model_executor.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
     from vllm.model_executor.models.granite import GraniteForCausalLM
     from vllm.model_executor.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+    from vllm.model_executor.models.llava import LlavaForConditionalGeneration
     from vllm.model_executor.models.mixtral import MixtralForCausalLM
     from vllm.model_executor.models.olmo2 import Olmo2ForCausalLM
     from vllm.model_executor.models.olmoe import OlmoeForCausalLM
@@ -61,7 +67,8 @@ if TYPE_CHECKING:  # the type checker holds every registered class to `ModelClas
         LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM,
         Olmo2ForCausalLM, GraniteForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM,
         Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, OlmoeForCausalLM,
-        BartForConditionalGeneration, WhisperForConditionalGeneration]
+        BartForConditionalGeneration, WhisperForConditionalGeneration,
+        LlavaForConditionalGeneration]
 
 
 def get_supported_archs() -> list[str]:
@@ -71,6 +78,10 @@ def get_supported_archs() -> list[str]:
 def audio_frames_per_encoder_token(architecture: str) -> int | None:
     """Mel frames per encoder position of an audio model; None for a model of text."""
     return _AUDIO_MODELS.get(architecture)
+
+
+def takes_images(architecture: str) -> bool:
+    return architecture in _IMAGE_MODELS
 
 
 def resolve_model_cls(architecture: str) -> type[nn.Module]:

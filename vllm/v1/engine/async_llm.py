@@ -172,10 +172,12 @@ class AsyncLLM:
                            arrival_time: float | None, engine_index: int | None,
                            lora_request: LoRARequest | None = None) -> RequestStream:
         core_id = f"{request_id}-{next(self._submissions)}"
-        if self.processor.is_audio_model:
-            # Log-mel features take tens of milliseconds per window: off the event loop.
+        if self.processor.is_audio_model or (isinstance(prompt, dict)
+                                             and prompt.get("multi_modal_data") is not None):
+            # Log-mel features and image decoding take tens of milliseconds: off the loop.
             request, parsed = await asyncio.to_thread(
-                self.processor.process_inputs, core_id, prompt, params, arrival_time)
+                self.processor.process_inputs, core_id, prompt, params, arrival_time,
+                lora_request)
         else:
             request, parsed = self.processor.process_inputs(core_id, prompt, params,
                                                             arrival_time, lora_request)

@@ -13,6 +13,7 @@ from vllm.utils import cdiv
 from vllm.v1.core.kv_cache_groups import blocks_needed
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
+from vllm.v1.engine.image_rows import ImageRows
 from vllm.v1.executor.abstract import Executor, ExecutorDeadError
 from vllm.v1.request import RequestStatus
 from vllm.v1.structured_output.manager import GrammarCompiler, StructuredOutputManager
@@ -48,6 +49,8 @@ class EngineCore:
                                    self.structured_output_manager)
         # adapter id -> the fingerprint of its files when the workers read them
         self._recent_loras: OrderedDict[int, bytes] = OrderedDict()
+        self.image_rows = (ImageRows(self.model_executor.embed_images)
+                           if vllm_config.model_config.is_image_model else None)
 
     def _initialize_kv_cache(self) -> None:
         """Sizes the KV cache from the workers' free memory and allocates it there; refuses
@@ -75,6 +78,11 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         if request.lora_request is not None:
             request.lora_fingerprint = self._preload_lora(request.lora_request)
+        if request.mm_inputs:
+            if self.image_rows is None:
+                raise ValueError(f"{self.vllm_config.model_config.architecture} takes no "
+                                 "images.")
+            self.image_rows.fill(request)  # from here on, a mixed ids/embeds prompt
         self.scheduler.add_request(request)
 
     def _preload_lora(self, lora_request: LoRARequest) -> bytes:
@@ -148,6 +156,7 @@ class EngineCore:
             "num_running_reqs": len(scheduler.running),
             "num_waiting_reqs": len(scheduler.waiting),
             "kv_cache_usage": scheduler.kv_cache_manager.usage,
+            **(self.image_rows.stats() if self.image_rows is not None else {}),
             **self.model_executor.get_state(),
         }
 

@@ -45,7 +45,9 @@ def prefix_block_hashes(request: EngineCoreRequest, block_size: int,
     """
     encoder_hash = request.encoder_input.content_hash if request.encoder_input else None
     lora = request.lora_request
-    parent = hash((request.cache_salt, encoder_hash,
+    # Images (rows not computed yet): their content hashes stand for their rows.
+    images = tuple((i.offset, i.content_hash) for i in request.mm_inputs or ())
+    parent = hash((request.cache_salt, encoder_hash, images,
                    None if lora is None else (lora.lora_int_id, lora.lora_path)))
     num_blocks = min(request.num_prompt_tokens // block_size, max_blocks)
     layout = request.embeds_layout

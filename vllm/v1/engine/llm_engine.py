@@ -47,9 +47,13 @@ class LLMEngine:
         request, parsed = self.processor.process_inputs(request_id, prompt, params,
                                                         arrival_time, lora_request)
         parent, requests = fan_out(request, params.n, params.output_kind)
-        for index, core_request in enumerate(requests):
-            register_request(self.output_processor, core_request, parsed, parent, index)
-            self.engine_core.add_request(core_request)
+        try:
+            for index, core_request in enumerate(requests):
+                register_request(self.output_processor, core_request, parsed, parent, index)
+                self.engine_core.add_request(core_request)  # an image model: the encoder runs
+        except BaseException:
+            self.abort_request([request_id])  # nothing of it stays behind
+            raise
 
     def abort_request(self, request_ids: list[str]) -> None:
         self.engine_core.abort_requests(self.output_processor.abort_requests(request_ids))

@@ -20,8 +20,10 @@ from vllm.inputs.encoder_decoder import (
 )
 from vllm.inputs.parse import ParsedPrompt, parse_prompt, validate_prompt_embeds
 from vllm.lora.request import LoRARequest
+from vllm.multimodal.processing import ImagePromptProcessor
 from vllm.sampling_params import MAX_LOGPROBS, SamplingParams
 from vllm.v1.engine import EncoderInput, EngineCoreRequest
+from vllm.v1.messages import ImageInput
 from vllm.v1.request import EMBEDS_PLACEHOLDER_TOKEN_ID
 from vllm.v1.structured_output.manager import GrammarCompiler
 
@@ -56,6 +58,8 @@ class Processor:
         self.feature_extractor = (
             load_feature_extractor(model_config.model, model_config.hf_config.num_mel_bins)
             if self.is_audio_model else None)
+        self.image_processor = (ImagePromptProcessor(model_config)
+                                if model_config.is_image_model else None)
 
     def process_inputs(self, request_id: str, prompt: Any, params: SamplingParams,
                        arrival_time: float | None = None,
@@ -68,7 +72,7 @@ class Processor:
         if self.model_config.is_encoder_decoder:
             parsed, encoder_input = self._process_encoder_decoder(prompt)
         else:
-            _reject_encoder_inputs(prompt, self.model_config)
+            _reject_encoder_inputs(prompt, self.model_config, self.image_processor is not None)
             parsed = parse_prompt(prompt)
         cache_salt = _cache_salt(prompt)
         if cache_salt is not None and encoder_input is not None:
@@ -84,8 +88,12 @@ class Processor:
             raise ValueError("return_hidden_states is set, but this engine does not keep "
                              "hidden states: create it with enable_return_hidden_states=True "
                              "(server: --enable-return-hidden-states).")
-        embeds = token_ids = is_token = None
-        if parsed.prompt_segments is not None:
+        embeds = token_ids = is_token = images = None
+        mm_data = (prompt.get("multi_modal_data")
+                   if self.image_processor is not None and isinstance(prompt, dict) else None)
+        if mm_data is not None:
+            token_ids, is_token, images = self._image_prompt(parsed, mm_data)
+        elif parsed.prompt_segments is not None:
             token_ids, embeds, is_token = self._segments(parsed.prompt_segments,
                                                          parsed.add_special_tokens)
         elif parsed.prompt_embeds is not None:
@@ -108,7 +116,10 @@ class Processor:
             cache_salt=cache_salt,
             prompt_is_token_ids=is_token,
             lora_request=lora_request,
+            mm_inputs=images,
         )
+        if images is not None:  # the text, and the ids with each image's run
+            return request, parsed._replace(prompt_token_ids=token_ids)
         if is_token is not None:  # a mixed prompt has no text nor ids to show
             return request, parsed._replace(prompt_segments=None)
         return request, parsed._replace(prompt_token_ids=token_ids, prompt_embeds=embeds)
@@ -177,6 +188,19 @@ class Processor:
                              f"{embeds.shape[0]} embeds rows) is longer than the maximum "
                              f"model length of {self.model_config.max_model_len}.")
         return ids, embeds, mask
+
+    def _image_prompt(self, parsed: ParsedPrompt, mm_data: Any
+                      ) -> tuple[list[int], torch.Tensor, list[ImageInput]]:
+        """A prompt with images: its ids with each placeholder expanded to the image's run,
+        the is_token mask (False on image positions) and the preprocessed images."""
+        assert self.image_processor is not None  # only image models take this path
+        if parsed.prompt_embeds is not None or parsed.prompt_segments is not None:
+            raise ValueError("multi_modal_data goes with a text prompt or prompt_token_ids, "
+                             "not with prompt_embeds or prompt_segments.")
+        token_ids = self._tokenize(parsed)
+        self._validate_token_ids(token_ids)
+        prompt = self.image_processor.process(token_ids, mm_data)
+        return prompt.token_ids, prompt.is_token, prompt.images
 
     def _leading_special_ids(self) -> list[int]:
         """The special tokens the tokenizer puts before a text prompt (BOS for Llama)."""
@@ -334,12 +358,15 @@ def _content_hash(tag: bytes, data: np.ndarray) -> bytes:
     return hashlib.sha256(tag + np.ascontiguousarray(data).tobytes()).digest()
 
 
-def _reject_encoder_inputs(prompt: Any, model_config: ModelConfig) -> None:
+def _reject_encoder_inputs(prompt: Any, model_config: ModelConfig, takes_images: bool) -> None:
     if isinstance(prompt, dict):
-        for key in ("encoder_prompt", "decoder_prompt", "multi_modal_data"):
+        keys = ("encoder_prompt", "decoder_prompt") + (() if takes_images
+                                                        else ("multi_modal_data",))
+        for key in keys:
             if prompt.get(key) is not None:
+                media = " and no media" if key == "multi_modal_data" else ""
                 raise ValueError(f"{key!r} given, but {model_config.architecture} is a "
-                                 "decoder-only model: it takes one prompt.")
+                                 f"decoder-only model: it takes one prompt{media}.")
 
 
 def _generation_config_eos_ids(model: str) -> list[int]:

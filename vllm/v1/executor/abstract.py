@@ -15,6 +15,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
+import torch
+
 from vllm.config import ParallelConfig, VllmConfig
 from vllm.lora.request import LoRARequest
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -68,6 +70,10 @@ class Executor(ABC):
         output = self.collective_rpc("execute_model", (scheduler_output,))[0]
         assert output is not None  # rank 0 returns the step's output
         return output
+
+    def embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """An image model's rows of images [n, 3, H, W] -> [n, num_tokens, hidden], CPU."""
+        return self.collective_rpc("embed_images", (pixel_values,))[0]
 
     def drop_requests(self, req_ids: list[str]) -> None:
         self.collective_rpc("drop_requests", (req_ids,))

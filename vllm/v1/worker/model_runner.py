@@ -24,6 +24,7 @@ from vllm.model_executor.models.interfaces import (
     VllmModel,
     is_encoder_decoder,
     supports_graph_capture,
+    supports_images,
 )
 from vllm.v1.attention.backends import get_attn_backend
 from vllm.v1.attention.backends.abstract import CommonAttentionMetadata
@@ -131,7 +132,7 @@ class ModelRunner:
             from vllm.lora.manager import LoRAModelManager
 
             self.lora_manager = LoRAModelManager(
-                model, lora_config, self.model_config.hf_config,
+                model, lora_config, self.model_config.hf_text_config,
                 self._max_step_tokens(model), self.device, self.dtype)
         if self.spec is not None:
             self.spec.load_model()
@@ -223,7 +224,7 @@ class ModelRunner:
             logger.info("CUDA graphs are off for sliding-window models: eager.")
             return
         model_config = self.model_config
-        self.graphs = CudaGraphs(model, sizes, model_config.enable_prompt_embeds,
+        self.graphs = CudaGraphs(model, sizes, model_config.uses_prompt_embeds,
                                  model_config.hidden_size, self.dtype, self.device,
                                  self.block_size, self.max_model_len, self.attn_backend,
                                  self._lora_state())
@@ -236,7 +237,7 @@ class ModelRunner:
         model's graphs."""
         model_config = self.model_config
         max_num_tokens = self.scheduler_config.max_num_batched_tokens
-        self.graphs = CompiledGraphs(model, sizes, model_config.enable_prompt_embeds,
+        self.graphs = CompiledGraphs(model, sizes, model_config.uses_prompt_embeds,
                                      model_config.hidden_size, self.dtype, self.device,
                                      max_num_tokens, self._lora_state())
         with torch.inference_mode():
@@ -347,6 +348,14 @@ class ModelRunner:
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         self.states.update(scheduler_output)
+
+    def embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """An image model's rows of images [n, 3, H, W] -> [n, num_tokens, hidden], CPU
+        (the engine core's image stage puts them into prompts as embeds rows)."""
+        model = self.model
+        assert model is not None and supports_images(model), "not an image model"
+        with torch.inference_mode():
+            return model.embed_images(pixel_values.to(self.device)).cpu()
 
     def drop_requests(self, req_ids: list[str]) -> None:
         """Forgets the batch rows of a failed step's requests (`RequestStates.drop`)."""

@@ -1,0 +1,244 @@
+"""LLaVA end to end on a tiny random checkpoint: greedy tokens equal to transformers (its
+own `LlavaProcessor` and model) with one and two images per prompt, under chunked prefill
+and prefix hits; the encoder cache; refusals that leave the engine serving."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.llava_reference import (
+    MAX_TOKENS,
+    chat_messages,
+    hf_chat_greedy,
+    hf_greedy,
+    load_reference,
+    random_image,
+)
+from tests.model_factory import TINY_IMAGE_SIZE, TINY_PATCH_SIZE, make_tiny_llava
+from vllm import LLM, SamplingParams
+from vllm.config import InputKind
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "USER: <image>\nWhat is this?\nASSISTANT:"
+TWO = "USER: <image> and <image>\nCompare them.\nASSISTANT:"
+IMAGE_TOKENS = (TINY_IMAGE_SIZE // TINY_PATCH_SIZE) ** 2
+
+
+def _greedy() -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory) -> str:
+    return make_tiny_llava(str(tmp_path_factory.mktemp("tiny_llava")))
+
+
+@pytest.fixture(scope="module")
+def llm(llava_dir):
+    # 24-token steps: a prompt with two images (32 image positions) is prefilled in chunks,
+    # and image runs cross chunk and block boundaries.
+    engine = LLM(llava_dir, dtype="float32", max_model_len=256, enforce_eager=True,
+                 kv_cache_memory_bytes=16 * 1024**2, block_size=16,
+                 max_num_batched_tokens=24, enable_chunked_prefill=True,
+                 enable_prefix_caching=True, limit_mm_per_prompt={"image": 2})
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def hf(llava_dir):
+    return load_reference(llava_dir)
+
+
+def _engine_state(llm: LLM) -> dict:
+    return llm.llm_engine.engine_core.get_state()
+
+
+def test_one_image_equals_transformers(llm, hf) -> None:
+    images = [random_image(1), random_image(2, (64, 30, 3)), random_image(3, (33, 33, 4))]
+    prompts = [{"prompt": PROMPT, "multi_modal_data": {"image": image}} for image in images]
+    outputs = llm.generate(prompts, _greedy(), use_tqdm=False)
+    tokens = []
+    for output, image in zip(outputs, images, strict=True):
+        prompt_ids, expected = hf_greedy(hf, PROMPT, [image])
+        assert output.prompt_token_ids == prompt_ids
+        assert list(output.outputs[0].token_ids) == expected
+        tokens.append(expected)
+    assert len({tuple(t) for t in tokens}) > 1  # the images matter to the output
+
+
+def test_two_images_equal_transformers(llm, hf) -> None:
+    pairs = [(random_image(4), random_image(5)), (random_image(5), random_image(4))]
+    prompts = [{"prompt": TWO, "multi_modal_data": {"image": list(pair)}} for pair in pairs]
+    outputs = llm.generate(prompts, _greedy(), use_tqdm=False)
+    for output, pair in zip(outputs, pairs, strict=True):
+        prompt_ids, expected = hf_greedy(hf, TWO, list(pair))
+        assert output.prompt_token_ids == prompt_ids
+        assert prompt_ids.count(hf[1].config.image_token_index) == 2 * IMAGE_TOKENS
+        assert list(output.outputs[0].token_ids) == expected
+
+
+def test_text_only_prompt_equals_transformers(llm, hf) -> None:
+    text = "USER: Describe a robot.\nASSISTANT:"
+    output = llm.generate(text, _greedy(), use_tqdm=False)[0]
+    assert list(output.outputs[0].token_ids) == hf_greedy(hf, text, [])[1]
+
+
+def test_same_image_hits_prefix_and_encoder_caches(llm, hf) -> None:
+    image = random_image(6, (90, 70, 3))
+    png = io.BytesIO()
+    Image.fromarray(image).save(png, format="PNG")
+    before = _engine_state(llm)
+    first = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": image}}, _greedy(),
+                         use_tqdm=False)[0]
+    # The same picture as PNG bytes: the same pixels, the same cache entries.
+    again = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": png.getvalue()}},
+                         _greedy(), use_tqdm=False)[0]
+    after = _engine_state(llm)
+    assert first.num_cached_tokens == 0
+    assert again.num_cached_tokens == (first.num_prompt_tokens - 1) // 16 * 16
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert list(first.outputs[0].token_ids) == hf_greedy(hf, PROMPT, [image])[1]
+    assert after["encoder_cache_misses"] - before["encoder_cache_misses"] == 1
+    assert after["encoder_cache_hits"] - before["encoder_cache_hits"] == 1
+
+
+def test_same_text_other_image_is_no_prefix_hit(llm, hf) -> None:
+    llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": random_image(7)}}, _greedy(),
+                 use_tqdm=False)
+    other = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": random_image(8)}},
+                         _greedy(), use_tqdm=False)[0]
+    # Only the text block before the image may be shared (the prompt starts with 4 text
+    # tokens: no full block), never the image's rows.
+    assert other.num_cached_tokens == 0
+    assert list(other.outputs[0].token_ids) == hf_greedy(hf, PROMPT, [random_image(8)])[1]
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ({"prompt": TWO, "multi_modal_data": {"image": [random_image(1)] * 3}},
+     r"At most 2 image\(s\) may be provided in one prompt, got 3 \(limit_mm_per_prompt\)"),
+    ({"prompt": TWO, "multi_modal_data": {"image": random_image(1)}},
+     r"2 image placeholder\(s\) .* but 1 image\(s\) were given"),
+    ({"prompt": "USER: no placeholder", "multi_modal_data": {"image": random_image(1)}},
+     r"0 image placeholder\(s\)"),
+    ({"prompt": PROMPT, "multi_modal_data": {"image": b"not an image"}}, "not an image"),
+    ({"prompt": PROMPT, "multi_modal_data": {"image": np.zeros((9000, 9000, 3), np.uint8)}},
+     "over the limit"),
+    ({"prompt": PROMPT, "multi_modal_data": {"audio": random_image(1)}}, "images only"),
+    ({"prompt": PROMPT, "multi_modal_data": [random_image(1)]}, "must be a dict"),
+])
+def test_bad_image_prompts_are_refused_and_the_engine_serves_on(llm, hf, prompt,
+                                                               message) -> None:
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompt, _greedy(), use_tqdm=False)
+    state = _engine_state(llm)
+    assert state["num_requests"] == 0 and state["num_runner_requests"] == 0
+    image = random_image(9)
+    output = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": image}},
+                          _greedy(), use_tqdm=False)[0]
+    assert list(output.outputs[0].token_ids) == hf_greedy(hf, PROMPT, [image])[1]
+
+
+def test_truncated_image_bytes_are_refused(llm) -> None:
+    png = io.BytesIO()
+    Image.fromarray(random_image(10, (64, 64, 3))).save(png, format="PNG")
+    data = png.getvalue()[:200]
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": data}}, _greedy(),
+                     use_tqdm=False)
+
+
+def test_chat_with_image_url_parts_equals_transformers(llm, hf) -> None:
+    images = [random_image(11), random_image(12, (50, 20, 3))]
+    output = llm.chat(chat_messages(images), _greedy(), use_tqdm=False)[0]
+    prompt_ids, expected = hf_chat_greedy(hf, images)
+    assert output.prompt_token_ids == prompt_ids
+    assert list(output.outputs[0].token_ids) == expected
+
+
+@pytest.mark.parametrize("url, message", [
+    ("https://example.com/cat.png", "Remote image URLs are not fetched"),
+    ("file:///etc/passwd", "not supported"),
+    ("data:image/png;base64,aGVsbG8=", "not an image"),
+])
+def test_chat_refuses_bad_image_urls(llm, url, message) -> None:
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "Hi"}, {"type": "image_url", "image_url": {"url": url}}]}]
+    with pytest.raises(ValueError, match=message):
+        llm.chat(messages, _greedy(), use_tqdm=False)
+
+
+# ---- engines of their own ----------------------------------------------------------------
+
+def _cases(n: int) -> list[tuple[str, list]]:
+    return [(TWO, [random_image(30 + i), random_image(40 + i)]) if i % 2 else
+            (PROMPT, [random_image(30 + i)]) for i in range(n)]
+
+
+def test_under_preemption_and_with_graphs(llava_dir, hf) -> None:
+    """Preemption (16 blocks of 8 for prompts of 41 and 61 tokens: a preempted request
+    keeps its rows and recomputes its KV), then compiled graphs (the embeds set, captured
+    for an image model without enable_prompt_embeds), both equal to transformers."""
+    cases = _cases(4)
+    prompts = [{"prompt": text, "multi_modal_data": {"image": images}}
+               for text, images in cases]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = [hf_greedy(hf, text, images, max_tokens=24)[1] for text, images in cases]
+    small = LLM(llava_dir, dtype="float32", max_model_len=96, enforce_eager=True,
+                num_gpu_blocks_override=16, block_size=8, enable_prefix_caching=False)
+    outputs = small.generate(prompts, params, use_tqdm=False)
+    assert small.llm_engine.engine_core.scheduler.num_preemptions > 0
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+    small.shutdown()
+    graphs = LLM(llava_dir, dtype="float32", max_model_len=96,
+                 kv_cache_memory_bytes=16 * 1024**2,
+                 compilation_config={"cudagraph_capture_sizes": [1, 4]})
+    outputs = graphs.generate(prompts, params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+    executor: Any = graphs.llm_engine.engine_core.model_executor  # uni: the runner in process
+    replays = executor.model_runner.graphs.replays
+    assert any(kind == InputKind.EMBEDS for kind, _ in replays)  # image rows in a graph
+    graphs.shutdown()
+
+
+@pytest.mark.parametrize("overrides", [
+    {"vision_feature_layer": [-3, -1], "vision_feature_select_strategy": "default"},
+    {"vision_feature_layer": 1, "vision_feature_select_strategy": "full"},
+])
+def test_feature_layers_and_strategies_equal_transformers(tmp_path, overrides) -> None:
+    path = make_tiny_llava(str(tmp_path), seed=1, **overrides)
+    reference = load_reference(path, overrides["vision_feature_select_strategy"])
+    llm = LLM(path, dtype="float32", max_model_len=128, enforce_eager=True,
+              kv_cache_memory_bytes=8 * 1024**2)
+    cases = _cases(2)
+    outputs = llm.generate([{"prompt": text, "multi_modal_data": {"image": images}}
+                            for text, images in cases], _greedy(), use_tqdm=False)
+    for output, (text, images) in zip(outputs, cases, strict=True):
+        prompt_ids, expected = hf_greedy(reference, text, images)
+        assert output.prompt_token_ids == prompt_ids
+        assert list(output.outputs[0].token_ids) == expected
+    llm.shutdown()
+
+
+def test_encoder_failure_fails_only_its_request(llm, hf, monkeypatch) -> None:
+    def broken(pixels):
+        raise RuntimeError("vision tower out of memory")
+
+    stage = llm.llm_engine.engine_core.image_rows
+    monkeypatch.setattr(stage, "embed_images", broken)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": random_image(50)}},
+                     _greedy(), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert _engine_state(llm)["num_requests"] == 0
+    monkeypatch.undo()
+    image = random_image(50)
+    output = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": image}},
+                          _greedy(), use_tqdm=False)[0]
+    assert list(output.outputs[0].token_ids) == hf_greedy(hf, PROMPT, [image])[1]

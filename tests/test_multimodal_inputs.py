@@ -1,0 +1,206 @@
+"""Image prompts without an engine: placeholder expansion, the engine core's image stage and
+its encoder cache, data: URLs (`vllm/multimodal/`, `vllm/v1/engine/image_rows.py`)."""
+
+from __future__ import annotations
+
+import base64
+import io
+from typing import Literal
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vllm.config import ModelConfig
+from vllm.multimodal.media import image_url_bytes
+from vllm.multimodal.processing import ImagePromptProcessor, num_image_tokens
+from vllm.v1.engine import EngineCoreRequest
+from vllm.v1.engine.image_rows import ImageRows
+from vllm.v1.messages import ImageInput
+
+IMAGE = 50  # the image token id of the configs below
+
+
+def _llava_config(strategy: Literal["default", "full"] = "default"):
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+
+    vision = CLIPVisionConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                              num_attention_heads=2, image_size=14, patch_size=7)
+    text = LlamaConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                       num_attention_heads=2, vocab_size=64)
+    return LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE,
+                       vision_feature_select_strategy=strategy,
+                       architectures=["LlavaForConditionalGeneration"])
+
+
+def _processor(tmp_path, limit: int | None = None, max_model_len: int = 64,
+               strategy: Literal["default", "full"] = "default") -> ImagePromptProcessor:
+    from transformers import CLIPImageProcessorPil
+
+    CLIPImageProcessorPil(size={"shortest_edge": 14},
+                          crop_size={"height": 14, "width": 14}).save_pretrained(tmp_path)
+    config = ModelConfig(model=str(tmp_path), tokenizer=str(tmp_path),
+                         hf_config=_llava_config(strategy), dtype=torch.float32,
+                         max_model_len=max_model_len,
+                         limit_mm_per_prompt={} if limit is None else {"image": limit})
+    return ImagePromptProcessor(config)
+
+
+def _image(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (20, 30, 3), dtype=np.uint8)
+
+
+def test_num_image_tokens_by_strategy() -> None:
+    assert num_image_tokens(_llava_config()) == 4  # (14 / 7)^2 patches
+    assert num_image_tokens(_llava_config("full")) == 5  # and the class token
+
+
+def test_placeholders_expand_to_runs(tmp_path) -> None:
+    processor = _processor(tmp_path)
+    prompt = processor.process([1, 7, IMAGE, 8, IMAGE, 9], {"image": [_image(0), _image(1)]})
+    assert prompt.token_ids == [1, 7] + [IMAGE] * 4 + [8] + [IMAGE] * 4 + [9]
+    assert prompt.is_token.tolist() == [True, True] + [False] * 4 + [True] + [False] * 4 + [True]
+    assert [(i.offset, i.num_tokens) for i in prompt.images] == [(2, 4), (7, 4)]
+    assert prompt.images[0].pixel_values.shape == (3, 14, 14)
+    assert prompt.images[0].content_hash != prompt.images[1].content_hash
+    # One picture as an array and as PNG bytes: the same pixels, the same key.
+    png = io.BytesIO()
+    Image.fromarray(_image(0)).save(png, format="PNG")
+    again = processor.process([IMAGE], {"image": png.getvalue()})
+    assert again.images[0].content_hash == prompt.images[0].content_hash
+
+
+@pytest.mark.parametrize("ids, data, message", [
+    ([IMAGE, IMAGE], {"image": [_image(0)] * 3}, r"At most 2 image\(s\) .* got 3"),
+    ([IMAGE, IMAGE], {"image": _image(0)}, r"2 image placeholder\(s\) .* 1 image\(s\)"),
+    ([1, 2], {"image": _image(0)}, r"0 image placeholder\(s\)"),
+    ([IMAGE], {"video": _image(0)}, "images only, not 'video'"),
+    ([IMAGE], {}, "has no 'image'"),
+    ([IMAGE], "picture", "must be a dict"),
+])
+def test_bad_image_prompts(tmp_path, ids, data, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        _processor(tmp_path, limit=2).process(ids, data)
+
+
+def test_siglip_tower_is_refused(tmp_path) -> None:
+    from transformers import LlavaConfig, SiglipVisionConfig
+
+    config = LlavaConfig(vision_config=SiglipVisionConfig(), image_token_index=IMAGE)
+    model_config = ModelConfig(model=str(tmp_path), tokenizer=str(tmp_path),
+                               hf_config=config, dtype=torch.float32, max_model_len=64)
+    with pytest.raises(ValueError, match="'siglip_vision_model' vision tower is not supported"):
+        ImagePromptProcessor(model_config)
+
+
+def test_expanded_prompt_must_fit_the_model(tmp_path) -> None:
+    with pytest.raises(ValueError, match=r"length 9, with 2 image\(s\) of 4 positions"):
+        _processor(tmp_path, max_model_len=8).process([1, IMAGE, IMAGE],
+                                                      {"image": [_image(0), _image(1)]})
+
+
+# ---- the engine core's image stage ------------------------------------------------------
+
+class _Encoder:
+    """Rows [n, 2, 3] made from each image's first pixel value; counts its calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
+        self.calls.append(pixels.shape[0])
+        return pixels[:, 0, 0, :1].reshape(-1, 1, 1).expand(-1, 2, 3).clone()
+
+
+def _input(value: float, offset: int = 1) -> ImageInput:
+    return ImageInput(torch.full((3, 2, 2), float(value)), offset, 2, bytes([int(value)]) * 32)
+
+
+def _request(*images: ImageInput) -> EngineCoreRequest:
+    from vllm import SamplingParams
+
+    n = 1 + 2 * len(images)
+    mask = torch.ones(n, dtype=torch.bool)
+    mask[1:] = False
+    return EngineCoreRequest("r", [1] + [IMAGE] * (n - 1), None, SamplingParams(), None,
+                             prompt_is_token_ids=mask, mm_inputs=list(images))
+
+
+def test_image_rows_fill_in_prompt_order_and_cache() -> None:
+    encoder = _Encoder()
+    stage = ImageRows(encoder)
+    request = _request(_input(5), _input(7, 3), _input(5, 5))
+    stage.fill(request)
+    assert request.mm_inputs is None
+    assert request.prompt_embeds is not None
+    assert request.prompt_embeds[:, 0].tolist() == [5, 5, 7, 7, 5, 5]
+    assert encoder.calls == [2]  # one call, each distinct image once
+    assert stage.stats() == {"encoder_cache_hits": 0, "encoder_cache_misses": 2,
+                             "encoder_cache_entries": 2, "encoder_cache_bytes": 48}
+    again = _request(_input(7))
+    stage.fill(again)
+    assert encoder.calls == [2] and stage.hits == 1
+    assert again.prompt_embeds is not None and again.prompt_embeds[:, 0].tolist() == [7, 7]
+
+
+def test_image_rows_cache_is_bounded_lru() -> None:
+    encoder = _Encoder()
+    stage = ImageRows(encoder, budget_bytes=48)  # two images' rows (2 x 3 float32 each)
+    for value in (1, 2, 1, 3):  # 1 is used again before 3 arrives: 2 is the oldest
+        stage.fill(_request(_input(value)))
+    assert stage.cached_bytes == 48 and stage.stats()["encoder_cache_entries"] == 2
+    stage.fill(_request(_input(1)))
+    assert stage.hits == 2
+    stage.fill(_request(_input(2)))  # evicted: computed again
+    assert stage.misses == 4
+    tiny = ImageRows(encoder, budget_bytes=10)  # rows larger than the budget: not kept
+    tiny.fill(_request(_input(1)))
+    assert tiny.stats()["encoder_cache_entries"] == 0 and tiny.cached_bytes == 0
+
+
+# ---- data: URLs ---------------------------------------------------------------------------
+
+def _png_url(media_type: str = "image/png") -> tuple[str, bytes]:
+    png = io.BytesIO()
+    Image.fromarray(_image(0)).save(png, format="PNG")
+    data = png.getvalue()
+    return f"data:{media_type};base64,{base64.b64encode(data).decode()}", data
+
+
+def test_data_url_decodes() -> None:
+    url, data = _png_url()
+    assert image_url_bytes(url) == data
+
+
+@pytest.mark.parametrize("url, message", [
+    ("https://example.com/cat.png", "Remote image URLs are not fetched"),
+    ("http://example.com/cat.png", "Remote image URLs are not fetched"),
+    ("file:///etc/passwd", "scheme 'file' are not supported"),
+    ("cat.png", "not supported"),
+    ("data:image/png,rawbytes", "must be base64"),
+    ("data:text/plain;base64,aGVsbG8=", "holds 'text/plain', not an image"),
+    ("data:image/png;base64,@@@@", "not valid base64"),
+    (None, "needs 'image_url'"),
+])
+def test_bad_image_urls(url, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        image_url_bytes(url)
+
+
+def test_data_url_size_cap() -> None:
+    url, data = _png_url()
+    with pytest.raises(ValueError, match="over the limit of 100 bytes"):
+        image_url_bytes(url, max_bytes=100)
+    assert image_url_bytes(url, max_bytes=len(data)) == data
+
+
+def test_lora_on_an_image_model_is_refused(tmp_path) -> None:
+    from vllm import EngineArgs
+
+    _processor(tmp_path)  # writes the image processor config
+    _llava_config().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="LoRA adapters are not supported on "
+                                         "LlavaForConditionalGeneration"):
+        EngineArgs(model=str(tmp_path), enable_lora=True, max_model_len=64,
+                   device="cpu").create_engine_config()
