@@ -10,8 +10,9 @@ Two kernels:
   file's Q5_0 q and k with a Q8_0 v) keeps each part in its own type.
 - `quant_gemv` (`GGUFLinear`) reads Q4_0, Q4_1 and Q8_0 repacked (below) for steps of at most
   `MAX_ROWS` tokens, and the fused Llama decoder reads the same buffers; larger steps take a
-  dense copy. Layers whose parts are all of one of those types (the default model's) take
-  it; the others take `gguf_mm`.
+  dense copy. Only the decoder layers of a model that decoder may run, where a layer's
+  parts are all of one of those types (the default model's), take it; every other layer,
+  the LM head and embedding tables take `gguf_mm` (`gguf_dequantize` for looked-up rows).
 
 `BlockCodes` (quant_gemv's reading of the three 32-weight types):
 
