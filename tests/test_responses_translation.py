@@ -33,6 +33,7 @@ from vllm.entrypoints.openai.serving_responses import (
     EventWriter,
     ResponseStore,
     assistant_turn,
+    chat_chunks,
     chat_request,
     finish,
     output_items,
@@ -280,3 +281,24 @@ def test_the_store_is_a_bounded_lru() -> None:
     assert list(small.entries) == ["y", "z"] and small.chars <= small.max_chars
     small.put(ResponseObject(id="huge", model="m"), [{"content": "x" * small.max_chars}])
     assert "huge" not in small.entries
+
+
+def test_chat_events_are_read_back_as_chunks() -> None:
+    """The chat route's SSE (what `/v1/chat/completions` streams) back into chunks; its
+    error event raises the error it carries."""
+    import asyncio
+
+    from vllm.entrypoints.openai.serving_engine import error_response, sse
+
+    async def read(events: list[str]) -> list[ChatCompletionStreamResponse]:
+        async def stream():
+            for event in events:
+                yield event
+        return [chunk async for chunk in chat_chunks(stream())]
+
+    chunks = [_chunk("Hi"), _chunk(usage=UsageInfo(prompt_tokens=1))]
+    assert asyncio.run(read([*map(sse, chunks), "data: [DONE]\n\n"])) == chunks
+    failed = sse(error_response(OpenAIError("engine failed", "InternalServerError", 500)))
+    with pytest.raises(OpenAIError) as info:
+        asyncio.run(read([sse(chunks[0]), failed]))
+    assert (info.value.message, info.value.status_code) == ("engine failed", 500)

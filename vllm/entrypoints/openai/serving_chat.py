@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import aclosing
 from typing import Any
 
 from vllm.entrypoints.chat_utils import (
@@ -103,16 +102,6 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create_chat_completion(self, request: ChatCompletionRequest
                                      ) -> ChatCompletionResponse | AsyncGenerator[str, None]:
-        result = await self.generate(request)
-        if isinstance(result, ChatCompletionResponse):
-            return result
-        return _sse_stream(result)
-
-    async def generate(self, request: ChatCompletionRequest
-                       ) -> ChatCompletionResponse | AsyncGenerator[ChatCompletionStreamResponse,
-                                                                    None]:
-        """The reply, or (stream=true) its chunks: what `/v1/chat/completions` sends and
-        what `/v1/responses` translates. A stream raises the error that ends it."""
         self.check_model(request.model)
         if request.logit_bias:
             raise OpenAIError("logit_bias is not supported.")
@@ -127,8 +116,7 @@ class OpenAIServingChat(OpenAIServing):
         return await self.embeds.leased(lease, self._create(request, parts, lease))
 
     async def _create(self, request: ChatCompletionRequest, parts: EmbedsParts, lease: EmbedsLease
-                      ) -> ChatCompletionResponse | AsyncGenerator[ChatCompletionStreamResponse,
-                                                                   None]:
+                      ) -> ChatCompletionResponse | AsyncGenerator[str, None]:
         num_logprobs = self._num_logprobs(request)
         text = await self.render(request, parts.messages)
         prompt: dict[str, Any]
@@ -240,53 +228,46 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str,
                       stream: RequestStream, tool_parser: ToolParser | None
-                      ) -> AsyncGenerator[ChatCompletionStreamResponse, None]:
+                      ) -> AsyncGenerator[str, None]:
         num_logprobs = self._num_logprobs(request)
         streamers = [ToolCallStreamer(tool_parser, _max_calls(request))
                      for _ in range(request.n)] if tool_parser is not None else None
 
         def chunk(choices: list[ChatCompletionResponseStreamChoice],
-                  usage: UsageInfo | None = None) -> ChatCompletionStreamResponse:
-            return ChatCompletionStreamResponse(
+                  usage: UsageInfo | None = None) -> str:
+            return sse(ChatCompletionStreamResponse(
                 id=request_id, model=self.response_model(request.model), choices=choices,
-                usage=usage)
+                usage=usage))
 
         usage = UsageInfo()
-        yield chunk([ChatCompletionResponseStreamChoice(
-            index=i, delta=DeltaMessage(role="assistant", content=""))
-            for i in range(request.n)])
-        async for output in self.engine.iterate(stream):
-            raise_if_failed(output)
-            usage.prompt_tokens = output.num_prompt_tokens
-            usage.prompt_tokens_details = cached_tokens_usage([output])
-            for c in output.outputs:
-                usage.completion_tokens += len(c.token_ids)
-                logprobs = _chat_logprobs(c, num_logprobs)
-                delta, finish_reason = DeltaMessage(content=c.text), c.finish_reason
-                if streamers is not None:
-                    streamer = streamers[c.index]
-                    delta = streamer.feed(c.text, c.finish_reason is not None)
-                    finish_reason = finish_reason_with_tools(finish_reason, streamer.called)
-                if not (delta.content or delta.tool_calls or logprobs or finish_reason):
-                    continue
-                yield chunk([ChatCompletionResponseStreamChoice(
-                    index=c.index, delta=delta, logprobs=logprobs,
-                    finish_reason=finish_reason, stop_reason=c.stop_reason)])
-        if request.include_usage_in_stream:
-            usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-            yield chunk([], usage)
-
-
-async def _sse_stream(chunks: AsyncGenerator[ChatCompletionStreamResponse, None]
-                      ) -> AsyncGenerator[str, None]:
-    """The chunks as server-sent events; an error after the 200 status is an error event."""
-    async with aclosing(chunks):
         try:
-            async for chunk in chunks:
-                yield sse(chunk)
+            yield chunk([ChatCompletionResponseStreamChoice(
+                index=i, delta=DeltaMessage(role="assistant", content=""))
+                for i in range(request.n)])
+            async for output in self.engine.iterate(stream):
+                raise_if_failed(output)
+                usage.prompt_tokens = output.num_prompt_tokens
+                usage.prompt_tokens_details = cached_tokens_usage([output])
+                for c in output.outputs:
+                    usage.completion_tokens += len(c.token_ids)
+                    logprobs = _chat_logprobs(c, num_logprobs)
+                    delta, finish_reason = DeltaMessage(content=c.text), c.finish_reason
+                    if streamers is not None:
+                        streamer = streamers[c.index]
+                        delta = streamer.feed(c.text, c.finish_reason is not None)
+                        finish_reason = finish_reason_with_tools(finish_reason,
+                                                                 streamer.called)
+                    if not (delta.content or delta.tool_calls or logprobs or finish_reason):
+                        continue
+                    yield chunk([ChatCompletionResponseStreamChoice(
+                        index=c.index, delta=delta, logprobs=logprobs,
+                        finish_reason=finish_reason, stop_reason=c.stop_reason)])
+            if request.include_usage_in_stream:
+                usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+                yield chunk([], usage)
         except Exception as e:
             yield sse(stream_error(e))
-    yield "data: [DONE]\n\n"
+        yield "data: [DONE]\n\n"
 
 
 def _max_calls(request: ChatCompletionRequest) -> int | None:

@@ -469,6 +469,20 @@ class EventWriter:
                 self.lifecycle("failed")]
 
 
+async def chat_chunks(chat_events: AsyncGenerator[str, None]
+                      ) -> AsyncGenerator[ChatCompletionStreamResponse, None]:
+    """The chat route's server-sent events read back as chunks; its error event raises."""
+    async for event in chat_events:
+        payload = event.removeprefix("data: ").rstrip()
+        if payload == "[DONE]":
+            return
+        body = json.loads(payload)
+        if "error" in body:
+            error = body["error"]
+            raise OpenAIError(error["message"], error["type"], error["code"])
+        yield ChatCompletionStreamResponse.model_validate(body)
+
+
 def sse_event(event: StreamEvent) -> str:
     """One server-sent event, named by its type as OpenAI sends them."""
     return f"event: {event.type}\ndata: {event.model_dump_json()}\n\n"
@@ -515,7 +529,7 @@ class OpenAIServingResponses:
     async def create_response(self, request: ResponsesRequest
                               ) -> ResponseObject | AsyncGenerator[str, None]:
         started = self.start(request)
-        result = await self.chat.generate(started.chat)
+        result = await self.chat.create_chat_completion(started.chat)
         if isinstance(result, ChatCompletionResponse):
             response = started.response
             response.output = output_items(result)
@@ -525,15 +539,14 @@ class OpenAIServingResponses:
             return response
         return self._stream(started, result)
 
-    async def _stream(self, started: StartedResponse,
-                      chunks: AsyncGenerator[ChatCompletionStreamResponse, None]
+    async def _stream(self, started: StartedResponse, chat_events: AsyncGenerator[str, None]
                       ) -> AsyncGenerator[str, None]:
         writer = EventWriter(started.response)
         yield sse_event(writer.lifecycle("created"))
         yield sse_event(writer.lifecycle("in_progress"))
-        async with aclosing(chunks):
+        async with aclosing(chat_events):
             try:
-                async for chunk in chunks:
+                async for chunk in chat_chunks(chat_events):
                     for event in writer.feed(chunk):
                         yield sse_event(event)
             except Exception as e:
