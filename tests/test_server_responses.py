@@ -126,7 +126,7 @@ def test_function_tool_round_trip(client: openai.OpenAI) -> None:
     assert second.usage.input_tokens == same.usage.prompt_tokens
     assert second.output_text == same.choices[0].message.content
 
-    events = _events(client, tools=[WEATHER], tool_choice="required")
+    events = _events(client, tools=[WEATHER], tool_choice="required", max_output_tokens=100)
     types = [e.type for e in events]
     assert "response.function_call_arguments.delta" in types and \
         types[-1] == "response.completed"
@@ -150,8 +150,9 @@ def test_text_format_json_schema(client: openai.OpenAI) -> None:
     assert response.status == "completed"
     jsonschema.validate(json.loads(response.output_text), schema)
     assert response.text.format.type == "json_schema"
-    anything = respond(client, max_output_tokens=60, text={"format": {"type": "json_object"}},
-                       input="Give a JSON object describing Paris.")
+    anything = respond(client, max_output_tokens=200, text={"format": {"type": "json_object"}},
+                       input="Give Paris's country as JSON, in one short line.")
+    assert anything.status == "completed", anything.output_text
     assert isinstance(json.loads(anything.output_text), dict)
 
 
