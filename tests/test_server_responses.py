@@ -224,17 +224,23 @@ def test_prompt_embeds_parts_give_the_reply_of_the_same_text(client: openai.Open
     assert by_rows.usage.input_tokens == by_text.usage.input_tokens
 
 
+def _agent(server: RemoteServer, **kwargs) -> Any:
+    """An Agents SDK agent on its Responses model, unchanged but for the client's
+    base_url: the weather tool required on its first turn."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel
+
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0,
+                                timeout=120)
+    return Agent(name="weather", instructions="Answer with the weather tool.",
+                 model=OpenAIResponsesModel(model=MODEL, openai_client=client),
+                 model_settings=ModelSettings(tool_choice="required", temperature=0.0,
+                                              max_tokens=60), **kwargs)
+
+
 def test_agents_sdk_runs_a_function_tool_on_the_responses_model(server: RemoteServer) -> None:
-    """The OpenAI Agents SDK, unchanged but for its client's base_url: its Responses model
-    calls the function tool (tool_choice "required") and the tool's result ends the run."""
-    from agents import (
-        Agent,
-        ModelSettings,
-        OpenAIResponsesModel,
-        RunConfig,
-        Runner,
-        function_tool,
-    )
+    """A strict function tool (the SDK's default) under tool_choice "required": the model
+    calls it with arguments the tool accepts, and the tool's result ends the run."""
+    from agents import RunConfig, Runner, function_tool
 
     seen: list[tuple[str, str]] = []
 
@@ -249,12 +255,24 @@ def test_agents_sdk_runs_a_function_tool_on_the_responses_model(server: RemoteSe
         seen.append((city, unit))
         return f"21 degrees {unit} in {city}"
 
-    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0,
-                                timeout=120)
-    agent = Agent(name="weather", instructions="Answer with the weather tool.",
-                  tools=[get_weather], tool_use_behavior="stop_on_first_tool",
-                  model=OpenAIResponsesModel(model=MODEL, openai_client=client),
-                  model_settings=ModelSettings(tool_choice="required", temperature=0.0,
-                                               max_tokens=60))
+    agent = _agent(server, tools=[get_weather], tool_use_behavior="stop_on_first_tool")
     result = Runner.run_sync(agent, ASK, run_config=RunConfig(tracing_disabled=True))
-    assert len(seen) == 1 and result.final_output == f"21 degrees {seen[0][1]} in {seen[0][0]}"
+    assert seen and result.final_output == f"21 degrees {seen[0][1]} in {seen[0][0]}"
+
+
+def test_agents_sdk_feeds_the_tool_result_back(server: RemoteServer) -> None:
+    """The SDK's own round trip: its function_call and function_call_output items (the
+    whole conversation as input) render into the second turn ("auto" once the tool was
+    used, so the tool is not strict), which answers in text."""
+    from agents import MessageOutputItem, RunConfig, Runner, ToolCallOutputItem, function_tool
+
+    @function_tool(strict_mode=False)
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        return f"21 degrees in {city}"
+
+    result = Runner.run_sync(_agent(server, tools=[get_weather]), ASK, max_turns=3,
+                             run_config=RunConfig(tracing_disabled=True))
+    kinds = [type(item) for item in result.new_items]
+    assert ToolCallOutputItem in kinds and kinds[-1] is MessageOutputItem
+    assert isinstance(result.final_output, str) and result.final_output
