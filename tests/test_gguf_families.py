@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -104,11 +105,25 @@ def _stack_experts(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _encode(weight: torch.Tensor, type_name: str):
+    """(blocks, GGML type) of `weight` in `type_name`: gguf-py's encoder, or the tests' own
+    for the K-quants it cannot encode."""
+    import gguf
+
+    from tests.gguf_encoders import encode_q4_k, encode_q6_k
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    own = {"Q4_K": encode_q4_k, "Q6_K": encode_q6_k}.get(type_name)
+    values = weight.float().numpy()
+    return (own(values) if own else gguf.quants.quantize(values, qtype)), qtype
+
+
 def _write_gguf(path: str, model_dir: str, arch: str, quantize_experts: bool = False,
-                layer_qtype: str | None = None) -> None:
+                layer_qtype: str | Callable[[str], str] | None = None) -> None:
     """`model_dir` as a llama.cpp-style GGUF, float32; with `layer_qtype` (a GGML type name,
-    e.g. "Q4_1") every layer matrix in that type and the embeddings and output in Q8_0, as
-    llama.cpp's quantized files (the default model's: Q4_1 and Q8_0)."""
+    e.g. "Q4_1", or a function of the GGUF tensor name giving one) every layer matrix in
+    that type and the embeddings and output in Q8_0, as llama.cpp's quantized files (the
+    default model's: Q4_1 and Q8_0; a Q4_K_M file's: Q4_K, Q6_K, Q5_0 and Q8_0)."""
     import gguf
     from safetensors.torch import load_file
 
@@ -172,16 +187,15 @@ def _write_gguf(path: str, model_dir: str, arch: str, quantize_experts: bool = F
         elif arch in _GEMMA and name.endswith("norm.weight"):
             weight = weight + 1  # Gemma's (1 + w) RMSNorm weights, stored with the one
         if name.startswith("blk.") and quantize_experts:
-            q8 = gguf.GGMLQuantizationType.Q8_0
-            writer.add_tensor(name, gguf.quants.quantize(weight.float().numpy(), q8),
-                              raw_dtype=q8)
+            blocks, qtype = _encode(weight, "Q8_0")
+            writer.add_tensor(name, blocks, raw_dtype=qtype)
             continue
         gguf_name = name if name.startswith("blk.") else _gguf_name(arch, name)
         if layer_qtype is not None and weight.ndim == 2:
             top = gguf_name.split(".")[0] in ("token_embd", "output")
-            qtype = gguf.GGMLQuantizationType["Q8_0" if top else layer_qtype]
-            writer.add_tensor(gguf_name, gguf.quants.quantize(weight.float().numpy(), qtype),
-                              raw_dtype=qtype)
+            chosen = layer_qtype if isinstance(layer_qtype, str) else layer_qtype(gguf_name)
+            blocks, qtype = _encode(weight, "Q8_0" if top else chosen)
+            writer.add_tensor(gguf_name, blocks, raw_dtype=qtype)
             continue
         writer.add_tensor(gguf_name, weight.float().numpy())
     writer.write_header_to_file()

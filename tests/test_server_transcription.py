@@ -542,6 +542,8 @@ def test_vllm_api_cases(client: openai.OpenAI, server: RemoteServer, offline: LL
             call()
     assert httpx.post(f"{server.url}/v1/completions", content=b"not json",
                       headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 404
+    messages = httpx.post(f"{server.url}/v1/messages", json={}, headers={"x-api-key": API_KEY})
+    assert messages.status_code == 404 and messages.json()["error"]["type"] == "not_found_error"
     clip = DATA / "train_station.wav"
     greedy = transcribe(client, clip, temperature=0.0).text
     one = transcribe(client, clip, extra_body={"max_completion_tokens": 1}).text

@@ -73,6 +73,18 @@ def _register_fakes() -> None:
     def _(x, codes, d, m, bits):
         return x.new_empty(x.shape[0], codes.shape[0])
 
+    @torch.library.register_fake("vllm_cpu::gguf_mm")
+    def _(x, w, type):
+        return x.new_empty(x.shape[0], w.shape[0])
+
+    @torch.library.register_fake("vllm_cpu::gguf_dequantize")
+    def _(blocks, type):
+        from vllm.model_executor.layers.quantization.gguf_blocks import block_layout
+
+        values, size = block_layout(type)
+        return blocks.new_empty(blocks.shape[0], blocks.shape[1] // size * values,
+                                dtype=torch.float32)
+
     @torch.library.register_fake("vllm_cpu::lora_delta")
     def _(x, indices, ranks, a, b, part_bounds):
         return x.new_empty(x.shape[0], part_bounds[-1])

@@ -20,6 +20,9 @@ torch::Tensor pack_block_codes(torch::Tensor codes, int64_t bits);
 torch::Tensor quant_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m,
                          int64_t bits);
 bool quant_gemv_available();
+torch::Tensor gguf_mm(torch::Tensor x, torch::Tensor w, int64_t type);
+torch::Tensor gguf_dequantize(torch::Tensor blocks, int64_t type);
+bool gguf_mm_available();
 torch::Tensor shm_all_reduce(torch::Tensor x, torch::Tensor segment, int64_t rank,
                              int64_t world, double timeout_s);
 torch::Tensor lora_delta(torch::Tensor x, torch::Tensor indices, torch::Tensor ranks,
@@ -50,6 +53,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Block codes [N, Kp] uint8 -> quant_gemv's pair layout");
   m.def("quant_gemv_available", &quant_gemv_available,
         "Whether quant_gemv was built (AVX-512 VNNI)");
+  m.def("gguf_mm_available", &gguf_mm_available,
+        "Whether gguf_mm was built (AVX2 with FMA and F16C)");
   m.def("shm_all_reduce", &shm_all_reduce,
         "Sum of the local ranks' tensors through a shared-memory segment (CPU)");
   m.def("lora_kernel_available", &lora_kernel_available,
@@ -59,11 +64,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
 TORCH_LIBRARY(vllm_cpu, m) {
   m.def("quant_gemv(Tensor x, Tensor codes, Tensor d, Tensor m, int bits) -> Tensor");
+  m.def("gguf_mm(Tensor x, Tensor w, int type) -> Tensor");
+  m.def("gguf_dequantize(Tensor blocks, int type) -> Tensor");
   m.def("lora_delta(Tensor x, Tensor indices, Tensor ranks, Tensor a, Tensor b, "
         "int[] part_bounds) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vllm_cpu, CPU, m) {
   m.impl("quant_gemv", &quant_gemv);
+  m.impl("gguf_mm", &gguf_mm);
+  m.impl("gguf_dequantize", &gguf_dequantize);
   m.impl("lora_delta", &lora_delta);
 }

@@ -26,6 +26,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import vllm
+from vllm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
+from vllm.entrypoints.anthropic.protocol import error_body as anthropic_error_body
+from vllm.entrypoints.anthropic.serving_messages import (
+    AnthropicServingMessages,
+    is_messages_path,
+)
 from vllm.entrypoints.chat_utils import render_chat
 from vllm.entrypoints.errors import OpenAIError
 from vllm.entrypoints.openai.protocol import (
@@ -99,9 +105,15 @@ class ServerState:
         return limit + 2**20
 
 
-def error_json(message: str, err_type: str, status: int) -> JSONResponse:
-    return JSONResponse(error_response(OpenAIError(message, err_type, status)).model_dump(),
-                        status_code=status)
+def error_json(message: str, err_type: str, status: int, path: str = "",
+               headers: dict[str, str] | None = None) -> JSONResponse:
+    """The error body of the API `path` belongs to: Anthropic's form under /v1/messages,
+    else OpenAI's."""
+    if is_messages_path(path):
+        body = anthropic_error_body(message, status).model_dump()
+    else:
+        body = error_response(OpenAIError(message, err_type, status)).model_dump()
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _dev_mode() -> bool:
@@ -111,20 +123,25 @@ def _dev_mode() -> bool:
 
 
 class ApiKeyMiddleware:
-    """Answers 401 to `/v1/*` requests without `Authorization: Bearer <api key>` (pure ASGI,
-    so streaming and disconnects pass through untouched)."""
+    """Answers 401 to `/v1/*` requests without `Authorization: Bearer <api key>` or
+    Anthropic's `x-api-key: <api key>` (pure ASGI, so streaming and disconnects pass through
+    untouched)."""
 
     def __init__(self, app: Any, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.key = api_key.encode()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1") \
                 and scope["method"] != "OPTIONS":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            headers = dict(scope["headers"])
+            bearer_ok = hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
+            key_ok = hmac.compare_digest(headers.get(b"x-api-key", b""), self.key)
+            if not (bearer_ok or key_ok):
                 response = error_json("Unauthorized: a valid API key is required.",
-                                      "AuthenticationError", HTTPStatus.UNAUTHORIZED)
+                                      "AuthenticationError", HTTPStatus.UNAUTHORIZED,
+                                      scope["path"])
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -145,7 +162,8 @@ class BodySizeLimitMiddleware:
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             response = error_json(f"Request body is larger than {self.max_bytes} bytes.",
-                                  "BadRequestError", HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+                                  "BadRequestError", HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                                  scope["path"])
             await response(scope, receive, send)
             return
         seen = 0
@@ -195,12 +213,12 @@ def _respond(result: Any) -> Response:
 
 def _add_exception_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
-    async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-        return JSONResponse(error_response(exc).model_dump(), status_code=exc.status_code,
-                            headers=exc.headers)
+    async def openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return error_json(exc.message, exc.err_type, exc.status_code, request.url.path,
+                          exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         parts = []
         for err in exc.errors()[:5]:
             where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
@@ -209,17 +227,19 @@ def _add_exception_handlers(app: FastAPI) -> None:
                 message = "this server does not support this field"
             parts.append(f"{where}: {message}" if where else str(message))
         return error_json("; ".join(parts) or "Invalid request.", "BadRequestError",
-                          HTTPStatus.BAD_REQUEST)
+                          HTTPStatus.BAD_REQUEST, request.url.path)
 
     @app.exception_handler(EngineDeadError)
-    async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_json(str(exc), "InternalServerError", HTTPStatus.INTERNAL_SERVER_ERROR)
+    async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_json(str(exc), "InternalServerError", HTTPStatus.INTERNAL_SERVER_ERROR,
+                          request.url.path)
 
     @app.exception_handler(Exception)
-    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("Unhandled error in a request.")
         return error_json(f"Internal server error: {type(exc).__name__}: {exc}",
-                          "InternalServerError", HTTPStatus.INTERNAL_SERVER_ERROR)
+                          "InternalServerError", HTTPStatus.INTERNAL_SERVER_ERROR,
+                          request.url.path)
 
 
 def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
@@ -363,6 +383,16 @@ def _add_text_routes(app: FastAPI, state: ServerState) -> None:
         return _respond(await with_cancellation(
             state.chat.create_chat_completion(request), raw_request))
 
+    messages = AnthropicServingMessages(state.chat)
+
+    @app.post("/v1/messages")
+    async def create_message(request: MessagesRequest, raw_request: Request) -> Response:
+        return _respond(await with_cancellation(messages.create_message(request), raw_request))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(request: CountTokensRequest) -> Response:
+        return _respond(await messages.count_tokens(request))
+
     _add_responses_routes(app, OpenAIServingResponses(state.chat))
 
 
@@ -385,19 +415,20 @@ def _add_responses_routes(app: FastAPI, responses: OpenAIServingResponses) -> No
 
 def _add_missing_text_routes(app: FastAPI, state: ServerState) -> None:
     """A speech-to-text model has no text endpoints: vLLM answers 404 there (whatever the
-    body); so does this server, in the OpenAI error form and saying where to go instead."""
+    body); so does this server, in each API's error form and saying where to go instead."""
     for path, api in (("/v1/completions", "Completions"),
                       ("/v1/chat/completions", "Chat Completions"),
+                      ("/v1/messages", "Messages"), ("/v1/messages/count_tokens", "Messages"),
                       ("/v1/responses", "Responses")):
         app.add_api_route(path, _not_found(
             f"The model `{state.served_model_names[0]}` does not support the {api} API: it "
             "is a speech-to-text model; use /v1/audio/transcriptions or "
-            "/v1/audio/translations."), methods=["POST"], include_in_schema=False)
+            "/v1/audio/translations.", path), methods=["POST"], include_in_schema=False)
 
 
-def _not_found(message: str) -> Callable[[], Awaitable[Response]]:
+def _not_found(message: str, path: str) -> Callable[[], Awaitable[Response]]:
     async def not_found() -> Response:
-        return error_json(message, "NotFoundError", HTTPStatus.NOT_FOUND)
+        return error_json(message, "NotFoundError", HTTPStatus.NOT_FOUND, path)
 
     return not_found
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from fastapi import UploadFile
 from pydantic import BaseModel, ConfigDict, Field
@@ -95,6 +95,9 @@ class ResponseFormat(OpenAIBaseModel):
 
 class SamplingRequest(OpenAIBaseModel):
     """Fields shared by completions and chat, mapped onto `SamplingParams`."""
+
+    # The endpoint's stream can carry the usage on every chunk (continuous_usage_stats).
+    continuous_usage: ClassVar[bool] = False
 
     model: str | None = None
     frequency_penalty: float | None = 0.0
@@ -206,8 +209,9 @@ class SamplingRequest(OpenAIBaseModel):
         if self.stream_options is not None:
             if not self.stream:
                 raise ValueError("stream_options can only be given with stream=true.")
-            if self.stream_options.continuous_usage_stats:
-                raise ValueError("stream_options.continuous_usage_stats is not supported.")
+            if self.stream_options.continuous_usage_stats and not self.continuous_usage:
+                raise ValueError("stream_options.continuous_usage_stats is supported only on "
+                                 "/v1/chat/completions.")
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The request's one output constraint, from whichever field spelled it.
@@ -338,6 +342,8 @@ ToolChoice = Literal["none", "auto", "required"] | ChatCompletionNamedToolChoice
 
 
 class ChatCompletionRequest(SamplingRequest):
+    continuous_usage: ClassVar[bool] = True
+
     messages: list[dict[str, Any]]
     tools: list[ChatCompletionToolsParam] | None = None
     # Default: "auto" when tools are given, else "none" (OpenAI's rule).

@@ -137,7 +137,7 @@ class OpenAIServingChat(OpenAIServing):
         stream = (await self.add_requests(request_id, [prompt], params,
                                           self.check_model(request.model)))[0]
         if request.stream:
-            return self._stream(request, request_id, stream, tool_parser)
+            return self._stream(request, request_id, stream, tool_parser, num_tokens)
         output = (await self.final_outputs([stream]))[0]
         choices = [self._choice(c, num_logprobs, tool_parser, _max_calls(request))
                    for c in output.outputs]
@@ -227,19 +227,27 @@ class OpenAIServingChat(OpenAIServing):
         return request.top_logprobs or 0
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str,
-                      stream: RequestStream, tool_parser: ToolParser | None
-                      ) -> AsyncGenerator[str, None]:
+                      stream: RequestStream, tool_parser: ToolParser | None,
+                      num_prompt_tokens: int) -> AsyncGenerator[str, None]:
+        """The chunks of a streamed reply; with `stream_options.continuous_usage_stats`
+        every chunk carries the usage so far (the first, before any token: the prompt's)."""
         num_logprobs = self._num_logprobs(request)
+        continuous = bool(request.stream_options
+                          and request.stream_options.continuous_usage_stats)
         streamers = [ToolCallStreamer(tool_parser, _max_calls(request))
                      for _ in range(request.n)] if tool_parser is not None else None
 
-        def chunk(choices: list[ChatCompletionResponseStreamChoice],
-                  usage: UsageInfo | None = None) -> str:
+        def chunk(choices: list[ChatCompletionResponseStreamChoice], last: bool = False
+                  ) -> str:
+            usage_now = None
+            if last or continuous:
+                usage_now = usage.model_copy()
+                usage_now.total_tokens = usage.prompt_tokens + usage.completion_tokens
             return sse(ChatCompletionStreamResponse(
                 id=request_id, model=self.response_model(request.model), choices=choices,
-                usage=usage))
+                usage=usage_now))
 
-        usage = UsageInfo()
+        usage = UsageInfo(prompt_tokens=num_prompt_tokens)
         try:
             yield chunk([ChatCompletionResponseStreamChoice(
                 index=i, delta=DeltaMessage(role="assistant", content=""))
@@ -263,8 +271,7 @@ class OpenAIServingChat(OpenAIServing):
                         index=c.index, delta=delta, logprobs=logprobs,
                         finish_reason=finish_reason, stop_reason=c.stop_reason)])
             if request.include_usage_in_stream:
-                usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-                yield chunk([], usage)
+                yield chunk([], last=True)
         except Exception as e:
             yield sse(stream_error(e))
         yield "data: [DONE]\n\n"

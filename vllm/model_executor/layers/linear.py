@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 
 class Narrowable(Protocol):
-    """A full weight as the checkpoint has it: a tensor, or GGUF `BlockCodes`."""
+    """A full weight as the checkpoint has it: a tensor, or GGUF `BlockCodes` / `GGUFBlocks`."""
 
     @property
     def shape(self) -> tuple[int, ...] | torch.Size: ...
@@ -121,8 +121,12 @@ class LinearBase(nn.Module):
             rows.copy_(piece)
 
     def add_block_codes(self, codes: Narrowable, shard_id: int | str | None) -> None:
-        """GGUF block codes of the (part of the) weight, sliced as the weight is."""
-        self._codes.append(self.shard(codes, shard_id, is_bias=False))
+        """GGUF block codes of the (part of the) weight, sliced as the weight is (None where
+        this rank's slice would split a block: the weight then stays dense)."""
+        try:
+            self._codes.append(self.shard(codes, shard_id, is_bias=False))
+        except ValueError:
+            self._codes.append((0, None))
 
     # ---- after loading: how to multiply --------------------------------------------
 
@@ -131,10 +135,12 @@ class LinearBase(nn.Module):
         """The bias a kernel may fuse (a row-parallel layer adds it after the reduce)."""
         return self.bias
 
-    def process_weights_after_loading(self, quantization: str | None, pack: bool) -> str:
+    def process_weights_after_loading(self, quantization: str | None, pack: bool,
+                                      repack_for_fused_decode: bool = False) -> str:
         """Picks the kernel: GGUF codes where loaded and a kernel takes them, int8 when
         asked, oneDNN-packed bfloat16 when `pack`; returns its name ("dense" for
-        `F.linear`)."""
+        `F.linear`). `repack_for_fused_decode`: the model is one the fused decoder may run,
+        which reads Q4_0 / Q4_1 / Q8_0 weights in quant_gemv's layout."""
         from vllm.model_executor.layers.packed_linear import PackedLinear
 
         assert self.weight is not None
@@ -147,20 +153,56 @@ class LinearBase(nn.Module):
             return "int8"
         dense: nn.Module | None = PackedLinear(view) if pack else None
         if codes and quantization == "gguf":
-            from vllm.model_executor.layers.quantization.gguf_blocks import (
-                BlockCodes,
-                GGUFLinear,
-            )
-
-            fused = BlockCodes.concat([c for _, c in sorted(codes, key=lambda p: p[0])])
-            if fused is not None and tuple(fused.shape) == tuple(self.weight.shape):
-                try:
-                    self.kernel = GGUFLinear(view, fused, dense=dense or DenseLinear(view))
-                    return f"gguf {fused.bits}-bit {self.kernel.kernel}"
-                except ValueError as e:
-                    logger.info("GGUF weight of %s stays dense: %s", type(self).__name__, e)
+            kernel = self._gguf_kernel([c for _, c in sorted(codes, key=lambda p: p[0])],
+                                       view, dense, repack_for_fused_decode)
+            if kernel is not None:
+                return kernel
         self.kernel = dense
         return "packed" if dense is not None else "dense"
+
+    def _gguf_kernel(self, parts: list[Any], view, dense: nn.Module | None,
+                     repack_for_fused_decode: bool) -> str | None:
+        """Sets the kernel of GGUF `parts` (this rank's, in row order) and returns its name,
+        or None where the weight stays dense (the reason logged). Every part is read in its
+        own type by `gguf_mm`, except in a model the fused decoder may run whose parts are
+        all of one quant_gemv type (the default model's): quant_gemv's layout, which that
+        decoder reads."""
+        from vllm.model_executor.layers.quantization.gguf_blocks import (
+            BlockCodes,
+            GGUFBlockLinear,
+            GGUFBlocks,
+            GGUFLinear,
+            gguf_mm_available,
+        )
+
+        assert self.weight is not None
+        if any(p is None for p in parts):
+            logger.info("GGUF weight of %s stays dense: a tensor-parallel slice splits its "
+                        "blocks", type(self).__name__)
+            return None
+        if sum(p.shape[0] for p in parts) != self.weight.shape[0]:
+            return None  # a part the file does not quantize: the weight stays dense
+        blocks = [p for p in parts if isinstance(p, GGUFBlocks)]
+        bits = {p.legacy_bits for p in blocks}
+        repack = repack_for_fused_decode and len(bits) == 1 and None not in bits
+        if len(blocks) == len(parts) and not repack:
+            if not gguf_mm_available():
+                logger.info("GGUF %s weight of %s stays dense: gguf_mm was not built here",
+                            "+".join(p.type_name for p in blocks), type(self).__name__)
+                return None
+            self.kernel = GGUFBlockLinear(blocks, self.kernel_bias)
+            self.weight = None  # the blocks replace it
+            return f"gguf {'+'.join(sorted(set(p.type_name for p in blocks)))} gguf_mm"
+        codes = [p.to_block_codes() if isinstance(p, GGUFBlocks) else p for p in parts]
+        fused = BlockCodes.concat(codes)
+        if fused is None or tuple(fused.shape) != tuple(self.weight.shape):
+            return None
+        try:
+            self.kernel = GGUFLinear(view, fused, dense=dense or DenseLinear(view))
+        except ValueError as e:
+            logger.info("GGUF weight of %s stays dense: %s", type(self).__name__, e)
+            return None
+        return f"gguf {fused.bits}-bit {self.kernel.kernel}"
 
     quantizable = True  # int8 applies (the vocabulary projection says no)
 

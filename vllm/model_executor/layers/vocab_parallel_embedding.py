@@ -65,16 +65,34 @@ class VocabParallelEmbedding(nn.Module):
         self.tp_size = self.vocab.tp_size
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
-        self.weight = set_weight_loader(
+        self.weight: nn.Parameter | None = set_weight_loader(
             nn.Parameter(torch.zeros(self.vocab.per_rank, embedding_dim), requires_grad=False),
             self.vocab.load)
+        # A tied GGUF LM head's blocks (`read_blocks`): rows dequantized as they are looked
+        # up, the dense table dropped.
+        self.blocks: torch.Tensor | None = None
+        self.block_type = 0
+        self.dtype = self.weight.dtype
+
+    def read_blocks(self, blocks: torch.Tensor, block_type: int) -> None:
+        """Looks rows up in GGUF `blocks` (uint8 [rows of this rank, bytes a row], ggml type
+        `block_type`, shared with the tied LM head's kernel) instead of the dense table."""
+        self.blocks, self.block_type = blocks, block_type
+        self.weight = None
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.blocks is None:
+            assert self.weight is not None
+            return F.embedding(ids, self.weight)
+        flat = torch.ops.vllm_cpu.gguf_dequantize(self.blocks[ids.reshape(-1)], self.block_type)
+        return flat.to(self.dtype).view(*ids.shape, self.embedding_dim)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._rows(input_ids)
         local = input_ids - self.vocab.start
         outside = (local < 0) | (local >= self.vocab.per_rank)
-        rows = F.embedding(local.masked_fill(outside, 0), self.weight)
+        rows = self._rows(local.masked_fill(outside, 0))
         return tensor_model_parallel_all_reduce(rows.masked_fill(outside.unsqueeze(-1), 0))
 
     def extra_repr(self) -> str:
@@ -95,8 +113,20 @@ class ParallelLMHead(LinearBase):
         self.vocab = VocabShard(num_embeddings)
         super().__init__(embedding_dim, self.vocab.per_rank, bias)
         self.num_embeddings = num_embeddings
+        # In a list: an attribute would register the embedding as this module's child.
+        self._tied_to = [tied_to] if tied_to is not None else []
         if tied_to is not None:
             self.weight = tied_to.weight  # one parameter, two uses
+
+    def _gguf_kernel(self, parts, view, dense, repack_for_fused_decode):
+        kernel = super()._gguf_kernel(parts, view, dense, repack_for_fused_decode)
+        from vllm.model_executor.layers.quantization.gguf_blocks import GGUFBlockLinear
+
+        if (self._tied_to and isinstance(self.kernel, GGUFBlockLinear)
+                and len(self.kernel.types) == 1):
+            # The embedding reads the same blocks: neither keeps the dense table.
+            self._tied_to[0].read_blocks(self.kernel.weights[0], self.kernel.types[0])
+        return kernel
 
     def shard(self, loaded, shard_id, is_bias):
         return 0, self.vocab.rows(loaded, shard_id)

@@ -15,6 +15,7 @@ does a safetensors checkpoint's. Mixtral is llama.cpp's `llama` with `llama.expe
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import re
 from typing import Any
@@ -23,6 +24,8 @@ import numpy as np
 import torch
 
 from vllm.model_executor.model_loader.gguf_file import GGUFFile, GGUFTensor
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
@@ -452,30 +455,49 @@ def load_gguf_state_dict(path: str, dtype: torch.dtype) -> dict[str, torch.Tenso
 
 
 def load_gguf_block_codes(path: str) -> dict[str, Any]:
-    """HF name -> `BlockCodes` of every Q4_0 / Q4_1 / Q8_0 tensor, rows in HF order."""
+    """HF name -> `GGUFBlocks` of every block-quantized tensor a kernel reads in place
+    (`GGUF_MM_TYPES`), rows in HF order. Logs which types stay quantized and which are
+    widened to the model's dtype, and why."""
     from vllm.model_executor.layers.quantization.gguf_blocks import (
         BLOCK_TYPES,
-        read_block_codes,
+        GGUF_MM_TYPES,
+        GGUFBlocks,
     )
 
     config = load_gguf_config(path)
     codes = {}
+    kept: dict[str, int] = {}
+    widened: dict[str, int] = {}
     for tensor in GGUFFile(path).tensors:
         name = hf_tensor_name(tensor.name, config["model_type"])
-        if name is None or tensor.tensor_type.name not in BLOCK_TYPES:
+        type_name = tensor.tensor_type.name
+        if name is None or type_name in ("F32", "F16", "BF16"):
+            continue
+        if type_name not in GGUF_MM_TYPES:
+            widened[f"{type_name} (no kernel reads it)"] = widened.get(
+                f"{type_name} (no kernel reads it)", 0) + 1
             continue
         if ".experts." in name:
-            raise ValueError(
-                f"quantization='gguf' cannot keep the {tensor.tensor_type.name} blocks of the "
-                f"experts tensor {tensor.name!r} (experts run dense or int8); load this file "
-                "without quantization='gguf' to dequantize its weights")
+            if type_name in BLOCK_TYPES:
+                raise ValueError(
+                    f"quantization='gguf' cannot keep the {type_name} blocks of the experts "
+                    f"tensor {tensor.name!r} (experts run dense or int8); load this file "
+                    "without quantization='gguf' to dequantize its weights")
+            key = f"{type_name} (experts run dense)"
+            widened[key] = widened.get(key, 0) + 1
+            continue
         k = int(tensor.shape[0])
-        c = read_block_codes(np.asarray(tensor.data), tensor.tensor_type.name, k)
+        blocks = GGUFBlocks(np.asarray(tensor.data).reshape(-1, tensor.data.shape[-1]),
+                            type_name, k)
         num_heads = _rotary_heads(name, config)
         if num_heads is not None:
-            rows = torch.arange(c.u.shape[0])[:, None]
-            c = c.permute_rows(unpermute_rotary_rows(rows, num_heads)[:, 0].numpy())
-        codes[name] = c
+            rows = torch.arange(blocks.shape[0])[:, None]
+            blocks = blocks.permute_rows(unpermute_rotary_rows(rows, num_heads)[:, 0].numpy())
+        codes[name] = blocks
+        kept[type_name] = kept.get(type_name, 0) + 1
+    logger.info("GGUF tensors kept in their block types: %s; widened: %s.",
+                ", ".join(f"{n} {t}" for t, n in sorted(kept.items())) or "none",
+                ", ".join(f"{n} {t}" for t, n in sorted(widened.items())) or "none")
     return codes
 
 

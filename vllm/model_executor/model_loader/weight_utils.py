@@ -77,7 +77,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any]],
     `mapping` (the model's `packed_modules_mapping`); returns the names of the parameters
     and buffers filled. A name containing one of `skip` is left out; `rename` maps names
     (after the `model.` prefix is stripped) first, None to skip."""
-    from vllm.model_executor.layers.quantization.gguf_blocks import BlockCodes
+    from vllm.model_executor.layers.quantization.gguf_blocks import BlockCodes, GGUFBlocks
 
     targets: dict[str, torch.Tensor] = dict(model.named_parameters())
     targets.update(model.named_buffers())
@@ -94,12 +94,12 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any]],
             continue
         target, shard_id = resolved
         if target not in targets:
-            if isinstance(value, BlockCodes):
+            if isinstance(value, BlockCodes | GGUFBlocks):
                 continue  # codes of a weight the model does not keep (a skipped copy)
             raise ValueError(f"Checkpoint tensor {name!r} has no place in the model.")
         param = targets[target]
         try:
-            if isinstance(value, BlockCodes):
+            if isinstance(value, BlockCodes | GGUFBlocks):
                 if isinstance(shard_id, tuple):
                     raise ValueError("GGUF block codes of experts are not supported")
                 for layer in users.get(id(param), []):
@@ -116,10 +116,18 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any]],
 def process_weights_after_loading(model: nn.Module, quantization: str | None,
                                   pack: bool) -> dict[str, int]:
     """Every linear layer and experts layer picks how it multiplies (see `LinearBase`,
-    `FusedMoE`); returns the count of layers per kernel."""
+    `FusedMoE`); returns the count of layers per kernel. A model the fused decoder may run
+    (`fused_decode_shape_reason()` None) keeps its GGUF Q4_0 / Q4_1 / Q8_0 layers in that
+    decoder's layout."""
+    shape_reason = getattr(model, "fused_decode_shape_reason", None)
+    fused_decode = callable(shape_reason) and shape_reason() is None
     counts: dict[str, int] = {}
     for module in model.modules():
-        if isinstance(module, LinearBase | FusedMoE):
+        if isinstance(module, LinearBase):
+            kernel = module.process_weights_after_loading(quantization, pack, fused_decode)
+        elif isinstance(module, FusedMoE):
             kernel = module.process_weights_after_loading(quantization, pack)
-            counts[kernel] = counts.get(kernel, 0) + 1
+        else:
+            continue
+        counts[kernel] = counts.get(kernel, 0) + 1
     return counts

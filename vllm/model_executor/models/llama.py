@@ -212,11 +212,11 @@ class LlamaForCausalLM(nn.Module):
     def row_switch_tokens(self) -> int:
         return gguf_blocks.row_switch_tokens(self)
 
-    def fused_decode_spec(self) -> FusedDecodeSpec | str:
-        """This model as the fused CPU decoder runs it, where that computes exactly what
-        the layers would: the plain forward (a family overriding `forward`, `prepare` or
-        `finish` changes it), RMSNorms, plain `LlamaDecoderLayer`s (see `_fused_reason`).
-        """
+    def fused_decode_shape_reason(self) -> str | None:
+        """Why the fused decoder cannot run this model whatever its weights (a family that
+        overrides `forward`, `prepare` or `finish`, another norm or layer), else None. The
+        loader asks before the weights are processed: such a model's GGUF Q4_0 / Q4_1 /
+        Q8_0 layers are kept in the layout that decoder reads."""
         cls = type(self)
         if any(getattr(cls, name) is not getattr(LlamaForCausalLM, name)
                for name in ("forward", "prepare", "finish")):
@@ -228,6 +228,16 @@ class LlamaForCausalLM(nn.Module):
                     or type(layer.self_attn) is not LlamaAttention
                     or type(layer.mlp) is not LlamaMLP):
                 return f"layer {i} is not a plain Llama layer"
+        return None
+
+    def fused_decode_spec(self) -> FusedDecodeSpec | str:
+        """This model as the fused CPU decoder runs it, where that computes exactly what
+        the layers would: the plain forward (a family overriding `forward`, `prepare` or
+        `finish` changes it), RMSNorms, plain `LlamaDecoderLayer`s (see `_fused_reason`).
+        """
+        reason = self.fused_decode_shape_reason()
+        if reason is not None:
+            return reason
         layers = [cast(_PlainLayer, layer) for layer in self.layers]
         for i, layer in enumerate(layers):
             reason = _fused_reason(i, layer)

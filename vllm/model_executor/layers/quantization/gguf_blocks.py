@@ -1,29 +1,34 @@
-"""`quantization="gguf"`: a GGUF file's block-quantized tensors (Q4_0, Q4_1, Q8_0) served
-quantized instead of dequantized at load.
+"""`quantization="gguf"`: a GGUF file's block-quantized tensors served quantized instead of
+dequantized at load.
 
-GGUF block layouts (32 weights each, along the input dimension):
+Two kernels:
+
+- `gguf_mm` (`csrc/cpu/gguf_mm.cpp`, `GGUFBlockLinear`) reads every block type of
+  `GGUF_MM_TYPES` (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL and the K-quants Q2_K..Q6_K, IQ4_XS)
+  in place, as the file stores it, at every step size: the layer keeps no dense copy, so
+  its resident bytes are the file's. A fused layer whose parts differ in type (a Q4_K_M
+  file's Q5_0 q and k with a Q8_0 v) keeps each part in its own type.
+- `quant_gemv` (`GGUFLinear`) reads Q4_0, Q4_1 and Q8_0 repacked (below) for steps of at most
+  `MAX_ROWS` tokens, and the fused Llama decoder reads the same buffers; larger steps take a
+  dense copy. Layers whose parts are all of one of those types (the default model's) take
+  it; the others take `gguf_mm`.
+
+`BlockCodes` (quant_gemv's reading of the three 32-weight types):
 
     Q4_0: fp16 d, 16 bytes of nibbles            w = d * (q - 8)
     Q4_1: fp16 d, fp16 m, 16 bytes of nibbles    w = d * q + m
     Q8_0: fp16 d, 32 int8                        w = d * q
     nibbles: value j < 16 is byte j's low half, value 16 + j its high half
 
-All three read as unsigned codes `u` with w = d * u + m per block (`BlockCodes`): Q4_0 has
-m = -8d, Q8_0 stores u = q + 128 with m = -128d, all exact in float16.
-
-Kernels, for steps of at most `MAX_ROWS` tokens (decode, where every weight streams from
-memory once per step and bytes are time):
-- `csrc/cpu/quant_gemv.cpp` (`torch.ops.vllm_cpu.quant_gemv`, AVX-512 VNNI or AVX2) for every type:
-  activations quantized to int8 per row and block of 32, as llama.cpp does, and integer dot
-  products against the codes with the file's float16 d and m. Measured against torch's int4
-  kernel (`benchmarks/benchmark_gguf_kernels.py`): 1.1-1.55x at 1-8 rows over runs; the
-  Q8_0 vocabulary projection of the default model reads 30 MB a token instead of
-  bfloat16's 56.
-- without it, torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`) for the 4-bit types
-  (scale d, zero m + 8d, both rounded to bfloat16) and the dense weight for Q8_0.
-Larger steps are compute-bound, where the dense bfloat16 matmul is faster, so `GGUFLinear`
-keeps both (vLLM's GGUF path switches kernels by batch size the same way). A request's
-numerics may therefore differ slightly between small and large steps.
+All three read as unsigned codes `u` with w = d * u + m per block: Q4_0 has m = -8d, Q8_0
+stores u = q + 128 with m = -128d, all exact in float16. quant_gemv quantizes the
+activations to int8 per row and block of 32, as llama.cpp does, and takes integer dot
+products against the codes (AVX-512 VNNI or AVX2); measured against torch's int4 kernel
+(`benchmarks/benchmark_gguf_kernels.py`): 1.1-1.55x at 1-8 rows. Without it, torch's CPU
+int4 kernel (`_weight_int4pack_mm_for_cpu`) takes the 4-bit types (scale d, zero m + 8d,
+both rounded to bfloat16) and the dense weight Q8_0. Larger steps are compute-bound, where
+the dense bfloat16 matmul was faster, so `GGUFLinear` keeps both; a request's numerics may
+therefore differ slightly between small and large steps.
 """
 
 from __future__ import annotations
@@ -44,7 +49,81 @@ GROUP = 32
 # it ahead of the dense bfloat16 matmul up to 16 rows and level or behind at 20 to 32.
 MAX_ROWS = 16
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
-BLOCK_TYPES = tuple(_BLOCK_BYTES)
+BLOCK_TYPES = tuple(_BLOCK_BYTES)  # the types `BlockCodes` (quant_gemv) reads
+_BLOCK_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
+
+# The types `gguf_mm` reads in place: name -> (ggml type id, values a block, bytes a block).
+GGUF_MM_TYPES: dict[str, tuple[int, int, int]] = {
+    "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24),
+    "Q8_0": (8, 32, 34), "IQ4_NL": (20, 32, 18), "Q2_K": (10, 256, 84), "Q3_K": (11, 256, 110),
+    "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210),
+    "IQ4_XS": (23, 256, 136),
+}
+_LAYOUT_BY_ID = {type_id: (values, size) for type_id, values, size in GGUF_MM_TYPES.values()}
+
+
+def block_layout(type_id: int) -> tuple[int, int]:
+    """(values, bytes) of one block of the ggml type `type_id`."""
+    return _LAYOUT_BY_ID[type_id]
+
+
+class GGUFBlocks:
+    """One GGUF tensor's rows as the file stores them: `data` uint8 [N, bytes per row] of
+    block type `type_name`, `k` inputs a row (rows in HF order)."""
+
+    def __init__(self, data: np.ndarray, type_name: str, k: int) -> None:
+        if type_name not in GGUF_MM_TYPES:
+            raise ValueError(f"no kernel reads GGUF {type_name} blocks")
+        _, values, size = GGUF_MM_TYPES[type_name]
+        if k % values or data.ndim != 2 or data.shape[1] != k // values * size:
+            raise ValueError(f"{type_name} rows of {data.shape[-1]} bytes do not hold {k} "
+                             f"values (blocks of {values} in {size} bytes)")
+        self.data, self.type_name, self.k = data, type_name, k
+
+    @property
+    def type_id(self) -> int:
+        return GGUF_MM_TYPES[self.type_name][0]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.data.shape[0], self.k
+
+    @property
+    def legacy_bits(self) -> int | None:
+        """The bits of this type's `BlockCodes` where `quant_gemv` reads it, else None."""
+        return _BLOCK_BITS.get(self.type_name)
+
+    def narrow(self, dim: int, start: int, length: int) -> GGUFBlocks:
+        """Rows (dim 0) or columns (dim 1, whole blocks only) [start, start + length), as
+        a tensor-parallel rank keeps them."""
+        if dim == 0:
+            return GGUFBlocks(self.data[start:start + length], self.type_name, self.k)
+        _, values, size = GGUF_MM_TYPES[self.type_name]
+        if start % values or length % values:
+            raise ValueError(f"columns {start}..{start + length} split a {self.type_name} "
+                             f"block of {values}")
+        first = start // values * size
+        return GGUFBlocks(self.data[:, first:first + length // values * size],
+                          self.type_name, length)
+
+    def permute_rows(self, rows: np.ndarray) -> GGUFBlocks:
+        return GGUFBlocks(self.data[rows], self.type_name, self.k)
+
+    def pad_rows(self, num_rows: int) -> GGUFBlocks:
+        """Zero rows (all-zero blocks: weights 0 in every type) up to `num_rows`."""
+        extra = num_rows - self.data.shape[0]
+        return GGUFBlocks(np.pad(self.data, ((0, extra), (0, 0))), self.type_name, self.k)
+
+    def to_block_codes(self) -> BlockCodes:
+        """The `BlockCodes` `quant_gemv` reads (a `BLOCK_TYPES` type only)."""
+        return read_block_codes(self.data, self.type_name, self.k)
+
+    def dequantize(self) -> np.ndarray:
+        import gguf
+
+        kind = gguf.GGMLQuantizationType[self.type_name]
+        return np.asarray(gguf.quants.dequantize(self.data, kind), np.float32).reshape(
+            self.shape)
 
 
 class BlockCodes:
@@ -206,3 +285,40 @@ class GGUFLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"{self.bits}-bit {self.kernel} up to {MAX_ROWS} rows")
+
+
+def gguf_mm_available() -> bool:
+    """Whether the native `gguf_mm` kernel was built on this machine."""
+    from vllm._custom_ops import cpu_ops
+
+    ops = cpu_ops()
+    return ops is not None and ops.gguf_mm_available()
+
+
+class GGUFBlockLinear(nn.Module):
+    """A linear layer multiplying by GGUF blocks as the file stores them (`gguf_mm`) at
+    every step size, with no dense copy. Its parts are consecutive output rows, each in its
+    own block type (a fused q/k/v whose v is Q8_0 and q, k Q5_0)."""
+
+    def __init__(self, parts: list[GGUFBlocks], bias: torch.Tensor | None) -> None:
+        super().__init__()
+        if len({p.k for p in parts}) != 1:
+            raise ValueError("the parts of a fused GGUF weight differ in inputs")
+        self.in_features = parts[0].k
+        self.out_features = sum(p.shape[0] for p in parts)
+        self.types = [p.type_id for p in parts]
+        self.type_names = [p.type_name for p in parts]
+        # Copies: the file's pages are a read-only map (a row-permuted part is a copy anyway).
+        self.weights = [torch.from_numpy(np.array(p.data, order="C")) for p in parts]
+        for i, w in enumerate(self.weights):
+            self.register_buffer(f"blocks{i}", w, persistent=False)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ys = [torch.ops.vllm_cpu.gguf_mm(x, w, t) for w, t in zip(self.weights, self.types)]
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"{'+'.join(self.type_names)} gguf_mm")

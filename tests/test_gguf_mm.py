@@ -1,0 +1,216 @@
+"""`gguf_mm`: every GGUF block type multiplied as the file stores it (csrc/cpu/gguf_mm.cpp).
+
+Blocks are random bytes with small finite float16 scales (every byte pattern of the other
+fields is a valid block), decoded by the kernel's reference dequantization and compared
+with gguf-py's `gguf.quants.dequantize` bit for bit; the products are compared with the
+activations' int8 rounding applied to the reference (what the kernel computes) and with
+the exact product.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from vllm.model_executor.layers.quantization.gguf_blocks import (
+    GGUF_MM_TYPES,
+    GGUFBlockLinear,
+    GGUFBlocks,
+    gguf_mm_available,
+)
+from vllm.platforms.cpu import read_cpu_flags
+
+# Where each type keeps its float16 scales (byte offsets in a block).
+HALF_OFFSETS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
+                "IQ4_NL": [0], "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2],
+                "Q5_K": [0, 2], "Q6_K": [208], "IQ4_XS": [0]}
+
+needs_avx2 = pytest.mark.skipif(
+    not {"avx2", "fma", "f16c"} <= read_cpu_flags() or not gguf_mm_available(),
+    reason="gguf_mm's one form needs AVX2 with FMA and F16C (not on this CPU, or not built)")
+
+
+def random_blocks(type_name: str, n: int, k: int, seed: int = 0) -> GGUFBlocks:
+    _, values, size = GGUF_MM_TYPES[type_name]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, k // values, size), dtype=np.uint8)
+    for offset in HALF_OFFSETS[type_name]:
+        scales = rng.uniform(-0.02, 0.02, size=raw.shape[:2]).astype(np.float16)
+        raw[..., offset:offset + 2] = scales.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return GGUFBlocks(raw.reshape(n, -1), type_name, k)
+
+
+def quantized_rows_reference(x: torch.Tensor, weight: np.ndarray) -> torch.Tensor:
+    """x quantized per row and group of 32 to int8 (absmax / 127, ties to even, in float32
+    as the kernel computes the codes), times the weight, in float64."""
+    rows, k = x.shape
+    groups = x.float().view(rows, k // 32, 32)
+    amax = groups.abs().amax(-1, keepdim=True)
+    q = torch.round(groups * (127 / amax)).nan_to_num(0).double()
+    xq = (q * (amax / 127).double()).view(rows, k)
+    return xq @ torch.from_numpy(weight).double().T
+
+
+def test_every_file_type_the_issue_names_has_a_layout() -> None:
+    for name, (type_id, values, size) in GGUF_MM_TYPES.items():
+        kind = gguf.GGMLQuantizationType[name]
+        assert int(kind) == type_id
+        assert gguf.GGML_QUANT_SIZES[kind] == (values, size)
+
+
+@needs_avx2
+@pytest.mark.parametrize("type_name", list(GGUF_MM_TYPES))
+def test_dequantize_is_gguf_py_bit_for_bit(type_name: str) -> None:
+    blocks = random_blocks(type_name, 9, 512)
+    got = torch.ops.vllm_cpu.gguf_dequantize(torch.from_numpy(blocks.data), blocks.type_id)
+    assert np.array_equal(got.numpy(), blocks.dequantize())
+
+
+@needs_avx2
+@pytest.mark.parametrize("type_name", list(GGUF_MM_TYPES))
+def test_products_equal_the_quantized_rows_reference(type_name: str) -> None:
+    n, k = 40, 512  # 40 output rows: two tiles and a part past 8 activation rows
+    blocks = random_blocks(type_name, n, k, seed=1)
+    weight = blocks.dequantize()
+    w = torch.from_numpy(blocks.data)
+    gen = torch.Generator().manual_seed(2)
+    for rows in (1, 2, 3, 7, 8, 9, 20):
+        x = torch.randn(rows, k, generator=gen)
+        got = torch.ops.vllm_cpu.gguf_mm(x, w, blocks.type_id)
+        assert got.dtype == torch.float32 and got.shape == (rows, n)
+        ref = quantized_rows_reference(x, weight)
+        assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+        # Against the exact product: only the activations' rounding (~1/254 per group).
+        exact = x.double() @ torch.from_numpy(weight).double().T
+        assert (got.double() - exact).abs().max() <= 0.03 * exact.abs().max()
+    # Every row's result is the bits it has alone, whatever the pass it ran in.
+    alone = torch.cat([torch.ops.vllm_cpu.gguf_mm(row[None], w, blocks.type_id) for row in x])
+    assert torch.equal(got, alone)
+    for dtype in (torch.bfloat16, torch.float16):
+        low = torch.ops.vllm_cpu.gguf_mm(x.to(dtype), w, blocks.type_id)
+        assert low.dtype == dtype
+        ref = quantized_rows_reference(x.to(dtype).float(), weight)
+        assert (low.double() - ref).abs().max() <= 0.01 * ref.abs().max()
+
+
+@needs_avx2
+def test_bad_inputs_are_refused_by_name() -> None:
+    blocks = random_blocks("Q4_K", 4, 256)
+    w = torch.from_numpy(blocks.data)
+    with pytest.raises(RuntimeError, match="x has 255 columns"):
+        torch.ops.vllm_cpu.gguf_mm(torch.randn(1, 255), w, blocks.type_id)
+    with pytest.raises(RuntimeError, match="unsupported GGUF block type 99"):
+        torch.ops.vllm_cpu.gguf_mm(torch.randn(1, 256), w, 99)
+    with pytest.raises(RuntimeError, match="unsupported dtype"):
+        torch.ops.vllm_cpu.gguf_mm(torch.randn(1, 256).double(), w, blocks.type_id)
+    with pytest.raises(ValueError, match="do not hold 512 values"):
+        GGUFBlocks(blocks.data, "Q4_K", 512)
+
+
+def test_blocks_slice_as_a_tensor_parallel_rank_keeps_them() -> None:
+    blocks = random_blocks("Q6_K", 6, 512)
+    full = blocks.dequantize()
+    assert np.array_equal(blocks.narrow(0, 2, 3).dequantize(), full[2:5])
+    assert np.array_equal(blocks.narrow(1, 256, 256).dequantize(), full[:, 256:])
+    with pytest.raises(ValueError, match="split a Q6_K block of 256"):
+        blocks.narrow(1, 128, 256)
+    order = np.array([5, 0, 3, 1, 2, 4])
+    assert np.array_equal(blocks.permute_rows(order).dequantize(), full[order])
+    padded = blocks.pad_rows(8).dequantize()
+    assert np.array_equal(padded[:6], full) and not padded[6:].any()
+
+
+@needs_avx2
+def test_a_fused_layer_keeps_each_part_in_its_own_type() -> None:
+    """A Q4_K_M file's fused q/k/v: q and k Q5_0, v Q8_0, all multiplied in place."""
+    parts = [random_blocks("Q5_0", 16, 256, seed=3), random_blocks("Q5_0", 8, 256, seed=4),
+             random_blocks("Q8_0", 8, 256, seed=5)]
+    bias = torch.randn(32)
+    layer = GGUFBlockLinear(parts, bias)
+    weight = np.concatenate([p.dequantize() for p in parts])
+    x = torch.randn(5, 256)
+    ref = quantized_rows_reference(x, weight) + bias.double()
+    got = layer(x)
+    assert got.shape == (5, 32)
+    assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    assert sum(b.numel() for b in layer.buffers()) == sum(p.data.nbytes for p in parts)
+
+
+def q4_k_m_type(gguf_name: str) -> str:
+    """The layer types of a llama.cpp Q4_K_M file: Q6_K for v and down, Q4_K for the
+    rest, and a Q5_0 gate (its fallback where a row is not whole super-blocks)."""
+    for part, type_name in (("attn_v", "Q6_K"), ("ffn_down", "Q6_K"), ("ffn_gate", "Q5_0")):
+        if part in gguf_name:
+            return type_name
+    return "Q4_K"
+
+
+@needs_avx2
+@pytest.mark.slow
+def test_a_q4_k_m_file_keeps_its_blocks_and_matches_its_dequantized_weights(tmp_path) -> None:
+    from typing import Any, cast
+
+    from tests.model_factory import make_tiny_model
+    from tests.test_gguf_families import _write_gguf
+    from vllm import LLM, SamplingParams
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.model_loader.gguf_file import GGUFFile
+
+    model_dir = make_tiny_model(str(tmp_path / "llama"), "llama", hidden_size=256,
+                                intermediate_size=512, num_attention_heads=4,
+                                num_key_value_heads=2)
+    path = str(tmp_path / "q4_k_m.gguf")
+    _write_gguf(path, model_dir, "llama", layer_qtype=q4_k_m_type)
+    kwargs: dict[str, Any] = dict(tokenizer=model_dir, dtype="float32", max_model_len=128,
+                                  enforce_eager=True, kv_cache_memory_bytes=4 * 1024**2)
+    quantized = LLM(path, quantization="gguf", **kwargs)
+    model = cast(Any, quantized.llm_engine.engine_core.model_executor).model_runner.model
+    blocks = [m.kernel for m in model.modules()
+              if isinstance(m, LinearBase) and isinstance(m.kernel, GGUFBlockLinear)]
+    assert len(blocks) == 2 * 4  # qkv, o, gate_up, down in each of the two layers
+    layer_bytes = sum(b.numel() for kernel in blocks for b in kernel.buffers())
+    for m in model.modules():
+        if isinstance(m, LinearBase) and isinstance(m.kernel, GGUFBlockLinear):
+            assert m.weight is None  # no dense copy kept
+    assert {name for k in blocks for name in k.type_names} == {"Q4_K", "Q6_K", "Q5_0"}
+    file_bytes = sum(t.data.nbytes for t in GGUFFile(path).tensors
+                     if t.name.startswith("blk.") and t.tensor_type.name != "F32")
+    assert layer_bytes == file_bytes  # the layers' resident bytes are the file's
+
+    # Against the same file dequantized at load. Layer by layer: each kernel is exactly the
+    # dequantized weight times int8-rounded activations (the loader kept every part, in its
+    # type, in the order and row permutation of the dense weight).
+    reference = LLM(path, **kwargs)
+    dense = dict(cast(Any, reference.llm_engine.engine_core.model_executor)
+                 .model_runner.model.named_modules())
+    gen = torch.Generator().manual_seed(0)
+    for name, module in model.named_modules():
+        if isinstance(module, LinearBase) and isinstance(module.kernel, GGUFBlockLinear):
+            x = torch.randn(3, module.in_features, generator=gen)
+            want = quantized_rows_reference(x, dense[name].weight.numpy())
+            assert torch.allclose(module(x).double(), want, rtol=1e-5,
+                                  atol=1e-5 * want.abs().max().item()), name
+    # End to end: greedy continuations agree; over their common prefix the chosen tokens'
+    # logprobs drift by the activations' rounding, amplified by this tiny random model as
+    # much as quant_gemv's are (Q8_0 and Q4_1 files of this model: up to ~0.3, mean ~0.06).
+    prompts = ["Hello world, this is", "What is the capital of France? The capital is",
+               "1, 2, 3, 4, 5,", "The quick brown fox"]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    got = quantized.generate(prompts, params, use_tqdm=False)
+    want_out = reference.generate(prompts, params, use_tqdm=False)
+    agree, drift = 0, []
+    for g, w in zip(got, want_out, strict=True):
+        ids, ref_ids = g.outputs[0].token_ids, w.outputs[0].token_ids
+        lps, ref_lps = g.outputs[0].logprobs, w.outputs[0].logprobs
+        assert lps is not None and ref_lps is not None
+        common = 0
+        while common < len(ids) and ids[common] == ref_ids[common]:
+            drift.append(abs(lps[common][ids[common]].logprob
+                             - ref_lps[common][ids[common]].logprob))
+            common += 1
+        agree += common >= 4
+    assert agree >= 3
+    assert sum(drift) / len(drift) < 0.15
+    assert len({tuple(o.outputs[0].token_ids) for o in got}) > 1  # not degenerate
