@@ -47,6 +47,7 @@ from vllm.entrypoints.openai.protocol import (
     TranscriptionRequest,
     UnloadLoRAAdapterRequest,
 )
+from vllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm.entrypoints.openai.serving_engine import (
@@ -60,6 +61,7 @@ from vllm.entrypoints.openai.serving_models import (
     parse_lora_module,
     runtime_updating_allowed,
 )
+from vllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from vllm.entrypoints.openai.serving_transcription import AudioLimits, OpenAIServingTranscription
 from vllm.pipeline.async_pipeline import AsyncPipeline
 from vllm.pipeline.stage import load_pipeline_spec
@@ -391,13 +393,33 @@ def _add_text_routes(app: FastAPI, state: ServerState) -> None:
     async def count_message_tokens(request: CountTokensRequest) -> Response:
         return _respond(await messages.count_tokens(request))
 
+    _add_responses_routes(app, OpenAIServingResponses(state.chat))
+
+
+def _add_responses_routes(app: FastAPI, responses: OpenAIServingResponses) -> None:
+    """`/v1/responses` (translated to chat completions) and its stored responses."""
+    @app.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+        return _respond(await with_cancellation(responses.create_response(request),
+                                                raw_request))
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> Response:
+        return _respond(responses.retrieve(response_id))
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        responses.store.delete(response_id)
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
 
 def _add_missing_text_routes(app: FastAPI, state: ServerState) -> None:
     """A speech-to-text model has no text endpoints: vLLM answers 404 there (whatever the
     body); so does this server, in each API's error form and saying where to go instead."""
     for path, api in (("/v1/completions", "Completions"),
                       ("/v1/chat/completions", "Chat Completions"),
-                      ("/v1/messages", "Messages"), ("/v1/messages/count_tokens", "Messages")):
+                      ("/v1/messages", "Messages"), ("/v1/messages/count_tokens", "Messages"),
+                      ("/v1/responses", "Responses")):
         app.add_api_route(path, _not_found(
             f"The model `{state.served_model_names[0]}` does not support the {api} API: it "
             "is a speech-to-text model; use /v1/audio/transcriptions or "
