@@ -53,6 +53,33 @@ def quantized_rows_reference(x: torch.Tensor, weight: np.ndarray) -> torch.Tenso
     return xq @ torch.from_numpy(weight).double().T
 
 
+def _products_match_reference(mm, type_name: str) -> None:
+    """`mm` (a build's gguf_mm) against the quantized-rows reference, at 1 to 20 rows."""
+    n, k = 40, 512  # 40 output rows: two tiles and a part past 8 activation rows
+    blocks = random_blocks(type_name, n, k, seed=1)
+    weight = blocks.dequantize()
+    w = torch.from_numpy(blocks.data)
+    gen = torch.Generator().manual_seed(2)
+    x, got = torch.empty(0), torch.empty(0)
+    for rows in (1, 2, 3, 7, 8, 9, 20):
+        x = torch.randn(rows, k, generator=gen)
+        got = mm(x, w, blocks.type_id)
+        assert got.dtype == torch.float32 and got.shape == (rows, n)
+        ref = quantized_rows_reference(x, weight)
+        assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+        # Against the exact product: only the activations' rounding (~1/254 per group).
+        exact = x.double() @ torch.from_numpy(weight).double().T
+        assert (got.double() - exact).abs().max() <= 0.03 * exact.abs().max()
+    # Every row's result is the bits it has alone, whatever the pass it ran in.
+    alone = torch.cat([mm(row[None], w, blocks.type_id) for row in x])
+    assert torch.equal(got, alone)
+    for dtype in (torch.bfloat16, torch.float16):
+        low = mm(x.to(dtype), w, blocks.type_id)
+        assert low.dtype == dtype
+        ref = quantized_rows_reference(x.to(dtype).float(), weight)
+        assert (low.double() - ref).abs().max() <= 0.01 * ref.abs().max()
+
+
 def test_every_file_type_the_issue_names_has_a_layout() -> None:
     for name, (type_id, values, size) in GGUF_MM_TYPES.items():
         kind = gguf.GGMLQuantizationType[name]
@@ -71,28 +98,41 @@ def test_dequantize_is_gguf_py_bit_for_bit(type_name: str) -> None:
 @needs_avx2
 @pytest.mark.parametrize("type_name", list(GGUF_MM_TYPES))
 def test_products_equal_the_quantized_rows_reference(type_name: str) -> None:
-    n, k = 40, 512  # 40 output rows: two tiles and a part past 8 activation rows
-    blocks = random_blocks(type_name, n, k, seed=1)
-    weight = blocks.dequantize()
-    w = torch.from_numpy(blocks.data)
-    gen = torch.Generator().manual_seed(2)
-    for rows in (1, 2, 3, 7, 8, 9, 20):
-        x = torch.randn(rows, k, generator=gen)
-        got = torch.ops.vllm_cpu.gguf_mm(x, w, blocks.type_id)
-        assert got.dtype == torch.float32 and got.shape == (rows, n)
-        ref = quantized_rows_reference(x, weight)
-        assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
-        # Against the exact product: only the activations' rounding (~1/254 per group).
-        exact = x.double() @ torch.from_numpy(weight).double().T
-        assert (got.double() - exact).abs().max() <= 0.03 * exact.abs().max()
-    # Every row's result is the bits it has alone, whatever the pass it ran in.
-    alone = torch.cat([torch.ops.vllm_cpu.gguf_mm(row[None], w, blocks.type_id) for row in x])
-    assert torch.equal(got, alone)
-    for dtype in (torch.bfloat16, torch.float16):
-        low = torch.ops.vllm_cpu.gguf_mm(x.to(dtype), w, blocks.type_id)
-        assert low.dtype == dtype
-        ref = quantized_rows_reference(x.to(dtype).float(), weight)
-        assert (low.double() - ref).abs().max() <= 0.01 * ref.abs().max()
+    """The form this machine's build runs (`gguf_mm_form`: "avx512" takes the super-block
+    types in 512-bit pairs; the AVX2 form of those is tested below by its own build)."""
+    _products_match_reference(torch.ops.vllm_cpu.gguf_mm, type_name)
+
+
+@pytest.fixture(scope="module")
+def avx2_build(tmp_path_factory: pytest.TempPathFactory):
+    """gguf_mm.cpp built alone for AVX2 (-march=haswell: no AVX-512), so that an AVX-512
+    machine runs the form an AVX2-only one does."""
+    from pathlib import Path
+
+    from torch.utils.cpp_extension import load
+
+    root = tmp_path_factory.mktemp("gguf_mm_avx2")
+    binding = root / "binding.cpp"
+    binding.write_text(
+        "#include <torch/extension.h>\n"
+        "torch::Tensor gguf_mm(torch::Tensor x, torch::Tensor w, int64_t type);\n"
+        "std::string gguf_mm_form();\n"
+        "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n"
+        "  m.def(\"gguf_mm\", &gguf_mm); m.def(\"gguf_mm_form\", &gguf_mm_form);\n}\n")
+    source = Path(__file__).resolve().parent.parent / "csrc" / "cpu" / "gguf_mm.cpp"
+    module = load(name="gguf_mm_avx2_test", sources=[str(source), str(binding)],
+                  extra_cflags=["-O3", "-march=haswell", "-fopenmp", "-ffast-math",
+                                "-fno-finite-math-only"],
+                  extra_ldflags=["-fopenmp"], build_directory=str(root))
+    assert module.gguf_mm_form() == "avx2"
+    return module
+
+
+@needs_avx2
+@pytest.mark.slow  # a build of its own (about a minute)
+@pytest.mark.parametrize("type_name", list(GGUF_MM_TYPES))
+def test_the_avx2_form_equals_the_quantized_rows_reference(avx2_build, type_name: str) -> None:
+    _products_match_reference(avx2_build.gguf_mm, type_name)
 
 
 @needs_avx2

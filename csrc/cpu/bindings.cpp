@@ -23,6 +23,7 @@ bool quant_gemv_available();
 torch::Tensor gguf_mm(torch::Tensor x, torch::Tensor w, int64_t type);
 torch::Tensor gguf_dequantize(torch::Tensor blocks, int64_t type);
 bool gguf_mm_available();
+std::string gguf_mm_form();
 torch::Tensor shm_all_reduce(torch::Tensor x, torch::Tensor segment, int64_t rank,
                              int64_t world, double timeout_s);
 torch::Tensor lora_delta(torch::Tensor x, torch::Tensor indices, torch::Tensor ranks,
@@ -55,6 +56,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Whether quant_gemv was built (AVX-512 VNNI)");
   m.def("gguf_mm_available", &gguf_mm_available,
         "Whether gguf_mm was built (AVX2 with FMA and F16C)");
+  m.def("gguf_mm_form", &gguf_mm_form,
+        "The instruction-set form gguf_mm was built in: avx512, avx2, or empty");
   m.def("shm_all_reduce", &shm_all_reduce,
         "Sum of the local ranks' tensors through a shared-memory segment (CPU)");
   m.def("lora_kernel_available", &lora_kernel_available,

@@ -21,8 +21,10 @@
 // scales (two per group), one int32 -> float conversion and one FMA by d dx. Signed values
 // take vpmaddubsw's usual form |w| * (qx with w's sign).
 //
-// Forms: one AVX2 form (FMA, F16C), which the AVX-512 processors run as well; without it
-// the op is not built and `gguf_mm_available()` says so (the layer then keeps dense weights).
+// Forms: AVX2 (FMA, F16C); with AVX-512 BW the super-block types (8 groups a block) take
+// their groups in pairs in 512-bit registers (`gguf_mm_form()` names the build's form).
+// Without AVX2 the op is not built and `gguf_mm_available()` says so (the layer then keeps
+// dense weights).
 // Rows: a weight row's super-blocks are unpacked once per pass over up to 8 activation rows
 // (register accumulators); more rows go in passes over tiles of 16 weight rows, which the
 // later passes reread from L1.
@@ -32,11 +34,15 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define VLLM_GGUF_MM 1
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define VLLM_GGUF_MM_512 1  // the super-block types' groups in pairs, 512 bits at a time
+#endif
 #endif
 
 namespace {
@@ -521,35 +527,86 @@ void rows_times(const uint8_t* w, int64_t row_bytes, const Activations& a, int64
   using B = Block<TYPE>;
   constexpr int kGroups = B::kValues / 32;
   const int64_t k = a.k, blocks = k / B::kValues;
+#if defined(VLLM_GGUF_MM_512)
+  // Super-blocks in 512-bit halves: groups 2p and 2p + 1 side by side, each group's d dx
+  // spread over its 8 lanes from one vector of the eight.
+  constexpr bool kWide = kGroups == 8;
+  __m512i spread[4];
+  for (int p = 0; p < 4; ++p) {
+    spread[p] = _mm512_inserti64x4(_mm512_set1_epi32(2 * p), _mm256_set1_epi32(2 * p + 1), 1);
+  }
+#else
+  constexpr bool kWide = false;
+#endif
   for (int64_t n = begin; n < end; ++n) {
     const uint8_t* wn = w + n * row_bytes;
     __m256 acc[M], acc_min[M];
     for (int r = 0; r < M; ++r) acc[r] = acc_min[r] = _mm256_setzero_ps();
+#if defined(VLLM_GGUF_MM_512)
+    __m512 wide[M];
+    for (int r = 0; r < M; ++r) wide[r] = _mm512_setzero_ps();
+#endif
     float min_sum[M] = {};
     for (int64_t blk = 0; blk < blocks; ++blk) {
       Unpacked u;
       B::unpack(wn + blk * B::kBytes, u);
-      __m256i magnitude[kGroups];
-      if constexpr (B::kSigned) {
-        for (int g = 0; g < kGroups; ++g) magnitude[g] = _mm256_sign_epi8(u.codes[g], u.codes[g]);
-      }
-      for (int r = 0; r < M; ++r) {
-        const int64_t row = row0 + r, col = blk * B::kValues;
-        const int8_t* qx = a.qx.data() + row * k + col;
-        const float* dx = a.dx.data() + row * (k / 32) + col / 32;
-        for (int g = 0; g < kGroups; ++g) {
-          const __m256i x = load32(reinterpret_cast<const uint8_t*>(qx + 32 * g));
-          __m256i pairs;
-          if constexpr (B::kSigned) {
-            pairs = _mm256_maddubs_epi16(magnitude[g], _mm256_sign_epi8(x, u.codes[g]));
-          } else {
-            pairs = _mm256_maddubs_epi16(u.codes[g], x);
-          }
-          const __m256i dot = _mm256_madd_epi16(pairs, u.scales[g]);
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(u.d * dx[g]), acc[r]);
+      const int64_t col = blk * B::kValues;
+      if constexpr (kWide) {
+#if defined(VLLM_GGUF_MM_512)
+        __m512i codes[4], scales[4], magnitude[4];
+        for (int p = 0; p < 4; ++p) {
+          codes[p] = _mm512_inserti64x4(_mm512_castsi256_si512(u.codes[2 * p]),
+                                        u.codes[2 * p + 1], 1);
+          scales[p] = _mm512_inserti64x4(_mm512_castsi256_si512(u.scales[2 * p]),
+                                         u.scales[2 * p + 1], 1);
+          if constexpr (B::kSigned) magnitude[p] = _mm512_abs_epi8(codes[p]);
         }
-        if constexpr (B::kMins) {
-          const float* sx = a.sx.data() + row * (k / 16) + col / 16;
+        const __m256 d = _mm256_set1_ps(u.d);
+        for (int r = 0; r < M; ++r) {
+          const int64_t row = row0 + r;
+          const int8_t* qx = a.qx.data() + row * k + col;
+          const __m512 ddx = _mm512_castps256_ps512(
+              _mm256_mul_ps(d, _mm256_loadu_ps(a.dx.data() + row * (k / 32) + col / 32)));
+          for (int p = 0; p < 4; ++p) {
+            __m512i x = _mm512_loadu_si512(qx + 64 * p);
+            __m512i pairs;
+            if constexpr (B::kSigned) {  // |w| times x with w's sign (no vpsignb in 512 bits)
+              x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(codes[p]), _mm512_setzero_si512(), x);
+              pairs = _mm512_maddubs_epi16(magnitude[p], x);
+            } else {
+              pairs = _mm512_maddubs_epi16(codes[p], x);
+            }
+            const __m512i dot = _mm512_madd_epi16(pairs, scales[p]);
+            wide[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                      _mm512_permutexvar_ps(spread[p], ddx), wide[r]);
+          }
+        }
+#endif
+      } else {
+        __m256i magnitude[kGroups];
+        if constexpr (B::kSigned) {
+          for (int g = 0; g < kGroups; ++g) magnitude[g] = _mm256_sign_epi8(u.codes[g], u.codes[g]);
+        }
+        for (int r = 0; r < M; ++r) {
+          const int64_t row = row0 + r;
+          const int8_t* qx = a.qx.data() + row * k + col;
+          const float* dx = a.dx.data() + row * (k / 32) + col / 32;
+          for (int g = 0; g < kGroups; ++g) {
+            const __m256i x = load32(reinterpret_cast<const uint8_t*>(qx + 32 * g));
+            __m256i pairs;
+            if constexpr (B::kSigned) {
+              pairs = _mm256_maddubs_epi16(magnitude[g], _mm256_sign_epi8(x, u.codes[g]));
+            } else {
+              pairs = _mm256_maddubs_epi16(u.codes[g], x);
+            }
+            const __m256i dot = _mm256_madd_epi16(pairs, u.scales[g]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(u.d * dx[g]), acc[r]);
+          }
+        }
+      }
+      if constexpr (B::kMins) {
+        for (int r = 0; r < M; ++r) {
+          const float* sx = a.sx.data() + (row0 + r) * (k / 16) + col / 16;
           if constexpr (kGroups == 8) {
             acc_min[r] = _mm256_fmadd_ps(_mm256_load_ps(u.mins), _mm256_loadu_ps(sx), acc_min[r]);
             acc_min[r] = _mm256_fmadd_ps(_mm256_load_ps(u.mins + 8), _mm256_loadu_ps(sx + 8),
@@ -561,7 +618,11 @@ void rows_times(const uint8_t* w, int64_t row_bytes, const Activations& a, int64
       }
     }
     for (int r = 0; r < M; ++r) {
-      out[(row0 + r) * n_total + n] = hsum8(acc[r]) - hsum8(acc_min[r]) - min_sum[r];
+      float sum = hsum8(acc[r]);
+#if defined(VLLM_GGUF_MM_512)
+      sum += _mm512_reduce_add_ps(wide[r]);
+#endif
+      out[(row0 + r) * n_total + n] = sum - hsum8(acc_min[r]) - min_sum[r];
     }
   }
 }
@@ -610,6 +671,18 @@ void dispatch(int64_t type, const uint8_t* w, int64_t row_bytes, const Activatio
 #endif  // VLLM_GGUF_MM
 
 }  // namespace
+
+// The instruction-set form this build of gguf_mm runs: "avx512" (AVX2 for the 32-value
+// types, 512-bit pairs for the super-block ones), "avx2", or "" (not built).
+std::string gguf_mm_form() {
+#if defined(VLLM_GGUF_MM_512)
+  return "avx512";
+#elif defined(VLLM_GGUF_MM)
+  return "avx2";
+#else
+  return "";
+#endif
+}
 
 bool gguf_mm_available() {
 #if defined(VLLM_GGUF_MM)

@@ -110,7 +110,9 @@ class BartForConditionalGeneration(nn.Module):
 
     def encode(self, inputs: list[EncoderInput]) -> torch.Tensor:
         """Encoder outputs of several inputs, concatenated: [sum of lengths, d_model]."""
-        device = self.shared.weight.device
+        weight = self.shared.weight  # BART is never a GGUF file: the dense table is kept
+        assert weight is not None
+        device = weight.device
         embeds = []
         for item in inputs:
             if item.token_ids is not None:
@@ -118,7 +120,7 @@ class BartForConditionalGeneration(nn.Module):
                 embeds.append(self.get_input_embeddings(ids))
             else:
                 assert item.features is not None  # exactly one of the two is set
-                embeds.append(item.features.to(device=device, dtype=self.shared.weight.dtype))
+                embeds.append(item.features.to(device=device, dtype=weight.dtype))
         positions = torch.cat([torch.arange(e.shape[0], device=device) for e in embeds])
         return self.encoder(torch.cat(embeds), positions)
 
