@@ -233,8 +233,11 @@ def single_workload(path: str, output_len: int, k: int) -> dict:
 
     tokenizer = load_gguf_tokenizer(path)
     question = f"{PASSAGE}\n\nRepeat the passage above word for word."
-    text = tokenizer.apply_chat_template([{"role": "user", "content": question}],
-                                         add_generation_prompt=True, tokenize=False)
+    if tokenizer.chat_template:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                             add_generation_prompt=True, tokenize=False)
+    else:  # a file without a chat template (Gemma 3 270M's as transformers reads it)
+        text = question
     copy_prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
     vocab = len(tokenizer)
     return {"decode_prompt": make_workload(vocab, 1, 128, 128, seed=1)[0],
