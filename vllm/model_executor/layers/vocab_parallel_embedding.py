@@ -92,6 +92,8 @@ class VocabParallelEmbedding(nn.Module):
         )
 
         codes, self._codes = self._codes, []
+        if self.blocks is not None:  # a tied head processed first shares its blocks
+            return "gguf, the LM head's blocks"
         if (quantization != "gguf" or len(codes) != 1 or not isinstance(codes[0], GGUFBlocks)
                 or not gguf_mm_available()):
             return "dense"
