@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -145,32 +145,39 @@ class EmbedsParts(NamedTuple):
     data: list[Any]  # each part's `data` (a tensor offline, or base64 of torch.save)
 
 
-def take_embeds_parts(messages: list[dict[str, Any]]) -> EmbedsParts:
-    """Replaces every `{"type": "prompt_embeds", "data": ...}` part of `messages` by a text
-    part holding a placeholder; raises ValueError for a part without data."""
-    nonce = secrets.token_hex(8)
-    placeholders: list[str] = []
-    data: list[Any] = []
+def _replace_parts(messages: list[dict[str, Any]], part_type: str,
+                   to_text: Callable[[str, dict[str, Any]], str]) -> list[dict[str, Any]]:
+    """`messages` with every content part of `part_type` replaced by a text part, its text
+    `to_text(where, part)` (`where`: "messages[i].content[j]", for error messages)."""
     result = []
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
         if not isinstance(content, list):
             result.append(message)
             continue
-        parts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != EMBEDS_PART_TYPE:
-                parts.append(part)
-                continue
-            if part.get("data") is None:
-                raise ValueError(f"messages[{i}].content[{j}]: a prompt_embeds part needs "
-                                 "'data' (base64 of torch.save(tensor [num_tokens, "
-                                 "hidden_size])).")
-            placeholder = f"<|prompt_embeds_{nonce}_{len(placeholders)}|>"
-            placeholders.append(placeholder)
-            data.append(part["data"])
-            parts.append({"type": "text", "text": placeholder})
+        parts = [part if not isinstance(part, dict) or part.get("type") != part_type
+                 else {"type": "text", "text": to_text(f"messages[{i}].content[{j}]", part)}
+                 for j, part in enumerate(content)]
         result.append({**message, "content": parts})
+    return result
+
+
+def take_embeds_parts(messages: list[dict[str, Any]]) -> EmbedsParts:
+    """Replaces every `{"type": "prompt_embeds", "data": ...}` part of `messages` by a text
+    part holding a placeholder; raises ValueError for a part without data."""
+    nonce = secrets.token_hex(8)
+    placeholders: list[str] = []
+    data: list[Any] = []
+
+    def placeholder(where: str, part: dict[str, Any]) -> str:
+        if part.get("data") is None:
+            raise ValueError(f"{where}: a prompt_embeds part needs 'data' (base64 of "
+                             "torch.save(tensor [num_tokens, hidden_size])).")
+        placeholders.append(f"<|prompt_embeds_{nonce}_{len(placeholders)}|>")
+        data.append(part["data"])
+        return placeholders[-1]
+
+    result = _replace_parts(messages, EMBEDS_PART_TYPE, placeholder)
     return EmbedsParts(result, placeholders, data)
 
 
@@ -238,28 +245,19 @@ def take_image_parts(messages: list[dict[str, Any]], image_token: str | None
     from vllm.multimodal.media import image_url_bytes
 
     images: list[bytes] = []
-    result = []
-    for i, message in enumerate(messages):
-        content = message.get("content") if isinstance(message, dict) else None
-        if not isinstance(content, list):
-            result.append(message)
-            continue
-        parts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != IMAGE_PART_TYPE:
-                parts.append(part)
-                continue
-            if image_token is None:
-                raise ValueError(f"messages[{i}].content[{j}]: this model takes no images.")
-            image_url = part.get("image_url")
-            url = image_url.get("url") if isinstance(image_url, dict) else image_url
-            try:
-                images.append(image_url_bytes(url))
-            except ValueError as e:
-                raise ValueError(f"messages[{i}].content[{j}]: {e}") from None
-            parts.append({"type": "text", "text": image_token})
-        result.append({**message, "content": parts})
-    return result, images
+
+    def placeholder(where: str, part: dict[str, Any]) -> str:
+        if image_token is None:
+            raise ValueError(f"{where}: this model takes no images.")
+        image_url = part.get("image_url")
+        url = image_url.get("url") if isinstance(image_url, dict) else image_url
+        try:
+            images.append(image_url_bytes(url))
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        return image_token
+
+    return _replace_parts(messages, IMAGE_PART_TYPE, placeholder), images
 
 
 def chat_prompt(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
