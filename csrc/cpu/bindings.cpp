@@ -24,6 +24,10 @@ torch::Tensor gguf_mm(torch::Tensor x, torch::Tensor w, int64_t type);
 torch::Tensor gguf_dequantize(torch::Tensor blocks, int64_t type);
 bool gguf_mm_available();
 std::string gguf_mm_form();
+torch::Tensor moe_experts(torch::Tensor x, torch::Tensor topk_weights, torch::Tensor topk_ids,
+                          torch::Tensor w1, torch::Tensor w3, torch::Tensor w2,
+                          int64_t w1_type, int64_t w3_type, int64_t w2_type);
+bool moe_experts_available();
 torch::Tensor shm_all_reduce(torch::Tensor x, torch::Tensor segment, int64_t rank,
                              int64_t world, double timeout_s);
 torch::Tensor lora_delta(torch::Tensor x, torch::Tensor indices, torch::Tensor ranks,
@@ -58,6 +62,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Whether gguf_mm was built (AVX2 with FMA and F16C)");
   m.def("gguf_mm_form", &gguf_mm_form,
         "The instruction-set form gguf_mm was built in: avx512, avx2, or empty");
+  m.def("moe_experts_available", &moe_experts_available,
+        "Whether moe_experts was built (AVX2 with FMA and F16C)");
   m.def("shm_all_reduce", &shm_all_reduce,
         "Sum of the local ranks' tensors through a shared-memory segment (CPU)");
   m.def("lora_kernel_available", &lora_kernel_available,
@@ -69,6 +75,8 @@ TORCH_LIBRARY(vllm_cpu, m) {
   m.def("quant_gemv(Tensor x, Tensor codes, Tensor d, Tensor m, int bits) -> Tensor");
   m.def("gguf_mm(Tensor x, Tensor w, int type) -> Tensor");
   m.def("gguf_dequantize(Tensor blocks, int type) -> Tensor");
+  m.def("moe_experts(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor w1, Tensor w3, "
+        "Tensor w2, int w1_type, int w3_type, int w2_type) -> Tensor");
   m.def("lora_delta(Tensor x, Tensor indices, Tensor ranks, Tensor a, Tensor b, "
         "int[] part_bounds) -> Tensor");
 }
@@ -77,5 +85,6 @@ TORCH_LIBRARY_IMPL(vllm_cpu, CPU, m) {
   m.impl("quant_gemv", &quant_gemv);
   m.impl("gguf_mm", &gguf_mm);
   m.impl("gguf_dequantize", &gguf_dequantize);
+  m.impl("moe_experts", &moe_experts);
   m.impl("lora_delta", &lora_delta);
 }

@@ -19,11 +19,14 @@ A step (T tokens, top-k of E experts):
     their routing weights (a scatter and a sum: ~3x faster than `index_add_` into the
     tokens, which also costs a one-off ~15 ms on its first calls).
 
-How the active experts multiply is a kernel chosen after loading, one product per active
-expert (`benchmarks/benchmark_models.py --moe-dispatch` measured the alternatives, see
-`ExpertKernel`): float32 `F.linear` on the expert's weight slice, bfloat16 oneDNN-packed
-weights (one per expert, as `PackedLinear`), or int8 per expert and output channel (as
-`Int8Linear`). The loop runs over the active experts only (a step of one token touches k).
+How the experts multiply is a kernel chosen after loading. Where the native kernels are
+built, one call does all of it (`NativeExpertKernel`, `torch.ops.vllm_cpu.moe_experts`:
+grouping, each active expert's gate/up with SiLU fused and its down product over tiles of
+columns spread across threads, and the combine), with the weights in float32, bfloat16,
+GGUF blocks as the file stores them, or Q8_0 blocks for `quantization="int8"`. Elsewhere a
+Python loop over the active experts runs one product each (`ExpertKernel` and its
+bfloat16-packed and int8 forms; `benchmarks/benchmark_models.py --moe-dispatch` measured
+the alternatives).
 
 The dispatch is data dependent (which experts, how many rows each), so compiled graphs
 call it through the registered op `vllm::fused_experts`, which finds the layer by a tensor
@@ -36,6 +39,7 @@ import itertools
 import weakref
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -48,6 +52,7 @@ from vllm.distributed import (
 )
 from vllm.distributed.utils import divide
 from vllm.model_executor.layers.linear import set_weight_loader
+from vllm.model_executor.layers.quantization.gguf_blocks import GGUFBlocks, quantize_q8_0
 from vllm.model_executor.layers.quantization.int8 import (
     dequantize_output,
     quantize_per_channel,
@@ -57,6 +62,9 @@ from vllm.model_executor.layers.quantization.int8 import (
 # checkpoint projection -> its part of the stacked weights (Qwen-MoE/OLMoE and Mixtral names)
 EXPERT_PARTS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2",
                 "w1": "w1", "w3": "w3", "w2": "w2"}
+
+# An expert's part: (expert, "w1" gate | "w3" up | "w2" down).
+ShardId = int | str | tuple[int, str]
 
 _ids = itertools.count()
 _layers: weakref.WeakValueDictionary[int, FusedMoE] = weakref.WeakValueDictionary()
@@ -129,6 +137,18 @@ class ExpertKernel:
 
     def __init__(self, layer: FusedMoE) -> None:
         self.w13_weight, self.w2_weight = layer.w13_weight.data, layer.w2_weight.data
+        self.num_experts, self.intermediate_size = layer.num_experts, layer.intermediate_size
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+                ) -> torch.Tensor:
+        """The experts' weighted sum for each token (this rank's part), [T, H]."""
+        groups = group_by_expert(topk_ids, self.num_experts)
+        h = self.w13(x[groups.tokens], groups)
+        a = F.silu(h[:, :self.intermediate_size]) * h[:, self.intermediate_size:]
+        y = self.w2(a, groups)
+        rows = torch.empty_like(y)
+        rows[groups.order] = y  # [T*k, H] in (token, slot) order
+        return (rows.view(*topk_ids.shape, -1) * topk_weights[..., None]).sum(dim=1)
 
     def w13(self, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
         return self._loop(x, groups, self.w13_weight)
@@ -148,6 +168,7 @@ class PackedExpertKernel(ExpertKernel):
     """bfloat16 experts, each weight reordered once into oneDNN's layout (`PackedLinear`)."""
 
     def __init__(self, layer: FusedMoE) -> None:
+        super().__init__(layer)
         reorder = torch.ops.mkldnn._reorder_linear_weight
         self.w13_packed = [reorder(w, None) for w in layer.w13_weight.data]
         self.w2_packed = [reorder(w, None) for w in layer.w2_weight.data]
@@ -177,6 +198,7 @@ class Int8ExpertKernel(ExpertKernel):
     summed over the ranks before scaling, so the result equals one rank's."""
 
     def __init__(self, layer: FusedMoE) -> None:
+        super().__init__(layer)
         self.group = get_tp_group() if layer.tp_size > 1 else None
         self.reduces = self.group is not None
         self.w13_t, self.w13_scale = self._quantize(layer.w13_weight.data, None)
@@ -219,6 +241,40 @@ class Int8ExpertKernel(ExpertKernel):
         return out
 
 
+# ggml's type ids of the weights `moe_experts` reads: dense rows, and Q8_0 (int8)
+_F32, _BF16, _Q8_0 = 0, 30, 8
+
+
+class NativeExpertKernel(ExpertKernel):
+    """All of a step's experts in one native call (`torch.ops.vllm_cpu.moe_experts`, see
+    csrc/cpu/moe.cpp): gate `w1` and up `w3` [E, I, ...] and down `w2` [E, H, ...] of this
+    rank, each as float32 or bfloat16 rows or GGUF blocks (uint8 rows) of a ggml type
+    (`types`: w1's, w3's, w2's)."""
+
+    def __init__(self, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+                 types: tuple[int, int, int]) -> None:
+        self.weights = (w1, w3, w2)
+        self.types = types
+
+    @staticmethod
+    def dense_type(dtype: torch.dtype) -> int | None:
+        """The type id of dense weights in `dtype`, None where the op does not read it."""
+        return {torch.float32: _F32, torch.bfloat16: _BF16}.get(dtype)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+                ) -> torch.Tensor:
+        return torch.ops.vllm_cpu.moe_experts(x, topk_weights, topk_ids, *self.weights,
+                                              *self.types)
+
+
+def native_experts_available() -> bool:
+    """Whether the native `moe_experts` op was built on this machine."""
+    from vllm._custom_ops import cpu_ops
+
+    ops = cpu_ops()
+    return ops is not None and ops.moe_experts_available()
+
+
 class FusedMoE(nn.Module):
     """The experts of one MoE layer (`w13_weight`, `w2_weight` of this rank) and their
     routing: `forward(x, router_logits)` -> the weighted sum of each token's top-k experts'
@@ -243,9 +299,18 @@ class FusedMoE(nn.Module):
             torch.empty(num_experts, hidden_size, self.intermediate_size),
             requires_grad=False), self.weight_loader)
         self.kernel: ExpertKernel | None = None  # set by process_weights_after_loading
+        # GGUF blocks of the experts' projections as loaded: part -> expert -> blocks
+        self.block_codes: dict[str, dict[int, GGUFBlocks]] = {}
         self.op_id = next(_ids)
         _layers[self.op_id] = self
         self.register_buffer("op_id_tensor", torch.tensor(self.op_id), persistent=False)
+
+    def _check_shard(self, shard_id: ShardId | None) -> tuple[int, str]:
+        if not (isinstance(shard_id, tuple) and shard_id[1] in ("w1", "w2", "w3")
+                and 0 <= shard_id[0] < self.num_experts):
+            raise ValueError(f"an expert weight needs (expert < {self.num_experts}, 'w1' | "
+                             f"'w2' | 'w3'), got {shard_id!r}")
+        return shard_id
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: int | str | tuple[int, str] | None = None) -> None:
@@ -255,11 +320,7 @@ class FusedMoE(nn.Module):
         Example: I = 8 on 2 ranks, rank 1: gate rows 4-7 -> w13[e, 0:4], up rows 4-7 ->
         w13[e, 4:8], down columns 4-7 -> w2[e].
         """
-        if not (isinstance(shard_id, tuple) and shard_id[1] in ("w1", "w2", "w3")
-                and 0 <= shard_id[0] < self.num_experts):
-            raise ValueError(f"an expert weight needs (expert < {self.num_experts}, 'w1' | "
-                             f"'w2' | 'w3'), got {shard_id!r}")
-        expert, part = shard_id
+        expert, part = self._check_shard(shard_id)
         size = self.intermediate_size
         if part == "w2":
             target, piece = param[expert], loaded.narrow(1, self.tp_rank * size, size)
@@ -273,19 +334,82 @@ class FusedMoE(nn.Module):
         with torch.no_grad():
             target.copy_(piece)
 
+    def add_block_codes(self, blocks: GGUFBlocks, shard_id: ShardId | None) -> None:
+        """One expert's projection as a GGUF file stores it (`shard_id` as for
+        `weight_loader`), kept in its block type: this rank's slice (the down projection's
+        columns in whole blocks)."""
+        expert, part = self._check_shard(shard_id)
+        size = self.intermediate_size
+        if part == "w2":
+            piece, expected = blocks.narrow(1, self.tp_rank * size, size), (self.hidden_size, size)
+        else:
+            piece, expected = blocks.narrow(0, self.tp_rank * size, size), (size, self.hidden_size)
+        if piece.shape != expected:
+            raise ValueError(f"shape {blocks.shape} gives {piece.shape} on rank "
+                             f"{self.tp_rank}, expected {expected}")
+        self.block_codes.setdefault(part, {})[expert] = piece
+
     def process_weights_after_loading(self, quantization: str | None, pack: bool) -> str:
-        """Picks the experts' kernel (int8 when asked, oneDNN-packed bfloat16 when `pack`);
-        returns its name, as `LinearBase` does."""
+        """Picks the experts' kernel; returns its name, as `LinearBase` does. With the native
+        op: GGUF blocks as loaded, int8 as Q8_0 blocks, float32 and bfloat16 as they are;
+        without it, the Python loop (int8 per output channel, oneDNN-packed bfloat16 when
+        `pack`, else dense)."""
+        native = native_experts_available()
+        if self.block_codes:
+            if not native:
+                raise ValueError("GGUF blocks of experts need the native moe_experts kernel "
+                                 "(AVX2 with FMA and F16C); load the file without "
+                                 "quantization='gguf' to dequantize them")
+            self.kernel = self._gguf_kernel()
+            self._drop_dense()
+            return "gguf experts"
+        size = self.intermediate_size
         if quantization == "int8":
+            # Q8_0 blocks of 32 along the hidden and this rank's intermediate size; a rank
+            # whose slice is not whole blocks keeps the loop, whose int8 sums over the
+            # ranks equal one rank's exactly (padding the slice would change the blocks).
+            if native and self.hidden_size % 32 == 0 and size % 32 == 0:
+                w13 = self.w13_weight.data
+                gate, up, down = (torch.stack([quantize_q8_0(w) for w in part])
+                                  for part in (w13[:, :size], w13[:, size:], self.w2_weight.data))
+                self.kernel = NativeExpertKernel(gate, up, down, (_Q8_0, _Q8_0, _Q8_0))
+                self._drop_dense()
+                return "int8 experts (Q8_0 blocks, native)"
             self.kernel = Int8ExpertKernel(self)
-            for param in (self.w13_weight, self.w2_weight):  # the int8 copies replace them
-                param.data = param.data.new_empty(0)
+            self._drop_dense()  # the int8 copies replace them
             return "int8 experts"
+        dense = NativeExpertKernel.dense_type(self.w13_weight.dtype)
+        if native and dense is not None:
+            w13 = self.w13_weight.data
+            self.kernel = NativeExpertKernel(w13[:, :size], w13[:, size:], self.w2_weight.data,
+                                             (dense, dense, dense))
+            return f"{str(self.w13_weight.dtype).removeprefix('torch.')} experts (native)"
         if pack:
             self.kernel = PackedExpertKernel(self)
             return "packed experts"
         self.kernel = ExpertKernel(self)
         return "dense experts"
+
+    def _gguf_kernel(self) -> NativeExpertKernel:
+        stacked, types = [], []
+        for part in ("w1", "w3", "w2"):
+            experts = self.block_codes.get(part, {})
+            missing = [e for e in range(self.num_experts) if e not in experts]
+            if missing:
+                raise ValueError(f"GGUF blocks of experts {missing[:8]} lack their {part} part")
+            kinds = {experts[e].type_name for e in range(self.num_experts)}
+            if len(kinds) != 1:
+                raise ValueError(f"the experts' {part} parts mix block types {sorted(kinds)}")
+            stacked.append(torch.from_numpy(np.stack(
+                [experts[e].data for e in range(self.num_experts)])))
+            types.append(experts[0].type_id)
+        self.block_codes = {}
+        return NativeExpertKernel(stacked[0], stacked[1], stacked[2],
+                                  (types[0], types[1], types[2]))
+
+    def _drop_dense(self) -> None:
+        for param in (self.w13_weight, self.w2_weight):
+            param.data = param.data.new_empty(0)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
@@ -300,14 +424,7 @@ class FusedMoE(nn.Module):
     def run(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
             ) -> torch.Tensor:
         """The experts' weighted sum for each token (this rank's part), [T, H]."""
-        kernel = self.kernel or ExpertKernel(self)
-        groups = group_by_expert(topk_ids, self.num_experts)
-        h = kernel.w13(x[groups.tokens], groups)
-        a = F.silu(h[:, :self.intermediate_size]) * h[:, self.intermediate_size:]
-        y = kernel.w2(a, groups)
-        rows = torch.empty_like(y)
-        rows[groups.order] = y  # [T*k, H] in (token, slot) order
-        return (rows.view(*topk_ids.shape, -1) * topk_weights[..., None]).sum(dim=1)
+        return (self.kernel or ExpertKernel(self)).forward(x, topk_weights, topk_ids)
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "

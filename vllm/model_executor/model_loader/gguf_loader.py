@@ -431,15 +431,25 @@ def _unstack_experts(hf_name: str, weight: torch.Tensor
     return [(hf_name.replace(_EXPERT_SLOT, f".{e}."), w) for e, w in enumerate(weight)]
 
 
-def load_gguf_state_dict(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _kept_experts(name: str, tensor: GGUFTensor) -> bool:
+    """Whether `quantization="gguf"` keeps this tensor of stacked experts in its blocks."""
+    from vllm.model_executor.layers.quantization.gguf_blocks import GGUF_MM_TYPES
+
+    return _EXPERT_SLOT in name and tensor.tensor_type.name in GGUF_MM_TYPES
+
+
+def load_gguf_state_dict(path: str, dtype: torch.dtype, keep_blocks: bool = False
+                         ) -> dict[str, torch.Tensor]:
     """Dequantize every GGUF tensor into an HF-named, HF-shaped state dict cast to ``dtype``
-    (stacked experts split into the HF checkpoint's per-expert tensors)."""
+    (stacked experts split into the HF checkpoint's per-expert tensors). With `keep_blocks`
+    (`quantization="gguf"`), experts a kernel reads in their block type are left out: they
+    load as blocks only (`load_gguf_block_codes`), never dense."""
     config = load_gguf_config(path)
     arch = _architecture(_read_metadata(path)[0])
     state_dict: dict[str, torch.Tensor] = {}
     for tensor in GGUFFile(path).tensors:
         name = hf_tensor_name(tensor.name, config["model_type"])
-        if name is None:
+        if name is None or (keep_blocks and _kept_experts(name, tensor)):
             continue
         weight = torch.from_numpy(_dequantize(tensor))
         num_heads = _rotary_heads(name, config)
@@ -458,11 +468,7 @@ def load_gguf_block_codes(path: str) -> dict[str, Any]:
     """HF name -> `GGUFBlocks` of every block-quantized tensor a kernel reads in place
     (`GGUF_MM_TYPES`), rows in HF order. Logs which types stay quantized and which are
     widened to the model's dtype, and why."""
-    from vllm.model_executor.layers.quantization.gguf_blocks import (
-        BLOCK_TYPES,
-        GGUF_MM_TYPES,
-        GGUFBlocks,
-    )
+    from vllm.model_executor.layers.quantization.gguf_blocks import GGUF_MM_TYPES, GGUFBlocks
 
     config = load_gguf_config(path)
     codes = {}
@@ -477,18 +483,15 @@ def load_gguf_block_codes(path: str) -> dict[str, Any]:
             widened[f"{type_name} (no kernel reads it)"] = widened.get(
                 f"{type_name} (no kernel reads it)", 0) + 1
             continue
-        if ".experts." in name:
-            if type_name in BLOCK_TYPES:
-                raise ValueError(
-                    f"quantization='gguf' cannot keep the {type_name} blocks of the experts "
-                    f"tensor {tensor.name!r} (experts run dense or int8); load this file "
-                    "without quantization='gguf' to dequantize its weights")
-            key = f"{type_name} (experts run dense)"
-            widened[key] = widened.get(key, 0) + 1
-            continue
         k = int(tensor.shape[0])
         blocks = GGUFBlocks(np.asarray(tensor.data).reshape(-1, tensor.data.shape[-1]),
                             type_name, k)
+        if _EXPERT_SLOT in name:  # [E * rows, bytes]: each expert's rows under its name
+            rows = int(tensor.shape[1])
+            for e in range(blocks.shape[0] // rows):
+                codes[name.replace(_EXPERT_SLOT, f".{e}.")] = blocks.narrow(0, e * rows, rows)
+            kept[type_name] = kept.get(type_name, 0) + 1
+            continue
         num_heads = _rotary_heads(name, config)
         if num_heads is not None:
             rows = torch.arange(blocks.shape[0])[:, None]

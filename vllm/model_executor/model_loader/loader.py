@@ -25,7 +25,8 @@ def iterate_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tens
     if model_config.is_gguf:
         from vllm.model_executor.model_loader.gguf_loader import load_gguf_state_dict
 
-        yield from load_gguf_state_dict(model_config.model, model_config.dtype).items()
+        yield from load_gguf_state_dict(model_config.model, model_config.dtype,
+                                        keep_blocks=model_config.quantization == "gguf").items()
         return
     from vllm.model_executor.model_loader.ct2_loader import is_ct2_model_dir
 
@@ -58,15 +59,16 @@ def get_model(model_config: ModelConfig, backend: type[AttentionBackend],
         torch.set_default_dtype(previous)
     model = cast(VllmModel, module)  # every registered class is one (registry.py checks)
     loaded = model.load_weights(iterate_weights(model_config))
+    if model_config.quantization == "gguf":
+        from vllm.model_executor.model_loader.gguf_loader import load_gguf_block_codes
+
+        # The block-quantized tensors' codes, sliced and fused like their weights (experts
+        # kept in blocks load only here).
+        loaded |= model.load_weights(load_gguf_block_codes(model_config.model).items())
     missing = sorted(set(dict(module.named_parameters())) - loaded)
     if missing:
         raise ValueError(f"Checkpoint {model_config.model!r} lacks weights for: "
                          f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
-    if model_config.quantization == "gguf":
-        from vllm.model_executor.model_loader.gguf_loader import load_gguf_block_codes
-
-        # The block-quantized tensors' codes, sliced and fused like their weights.
-        model.load_weights(load_gguf_block_codes(model_config.model).items())
     counts = process_weights_after_loading(module, model_config.quantization,
                                            pack=can_pack(model_config.dtype, device))
     logger.info("Linear layers by kernel: %s.",

@@ -85,9 +85,12 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any]],
     # parameter -> the layers reading it (linear layers, embeddings), which take its GGUF
     # blocks too
     users: dict[int, list[LinearBase | VocabParallelEmbedding]] = {}
+    experts: dict[int, FusedMoE] = {}  # stacked expert parameter -> its layer
     for module in model.modules():
         if isinstance(module, LinearBase | VocabParallelEmbedding) and module.weight is not None:
             users.setdefault(id(module.weight), []).append(module)
+        elif isinstance(module, FusedMoE):
+            experts[id(module.w13_weight)] = experts[id(module.w2_weight)] = module
     loaded: set[str] = set()
     for name, value in weights:
         if any(s in name for s in skip):
@@ -103,8 +106,12 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any]],
         param = targets[target]
         try:
             if isinstance(value, BlockCodes | GGUFBlocks):
-                if isinstance(shard_id, tuple):
-                    raise ValueError("GGUF block codes of experts are not supported")
+                if isinstance(shard_id, tuple):  # an expert's part
+                    if id(param) not in experts or not isinstance(value, GGUFBlocks):
+                        raise ValueError("experts take GGUF blocks of their stacked weights")
+                    experts[id(param)].add_block_codes(value, shard_id)
+                    loaded.add(target)
+                    continue
                 for layer in users.get(id(param), []):
                     layer.add_block_codes(value, shard_id)
                 continue

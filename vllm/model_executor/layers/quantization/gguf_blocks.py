@@ -323,3 +323,19 @@ class GGUFBlockLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"{'+'.join(self.type_names)} gguf_mm")
+
+
+def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """Rows [..., K] (K a multiple of 32) as GGUF Q8_0 blocks, uint8 [..., K / 32 * 34]:
+    each 32 values' scale d = absmax / 127 (float16) and the values round(w / d) as int8.
+
+    Example: a block whose largest magnitude is 2.54 gets d = 0.02; 1.0 -> code 50.
+    """
+    *lead, k = weight.shape
+    if k % 32:
+        raise ValueError(f"Q8_0 needs rows of a multiple of 32 values, got {k}")
+    w = weight.float().reshape(-1, k // 32, 32)
+    d = w.abs().amax(dim=-1, keepdim=True) / 127
+    codes = torch.round(w / torch.where(d == 0, 1, d)).to(torch.int8)
+    blocks = torch.cat([d.half().view(torch.uint8), codes.view(torch.uint8)], dim=-1)
+    return blocks.reshape(*lead, k // 32 * 34)
