@@ -144,7 +144,6 @@ CALL = {"role": "assistant", "content": [
     ({"tool_choice": {"type": "any"}}, 'tool_choice "any" needs tools'),
     ({"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "get_stock"}},
      "'get_stock', which is not among the request's tools (get_weather)"),
-    ({"tools": [{**WEATHER, "strict": True}]}, "strict=true"),
 ])
 def test_misplaced_blocks_and_bad_tool_choices_are_named(body: dict, names: str) -> None:
     with pytest.raises(OpenAIError) as info:
