@@ -31,6 +31,7 @@ from vllm.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     ChatCompletionStreamResponse,
 )
+from vllm.entrypoints.openai.tool_calls import check_tool_request, tool_choice_constraint
 
 WEATHER = {"name": "get_weather", "description": "The weather in a city.",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -103,6 +104,16 @@ def test_tool_choice_maps_onto_chat(choice: dict, expect: str, parallel: bool) -
         got = got.function.name
     assert got == expect
     assert chat.parallel_tool_calls is parallel
+
+
+def test_strict_tools_under_auto_get_chats_grammar() -> None:
+    """A strict tool under Anthropic's default "auto" is chat's strict tool under "auto":
+    enforced by the tool-choice grammar (a structural tag), not refused."""
+    chat = to_chat_request(request(tools=[{**WEATHER, "strict": True}]))
+    assert chat.tools is not None and chat.tools[0].function.strict is True
+    check_tool_request(chat, "hermes")
+    constraint = tool_choice_constraint(chat, "hermes")
+    assert constraint is not None and constraint.kind == "structural_tag"
 
 
 def test_a_final_assistant_message_is_continued() -> None:
