@@ -334,3 +334,28 @@ def test_strict_tools_under_auto_get_the_parsers_call_form(compiler, tokenizer) 
     assert extracted.calls == [("get_weather", '{"city":"Oslo"}')]
     with pytest.raises(OpenAIError, match="cannot enforce with --tool-call-parser llama3_json"):
         check_tool_request(request, "llama3_json")
+
+
+def test_a_trigger_that_is_a_special_token_is_that_token(tiny_llama_dir: str) -> None:
+    """Where <tool_call> is a special token (Qwen's tokenizers), a call starts with that
+    token: the tokenizer's, not its text spelled in other tokens."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>"]})
+    special = tokenizer.convert_tokens_to_ids("<tool_call>")
+    compiler = GrammarCompiler(lambda: tokenizer, len(tokenizer))
+    request = chat_request(tools=[STRICT_WEATHER])
+    constraint = tool_choice_constraint(request, "hermes")
+    assert constraint is not None
+    params = request.structured_outputs_params(("tool_choice", constraint))
+    assert params is not None
+
+    def ids(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    call = [*ids("Sure."), special,
+            *ids('\n{"name": "get_weather", "arguments": {"city":"Oslo"}}\n</tool_call>')]
+    assert call.count(special) == 1
+    grammar = compiler.new_matcher(params)
+    assert grammar.accept_tokens(call) and grammar.accept_tokens([tokenizer.eos_token_id])
+    grammar = compiler.new_matcher(params)
+    assert not grammar.accept_tokens([*ids("Sure."), special, *ids("Oslo")])
