@@ -31,6 +31,7 @@ from vllm.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     ChatCompletionStreamResponse,
 )
+from vllm.entrypoints.openai.tool_calls import check_tool_request, tool_choice_constraint
 
 WEATHER = {"name": "get_weather", "description": "The weather in a city.",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -105,6 +106,16 @@ def test_tool_choice_maps_onto_chat(choice: dict, expect: str, parallel: bool) -
     assert chat.parallel_tool_calls is parallel
 
 
+def test_strict_tools_under_auto_get_chats_grammar() -> None:
+    """A strict tool under Anthropic's default "auto" is chat's strict tool under "auto":
+    enforced by the tool-choice grammar (a structural tag), not refused."""
+    chat = to_chat_request(request(tools=[{**WEATHER, "strict": True}]))
+    assert chat.tools is not None and chat.tools[0].function.strict is True
+    check_tool_request(chat, "hermes")
+    constraint = tool_choice_constraint(chat, "hermes")
+    assert constraint is not None and constraint.kind == "structural_tag"
+
+
 def test_a_final_assistant_message_is_continued() -> None:
     chat = to_chat_request(request(messages=[
         {"role": "user", "content": "Count to three."},
@@ -144,7 +155,6 @@ CALL = {"role": "assistant", "content": [
     ({"tool_choice": {"type": "any"}}, 'tool_choice "any" needs tools'),
     ({"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "get_stock"}},
      "'get_stock', which is not among the request's tools (get_weather)"),
-    ({"tools": [{**WEATHER, "strict": True}]}, "strict=true"),
 ])
 def test_misplaced_blocks_and_bad_tool_choices_are_named(body: dict, names: str) -> None:
     with pytest.raises(OpenAIError) as info:

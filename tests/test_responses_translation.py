@@ -31,6 +31,7 @@ from vllm.entrypoints.openai.responses_protocol import (
 )
 from vllm.entrypoints.openai.serving_responses import (
     EventWriter,
+    OpenAIServingResponses,
     ResponseStore,
     assistant_turn,
     chat_chunks,
@@ -302,3 +303,58 @@ def test_chat_events_are_read_back_as_chunks() -> None:
     with pytest.raises(OpenAIError) as info:
         asyncio.run(read([sse(chunks[0]), failed]))
     assert (info.value.message, info.value.status_code) == ("engine failed", 500)
+
+
+def test_a_streamed_response_is_retrievable_while_in_flight() -> None:
+    """GET on a stored response still streaming: as it stands ("in_progress", the text so
+    far); once the stream ends, the stored one. One not stored is never shown; one in
+    flight cannot be continued yet."""
+    import asyncio
+
+    from vllm.entrypoints.openai.serving_engine import sse
+
+    class Chat:  # the chat handler's two methods the Responses handler calls
+        def __init__(self) -> None:
+            self.gate = asyncio.Event()
+
+        def response_model(self, model: str | None) -> str:
+            return "m"
+
+        async def create_chat_completion(self, request):
+            async def events():
+                yield sse(_chunk("Hel"))
+                await self.gate.wait()
+                yield sse(_chunk("lo", finish_reason="stop"))
+                yield "data: [DONE]\n\n"
+            return events()
+
+    async def run() -> None:
+        chat = Chat()
+        serving = OpenAIServingResponses(chat)  # type: ignore[arg-type]
+        unstored = await serving.create_response(ResponsesRequest.model_validate(
+            {"model": "m", "input": "hi", "stream": True, "store": False}))
+        stream = await serving.create_response(ResponsesRequest.model_validate(
+            {"model": "m", "input": "hi", "stream": True}))
+        assert not isinstance(stream, ResponseObject)
+        assert not isinstance(unstored, ResponseObject)
+        events = [await anext(stream) for _ in range(5)]  # created ... the first delta
+        assert "response.output_text.delta" in events[-1]
+        [response_id] = serving.in_flight
+        await anext(unstored)
+        assert list(serving.in_flight) == [response_id]
+        now = serving.retrieve(response_id)
+        assert now.status == "in_progress" and now.output_text == "Hel"
+        with pytest.raises(OpenAIError, match="still in progress") as info:
+            serving.start(ResponsesRequest.model_validate(
+                {"model": "m", "input": "?", "previous_response_id": response_id}))
+        assert info.value.status_code == 400
+        chat.gate.set()
+        rest = [event async for event in stream]
+        assert "response.completed" in rest[-1]
+        assert serving.in_flight == {}
+        done = serving.retrieve(response_id)
+        assert done.status == "completed" and done.output_text == "Hello"
+        assert now.status == "in_progress"  # what GET returned was a snapshot
+        await unstored.aclose()
+
+    asyncio.run(run())

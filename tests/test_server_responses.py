@@ -1,8 +1,9 @@
 """`/v1/responses` through the `openai` client and the OpenAI Agents SDK against `vllm serve`
 (the default model, the hermes tool template and parser): plain and streamed (the event
 sequence), a function-tool round trip through `function_call_output`, `text.format`
-json_schema, `previous_response_id`, retrieval and deletion, prompt_embeds parts, and the
-400s and 404s. Each Response is checked against the chat completion it translates to: the
+json_schema, `previous_response_id`, retrieval (during a stream too) and deletion,
+prompt_embeds parts, the Agents SDK in its default setup (strict tools, "auto"), and the 400s
+and 404s. Each Response is checked against the chat completion it translates to: the
 same prompt tokens and, greedy, the same text. One server for the module."""
 
 from __future__ import annotations
@@ -201,7 +202,6 @@ def test_retrieve_delete_and_unknown_ids(client: openai.OpenAI, server: RemoteSe
     ({"tools": [{"type": "web_search"}]}, "web_search"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input_image"),
-    ({"tools": [WEATHER]}, "strict"),  # "auto" cannot enforce strict (as on chat)
     ({"tool_choice": "required"}, "needs tools"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}},
      "schema"),
@@ -224,56 +224,83 @@ def test_prompt_embeds_parts_give_the_reply_of_the_same_text(client: openai.Open
     assert by_rows.usage.input_tokens == by_text.usage.input_tokens
 
 
-def _agent(server: RemoteServer, **kwargs) -> Any:
-    """An Agents SDK agent on its Responses model, unchanged but for the client's
-    base_url: the weather tool required on its first turn. 160 tokens: with the SDK's
-    schemas the model makes three parallel calls (62 tokens, compact), which 60 cut."""
-    from agents import Agent, ModelSettings, OpenAIResponsesModel
+def weather_agent(url: str, model_class: str = "OpenAIResponsesModel", **settings: Any
+                  ) -> tuple[Any, list[str]]:
+    """An Agents SDK agent on one of its models (its Responses model by default), unchanged
+    but for the client's base_url, with the SDK's default function tool (strict), and the
+    cities the tool was called with. The model is the default SmolLM2, greedy."""
+    import agents
+    from agents import Agent, ModelSettings, function_tool
 
-    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0,
-                                timeout=120)
-    return Agent(name="weather", instructions="Answer with the weather tool.",
-                 model=OpenAIResponsesModel(model=MODEL, openai_client=client),
-                 model_settings=ModelSettings(tool_choice="required", temperature=0.0,
-                                              max_tokens=160), **kwargs)
-
-
-def test_agents_sdk_runs_a_function_tool_on_the_responses_model(server: RemoteServer) -> None:
-    """A strict function tool (the SDK's default) under tool_choice "required": the model
-    calls it with arguments the tool accepts, and the tool's result ends the run."""
-    from agents import RunConfig, Runner, function_tool
-
-    seen: list[tuple[str, str]] = []
+    seen: list[str] = []
 
     @function_tool
-    def get_weather(city: str, unit: str) -> str:
-        """The current weather in a city.
-
-        Args:
-            city: The city.
-            unit: celsius or fahrenheit.
-        """
-        seen.append((city, unit))
-        return f"21 degrees {unit} in {city}"
-
-    agent = _agent(server, tools=[get_weather], tool_use_behavior="stop_on_first_tool")
-    result = Runner.run_sync(agent, ASK, run_config=RunConfig(tracing_disabled=True))
-    assert seen and result.final_output == f"21 degrees {seen[0][1]} in {seen[0][0]}"
-
-
-def test_agents_sdk_feeds_the_tool_result_back(server: RemoteServer) -> None:
-    """The SDK's own round trip: its function_call and function_call_output items (the
-    whole conversation as input) render into the second turn ("auto" once the tool was
-    used, so the tool is not strict), which answers in text."""
-    from agents import MessageOutputItem, RunConfig, Runner, ToolCallOutputItem, function_tool
-
-    @function_tool(strict_mode=False)
     def get_weather(city: str) -> str:
         """The current weather in a city."""
+        seen.append(city)
         return f"21 degrees in {city}"
 
-    result = Runner.run_sync(_agent(server, tools=[get_weather]), ASK, max_turns=3,
-                             run_config=RunConfig(tracing_disabled=True))
-    kinds = [type(item) for item in result.new_items]
-    assert ToolCallOutputItem in kinds and kinds[-1] is MessageOutputItem
+    client = openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0, timeout=120)
+    model = getattr(agents, model_class)(model=MODEL, openai_client=client)
+    agent = Agent(name="weather", instructions="Answer with the weather tool.", model=model,
+                  tools=[get_weather], model_settings=ModelSettings(
+                      temperature=0.0, **{"max_tokens": 96, **settings}))
+    return agent, seen
+
+
+def run_agent(agent: Any, given: Any, **kwargs: Any) -> Any:
+    from agents import RunConfig, Runner
+
+    return Runner.run_sync(agent, given, run_config=RunConfig(tracing_disabled=True), **kwargs)
+
+
+def check_tool_then_answer(url: str, model_class: str) -> None:
+    """The SDK's default setup: a strict tool, and tool_choice back to "auto" once the tool
+    was used (so the second turn is "auto" with a strict tool: a 400 before). Required on
+    the first turn (the model does not call by itself on a bare question): the SDK runs the
+    tool, feeds its result back (function_call and function_call_output items, or chat's
+    tool message) and the model answers in text."""
+    from agents import MessageOutputItem, ToolCallItem, ToolCallOutputItem
+
+    agent, seen = weather_agent(url, model_class, tool_choice="required")
+    result = run_agent(agent, ASK, max_turns=3)
+    assert seen == ["Paris"]
+    assert [type(item) for item in result.new_items] == [ToolCallItem, ToolCallOutputItem,
+                                                         MessageOutputItem]
     assert isinstance(result.final_output, str) and result.final_output
+
+
+# Shown how it calls the tool (calls with no results yet), the model calls it by itself.
+SHOWN_CALLS = [item for i, city in enumerate(["Rome", "Lima", "Cairo"]) for item in (
+    {"role": "user", "content": f"What is the weather in {city}?"},
+    {"type": "function_call", "call_id": f"call_{i}", "name": "get_weather",
+     "arguments": json.dumps({"city": city})})] + [{"role": "user", "content": ASK}]
+
+
+def test_agents_sdk_calls_its_strict_tool_under_the_default_tool_choice(
+        server: RemoteServer) -> None:
+    """The SDK's defaults throughout (strict tool, no tool_choice: "auto"): the model calls
+    the tool with arguments its strict schema accepts, and the tool's result ends the run."""
+    agent, seen = weather_agent(f"{server.url}/v1")
+    agent.tool_use_behavior = "stop_on_first_tool"
+    result = run_agent(agent, SHOWN_CALLS)
+    assert seen == ["Paris"] and result.final_output == "21 degrees in Paris"
+
+
+def test_agents_sdk_calls_the_tool_then_answers(server: RemoteServer) -> None:
+    check_tool_then_answer(f"{server.url}/v1", "OpenAIResponsesModel")
+
+
+def test_a_streamed_response_is_retrievable_while_in_flight(client: openai.OpenAI) -> None:
+    """GET during the stream: the response as it stands ("in_progress", the text so far);
+    after it, the stored one."""
+    events = iter(respond(client, stream=True, max_output_tokens=64))
+    created = next(events)
+    first = next(e for e in events if e.type == "response.output_text.delta")
+    now = client.responses.retrieve(created.response.id)
+    rest = list(events)
+    assert now.status == "in_progress" and now.output_text.startswith(first.delta)
+    done = client.responses.retrieve(created.response.id)
+    assert done.status == rest[-1].response.status != "in_progress"
+    assert done.output_text == rest[-1].response.output_text
+    assert done.output_text.startswith(now.output_text)

@@ -1,9 +1,10 @@
 """Tool calling through the `openai` client against `vllm serve` (the default SmolLM2 model,
 with a chat template that shows tools and the hermes parser for tool_choice "auto"): required,
-named, auto, parallel, streamed and not; arguments validate against their schemas; forced
-calls cut by max_tokens; a tool result fed back renders into the second turn. Strict
-response_format schemas on the same model (a varied set, at temperature 0 and 0.8), and the
-field audit. One server for the module."""
+named, auto (strict tools too), parallel, streamed and not, the Agents SDK on chat
+completions; arguments validate against their schemas; forced calls cut by max_tokens; a
+tool result fed back renders into the second turn. Strict response_format schemas on the
+same model (a varied set, at temperature 0 and 0.8), and the field audit. One server for
+the module."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import openai
 import pytest
 
 from tests.server_utils import SMALL_ENGINE_ARGS, RemoteServer
+from tests.test_server_responses import check_tool_then_answer
 from vllm.entrypoints.chat_utils import render_chat
 from vllm.entrypoints.errors import OpenAIError
 from vllm.entrypoints.openai.protocol import ChatCompletionRequest
@@ -189,6 +191,31 @@ def test_auto_calls_a_tool_with_the_hermes_parser(client: openai.OpenAI) -> None
     assert "<tool_call>" in (plain.message.content or "")
 
 
+STRICT_TOOLS = [{"type": "function", "function": {**t["function"], "strict": True}}
+                for t in TOOLS]
+
+
+def test_auto_with_strict_tools_calls_validly_or_answers(client: openai.OpenAI) -> None:
+    """Strict tools under "auto" (a grammar of text or hermes calls with strict arguments):
+    shown how, the model calls; asked something else, it answers in text and ends."""
+    response = chat(client, messages=SHOWN, tools=STRICT_TOOLS, tool_choice="auto")
+    calls = calls_of(response.choices[0].message)
+    assert [name for name, _ in calls] == ["get_weather"]
+    assert_valid_calls(calls)
+    assert response.choices[0].finish_reason == "tool_calls"
+    hello = chat(client, messages=[{"role": "user", "content": "Say hello."}],
+                 tools=STRICT_TOOLS, max_tokens=24).choices[0]
+    assert hello.message.content and not hello.message.tool_calls
+    assert hello.finish_reason == "stop"
+
+
+def test_agents_sdk_calls_the_tool_then_answers_on_chat_completions(
+        server: RemoteServer) -> None:
+    """The Agents SDK on its chat-completions model (`OpenAIChatCompletionsModel`): see
+    `check_tool_then_answer`."""
+    check_tool_then_answer(f"{server.url}/v1", "OpenAIChatCompletionsModel")
+
+
 def test_tool_result_renders_into_the_second_turn(client: openai.OpenAI,
                                                   default_model_path: str) -> None:
     """The assistant's calls and the tool's result render through the template (the prompt
@@ -213,8 +240,6 @@ def test_tool_result_renders_into_the_second_turn(client: openai.OpenAI,
     ({"tool_choice": {"type": "function", "function": {"name": "get_stock"}}}, "get_stock"),
     ({"tools": None, "tool_choice": "required"}, "needs tools"),
     ({"tools": [WEATHER, WEATHER]}, "same name"),
-    ({"tools": [{"type": "function", "function": {**WEATHER["function"], "strict": True}}]},
-     "strict"),
     ({"messages": [*ASK, {"role": "assistant", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
      "messages[1].tool_calls[0].function.arguments"),

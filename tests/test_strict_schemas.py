@@ -12,13 +12,17 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
+from vllm.entrypoints.errors import OpenAIError
 from vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from vllm.entrypoints.openai.tool_calls import (
     NamedToolParser,
     RequiredToolParser,
     ToolCallStreamer,
+    check_tool_request,
+    tool_choice_constraint,
     tool_choice_schema,
 )
+from vllm.entrypoints.openai.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
 from vllm.sampling_params import SamplingParams
 from vllm.sampling_params import StructuredOutputsParams as S
 from vllm.v1.structured_output.backend import BOUNDED_WHITESPACE, grammar_key, strict_schema
@@ -242,3 +246,116 @@ def test_forced_calls_cut_by_max_tokens_are_never_content() -> None:
     assert all(d.content is None for d in deltas)
     assert "".join(c.function.arguments or "" for d in deltas for c in d.tool_calls
                    if c.function is not None) == '{"city": '
+
+
+# ---- strict tools under tool_choice "auto": a structural tag --------------------------------
+
+
+def ends(compiler: GrammarCompiler, tokenizer: Any, params: S, text: str) -> bool:
+    """Whether the grammar takes `text` (one character a token) and may end after it."""
+    by_char = {}
+    for token_id in range(len(tokenizer)):
+        by_char.setdefault(tokenizer.convert_tokens_to_string(
+            tokenizer.convert_ids_to_tokens([token_id])), token_id)
+    grammar = compiler.new_matcher(params)
+    return all(grammar.accept_tokens([by_char[char]]) for char in text) \
+        and grammar.accept_tokens([tokenizer.eos_token_id])
+
+
+CALL_TAG = {"type": "structural_tag", "triggers": ["<f>"], "structures": [
+    {"begin": "<f>a:", "schema": PERSON, "end": "</f>"}]}
+
+
+@pytest.mark.parametrize("tag, message", [
+    ("{not json", "structural_tag is not valid JSON"),
+    ([], "structural_tag must be a JSON object"),
+    ({**CALL_TAG, "format": {}}, r"got \['format'\]"),
+    ({**CALL_TAG, "type": "x"}, 'type must be "structural_tag"'),
+    ({**CALL_TAG, "triggers": [""]}, "triggers must be a non-empty list of non-empty strings"),
+    ({**CALL_TAG, "structures": []}, "structures must be a non-empty list"),
+    ({**CALL_TAG, "structures": [{"begin": "<f>", "schema": {}}]},
+     r"structures\[0\] must be \{begin: string, schema: JSON schema, end: string\}"),
+    ({**CALL_TAG, "structures": [{"begin": "<g>", "schema": {}, "end": ""}]},
+     r"structures\[0\].begin '<g>' does not start with any of the triggers"),
+    ({**CALL_TAG, "triggers": ["<f>", "<h>"]}, r"triggers\[1\] '<h>' begins none"),
+])
+def test_structural_tags_are_checked_by_name(tag: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        S(structural_tag=tag if isinstance(tag, str) else json.dumps(tag))
+
+
+def test_structural_tag_grammar_is_text_with_strict_structures(compiler, tokenizer) -> None:
+    tag = S(structural_tag=CALL_TAG, disable_any_whitespace=True)
+    assert json.loads(grammar_key(tag).spec)["structures"][0]["schema"][
+        "additionalProperties"] is False
+    assert ends(compiler, tokenizer, tag, "any text <g> at all")
+    assert ends(compiler, tokenizer, tag, 'x <f>a:{"name":"Al","age":3}</f> y')
+    assert ends(compiler, tokenizer, tag,
+                '<f>a:{"name":"A","age":1}</f><f>a:{"name":"B","age":2}</f>')
+    assert not ends(compiler, tokenizer, tag, "text <f>")  # a trigger starts a structure
+    assert not accepts(compiler, tokenizer, tag, "text <f>b")
+    assert not accepts(compiler, tokenizer, tag, '<f>a:{"name":"Al","age":3,"x":1}')  # strict
+    assert not accepts(compiler, tokenizer, tag, '<f>a:{"name": "Al"')  # compact
+    assert not ends(compiler, tokenizer, tag, '<f>a:{"name":"Al"}</f>')  # age is required
+    bounded = S(structural_tag=json.dumps(CALL_TAG))
+    assert ends(compiler, tokenizer, bounded, '<f>a:{"name": "Al",\n "age": 3}</f>')
+    assert not accepts(compiler, tokenizer, bounded, '<f>a:{"name": "Al",\n\n')
+
+
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {}}}}
+STRICT_WEATHER = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+
+
+def test_strict_tools_under_auto_get_the_parsers_call_form(compiler, tokenizer) -> None:
+    """tool_choice "auto" with a strict tool: free text, or hermes calls of the request's
+    functions with valid (strict, compact) arguments, which the hermes parser reads."""
+    request = chat_request(tools=[STRICT_WEATHER, TIME_TOOL])
+    check_tool_request(request, "hermes")
+    constraint = tool_choice_constraint(request, "hermes")
+    assert constraint is not None
+    params = request.structured_outputs_params(("tool_choice", constraint))
+    assert params is not None and params.disable_any_whitespace
+    assert tool_choice_constraint(chat_request(), "hermes") is None  # not strict: free
+    assert tool_choice_constraint(chat_request(tools=[STRICT_WEATHER], tool_choice="none"),
+                                  "hermes") is None
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city":"Oslo"}}\n</tool_call>'
+    assert ends(compiler, tokenizer, params, "It is sunny.")
+    assert ends(compiler, tokenizer, params, "Let me see." + call + "\n")
+    assert ends(compiler, tokenizer, params, call + call.replace(
+        '"get_weather", "arguments": {"city":"Oslo"}', '"get_time", "arguments": {}'))
+    for bad in ('"get_stock", ', '"get_weather", "arguments": {"town"',
+                '"get_weather", "arguments": {"city":"Oslo","unit":"c"}',
+                '"get_weather", "arguments": {"city": '):
+        assert not accepts(compiler, tokenizer, params, '<tool_call>\n{"name": ' + bad)
+    assert not ends(compiler, tokenizer, params, call[:40])
+    extracted = Hermes2ProToolParser(None).extract("Let me see." + call + "\n")
+    assert extracted.content == "Let me see."
+    assert extracted.calls == [("get_weather", '{"city":"Oslo"}')]
+    with pytest.raises(OpenAIError, match="cannot enforce with --tool-call-parser llama3_json"):
+        check_tool_request(request, "llama3_json")
+
+
+def test_a_trigger_that_is_a_special_token_is_that_token(tiny_llama_dir: str) -> None:
+    """Where <tool_call> is a special token (Qwen's tokenizers), a call starts with that
+    token: the tokenizer's, not its text spelled in other tokens."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>"]})
+    special = tokenizer.convert_tokens_to_ids("<tool_call>")
+    compiler = GrammarCompiler(lambda: tokenizer, len(tokenizer))
+    request = chat_request(tools=[STRICT_WEATHER])
+    constraint = tool_choice_constraint(request, "hermes")
+    assert constraint is not None
+    params = request.structured_outputs_params(("tool_choice", constraint))
+    assert params is not None
+
+    def ids(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    call = [*ids("Sure."), special,
+            *ids('\n{"name": "get_weather", "arguments": {"city":"Oslo"}}\n</tool_call>')]
+    assert call.count(special) == 1
+    grammar = compiler.new_matcher(params)
+    assert grammar.accept_tokens(call) and grammar.accept_tokens([tokenizer.eos_token_id])
+    grammar = compiler.new_matcher(params)
+    assert not grammar.accept_tokens([*ids("Sure."), special, *ids("Oslo")])

@@ -46,7 +46,7 @@ def allowed_ids(compiler, grammar) -> list[int]:
     ({"json": "[1]"}, "must be a JSON schema object"),
     ({"choice": []}, "choice must be a non-empty list of strings"),
     ({"regex": ""}, "regex must be a non-empty string"),
-    ({"structural_tag": "{}"}, "structural_tag is not supported"),
+    ({"structural_tag": "{}"}, "structural_tag.triggers must be a non-empty list"),
     ({"regex": "a", "whitespace_pattern": ""}, "whitespace_pattern must be a non-empty"),
 ])
 def test_params_need_exactly_one_valid_constraint(kwargs, message):

@@ -29,8 +29,11 @@ class StructuredOutputsParams:
     - `choice`: the output is exactly one of these strings.
     - `grammar`: an EBNF (GBNF) or Lark grammar; the output is a sentence of it.
     - `json_object`: any JSON object.
-    - `structural_tag`: refused (not supported by this engine); the field exists so a request
-      that sets it gets an error naming it instead of being silently unconstrained.
+    - `structural_tag`: free text in which every occurrence of a trigger starts one of the
+      structures, vLLM's form (a dict or its JSON text): `{"type": "structural_tag",
+      "structures": [{"begin": "<tool_call>\\n", "schema": {...}, "end": "\\n</tool_call>"}],
+      "triggers": ["<tool_call>"]}`; each `begin` starts with a trigger, and between its
+      `begin` and `end` a structure is JSON valid against its (strict) schema.
 
     None set: options only, which the server merges into the constraint a request gives
     another way (`response_format`, `guided_*`, `tool_choice`), as vLLM does; a request
@@ -50,7 +53,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
-    structural_tag: str | None = None
+    structural_tag: str | dict[str, Any] | None = None
     disable_fallback: bool = False
     disable_any_whitespace: bool | None = None
     disable_additional_properties: bool = False
@@ -64,7 +67,7 @@ class StructuredOutputsParams:
                 f"{', '.join(STRUCTURED_OUTPUT_KINDS)}; got {', '.join(set_kinds)}."
             )
         if self.structural_tag is not None:
-            raise ValueError("structured_outputs.structural_tag is not supported by this engine.")
+            _check_structural_tag(self.structural_tag)
         if self.whitespace_pattern is not None:
             if not isinstance(self.whitespace_pattern, str) or not self.whitespace_pattern:
                 raise ValueError("structured_outputs.whitespace_pattern must be a non-empty "
@@ -125,6 +128,44 @@ class StructuredOutputsParams:
         """Which constraint is set: one of STRUCTURED_OUTPUT_KINDS (None: options only)."""
         return next((k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)),
                     None)
+
+
+def _check_structural_tag(value: Any) -> None:
+    """Raises ValueError naming what is wrong with a `structural_tag` (its schemas are
+    checked when they compile)."""
+    where = "structured_outputs.structural_tag"
+    if isinstance(value, str):
+        try:
+            value = _json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"{where} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{where} must be a JSON object.")
+    unknown = [k for k in value if k not in ("type", "structures", "triggers")]
+    if unknown:
+        raise ValueError(f"{where} takes type, structures and triggers; got {unknown} "
+                         "(the newer `format` form is not supported).")
+    if value.get("type", "structural_tag") != "structural_tag":
+        raise ValueError(f'{where}.type must be "structural_tag".')
+    triggers, structures = value.get("triggers"), value.get("structures")
+    if not isinstance(triggers, list) or not triggers \
+            or any(not isinstance(t, str) or not t for t in triggers):
+        raise ValueError(f"{where}.triggers must be a non-empty list of non-empty strings.")
+    if not isinstance(structures, list) or not structures:
+        raise ValueError(f"{where}.structures must be a non-empty list.")
+    for i, structure in enumerate(structures):
+        if not isinstance(structure, dict) or set(structure) != {"begin", "schema", "end"} \
+                or not isinstance(structure["begin"], str) \
+                or not isinstance(structure["end"], str) \
+                or not isinstance(structure["schema"], dict | bool):
+            raise ValueError(f"{where}.structures[{i}] must be {{begin: string, schema: JSON "
+                             "schema, end: string}.")
+        if not any(structure["begin"].startswith(t) for t in triggers):
+            raise ValueError(f"{where}.structures[{i}].begin {structure['begin']!r} does not "
+                             "start with any of the triggers.")
+    for i, trigger in enumerate(triggers):
+        if not any(s["begin"].startswith(trigger) for s in structures):
+            raise ValueError(f"{where}.triggers[{i}] {trigger!r} begins none of the structures.")
 
 
 @dataclass(slots=True)

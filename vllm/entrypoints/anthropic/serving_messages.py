@@ -55,7 +55,6 @@ from vllm.entrypoints.anthropic.protocol import (
     TextBlockParam,
     TextDelta,
     ToolChoiceAny,
-    ToolChoiceAuto,
     ToolChoiceNone,
     ToolChoiceTool,
     ToolResultBlockParam,
@@ -151,10 +150,6 @@ def _check_tool_choice(request: CountTokensRequest) -> None:
     if isinstance(choice, ToolChoiceTool) and choice.name not in names:
         raise OpenAIError(f"tool_choice names the tool {choice.name!r}, which is not among "
                           f"the request's tools ({', '.join(names)}).")
-    strict = [t.name for t in request.tools or [] if t.strict]
-    if strict and (choice is None or isinstance(choice, ToolChoiceAuto)):
-        raise OpenAIError(f'tools {strict} set strict=true, which only tool_choice "any" or '
-                          '"tool" can enforce ("auto" leaves the model free to call or not).')
 
 
 def _chat_tool_choice(choice: Any) -> Any:

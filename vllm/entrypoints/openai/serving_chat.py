@@ -62,11 +62,11 @@ from vllm.entrypoints.openai.tool_calls import (
     finish_reason_with_tools,
     make_tool_parser,
     tool_calls_of,
-    tool_choice_schema,
+    tool_choice_constraint,
 )
 from vllm.entrypoints.openai.tool_parsers import ToolParser
 from vllm.outputs import CompletionOutput
-from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.async_llm import RequestStream
 
 
@@ -189,9 +189,8 @@ class OpenAIServingChat(OpenAIServing):
                 return self._beam_search_params(request, max_tokens, num_logprobs)
             if request.length_penalty != 1.0:
                 raise ValueError("length_penalty applies only with use_beam_search=true.")
-            schema = tool_choice_schema(request)
-            forced = None if schema is None else ("tool_choice",
-                                                  StructuredOutputsParams(json=schema))
+            constraint = tool_choice_constraint(request, self.options.tool_parser)
+            forced = None if constraint is None else ("tool_choice", constraint)
             params = request.to_sampling_params(max_tokens, num_logprobs,
                                                 defaults=self.model_config.generation_defaults,
                                                 forced=forced)
@@ -202,9 +201,9 @@ class OpenAIServingChat(OpenAIServing):
     def _beam_search_params(self, request: ChatCompletionRequest, max_tokens: int | None,
                             num_logprobs: int | None) -> SamplingParams:
         """`use_beam_search`: n beams (the completions' best_of has no chat spelling)."""
-        if tool_choice_schema(request) is not None:
-            raise ValueError("use_beam_search cannot be combined with tool_choice \"required\" "
-                             "or a named function (their output constraint).")
+        if tool_choice_constraint(request, self.options.tool_parser) is not None:
+            raise ValueError("use_beam_search cannot be combined with tool_choice \"required\", "
+                             "a named function or strict tools (their output constraint).")
         return request.beam_search_params(request.n, request.length_penalty,
                                           max_tokens or self.model_config.max_model_len,
                                           num_logprobs)

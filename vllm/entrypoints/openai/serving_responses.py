@@ -19,7 +19,8 @@ object or its event stream:
 
 Stored responses (`store`, on by default as with OpenAI) keep their conversation without
 the instructions (OpenAI does not carry instructions over to a continuation) in a bounded
-in-memory LRU; `GET /v1/responses/{id}` reads them back.
+in-memory LRU; `GET /v1/responses/{id}` reads them back, and while one is generated shows
+it as it stands (status "in_progress").
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncGenerator
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, Iterator
+from contextlib import aclosing, contextmanager
 from typing import Any, NamedTuple
 
 from pydantic import ValidationError
@@ -504,10 +505,16 @@ class OpenAIServingResponses:
     def __init__(self, chat: OpenAIServingChat, store: ResponseStore | None = None) -> None:
         self.chat = chat
         self.store = store or ResponseStore()
+        # Responses being generated that will be stored, by id: `retrieve` shows them as
+        # they stand (status "in_progress", the output so far).
+        self.in_flight: dict[str, ResponseObject] = {}
 
     def start(self, request: ResponsesRequest) -> StartedResponse:
         history: list[dict[str, Any]] = []
         if request.previous_response_id is not None:
+            if request.previous_response_id in self.in_flight:
+                raise OpenAIError(f"Previous response with id '{request.previous_response_id}'"
+                                  " is still in progress: continue it once it has completed.")
             _, history = self.store.get(request.previous_response_id)
         response_id = f"resp_{request.request_id or uuid.uuid4().hex}"
         chat, conversation = chat_request(request, history, response_id)
@@ -529,37 +536,59 @@ class OpenAIServingResponses:
     async def create_response(self, request: ResponsesRequest
                               ) -> ResponseObject | AsyncGenerator[str, None]:
         started = self.start(request)
-        result = await self.chat.create_chat_completion(started.chat)
-        if isinstance(result, ChatCompletionResponse):
-            response = started.response
-            response.output = output_items(result)
-            response.usage = response_usage(result.usage)
-            finish(response, result.choices[0].finish_reason)
-            self._keep(response, started.conversation)
-            return response
-        return self._stream(started, result)
+        if started.chat.stream:
+            result = await self.chat.create_chat_completion(started.chat)
+            assert not isinstance(result, ChatCompletionResponse)
+            return self._stream(started, result)
+        with self._generating(started.response):
+            result = await self.chat.create_chat_completion(started.chat)
+        assert isinstance(result, ChatCompletionResponse)
+        response = started.response
+        response.output = output_items(result)
+        response.usage = response_usage(result.usage)
+        finish(response, result.choices[0].finish_reason)
+        self._keep(response, started.conversation)
+        return response
 
     async def _stream(self, started: StartedResponse, chat_events: AsyncGenerator[str, None]
                       ) -> AsyncGenerator[str, None]:
         writer = EventWriter(started.response)
-        yield sse_event(writer.lifecycle("created"))
-        yield sse_event(writer.lifecycle("in_progress"))
-        async with aclosing(chat_events):
-            try:
-                async for chunk in chat_chunks(chat_events):
-                    for event in writer.feed(chunk):
+        with self._generating(started.response):
+            yield sse_event(writer.lifecycle("created"))
+            yield sse_event(writer.lifecycle("in_progress"))
+            async with aclosing(chat_events):
+                try:
+                    async for chunk in chat_chunks(chat_events):
+                        for event in writer.feed(chunk):
+                            yield sse_event(event)
+                except Exception as e:
+                    for event in writer.fail(e):
                         yield sse_event(event)
-            except Exception as e:
-                for event in writer.fail(e):
-                    yield sse_event(event)
-                return
-        for event in writer.end():
-            yield sse_event(event)
-        self._keep(writer.response, started.conversation)
+                    return
+            for event in writer.end():
+                yield sse_event(event)
+            self._keep(writer.response, started.conversation)
+
+    @contextmanager
+    def _generating(self, response: ResponseObject) -> Iterator[None]:
+        """Shows a response that will be stored to `retrieve` while it is generated (until it
+        is stored, fails, or its client goes away)."""
+        if not response.store:
+            yield
+            return
+        self.in_flight[response.id] = response
+        try:
+            yield
+        finally:
+            self.in_flight.pop(response.id, None)
 
     def _keep(self, response: ResponseObject, conversation: list[dict[str, Any]]) -> None:
         if response.store:
             self.store.put(response, [*conversation, *assistant_turn(response.output)])
 
     def retrieve(self, response_id: str) -> ResponseObject:
+        """A stored response, or one being generated as it stands now."""
+        response = self.in_flight.get(response_id)
+        if response is not None:
+            return response.model_copy(deep=True)
         return self.store.get(response_id)[0]

@@ -1,11 +1,13 @@
-"""Tool calling on `/v1/chat/completions`: which parser reads a request's output, the JSON
-schema that enforces `tool_choice` "required" or a named function (strict and compact, so
-the output is at least one whole call unless max_tokens cuts it), and the streaming of
-calls as OpenAI deltas.
+"""Tool calling on `/v1/chat/completions`: which parser reads a request's output, the
+constraint that enforces `tool_choice` "required" or a named function (a JSON schema, strict
+and compact, so the output is at least one whole call unless max_tokens cuts it) or strict
+tools under "auto" (a structural tag), and the streaming of calls as OpenAI deltas.
 
     tool_choice   prompt        output constrained to            read by
     "none"        tools shown   nothing                          nothing (all content)
-    "auto"        tools shown   nothing                          --tool-call-parser NAME
+    "auto"        tools shown   nothing; with a strict tool:     --tool-call-parser NAME
+                                text, each call in the parser's
+                                form with valid arguments
     "required"    tools shown   [{"name", "arguments"}, ...]     RequiredToolParser
     {function}    tools shown   that function's arguments        NamedToolParser
 """
@@ -37,6 +39,7 @@ from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     skip_whitespace,
     value_end,
 )
+from vllm.sampling_params import StructuredOutputsParams
 
 AUTO_NEEDS_FLAGS = ('"auto" tool choice requires --enable-auto-tool-choice and '
                     '--tool-call-parser to be set.')
@@ -65,10 +68,12 @@ def check_tool_request(request: ChatCompletionRequest, tool_parser: str | None) 
         if tool_parser is None:
             raise OpenAIError(AUTO_NEEDS_FLAGS)
         strict = [t.function.name for t in request.tools or [] if t.function.strict]
-        if strict:
-            raise OpenAIError(f"tools {strict} set strict=true, which only tool_choice "
-                              "\"required\" or a named function can enforce (\"auto\" leaves "
-                              "the model free to call or not).")
+        if strict and ToolParserManager.get_tool_parser(tool_parser).call_form(strict[0]) \
+                is None:
+            raise OpenAIError(f"tools {strict} set strict=true, which tool_choice \"auto\" "
+                              f"cannot enforce with --tool-call-parser {tool_parser} (its "
+                              "calls have no tagged form amid text; hermes has one): use "
+                              "tool_choice \"required\" or a named function.")
 
 
 def _describe(choice: Any) -> str:
@@ -101,6 +106,29 @@ def tool_choice_schema(request: ChatCompletionRequest) -> dict[str, Any] | None:
     if request.parallel_tool_calls is False:
         schema["maxItems"] = 1
     return schema
+
+
+def tool_choice_constraint(request: ChatCompletionRequest, tool_parser: str | None
+                           ) -> StructuredOutputsParams | None:
+    """The output constraint of the request's tool choice: `tool_choice_schema`'s for
+    "required" and a named function; for "auto" with a strict tool (checked by
+    `check_tool_request`), free text in which each call, in the parser's `call_form`, has
+    one of the functions' names and arguments valid against its schema. None: no
+    constraint (the output is free)."""
+    schema = tool_choice_schema(request)
+    if schema is not None:
+        return StructuredOutputsParams(json=schema)
+    tools = request.tools or []
+    if effective_tool_choice(request) != "auto" or tool_parser is None \
+            or not any(t.function.strict for t in tools):
+        return None
+    parser = ToolParserManager.get_tool_parser(tool_parser)
+    forms = [(parser.call_form(t.function.name), _parameters(t.function)) for t in tools]
+    structures = [{"begin": form.begin, "schema": schema, "end": form.end}
+                  for form, schema in forms if form is not None]
+    triggers = list(dict.fromkeys(form.trigger for form, _ in forms if form is not None))
+    return StructuredOutputsParams(structural_tag={"structures": structures,
+                                                   "triggers": triggers})
 
 
 class ForcedToolParser(ToolParser):

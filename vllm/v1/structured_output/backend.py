@@ -25,9 +25,11 @@ BOUNDED_WHITESPACE = r"(\n|\r\n)?[ \t]{0,24}"
 class GrammarKey(NamedTuple):
     """A constraint in canonical form: equal constraints compile once.
 
-    kind: "json" | "regex" | "choice" | "grammar" (json_object is the schema
-    {"type": "object"}); spec: the schema as compact JSON (key order kept; objects closed,
-    see `strict_schema`), the regex, the choices as a JSON list, or the grammar text;
+    kind: "json" | "regex" | "choice" | "grammar" | "structural_tag" (json_object is the
+    schema {"type": "object"}); spec: the schema as compact JSON (key order kept; objects
+    closed, see `strict_schema`), the regex, the choices as a JSON list, the grammar text,
+    or the structural tag as compact JSON `{"structures": [{"begin", "schema", "end"}],
+    "triggers": [...]}` (its schemas strict);
     whitespace: the regex of whitespace allowed between JSON tokens ("" for compact JSON).
     """
 
@@ -54,6 +56,15 @@ def grammar_key(params: StructuredOutputsParams) -> GrammarKey:
         return GrammarKey("json", spec, whitespace)
     if kind == "choice":
         return GrammarKey("choice", json.dumps(params.choice), whitespace)
+    if kind == "structural_tag":
+        tag: Any = params.structural_tag
+        if isinstance(tag, str):
+            tag = json.loads(tag)
+        structures = [{"begin": s["begin"], "schema": strict_schema(s["schema"]), "end": s["end"]}
+                      for s in tag["structures"]]
+        spec = json.dumps({"structures": structures, "triggers": tag["triggers"]},
+                          separators=(",", ":"))
+        return GrammarKey("structural_tag", spec, whitespace)
     value = getattr(params, kind)
     assert isinstance(value, str), kind  # regex or grammar: StructuredOutputsParams checked
     return GrammarKey(kind, value, whitespace)

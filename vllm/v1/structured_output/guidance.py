@@ -62,9 +62,14 @@ class GuidanceBackend(StructuredOutputBackend):
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+        # Special tokens by text (a structural tag's trigger may be one, e.g. Qwen's
+        # <tool_call>: a token, not text the grammar could match byte by byte).
+        special = getattr(tokenizer, "all_special_tokens", [])
+        self.special_ids: dict[str, int] = {
+            text: tokenizer.convert_tokens_to_ids(text) for text in special}
 
     def compile(self, key: GrammarKey) -> llguidance.LLMatcher:
-        grammar = _to_guidance(key)
+        grammar = _to_guidance(key, self.special_ids)
         matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"Invalid {_NAMES[key.kind]}: {_first_line(matcher.get_error())}")
@@ -82,23 +87,26 @@ class GuidanceBackend(StructuredOutputBackend):
 
 
 _NAMES = {"json": "JSON schema", "regex": "regex", "choice": "choice",
-          "grammar": "grammar"}
+          "grammar": "grammar", "structural_tag": "structural tag"}
 
 
 def _first_line(message: str) -> str:
     return message.strip().splitlines()[0] if message.strip() else "unknown error"
 
 
-def _to_guidance(key: GrammarKey) -> str:
+def _to_guidance(key: GrammarKey, special_ids: dict[str, int]) -> str:
     """The llguidance grammar text of a constraint; GrammarError on malformed input."""
+    # Overrides, not defaults: a schema's own "x-guidance" options cannot unbound the
+    # whitespace.
+    whitespace: JsonCompileOptions = (
+        {"whitespace_flexible": True, "whitespace_pattern": key.whitespace}
+        if key.whitespace else {"whitespace_flexible": False})
     try:
         if key.kind == "json":
-            # Overrides, not defaults: a schema's own "x-guidance" options cannot unbound the
-            # whitespace.
-            whitespace: JsonCompileOptions = (
-                {"whitespace_flexible": True, "whitespace_pattern": key.whitespace}
-                if key.whitespace else {"whitespace_flexible": False})
             return llguidance.LLMatcher.grammar_from_json_schema(key.spec, overrides=whitespace)
+        if key.kind == "structural_tag":
+            return llguidance.LLMatcher.grammar_from_lark(
+                _structural_tag_lark(json.loads(key.spec), whitespace, special_ids))
         if key.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(key.spec)
         if key.kind == "choice":
@@ -108,3 +116,40 @@ def _to_guidance(key: GrammarKey) -> str:
         return llguidance.grammar_from("grammar", key.spec)  # Lark or GBNF
     except ValueError as e:
         raise GrammarError(f"Invalid {_NAMES[key.kind]}: {_first_line(str(e))}") from None
+
+
+def _structural_tag_lark(tag: dict[str, Any], whitespace: JsonCompileOptions,
+                         special_ids: dict[str, int]) -> str:
+    """The Lark grammar of a structural tag: free text, in which a trigger (a lazy lexeme:
+    it ends the text at its first occurrence) must go on into one of the structures that
+    begin with it. E.g. for one structure {"begin": "<f>{", "schema": S, "end": "}</f>"}
+    with the trigger "<f>":
+
+        start: (tag_0)* text
+        text: TEXT
+        trigger_0[lazy]: TEXT "<f>"
+        tag_0: trigger_0 "{" %json {S, "x-guidance": whitespace} "}</f>"
+
+    A trigger that is a special token (`special_ids`) is that token (`<[id]>`), which
+    text never holds: `trigger_0: TEXT <[151657]>`.
+    """
+    triggers: list[str] = tag["triggers"]
+    structures = tag["structures"]
+    lines = ["%llguidance {}",
+             f"start: ({' | '.join(f'tag_{i}' for i in range(len(structures)))})* text",
+             "text: TEXT", r"TEXT: /(.|\n)*/"]
+    lines += [f"trigger_{i}: TEXT <[{special_ids[t]}]>" if t in special_ids
+              else f"trigger_{i}[lazy]: TEXT {json.dumps(t)}" for i, t in enumerate(triggers)]
+    for i, structure in enumerate(structures):
+        begin: str = structure["begin"]
+        # The longest trigger the structure begins with (the rest of `begin` follows it).
+        t = max((j for j, t in enumerate(triggers) if begin.startswith(t)),
+                key=lambda j: len(triggers[j]))
+        schema = structure["schema"]
+        if isinstance(schema, bool):
+            schema = {} if schema else {"not": {}}
+        body = json.dumps({**schema, "x-guidance": whitespace})
+        rest, end = begin[len(triggers[t]):], structure["end"]
+        lines.append(f"tag_{i}: trigger_{t} {json.dumps(rest) if rest else ''} %json {body} "
+                     f"{json.dumps(end) if end else ''}")
+    return "\n".join(lines) + "\n"

@@ -4,6 +4,7 @@ with a `ToolParser` subclass and one line in `_TOOL_PARSERS`."""
 from __future__ import annotations
 
 from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
+    CallForm,
     ExtractedToolCall,
     ExtractedToolCalls,
     ParsedToolText,
@@ -34,5 +35,5 @@ class ToolParserManager:
         return _TOOL_PARSERS[name]
 
 
-__all__ = ["ExtractedToolCall", "ExtractedToolCalls", "ParsedToolText", "PartialToolCall",
-           "ToolParser", "ToolParserManager"]
+__all__ = ["CallForm", "ExtractedToolCall", "ExtractedToolCalls", "ParsedToolText",
+           "PartialToolCall", "ToolParser", "ToolParserManager"]

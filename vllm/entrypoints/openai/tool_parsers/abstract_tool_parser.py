@@ -33,6 +33,17 @@ class ParsedToolText(NamedTuple):
     complete: bool  # every call's JSON is closed and nothing malformed follows
 
 
+class CallForm(NamedTuple):
+    """How a format writes one call of a function in free text: `begin`, the arguments
+    object, `end`; `trigger` (a prefix of `begin` shared by every function's call) is what
+    starts a call. E.g. hermes: "<tool_call>", '<tool_call>\\n{"name": "f", "arguments": ',
+    "}\\n</tool_call>"."""
+
+    trigger: str
+    begin: str
+    end: str
+
+
 class ExtractedToolCall(NamedTuple):
     name: str
     arguments: str  # the arguments object as the model wrote it (valid JSON)
@@ -174,6 +185,12 @@ class ToolParser(ABC):
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+
+    @classmethod
+    def call_form(cls, name: str) -> CallForm | None:
+        """How the format writes a call of function `name` amid text (None: it has no such
+        form; strict tools under tool_choice "auto" need one, see `tool_calls.py`)."""
+        return None
 
     def adjust_request(self, params: SamplingParams) -> None:
         """Changes the sampling of a request this parser will read (e.g. keep the special

@@ -9,7 +9,10 @@ Content is the text before the first call; a last call may lack its closing tag.
 
 from __future__ import annotations
 
+import json
+
 from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
+    CallForm,
     ParsedToolText,
     PartialToolCall,
     ToolParser,
@@ -24,6 +27,13 @@ TOOL_CALL_END = "</tool_call>"
 
 
 class Hermes2ProToolParser(ToolParser):
+    @classmethod
+    def call_form(cls, name: str) -> CallForm:
+        # As the hermes chat template renders a call (Jinja's tojson: ", " and ": ").
+        return CallForm(TOOL_CALL_START,
+                        f'{TOOL_CALL_START}\n{{"name": {json.dumps(name)}, "arguments": ',
+                        f"}}\n{TOOL_CALL_END}")
+
     def adjust_request(self, params: SamplingParams) -> None:
         # Where the tags are special tokens, skipping special tokens would erase them.
         special = getattr(self.tokenizer, "all_special_tokens", ())
