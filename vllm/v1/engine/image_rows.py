@@ -55,6 +55,9 @@ class ImageRows:
             key = image.content_hash
             if key in rows or key in missing:
                 continue
+            if image.embeds is not None:  # precomputed by the user: no encoder, no cache
+                rows[key] = image.embeds
+                continue
             cached = self._cache.get(key)
             if cached is None:
                 missing[key] = image
@@ -64,7 +67,8 @@ class ImageRows:
             rows[key] = cached
         if missing:
             self.misses += len(missing)
-            pixels = torch.stack([image.pixel_values for image in missing.values()])
+            pixels = torch.stack([image.pixel_values for image in missing.values()
+                                  if image.pixel_values is not None])
             out = self.embed_images(pixels)
             for i, (key, image) in enumerate(missing.items()):
                 if out[i].shape[0] != image.num_tokens:
