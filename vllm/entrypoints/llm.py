@@ -154,7 +154,8 @@ class LLM:
             raise ValueError("chat needs a tokenizer (skip_tokenizer_init is set).")
         model_config = self.llm_engine.vllm_config.model_config
         image_token = image_placeholder(model_config, tokenizer)
-        media = MediaConnector.from_model_config(model_config)
+        media = (None if image_token is None  # a text model reads no media
+                 else MediaConnector.from_model_config(model_config))
         prompts = [chat_prompt(tokenizer, conversation, add_generation_prompt,
                                continue_final_message, chat_template_kwargs, chat_template,
                                model_config.max_model_len, model_config.hidden_size, tools,
