@@ -312,19 +312,49 @@ def test_feature_layers_and_strategies_equal_transformers(tmp_path, overrides) -
     llm.shutdown()
 
 
-def test_encoder_failure_fails_only_its_request(llm, hf, monkeypatch) -> None:
-    def broken(pixels):
-        raise RuntimeError("vision tower out of memory")
-
+def test_images_arriving_together_share_one_encoder_call(llm, hf, monkeypatch) -> None:
     stage = llm.llm_engine.engine_core.image_rows
+    calls: list[int] = []
+
+    def counted(pixels):
+        calls.append(pixels.shape[0])
+        return embed(pixels)
+
+    embed = stage.embed_images
+    monkeypatch.setattr(stage, "embed_images", counted)
+    images = [random_image(60 + i) for i in range(3)]
+    outputs = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": image}}
+                            for image in images], _greedy(), use_tqdm=False)
+    assert calls == [3]
+    for output, image in zip(outputs, images, strict=True):
+        assert list(output.outputs[0].token_ids) == hf_greedy(hf, PROMPT, [image])[1]
+
+
+def test_encoder_failure_fails_only_its_request(llm, hf, monkeypatch) -> None:
+    """The batch fails, then each request runs alone: only the one whose image breaks the
+    tower finishes with "error", the others are answered."""
+    stage = llm.llm_engine.engine_core.image_rows
+    bad = random_image(50)
+    embed = stage.embed_images
+
+    def broken(pixels):
+        if any(torch.equal(p, bad_pixels) for p in pixels):
+            raise RuntimeError("vision tower out of memory")
+        return embed(pixels)
+
+    from vllm.multimodal.image import load_image, preprocess
+
+    bad_pixels = preprocess(load_image(bad), llm.llm_engine.processor.image_processor
+                            .image_config)
     monkeypatch.setattr(stage, "embed_images", broken)
-    with pytest.raises(RuntimeError, match="out of memory"):
-        llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": random_image(50)}},
-                     _greedy(), use_tqdm=False)
+    good = random_image(51)
+    outputs = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": image}}
+                            for image in (good, bad)], _greedy(), use_tqdm=False)
+    assert outputs[1].outputs[0].finish_reason == "error"
+    assert list(outputs[0].outputs[0].token_ids) == hf_greedy(hf, PROMPT, [good])[1]
     assert not llm.llm_engine.has_unfinished_requests()
     assert _engine_state(llm)["num_requests"] == 0
     monkeypatch.undo()
-    image = random_image(50)
-    output = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": image}},
+    output = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": bad}},
                           _greedy(), use_tqdm=False)[0]
-    assert list(output.outputs[0].token_ids) == hf_greedy(hf, PROMPT, [image])[1]
+    assert list(output.outputs[0].token_ids) == hf_greedy(hf, PROMPT, [bad])[1]

@@ -176,7 +176,7 @@ def test_image_rows_fill_in_prompt_order_and_cache() -> None:
     encoder = _Encoder()
     stage = ImageRows(encoder)
     request = _request(_input(5), _input(7, 3), _input(5, 5))
-    stage.fill(request)
+    stage.fill([request])
     assert request.mm_inputs is None
     assert request.prompt_embeds is not None
     assert request.prompt_embeds[:, 0].tolist() == [5, 5, 7, 7, 5, 5]
@@ -184,7 +184,7 @@ def test_image_rows_fill_in_prompt_order_and_cache() -> None:
     assert stage.stats() == {"encoder_cache_hits": 0, "encoder_cache_misses": 2,
                              "encoder_cache_entries": 2, "encoder_cache_bytes": 48}
     again = _request(_input(7))
-    stage.fill(again)
+    stage.fill([again])
     assert encoder.calls == [2] and stage.hits == 1
     assert again.prompt_embeds is not None and again.prompt_embeds[:, 0].tolist() == [7, 7]
 
@@ -194,28 +194,62 @@ def test_image_rows_take_given_embeds_without_the_encoder() -> None:
     stage = ImageRows(encoder)
     given = ImageInput(None, 3, 2, b"E" * 32, embeds=torch.full((2, 3), 9.0))
     request = _request(_input(5), given)
-    stage.fill(request)
+    stage.fill([request])
     assert request.prompt_embeds is not None
     assert request.prompt_embeds[:, 0].tolist() == [5, 5, 9, 9]
     assert encoder.calls == [1]  # only the picture
     assert stage.stats()["encoder_cache_entries"] == 1  # given rows are not cached
     only = _request(ImageInput(None, 1, 2, b"F" * 32, embeds=torch.ones(2, 3)))
-    stage.fill(only)
+    stage.fill([only])
     assert encoder.calls == [1] and only.prompt_embeds is not None
+
+
+def test_pending_requests_share_one_encoder_batch() -> None:
+    encoder = _Encoder()
+    stage = ImageRows(encoder, max_batch=2)
+    first, second = _request(_input(1), _input(2, 3)), _request(_input(2), _input(3, 3))
+    aborted = _request(_input(4))
+    for request_id, request in zip("abc", (first, aborted, second)):
+        request.request_id = request_id
+        stage.admit(request)
+    stage.drop(["b"])  # aborted before the step
+    filled, failed = stage.fill_pending()
+    assert filled == [first, second] and failed == [] and stage.pending == []
+    assert encoder.calls == [2, 1]  # images 1, 2 | 3: batches of at most max_batch, each once
+    assert aborted.prompt_embeds is None
+    assert second.prompt_embeds is not None
+    assert second.prompt_embeds[:, 0].tolist() == [2, 2, 3, 3]
+
+
+def test_a_failing_batch_fails_only_the_request_that_breaks_it() -> None:
+    def encoder(pixels: torch.Tensor) -> torch.Tensor:
+        if (pixels == 6).any():
+            raise RuntimeError("vision tower out of memory")
+        return _Encoder()(pixels)
+
+    stage = ImageRows(encoder)
+    good, bad, other = _request(_input(1)), _request(_input(6)), _request(_input(2))
+    for request in (good, bad, other):
+        stage.admit(request)
+    filled, failed = stage.fill_pending()
+    assert filled == [good, other] and failed == [bad]
+    assert bad.prompt_embeds is None and bad.mm_inputs is not None
+    stage.admit(bad)
+    assert stage.fill_pending() == ([], [bad])
 
 
 def test_image_rows_cache_is_bounded_lru() -> None:
     encoder = _Encoder()
     stage = ImageRows(encoder, budget_bytes=48)  # two images' rows (2 x 3 float32 each)
     for value in (1, 2, 1, 3):  # 1 is used again before 3 arrives: 2 is the oldest
-        stage.fill(_request(_input(value)))
+        stage.fill([_request(_input(value))])
     assert stage.cached_bytes == 48 and stage.stats()["encoder_cache_entries"] == 2
-    stage.fill(_request(_input(1)))
+    stage.fill([_request(_input(1))])
     assert stage.hits == 2
-    stage.fill(_request(_input(2)))  # evicted: computed again
+    stage.fill([_request(_input(2))])  # evicted: computed again
     assert stage.misses == 4
     tiny = ImageRows(encoder, budget_bytes=10)  # rows larger than the budget: not kept
-    tiny.fill(_request(_input(1)))
+    tiny.fill([_request(_input(1))])
     assert tiny.stats()["encoder_cache_entries"] == 0 and tiny.cached_bytes == 0
 
 
