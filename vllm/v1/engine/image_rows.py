@@ -2,9 +2,10 @@
 placeholder runs get their rows from the vision encoder (run on the workers, one batch for
 the requests that arrived since the last step), through an encoder cache keyed by each
 image's content hash (or, for image embeddings, from the user). After this stage the
-request is a mixed token/embeds prompt like any other (`prompt_token_ids` + `prompt_is_token_ids` +
-`prompt_embeds`): the scheduler, KV cache, prefix cache (which hashes rows by their bytes) and
-graphs see nothing new, and a preempted request keeps its rows (no encoder rerun).
+request is a mixed token/embeds prompt like any other (`prompt_token_ids` +
+`prompt_is_token_ids` + `prompt_embeds`): the scheduler, KV cache, prefix cache (which hashes
+rows by their bytes) and graphs see nothing new, and a preempted request keeps its rows (no
+encoder rerun).
 """
 
 from __future__ import annotations
