@@ -4,7 +4,12 @@ processor and model as the reference (greedy tokens with the KV cache)."""
 from __future__ import annotations
 
 import base64
+import contextlib
+import functools
 import io
+import threading
+from collections.abc import Iterator
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import torch
@@ -75,3 +80,43 @@ def hf_chat_greedy(hf, images: list[np.ndarray]) -> tuple[list[int], list[int]]:
         [{"role": "user", "content": "\n".join(["Compare these."] + ["<image>"] * len(images))}],
         tokenize=False, add_generation_prompt=True)
     return hf_greedy(hf, text, images, add_special_tokens=False)
+
+
+@torch.inference_mode()
+def hf_image_embeds(hf, images: list[np.ndarray]) -> torch.Tensor:
+    """transformers' rows of each image (vision tower + projector): [n, feature_size,
+    hidden_size], what a user who runs the tower elsewhere sends as image_embeds."""
+    processor, model = hf
+    pixels = processor.image_processor(images=images, return_tensors="pt")["pixel_values"]
+    return torch.stack(list(model.get_image_features(pixel_values=pixels).pooler_output))
+
+
+def embeds_part(tensor: torch.Tensor) -> dict:
+    """An image_embeds content part: base64 of torch.save(tensor), as vLLM takes it."""
+    buffer = io.BytesIO()
+    torch.save(tensor, buffer)
+    return {"type": "image_embeds", "image_embeds": base64.b64encode(buffer.getvalue()).decode()}
+
+
+def save_png(array: np.ndarray, path: str) -> str:
+    Image.fromarray(array).save(path, format="PNG")
+    return path
+
+
+@contextlib.contextmanager
+def serve_directory(directory: str) -> Iterator[str]:
+    """A local HTTP server of `directory`'s files, in a thread: its base URL
+    ("http://127.0.0.1:PORT"); the stand-in for remote image hosts (no internet here)."""
+    handler = functools.partial(_QuietHandler, directory=directory)
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+class _QuietHandler(SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:
+        pass

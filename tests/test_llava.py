@@ -9,15 +9,20 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from tests.llava_reference import (
     MAX_TOKENS,
     chat_messages,
+    embeds_part,
     hf_chat_greedy,
     hf_greedy,
+    hf_image_embeds,
     load_reference,
     random_image,
+    save_png,
+    serve_directory,
 )
 from tests.model_factory import TINY_IMAGE_SIZE, TINY_PATCH_SIZE, make_tiny_llava
 from vllm import LLM, SamplingParams
@@ -40,13 +45,21 @@ def llava_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def llm(llava_dir):
+def media_dir(tmp_path_factory) -> str:
+    """Images `file:` URLs may name (and the local HTTP server serves)."""
+    return str(tmp_path_factory.mktemp("llava_media"))
+
+
+@pytest.fixture(scope="module")
+def llm(llava_dir, media_dir):
     # 24-token steps: a prompt with two images (32 image positions) is prefilled in chunks,
     # and image runs cross chunk and block boundaries.
     engine = LLM(llava_dir, dtype="float32", max_model_len=256, enforce_eager=True,
                  kv_cache_memory_bytes=16 * 1024**2, block_size=16,
                  max_num_batched_tokens=24, enable_chunked_prefill=True,
-                 enable_prefix_caching=True, limit_mm_per_prompt={"image": 2})
+                 enable_prefix_caching=True, limit_mm_per_prompt={"image": 2},
+                 enable_mm_embeds=True, allowed_local_media_path=media_dir,
+                 allowed_media_domains=["127.0.0.1"])
     yield engine
     engine.shutdown()
 
@@ -163,15 +176,88 @@ def test_chat_with_image_url_parts_equals_transformers(llm, hf) -> None:
 
 
 @pytest.mark.parametrize("url, message", [
-    ("https://example.com/cat.png", "Remote image URLs are not fetched"),
-    ("file:///etc/passwd", "not supported"),
+    ("https://example.com/cat.png", "host 'example.com' is not in the allowed media domains"),
+    ("file:///etc/passwd", "outside the allowed local media path"),
+    ("{media}/../outside.png", "outside the allowed local media path"),
+    ("{server}/missing.png", "HTTP 404"),
+    ("{server}/not-an-image.png", "not an image"),
     ("data:image/png;base64,aGVsbG8=", "not an image"),
 ])
-def test_chat_refuses_bad_image_urls(llm, url, message) -> None:
-    messages = [{"role": "user", "content": [
-        {"type": "text", "text": "Hi"}, {"type": "image_url", "image_url": {"url": url}}]}]
+def test_chat_refuses_bad_image_urls(llm, media_dir, url, message) -> None:
+    with open(f"{media_dir}/not-an-image.png", "wb") as f:
+        f.write(b"hello")
+    with serve_directory(media_dir) as server:
+        url = url.format(media=f"file://{media_dir}", server=server)
+        messages = [{"role": "user", "content": [
+            {"type": "text", "text": "Hi"}, {"type": "image_url", "image_url": {"url": url}}]}]
+        with pytest.raises(ValueError, match=message):
+            llm.chat(messages, _greedy(), use_tqdm=False)
+
+
+def test_chat_reads_allowed_files_and_fetches_allowed_hosts(llm, hf, media_dir) -> None:
+    images = [random_image(13), random_image(14, (30, 44, 3))]
+    save_png(images[0], f"{media_dir}/first.png")
+    save_png(images[1], f"{media_dir}/second.png")
+    with serve_directory(media_dir) as server:
+        messages = chat_messages([])
+        messages[0]["content"] += [
+            {"type": "image_url", "image_url": {"url": f"file://{media_dir}/first.png"}},
+            {"type": "image_url", "image_url": {"url": f"{server}/second.png"}}]
+        output = llm.chat(messages, _greedy(), use_tqdm=False)[0]
+    prompt_ids, expected = hf_chat_greedy(hf, images)
+    assert output.prompt_token_ids == prompt_ids
+    assert list(output.outputs[0].token_ids) == expected
+
+
+def test_image_embeds_equal_transformers(llm, hf) -> None:
+    """transformers' own rows of two images, given as embeddings: the same tokens as the
+    images themselves; [2, F, H] in one entry, two [F, H] entries, and chat parts (a tensor
+    offline, base64 of torch.save as the server takes it) alike."""
+    images = [random_image(15), random_image(16, (60, 36, 3))]
+    rows = hf_image_embeds(hf, images)
+    prompt_ids, expected = hf_greedy(hf, TWO, images)
+    outputs = llm.generate([{"prompt": TWO, "multi_modal_data": {"image": rows}},
+                            {"prompt": TWO, "multi_modal_data": {"image": list(rows)}}],
+                           _greedy(), use_tqdm=False)
+    for output in outputs:
+        assert output.prompt_token_ids == prompt_ids
+        assert list(output.outputs[0].token_ids) == expected
+    messages = chat_messages([])
+    messages[0]["content"] += [{"type": "image_embeds", "image_embeds": rows[0]},
+                               embeds_part(rows[1])]
+    chat = llm.chat(messages, _greedy(), use_tqdm=False)[0]
+    chat_ids, chat_expected = hf_chat_greedy(hf, images)
+    assert chat.prompt_token_ids == chat_ids
+    assert list(chat.outputs[0].token_ids) == chat_expected
+    # One part holding both images: two placeholders where the part stood.
+    messages[0]["content"][1:] = [embeds_part(rows)]
+    text = hf[0].tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Compare these.\n<image><image>"}], tokenize=False,
+        add_generation_prompt=True)
+    joint = llm.chat(messages, _greedy(), use_tqdm=False)[0]
+    assert (joint.prompt_token_ids, list(joint.outputs[0].token_ids)) \
+        == hf_greedy(hf, text, images, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("value, message", [
+    (torch.zeros(3, 64), r"image_embeds item 0 has shape \(3, 64\), but one image of "
+                         r"LlavaForConditionalGeneration is \(16, 64\)"),
+    (torch.zeros(16, 8), r"has shape \(16, 8\)"),
+    (torch.zeros(16, 64, dtype=torch.int64), "must be a floating-point tensor"),
+    (torch.full((16, 64), float("inf")), "non-finite"),
+    ("bm90IGEgdGVuc29y", "image_embeds must be the bytes of torch.save"),
+    (torch.zeros(3, 16, 64), r"At most 2 image\(s\)"),
+])
+def test_bad_image_embeds_are_refused_and_the_engine_serves_on(llm, hf, value,
+                                                               message) -> None:
+    messages = chat_messages([])
+    messages[0]["content"].append({"type": "image_embeds", "image_embeds": value})
     with pytest.raises(ValueError, match=message):
         llm.chat(messages, _greedy(), use_tqdm=False)
+    assert _engine_state(llm)["num_requests"] == 0
+    image = random_image(17)
+    output = llm.chat(chat_messages([image]), _greedy(), use_tqdm=False)[0]
+    assert list(output.outputs[0].token_ids) == hf_chat_greedy(hf, [image])[1]
 
 
 # ---- engines of their own ----------------------------------------------------------------
@@ -226,19 +312,49 @@ def test_feature_layers_and_strategies_equal_transformers(tmp_path, overrides) -
     llm.shutdown()
 
 
-def test_encoder_failure_fails_only_its_request(llm, hf, monkeypatch) -> None:
-    def broken(pixels):
-        raise RuntimeError("vision tower out of memory")
-
+def test_images_arriving_together_share_one_encoder_call(llm, hf, monkeypatch) -> None:
     stage = llm.llm_engine.engine_core.image_rows
+    calls: list[int] = []
+
+    def counted(pixels):
+        calls.append(pixels.shape[0])
+        return embed(pixels)
+
+    embed = stage.embed_images
+    monkeypatch.setattr(stage, "embed_images", counted)
+    images = [random_image(60 + i) for i in range(3)]
+    outputs = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": image}}
+                            for image in images], _greedy(), use_tqdm=False)
+    assert calls == [3]
+    for output, image in zip(outputs, images, strict=True):
+        assert list(output.outputs[0].token_ids) == hf_greedy(hf, PROMPT, [image])[1]
+
+
+def test_encoder_failure_fails_only_its_request(llm, hf, monkeypatch) -> None:
+    """The batch fails, then each request runs alone: only the one whose image breaks the
+    tower finishes with "error", the others are answered."""
+    stage = llm.llm_engine.engine_core.image_rows
+    bad = random_image(50)
+    embed = stage.embed_images
+
+    def broken(pixels):
+        if any(torch.equal(p, bad_pixels) for p in pixels):
+            raise RuntimeError("vision tower out of memory")
+        return embed(pixels)
+
+    from vllm.multimodal.image import load_image, preprocess
+
+    bad_pixels = preprocess(load_image(bad), llm.llm_engine.processor.image_processor
+                            .image_config)
     monkeypatch.setattr(stage, "embed_images", broken)
-    with pytest.raises(RuntimeError, match="out of memory"):
-        llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": random_image(50)}},
-                     _greedy(), use_tqdm=False)
+    good = random_image(51)
+    outputs = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": image}}
+                            for image in (good, bad)], _greedy(), use_tqdm=False)
+    assert outputs[1].outputs[0].finish_reason == "error"
+    assert list(outputs[0].outputs[0].token_ids) == hf_greedy(hf, PROMPT, [good])[1]
     assert not llm.llm_engine.has_unfinished_requests()
     assert _engine_state(llm)["num_requests"] == 0
     monkeypatch.undo()
-    image = random_image(50)
-    output = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": image}},
+    output = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": bad}},
                           _greedy(), use_tqdm=False)[0]
-    assert list(output.outputs[0].token_ids) == hf_greedy(hf, PROMPT, [image])[1]
+    assert list(output.outputs[0].token_ids) == hf_greedy(hf, PROMPT, [bad])[1]

@@ -1,9 +1,8 @@
-"""Image prompts without an engine: placeholder expansion, the engine core's image stage and
-its encoder cache, data: URLs (`vllm/multimodal/`, `vllm/v1/engine/image_rows.py`)."""
+"""Image prompts without an engine: placeholder expansion, image embeddings, the engine core's
+image stage and its encoder cache (`vllm/multimodal/`, `vllm/v1/engine/image_rows.py`)."""
 
 from __future__ import annotations
 
-import base64
 import io
 from typing import Literal
 
@@ -13,7 +12,6 @@ import torch
 from PIL import Image
 
 from vllm.config import ModelConfig
-from vllm.multimodal.media import image_url_bytes
 from vllm.multimodal.processing import ImagePromptProcessor, num_image_tokens
 from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.image_rows import ImageRows
@@ -35,7 +33,8 @@ def _llava_config(strategy: Literal["default", "full"] = "default"):
 
 
 def _processor(tmp_path, limit: int | None = None, max_model_len: int = 64,
-               strategy: Literal["default", "full"] = "default") -> ImagePromptProcessor:
+               strategy: Literal["default", "full"] = "default",
+               mm_embeds: bool = False) -> ImagePromptProcessor:
     from transformers import CLIPImageProcessorPil
 
     CLIPImageProcessorPil(size={"shortest_edge": 14},
@@ -43,7 +42,8 @@ def _processor(tmp_path, limit: int | None = None, max_model_len: int = 64,
     config = ModelConfig(model=str(tmp_path), tokenizer=str(tmp_path),
                          hf_config=_llava_config(strategy), dtype=torch.float32,
                          max_model_len=max_model_len,
-                         limit_mm_per_prompt={} if limit is None else {"image": limit})
+                         limit_mm_per_prompt={} if limit is None else {"image": limit},
+                         enable_mm_embeds=mm_embeds)
     return ImagePromptProcessor(config)
 
 
@@ -100,6 +100,51 @@ def test_expanded_prompt_must_fit_the_model(tmp_path) -> None:
                                                       {"image": [_image(0), _image(1)]})
 
 
+# ---- image embeddings --------------------------------------------------------------------
+
+def _embeds(seed: int, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def test_image_embeds_fill_their_runs(tmp_path) -> None:
+    processor = _processor(tmp_path, mm_embeds=True)
+    one, pair = _embeds(0, 4, 8).double(), _embeds(1, 2, 4, 8)  # [4, 8]; [2, 4, 8]
+    prompt = processor.process([1, IMAGE, 7, IMAGE, IMAGE], {"image": [one, pair]})
+    assert prompt.token_ids == [1] + [IMAGE] * 4 + [7] + [IMAGE] * 8
+    assert [(i.offset, i.pixel_values) for i in prompt.images] == [(1, None), (6, None),
+                                                                  (10, None)]
+    rows = [i.embeds for i in prompt.images]
+    assert all(r is not None and r.dtype == torch.float32 for r in rows)
+    assert torch.equal(rows[0], one.float())  # cast to the model's dtype
+    assert torch.equal(rows[1], pair[0]) and torch.equal(rows[2], pair[1])
+    assert len({i.content_hash for i in prompt.images}) == 3
+    # Embeddings and a picture in one prompt.
+    mixed = processor.process([IMAGE, IMAGE], {"image": [_image(0), one]})
+    assert mixed.images[0].embeds is None and mixed.images[0].pixel_values is not None
+    assert mixed.images[1].embeds is not None
+
+
+@pytest.mark.parametrize("data, message", [
+    (_embeds(0, 3, 8), r"image_embeds item 0 has shape \(3, 8\), but one image of "
+                       r"LlavaForConditionalGeneration is \(4, 8\)"),
+    (_embeds(0, 4, 6), r"has shape \(4, 6\)"),
+    (_embeds(0, 4), r"must be \[feature_size, hidden_size\] or \[num_images"),
+    (_embeds(0, 1, 1, 4, 8), r"got shape \(1, 1, 4, 8\)"),
+    (torch.full((4, 8), float("nan")), "non-finite"),
+    (torch.full((4, 8), 1e39, dtype=torch.float64), r"non-finite .* torch.float32"),
+    ([_embeds(0, 4, 8)] * 3, r"At most 2 image\(s\)"),
+    (_embeds(0, 2, 4, 8), r"1 image placeholder\(s\) .* 2 image\(s\)"),
+])
+def test_bad_image_embeds(tmp_path, data, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        _processor(tmp_path, limit=2, mm_embeds=True).process([1, IMAGE], {"image": data})
+
+
+def test_image_embeds_need_enable_mm_embeds(tmp_path) -> None:
+    with pytest.raises(ValueError, match="enable_mm_embeds=True"):
+        _processor(tmp_path).process([IMAGE], {"image": _embeds(0, 4, 8)})
+
+
 # ---- the engine core's image stage ------------------------------------------------------
 
 class _Encoder:
@@ -131,7 +176,7 @@ def test_image_rows_fill_in_prompt_order_and_cache() -> None:
     encoder = _Encoder()
     stage = ImageRows(encoder)
     request = _request(_input(5), _input(7, 3), _input(5, 5))
-    stage.fill(request)
+    stage.fill([request])
     assert request.mm_inputs is None
     assert request.prompt_embeds is not None
     assert request.prompt_embeds[:, 0].tolist() == [5, 5, 7, 7, 5, 5]
@@ -139,60 +184,73 @@ def test_image_rows_fill_in_prompt_order_and_cache() -> None:
     assert stage.stats() == {"encoder_cache_hits": 0, "encoder_cache_misses": 2,
                              "encoder_cache_entries": 2, "encoder_cache_bytes": 48}
     again = _request(_input(7))
-    stage.fill(again)
+    stage.fill([again])
     assert encoder.calls == [2] and stage.hits == 1
     assert again.prompt_embeds is not None and again.prompt_embeds[:, 0].tolist() == [7, 7]
+
+
+def test_image_rows_take_given_embeds_without_the_encoder() -> None:
+    encoder = _Encoder()
+    stage = ImageRows(encoder)
+    given = ImageInput(None, 3, 2, b"E" * 32, embeds=torch.full((2, 3), 9.0))
+    request = _request(_input(5), given)
+    stage.fill([request])
+    assert request.prompt_embeds is not None
+    assert request.prompt_embeds[:, 0].tolist() == [5, 5, 9, 9]
+    assert encoder.calls == [1]  # only the picture
+    assert stage.stats()["encoder_cache_entries"] == 1  # given rows are not cached
+    only = _request(ImageInput(None, 1, 2, b"F" * 32, embeds=torch.ones(2, 3)))
+    stage.fill([only])
+    assert encoder.calls == [1] and only.prompt_embeds is not None
+
+
+def test_pending_requests_share_one_encoder_batch() -> None:
+    encoder = _Encoder()
+    stage = ImageRows(encoder, max_batch=2)
+    first, second = _request(_input(1), _input(2, 3)), _request(_input(2), _input(3, 3))
+    aborted = _request(_input(4))
+    for request_id, request in zip("abc", (first, aborted, second)):
+        request.request_id = request_id
+        stage.admit(request)
+    stage.drop(["b"])  # aborted before the step
+    filled, failed = stage.fill_pending()
+    assert filled == [first, second] and failed == [] and stage.pending == []
+    assert encoder.calls == [2, 1]  # images 1, 2 | 3: batches of at most max_batch, each once
+    assert aborted.prompt_embeds is None
+    assert second.prompt_embeds is not None
+    assert second.prompt_embeds[:, 0].tolist() == [2, 2, 3, 3]
+
+
+def test_a_failing_batch_fails_only_the_request_that_breaks_it() -> None:
+    def encoder(pixels: torch.Tensor) -> torch.Tensor:
+        if (pixels == 6).any():
+            raise RuntimeError("vision tower out of memory")
+        return _Encoder()(pixels)
+
+    stage = ImageRows(encoder)
+    good, bad, other = _request(_input(1)), _request(_input(6)), _request(_input(2))
+    for request in (good, bad, other):
+        stage.admit(request)
+    filled, failed = stage.fill_pending()
+    assert filled == [good, other] and failed == [bad]
+    assert bad.prompt_embeds is None and bad.mm_inputs is not None
+    stage.admit(bad)
+    assert stage.fill_pending() == ([], [bad])
 
 
 def test_image_rows_cache_is_bounded_lru() -> None:
     encoder = _Encoder()
     stage = ImageRows(encoder, budget_bytes=48)  # two images' rows (2 x 3 float32 each)
     for value in (1, 2, 1, 3):  # 1 is used again before 3 arrives: 2 is the oldest
-        stage.fill(_request(_input(value)))
+        stage.fill([_request(_input(value))])
     assert stage.cached_bytes == 48 and stage.stats()["encoder_cache_entries"] == 2
-    stage.fill(_request(_input(1)))
+    stage.fill([_request(_input(1))])
     assert stage.hits == 2
-    stage.fill(_request(_input(2)))  # evicted: computed again
+    stage.fill([_request(_input(2))])  # evicted: computed again
     assert stage.misses == 4
     tiny = ImageRows(encoder, budget_bytes=10)  # rows larger than the budget: not kept
-    tiny.fill(_request(_input(1)))
+    tiny.fill([_request(_input(1))])
     assert tiny.stats()["encoder_cache_entries"] == 0 and tiny.cached_bytes == 0
-
-
-# ---- data: URLs ---------------------------------------------------------------------------
-
-def _png_url(media_type: str = "image/png") -> tuple[str, bytes]:
-    png = io.BytesIO()
-    Image.fromarray(_image(0)).save(png, format="PNG")
-    data = png.getvalue()
-    return f"data:{media_type};base64,{base64.b64encode(data).decode()}", data
-
-
-def test_data_url_decodes() -> None:
-    url, data = _png_url()
-    assert image_url_bytes(url) == data
-
-
-@pytest.mark.parametrize("url, message", [
-    ("https://example.com/cat.png", "Remote image URLs are not fetched"),
-    ("http://example.com/cat.png", "Remote image URLs are not fetched"),
-    ("file:///etc/passwd", "scheme 'file' are not supported"),
-    ("cat.png", "not supported"),
-    ("data:image/png,rawbytes", "must be base64"),
-    ("data:text/plain;base64,aGVsbG8=", "holds 'text/plain', not an image"),
-    ("data:image/png;base64,@@@@", "not valid base64"),
-    (None, "needs 'image_url'"),
-])
-def test_bad_image_urls(url, message) -> None:
-    with pytest.raises(ValueError, match=message):
-        image_url_bytes(url)
-
-
-def test_data_url_size_cap() -> None:
-    url, data = _png_url()
-    with pytest.raises(ValueError, match="over the limit of 100 bytes"):
-        image_url_bytes(url, max_bytes=100)
-    assert image_url_bytes(url, max_bytes=len(data)) == data
 
 
 def test_lora_on_an_image_model_is_refused(tmp_path) -> None:

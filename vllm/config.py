@@ -87,6 +87,12 @@ class ModelConfig:
     enable_prompt_embeds: bool = False
     # Most media items per prompt by modality (`limit_mm_per_prompt`); see `mm_limit`.
     limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
+    # Image models: prompts may carry precomputed image embeddings (`image_embeds`).
+    enable_mm_embeds: bool = False
+    # Where chat `image_url` parts may read from besides data: URLs (`MediaConnector`): the
+    # directory `file:` URLs may name ("": none), the hosts fetched (None: no fetching).
+    allowed_local_media_path: str = ""
+    allowed_media_domains: list[str] | None = None
     # Requests may ask for their last hidden states; the engine then keeps them per token
     # in a CPU tensor beside the KV cache (its bytes come out of the KV budget).
     enable_return_hidden_states: bool = False

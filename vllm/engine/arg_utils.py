@@ -77,6 +77,12 @@ class EngineArgs:
     # Most media items of each modality in one prompt (vLLM's `limit_mm_per_prompt`, e.g.
     # {"image": 2}); a modality not named keeps `DEFAULT_MM_LIMIT`.
     limit_mm_per_prompt: dict[str, int] | None = None
+    # Image models: accept precomputed image embeddings (vLLM's `enable_mm_embeds`).
+    enable_mm_embeds: bool = False
+    # Chat image URLs: `file:` URLs under this directory (vLLM's name), and `http(s):` URLs
+    # of these hosts (None: remote URLs are refused).
+    allowed_local_media_path: str = ""
+    allowed_media_domains: list[str] | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -103,6 +109,25 @@ class EngineArgs:
         if unknown:
             raise ValueError(f"limit_mm_per_prompt: unknown modality {unknown[0]!r} "
                              f"({', '.join(MODALITIES)}).")
+
+    def _local_media_path(self) -> str:
+        """`allowed_local_media_path` resolved (symlinks followed): an existing directory."""
+        path = self.allowed_local_media_path
+        if not path:
+            return ""
+        if not isinstance(path, str) or not os.path.isdir(path):
+            raise ValueError(f"allowed_local_media_path must be an existing directory, got "
+                             f"{path!r}.")
+        return os.path.realpath(path)
+
+    def _media_domains(self) -> list[str] | None:
+        domains = self.allowed_media_domains
+        if domains is None:
+            return None
+        if isinstance(domains, str) or not all(isinstance(d, str) and d for d in domains):
+            raise ValueError("allowed_media_domains must be a list of host names, e.g. "
+                             f"['upload.wikimedia.org']; got {domains!r}.")
+        return [d.lower() for d in domains]
 
     def _check_quantization(self, device: str, model: str) -> None:
         self._check_quantization_of(self.quantization, device, model)
@@ -222,6 +247,9 @@ class EngineArgs:
             seed=self.seed,
             enable_prompt_embeds=self.enable_prompt_embeds,
             limit_mm_per_prompt=dict(self.limit_mm_per_prompt or {}),
+            enable_mm_embeds=self.enable_mm_embeds,
+            allowed_local_media_path=self._local_media_path(),
+            allowed_media_domains=self._media_domains(),
             enable_return_hidden_states=self.enable_return_hidden_states,
             served_model_name=self.served_model_name,
             skip_tokenizer_init=self.skip_tokenizer_init,

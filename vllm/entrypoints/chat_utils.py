@@ -21,6 +21,7 @@ import torch
 
 from vllm.entrypoints.embeds_codec import decode_prompt_embeds, prompt_embeds_byte_budget
 from vllm.entrypoints.errors import OpenAIError
+from vllm.multimodal.media import MediaConnector
 
 
 def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -145,17 +146,18 @@ class EmbedsParts(NamedTuple):
     data: list[Any]  # each part's `data` (a tensor offline, or base64 of torch.save)
 
 
-def _replace_parts(messages: list[dict[str, Any]], part_type: str,
+def _replace_parts(messages: list[dict[str, Any]], part_types: tuple[str, ...],
                    to_text: Callable[[str, dict[str, Any]], str]) -> list[dict[str, Any]]:
-    """`messages` with every content part of `part_type` replaced by a text part, its text
-    `to_text(where, part)` (`where`: "messages[i].content[j]", for error messages)."""
+    """`messages` with every content part whose type is in `part_types` replaced by a text
+    part, its text `to_text(where, part)` (`where`: "messages[i].content[j]", for error
+    messages), called in message and part order."""
     result = []
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
         if not isinstance(content, list):
             result.append(message)
             continue
-        parts = [part if not isinstance(part, dict) or part.get("type") != part_type
+        parts = [part if not isinstance(part, dict) or part.get("type") not in part_types
                  else {"type": "text", "text": to_text(f"messages[{i}].content[{j}]", part)}
                  for j, part in enumerate(content)]
         result.append({**message, "content": parts})
@@ -177,7 +179,7 @@ def take_embeds_parts(messages: list[dict[str, Any]]) -> EmbedsParts:
         data.append(part["data"])
         return placeholders[-1]
 
-    result = _replace_parts(messages, EMBEDS_PART_TYPE, placeholder)
+    result = _replace_parts(messages, (EMBEDS_PART_TYPE,), placeholder)
     return EmbedsParts(result, placeholders, data)
 
 
@@ -223,12 +225,20 @@ def segments_prompt(pieces: list[str | int], texts: Sequence[Any],
     return {"prompt_segments": segments, "add_special_tokens": False}
 
 
-IMAGE_PART_TYPE = "image_url"
+# Content parts that stand for images: a URL (data:, file:, http(s):) or precomputed
+# embeddings (base64 of torch.save(tensor [feature_size, hidden_size]), or a tensor offline).
+IMAGE_PART_TYPES = ("image_url", "image_embeds")
+
+
+class ImagePart(NamedTuple):
+    where: str  # "messages[i].content[j]", for error messages
+    kind: str  # "image_url" or "image_embeds"
+    value: Any  # the URL, or the embeddings
 
 
 def image_placeholder(model_config: Any, tokenizer: Any) -> str | None:
-    """The text of an image model's image token ("<image>" for LLaVA), which an image_url
-    part becomes in the rendered prompt; None for a model without images."""
+    """The text of an image model's image token ("<image>" for LLaVA), which each image of
+    an image part becomes in the rendered prompt; None for a model without images."""
     if not model_config.is_image_model or tokenizer is None:
         return None
     from vllm.multimodal.processing import image_token_id
@@ -236,42 +246,94 @@ def image_placeholder(model_config: Any, tokenizer: Any) -> str | None:
     return tokenizer.convert_ids_to_tokens(image_token_id(model_config.hf_config))
 
 
-def take_image_parts(messages: list[dict[str, Any]], image_token: str | None
-                     ) -> tuple[list[dict[str, Any]], list[bytes]]:
-    """Replaces every `{"type": "image_url", "image_url": {"url": "data:..."}}` part by a
-    text part holding the model's image placeholder (`image_token`, e.g. "<image>"), which
-    the engine expands to the image's run; returns the messages and the encoded images in
-    order. Raises ValueError for a model without images, a bad or remote URL."""
-    from vllm.multimodal.media import image_url_bytes
+def image_parts(messages: list[dict[str, Any]], takes_images: bool) -> list[ImagePart]:
+    """The `image_url` and `image_embeds` parts of `messages`, in order; raises ValueError
+    for a model without images or a malformed part."""
+    parts: list[ImagePart] = []
 
-    images: list[bytes] = []
-
-    def placeholder(where: str, part: dict[str, Any]) -> str:
-        if image_token is None:
+    def note(where: str, part: dict[str, Any]) -> str:
+        kind = part["type"]
+        if not takes_images:
             raise ValueError(f"{where}: this model takes no images.")
-        image_url = part.get("image_url")
-        url = image_url.get("url") if isinstance(image_url, dict) else image_url
-        try:
-            images.append(image_url_bytes(url))
-        except ValueError as e:
-            raise ValueError(f"{where}: {e}") from None
-        return image_token
+        if part.get("uuid") is not None:
+            raise ValueError(f"{where}: 'uuid' on media parts is not supported (the engine "
+                             "caches images by their content).")
+        value = part.get(kind)
+        if kind == "image_url":
+            value = value.get("url") if isinstance(value, dict) else value
+        elif isinstance(value, dict):  # {"image_embeds": ...}: no extra inputs for LLaVA
+            extra = sorted(k for k in value if k != "image_embeds")
+            if extra:
+                raise ValueError(f"{where}: image_embeds takes no {extra[0]!r} for this "
+                                 "model: send the embeddings alone.")
+            value = value.get("image_embeds")
+        if value is None and kind == "image_url":
+            raise ValueError(f"{where}: an image_url part needs 'image_url': {{'url': "
+                             "'data:image/...'}.")
+        if value is None:
+            raise ValueError(f"{where}: an image_embeds part needs 'image_embeds' (base64 of "
+                             "torch.save(tensor [feature_size, hidden_size])).")
+        parts.append(ImagePart(where, kind, value))
+        return ""
 
-    return _replace_parts(messages, IMAGE_PART_TYPE, placeholder), images
+    _replace_parts(messages, IMAGE_PART_TYPES, note)
+    return parts
+
+
+def load_image_part(part: ImagePart, media: MediaConnector, embeds_budget: int
+                    ) -> bytes | torch.Tensor:
+    """An image part's image offline: the encoded bytes its URL names, or its embeddings
+    (a tensor, or base64 of torch.save decoded within `embeds_budget` bytes)."""
+    try:
+        if part.kind == "image_url":
+            return media.image_bytes(part.value)
+        if isinstance(part.value, str):
+            return image_embeds_tensor(decode_prompt_embeds(part.value, embeds_budget,
+                                                            "image_embeds"))
+        return image_embeds_tensor(part.value)
+    except ValueError as e:
+        raise ValueError(f"{part.where}: {e}") from None
+
+
+def image_embeds_tensor(value: Any) -> torch.Tensor:
+    """An image_embeds part's value as embeddings: a floating-point tensor (a uint8 one
+    would be taken for pixels)."""
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        got = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"image_embeds must be a floating-point tensor [feature_size, "
+                         f"hidden_size], got {got}.")
+    return value
+
+
+def with_image_placeholders(messages: list[dict[str, Any]], image_token: str,
+                            images: Sequence[bytes | torch.Tensor]) -> list[dict[str, Any]]:
+    """`messages` with image part k (as `image_parts` found them) replaced by the model's
+    placeholder, once per image it holds (embeddings [n, feature_size, hidden_size]: n);
+    the engine's processor expands each to its image's run."""
+    counts = iter([image.shape[0] if isinstance(image, torch.Tensor) and image.dim() == 3
+                   else 1 for image in images])
+    return _replace_parts(messages, IMAGE_PART_TYPES, lambda _, __: image_token * next(counts))
 
 
 def chat_prompt(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
                 continue_final_message: bool, chat_template_kwargs: dict[str, Any] | None,
                 chat_template: str | None, max_model_len: int, hidden_size: int,
                 tools: list[dict[str, Any]] | None = None,
-                image_token: str | None = None) -> dict[str, Any]:
+                image_token: str | None = None,
+                media: MediaConnector | None = None) -> dict[str, Any]:
     """The engine prompt of one conversation, offline (`LLM.chat`): its rendered text as
-    ids, with `image_url` parts its images (`multi_modal_data`), or, with prompt_embeds
-    parts, a `prompt_segments` prompt; raises ValueError."""
-    messages, images = take_image_parts(messages, image_token)
+    ids, with image parts its images (`multi_modal_data`; URLs read by `media`, data: URLs
+    only by default), or, with prompt_embeds parts, a `prompt_segments` prompt; raises
+    ValueError."""
+    budget = prompt_embeds_byte_budget(max_model_len, hidden_size)
+    images = [load_image_part(part, media or MediaConnector(), budget)
+              for part in image_parts(messages, image_token is not None)]
+    if images:
+        assert image_token is not None  # image_parts refuses images for other models
+        messages = with_image_placeholders(messages, image_token, images)
     parts = take_embeds_parts(messages)
     if images and parts.data:
-        raise ValueError("A conversation cannot mix image_url and prompt_embeds parts.")
+        raise ValueError("A conversation cannot mix image parts and prompt_embeds parts.")
     try:
         text = render_chat(tokenizer, parts.messages, add_generation_prompt,
                            continue_final_message, chat_template_kwargs, chat_template,
@@ -283,7 +345,6 @@ def chat_prompt(tokenizer: Any, messages: list[dict[str, Any]], add_generation_p
                   "prompt_token_ids": list(tokenizer.encode(text, add_special_tokens=False))}
         return {**prompt, "multi_modal_data": {"image": images}} if images else prompt
     pieces = split_at_placeholders(text, parts.placeholders)
-    budget = prompt_embeds_byte_budget(max_model_len, hidden_size)
     rows = [_offline_rows(data, budget) for data in parts.data]
     # Text pieces stay text: the engine tokenizes each on its own, without special tokens.
     return segments_prompt(pieces, [p for p in pieces if isinstance(p, str)], rows)

@@ -39,55 +39,57 @@ def prompt_embeds_byte_budget(max_model_len: int, hidden_size: int) -> int:
     return max_model_len * hidden_size * 8 + _SERIALIZATION_OVERHEAD
 
 
-def decode_prompt_embeds(data: object, max_bytes: int) -> torch.Tensor:
-    """Returns the dense CPU tensor in `data`; raises ValueError saying what is wrong."""
+def decode_prompt_embeds(data: object, max_bytes: int, name: str = "prompt_embeds"
+                         ) -> torch.Tensor:
+    """Returns the dense CPU tensor in `data`; raises ValueError saying what is wrong (the
+    field by `name`)."""
     if not isinstance(data, str):
-        raise ValueError("prompt_embeds must be a base64 string (of torch.save(tensor) bytes).")
+        raise ValueError(f"{name} must be a base64 string (of torch.save(tensor) bytes).")
     max_chars = 4 * math.ceil(max_bytes / 3)
     if len(data) > max_chars:
-        raise ValueError(f"prompt_embeds payload is {len(data)} base64 characters, over the "
+        raise ValueError(f"{name} payload is {len(data)} base64 characters, over the "
                          f"limit of {max_chars} ({max_bytes} bytes) for this model.")
     try:
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
-        raise ValueError("prompt_embeds is not valid base64.") from None
-    _check_zip_archive(raw, max_bytes)
+        raise ValueError(f"{name} is not valid base64.") from None
+    _check_zip_archive(raw, max_bytes, name)
     try:
         with torch.sparse.check_sparse_tensor_invariants():
             obj = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     except Exception as e:
         detail = f"{type(e).__name__}: {e}"[:_MAX_ERROR_DETAIL]
-        raise ValueError(f"prompt_embeds could not be loaded as a tensor ({detail}).") from None
+        raise ValueError(f"{name} could not be loaded as a tensor ({detail}).") from None
     if not isinstance(obj, torch.Tensor):
-        raise ValueError(f"prompt_embeds must decode to a torch.Tensor, got "
+        raise ValueError(f"{name} must decode to a torch.Tensor, got "
                          f"{type(obj).__name__}.")
     dense_bytes = math.prod(obj.shape) * obj.element_size()
     if dense_bytes > max_bytes:
-        raise ValueError(f"prompt_embeds of shape {tuple(obj.shape)} would take {dense_bytes} "
+        raise ValueError(f"{name} of shape {tuple(obj.shape)} would take {dense_bytes} "
                          f"bytes, over the limit of {max_bytes} bytes for this model.")
     if obj.layout in _SPARSE_LAYOUTS:
         return obj.to_dense()
     if obj.layout != torch.strided:
-        raise ValueError(f"prompt_embeds has an unsupported layout {obj.layout}.")
+        raise ValueError(f"{name} has an unsupported layout {obj.layout}.")
     return obj
 
 
-def _check_zip_archive(raw: bytes, max_bytes: int) -> None:
+def _check_zip_archive(raw: bytes, max_bytes: int, name: str) -> None:
     """Accepts only torch.save's zip format with stored (uncompressed) entries, so what
     torch.load reads can never be larger than the payload itself."""
     if not zipfile.is_zipfile(io.BytesIO(raw)):
-        raise ValueError("prompt_embeds must be the bytes of torch.save(tensor) (zip format).")
+        raise ValueError(f"{name} must be the bytes of torch.save(tensor) (zip format).")
     try:
         with zipfile.ZipFile(io.BytesIO(raw)) as archive:
             entries = archive.infolist()
     except (zipfile.BadZipFile, ValueError, OSError) as e:
-        raise ValueError(f"prompt_embeds is not a valid torch.save archive ({e}).") from None
+        raise ValueError(f"{name} is not a valid torch.save archive ({e}).") from None
     total = 0
     for entry in entries:
         if entry.compress_type != zipfile.ZIP_STORED or entry.file_size != entry.compress_size:
-            raise ValueError("prompt_embeds archive has compressed entries; save it with "
+            raise ValueError(f"{name} archive has compressed entries; save it with "
                              "torch.save.")
         total += entry.file_size
     if total > max_bytes:
-        raise ValueError(f"prompt_embeds archive holds {total} bytes, over the limit of "
+        raise ValueError(f"{name} archive holds {total} bytes, over the limit of "
                          f"{max_bytes} bytes for this model.")

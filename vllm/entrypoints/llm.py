@@ -12,6 +12,7 @@ from vllm.beam_search import BeamSearchOutput, BeamSearchSequence
 from vllm.engine.arg_utils import EngineArgs
 from vllm.entrypoints.chat_utils import chat_prompt, image_placeholder
 from vllm.lora.request import LoRARequest
+from vllm.multimodal.media import MediaConnector
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import (
     MAX_LOGPROBS,
@@ -135,9 +136,12 @@ class LLM:
         tensor [n, hidden_size]}` parts (a tensor, or base64 of torch.save(tensor) as the
         server takes it) anywhere a text part may stand; their rows stand where the part
         stood (see `vllm.entrypoints.chat_utils`). An image model's content lists may hold
-        `{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}` parts: each
-        stands where the model's image placeholder would. The rendered text is tokenized
-        without special tokens: the template writes its own.
+        `{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}` parts (file:
+        URLs under `allowed_local_media_path`, http(s) URLs of `allowed_media_domains`) and,
+        with `enable_mm_embeds`, `{"type": "image_embeds", "image_embeds": tensor}` parts
+        (or base64 of torch.save(tensor)): each stands where the model's image placeholder
+        would. The rendered text is tokenized without special tokens: the template writes
+        its own.
         """
         if add_generation_prompt and continue_final_message:
             raise ValueError("continue_final_message and add_generation_prompt cannot both "
@@ -148,11 +152,14 @@ class LLM:
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer (skip_tokenizer_init is set).")
-        budget = self.llm_engine.vllm_config.model_config
-        image_token = image_placeholder(budget, tokenizer)
+        model_config = self.llm_engine.vllm_config.model_config
+        image_token = image_placeholder(model_config, tokenizer)
+        media = (None if image_token is None  # a text model reads no media
+                 else MediaConnector.from_model_config(model_config))
         prompts = [chat_prompt(tokenizer, conversation, add_generation_prompt,
                                continue_final_message, chat_template_kwargs, chat_template,
-                               budget.max_model_len, budget.hidden_size, tools, image_token)
+                               model_config.max_model_len, model_config.hidden_size, tools,
+                               image_token, media)
                    for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 

@@ -1,6 +1,8 @@
 """An image prompt as the engine takes it: each image's placeholder token expanded to its run
 of image positions, and each image preprocessed into an `ImageInput` whose rows the engine
-core computes (`vllm/v1/engine/image_rows.py`).
+core computes (`vllm/v1/engine/image_rows.py`), or, for image embeddings (a float tensor
+[feature_size, hidden_size] in place of an image, with `enable_mm_embeds`), whose rows the
+user gave.
 
 Example (LLaVA, 4 rows per image, `<image>` = 32000):
     "USER: <image>\\nWhat is this?" -> ids [1, 3148, 32000, 13, ...]
@@ -82,11 +84,10 @@ class ImagePromptProcessor:
         is_token: list[bool] = []
         inputs: list[ImageInput] = []
         previous = 0
-        for start, image in zip(starts, images, strict=True):
+        for k, (start, image) in enumerate(zip(starts, images, strict=True)):
             ids += token_ids[previous:start]
             is_token += [True] * (start - previous)
-            pixels = preprocess(load_image(image), self.image_config)
-            inputs.append(ImageInput(pixels, len(ids), n, _pixels_hash(pixels)))
+            inputs.append(self._image_input(k, image, len(ids)))
             ids += [self.image_token_id] * n
             is_token += [False] * n
             previous = start + 1
@@ -99,6 +100,37 @@ class ImagePromptProcessor:
                              f"of {max_len}.")
         return ImagePrompt(ids, torch.tensor(is_token, dtype=torch.bool), inputs)
 
+    def _image_input(self, k: int, image: Any, offset: int) -> ImageInput:
+        """Image k of the prompt: pixels for the vision encoder, or the user's rows."""
+        if is_image_embeds(image):
+            embeds = self._check_embeds(k, image)
+            return ImageInput(None, offset, self.num_image_tokens, _tensor_hash(b"E", embeds),
+                              embeds=embeds)
+        pixels = preprocess(load_image(image), self.image_config)
+        return ImageInput(pixels, offset, self.num_image_tokens, _tensor_hash(b"P", pixels))
+
+    def _check_embeds(self, k: int, embeds: torch.Tensor) -> torch.Tensor:
+        """image_embeds item k as [num_image_tokens, hidden_size] in the model's dtype."""
+        mc = self.model_config
+        if not mc.enable_mm_embeds:
+            raise ValueError("image_embeds given, but image embeddings are disabled: create "
+                             "the engine with enable_mm_embeds=True (server: "
+                             "--enable-mm-embeds).")
+        want = (self.num_image_tokens, mc.hidden_size)
+        if embeds.layout != torch.strided or embeds.is_meta:
+            raise ValueError(f"image_embeds item {k} must be a dense tensor with data, got "
+                             f"layout {embeds.layout}.")
+        if tuple(embeds.shape) != want:
+            raise ValueError(f"image_embeds item {k} has shape {tuple(embeds.shape)}, but one "
+                             f"image of {mc.architecture} is {want} [feature_size, "
+                             "hidden_size] (several images: [num_images, feature_size, "
+                             "hidden_size]).")
+        embeds = embeds.detach().to(device="cpu", dtype=mc.dtype).contiguous()
+        if not torch.isfinite(embeds).all():
+            raise ValueError(f"image_embeds item {k} contains non-finite values (NaN or inf), "
+                             f"after the cast to {mc.dtype}.")
+        return embeds
+
     def _images(self, data: Any) -> list[Any]:
         if not isinstance(data, dict):
             raise ValueError("multi_modal_data must be a dict such as {'image': image}, got "
@@ -110,16 +142,34 @@ class ImagePromptProcessor:
         images = data.get("image")
         if images is None:
             raise ValueError("multi_modal_data has no 'image'.")
-        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        images = [item for image in (images if isinstance(images, (list, tuple))
+                                     else [images]) for item in _embeds_items(image)]
         if len(images) > self.limit:
             raise ValueError(f"At most {self.limit} image(s) may be provided in one prompt, "
                              f"got {len(images)} (limit_mm_per_prompt).")
         return images
 
 
-def _pixels_hash(pixels: torch.Tensor) -> bytes:
-    """The encoder cache's key: the preprocessed pixels (an image sent as a PIL image, an
-    array or file bytes hashes alike when it decodes alike)."""
-    h = hashlib.sha256(str(tuple(pixels.shape)).encode())
-    h.update(pixels.numpy().tobytes())
+def is_image_embeds(item: Any) -> bool:
+    """A floating-point tensor stands for image embeddings (uint8 tensors are pixels)."""
+    return isinstance(item, torch.Tensor) and item.is_floating_point()
+
+
+def _embeds_items(item: Any) -> list[Any]:
+    """One `multi_modal_data` image entry as images: embeddings [num_images, feature_size,
+    hidden_size] are num_images of them (vLLM's form), anything else is one."""
+    if is_image_embeds(item) and item.dim() == 3:
+        return list(item.unbind(0))
+    if is_image_embeds(item) and item.dim() != 2:
+        raise ValueError("image_embeds must be [feature_size, hidden_size] or [num_images, "
+                         f"feature_size, hidden_size], got shape {tuple(item.shape)}.")
+    return [item]
+
+
+def _tensor_hash(tag: bytes, tensor: torch.Tensor) -> bytes:
+    """An image's key (tag P: preprocessed pixels, the encoder cache's key, so an image
+    sent as a PIL image, an array or file bytes hashes alike when it decodes alike; E: the
+    user's embeddings, never cached)."""
+    h = hashlib.sha256(tag + str((tensor.dtype, tuple(tensor.shape))).encode())
+    h.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
     return h.digest()

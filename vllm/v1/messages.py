@@ -48,12 +48,14 @@ class EncoderInput:
 class ImageInput:
     """One image of a prompt, preprocessed by the `Processor`: the engine core's image stage
     (`vllm/v1/engine/image_rows.py`) turns it into `num_tokens` prompt-embeds rows for the
-    placeholder run starting at prompt position `offset`."""
+    placeholder run starting at prompt position `offset`. Exactly one of `pixel_values` (the
+    vision encoder computes the rows) and `embeds` (the user's precomputed rows) is set."""
 
-    pixel_values: torch.Tensor  # [3, H, W] float32, CPU; raw tensor frames on the wire
+    pixel_values: torch.Tensor | None  # [3, H, W] float32, CPU; raw tensor frames on the wire
     offset: int
     num_tokens: int
-    content_hash: bytes  # sha256 of the pixel values: the encoder cache's key
+    content_hash: bytes  # sha256 of the pixel values (the encoder cache's key) or embeds
+    embeds: torch.Tensor | None = None  # [num_tokens, hidden_size], model dtype, CPU
 
 
 class EmbedsLayout:

@@ -132,11 +132,25 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "\"ngram\", \"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4}' or "
                         "'{\"method\": \"draft_model\", \"model\": PATH, "
                         "\"num_speculative_tokens\": 3}'")
-    engine.add_argument("--limit-mm-per-prompt", type=json_object_arg, default=None,
-                        help="most media items per prompt, a JSON object such as "
-                        "'{\"image\": 2}' (default: 999 of each)")
     engine.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     _add_parallel_args(engine)
+    _add_media_args(parser.add_argument_group("media"))
+
+
+def _add_media_args(media: argparse._ArgumentGroup) -> None:
+    media.add_argument("--limit-mm-per-prompt", type=json_object_arg, default=None,
+                       help="most media items per prompt, a JSON object such as "
+                       "'{\"image\": 2}' (default: 999 of each)")
+    media.add_argument("--enable-mm-embeds", action="store_true",
+                       help="accept precomputed image embeddings (image_embeds chat parts, "
+                       "float tensors in multi_modal_data)")
+    media.add_argument("--allowed-local-media-path", default="", metavar="DIR",
+                       help="let chat image_url parts name files under DIR (file:///...); "
+                       "paths resolving outside DIR are refused (default: no files)")
+    media.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                       help="fetch http(s) image URLs of these hosts (time limit: "
+                       "VLLM_IMAGE_FETCH_TIMEOUT, 5 s; size limit: 20 MiB; no redirects); "
+                       "default: remote URLs are refused")
 
 
 def _add_parallel_args(engine: argparse._ArgumentGroup) -> None:
@@ -259,6 +273,9 @@ def engine_args_from_namespace(args: argparse.Namespace) -> EngineArgs:
         max_cpu_loras=args.max_cpu_loras,
         speculative_config=args.speculative_config,
         limit_mm_per_prompt=args.limit_mm_per_prompt,
+        enable_mm_embeds=args.enable_mm_embeds,
+        allowed_local_media_path=args.allowed_local_media_path,
+        allowed_media_domains=args.allowed_media_domains,
     )
 
 

@@ -9,7 +9,9 @@ Rendering and its checks are `vllm.entrypoints.chat_utils` (shared with `LLM.cha
 `prompt_embeds` content parts: the template renders with a placeholder per part, the text
 between parts is tokenized piece by piece, and the engine gets a mixed prompt of token ids
 and rows; the parts decode through the server's one `EmbedsIntake` (byte budget, in-flight
-cap) like completion prompts.
+cap) like completion prompts. Image parts (`image_url`, `image_embeds`) are read first, off
+the event loop (URLs under `MediaConnector`'s rules; embeddings through the same intake),
+then each becomes the model's image placeholder and the engine's processor its run.
 """
 
 from __future__ import annotations
@@ -21,13 +23,16 @@ from typing import Any
 
 from vllm.entrypoints.chat_utils import (
     EmbedsParts,
+    ImagePart,
     check_template_kwargs,
+    image_embeds_tensor,
+    image_parts,
     image_placeholder,
     render_chat,
     segments_prompt,
     split_at_placeholders,
     take_embeds_parts,
-    take_image_parts,
+    with_image_placeholders,
 )
 from vllm.entrypoints.errors import OpenAIError
 from vllm.entrypoints.openai.prompt_embeds import EmbedsLease
@@ -65,6 +70,7 @@ from vllm.entrypoints.openai.tool_calls import (
     tool_choice_constraint,
 )
 from vllm.entrypoints.openai.tool_parsers import ToolParser
+from vllm.multimodal.media import MediaConnector
 from vllm.outputs import CompletionOutput
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.async_llm import RequestStream
@@ -82,7 +88,8 @@ class OpenAIServingChat(OpenAIServing):
         mc = self.model_config
         # prompt_embeds parts: the server's intake, shared with /v1/completions.
         self.embeds = embeds or EmbedsIntake(self.options, mc.max_model_len, mc.hidden_size)
-        self.image_token = image_placeholder(mc, self.tokenizer)  # image_url parts become it
+        self.image_token = image_placeholder(mc, self.tokenizer)  # image parts become it
+        self.media = MediaConnector.from_model_config(mc)  # where image URLs may point
 
     async def render(self, request: ChatCompletionRequest,
                      messages: list[dict[str, Any]] | None = None) -> str:
@@ -109,22 +116,29 @@ class OpenAIServingChat(OpenAIServing):
         if request.logit_bias:
             raise OpenAIError("logit_bias is not supported.")
         try:
-            messages, images = take_image_parts(request.messages, self.image_token)
-            parts = take_embeds_parts(messages)
+            media = image_parts(request.messages, self.image_token is not None)
+            parts = take_embeds_parts(request.messages)
         except ValueError as e:
             raise OpenAIError(str(e)) from None
-        if images and parts.data:
-            raise OpenAIError("A conversation cannot mix image_url and prompt_embeds parts.")
+        if media and parts.data:
+            raise OpenAIError("A conversation cannot mix image parts and prompt_embeds parts.")
         if parts.data and not self.model_config.enable_prompt_embeds:
             raise OpenAIError(EMBEDS_DISABLED)
         check_tool_request(request, self.options.tool_parser)
-        lease = self.embeds.reserve(parts.data, max(1, request.n or 1))
-        return await self.embeds.leased(lease, self._create(request, parts, lease, images))
+        embeds = [p.value for p in media if p.kind == "image_embeds"]
+        lease = self.embeds.reserve(parts.data + embeds, max(1, request.n or 1))
+        return await self.embeds.leased(lease, self._create(request, parts, lease, media))
 
     async def _create(self, request: ChatCompletionRequest, parts: EmbedsParts,
-                      lease: EmbedsLease, images: list[bytes]
+                      lease: EmbedsLease, media: list[ImagePart]
                       ) -> ChatCompletionResponse | AsyncGenerator[str, None]:
         num_logprobs = self._num_logprobs(request)
+        images = [await self._load_image(part, lease, max(1, request.n or 1))
+                  for part in media]
+        if images:
+            assert self.image_token is not None  # image_parts refuses them otherwise
+            parts = parts._replace(messages=with_image_placeholders(
+                request.messages, self.image_token, images))
         text = await self.render(request, parts.messages)
         prompt: dict[str, Any]
         if parts.data:
@@ -157,6 +171,19 @@ class OpenAIServingChat(OpenAIServing):
                           prompt_tokens_details=cached_tokens_usage([output]))
         return ChatCompletionResponse(id=request_id, model=self.response_model(request.model),
                                       choices=choices, usage=usage)
+
+    async def _load_image(self, part: ImagePart, lease: EmbedsLease, copies: int
+                          ) -> bytes | Any:
+        """An image part's image, read off the event loop: the encoded bytes its URL names
+        (`MediaConnector`'s rules), or its embeddings decoded by the embeds intake."""
+        try:
+            if part.kind == "image_url":
+                loop = asyncio.get_running_loop()
+                return await loop.run_in_executor(None, self.media.image_bytes, part.value)
+            return image_embeds_tensor(await self.embeds.decode(part.value, lease, copies,
+                                                                "image_embeds"))
+        except ValueError as e:
+            raise OpenAIError(f"{part.where}: {e}") from None
 
     async def _segments_prompt(self, request: ChatCompletionRequest, text: str, parts: EmbedsParts,
                                lease: EmbedsLease) -> tuple[dict[str, Any], int]:

@@ -85,13 +85,14 @@ class EmbedsIntake:
             raise _embeds_busy()
         return lease
 
-    async def decode(self, data: Any, lease: EmbedsLease, copies: int) -> torch.Tensor:
+    async def decode(self, data: Any, lease: EmbedsLease, copies: int,
+                     name: str = "prompt_embeds") -> torch.Tensor:
         """The dense tensor in `data` (base64 of torch.save), decoded off the event loop
-        under the byte budget; raises OpenAIError."""
+        under the byte budget; raises OpenAIError (naming the field `name`)."""
         loop = asyncio.get_running_loop()
         try:
             embeds = await loop.run_in_executor(self._decode_pool, decode_prompt_embeds, data,
-                                                self.budget)
+                                                self.budget, name)
         except ValueError as e:
             raise OpenAIError(str(e)) from None
         # A sparse payload decodes larger than its base64 suggested.

@@ -12,7 +12,7 @@ from vllm.lora.request import LoRARequest
 from vllm.utils import cdiv
 from vllm.v1.core.kv_cache_groups import blocks_needed
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from vllm.v1.engine.image_rows import ImageRows
 from vllm.v1.executor.abstract import Executor, ExecutorDeadError
 from vllm.v1.request import RequestStatus
@@ -82,8 +82,21 @@ class EngineCore:
             if self.image_rows is None:
                 raise ValueError(f"{self.vllm_config.model_config.architecture} takes no "
                                  "images.")
-            self.image_rows.fill(request)  # from here on, a mixed ids/embeds prompt
+            self.image_rows.admit(request)  # scheduled at the next step, its rows filled
+            return
         self.scheduler.add_request(request)
+
+    def _admit_image_requests(self) -> list[EngineCoreOutput]:
+        """The requests with images that arrived since the last step: their rows from one
+        encoder batch, then to the scheduler as mixed ids/embeds prompts; those whose
+        image failed the encoder finish with FinishReason.ERROR."""
+        if self.image_rows is None or not self.image_rows.pending:
+            return []
+        filled, failed = self.image_rows.fill_pending()
+        for request in filled:
+            self.scheduler.add_request(request)
+        return [EngineCoreOutput(r.request_id, [], finish_reason=FinishReason.ERROR)
+                for r in failed]
 
     def _preload_lora(self, lora_request: LoRARequest) -> bytes:
         """Reads an adapter into the workers' CPU caches when its first request arrives,
@@ -119,6 +132,8 @@ class EngineCore:
         return self.model_executor.remove_lora(lora_int_id)
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        if self.image_rows is not None:
+            self.image_rows.drop(request_ids)
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def stop_requests(self, request_ids: list[str]) -> None:
@@ -127,8 +142,9 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
 
     def step(self) -> EngineCoreOutputs:
-        if not self.scheduler.has_requests():
-            return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
+        failed = self._admit_image_requests()
+        if failed or not self.scheduler.has_requests():
+            return EngineCoreOutputs(failed, scheduler_stats=self.scheduler.make_stats())
         scheduler_output = self.scheduler.schedule()
         try:
             model_output = self.model_executor.execute_model(scheduler_output)
@@ -142,11 +158,14 @@ class EngineCore:
         return self.scheduler.update_from_output(scheduler_output, model_output)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._has_pending_images()
 
     def has_requests(self) -> bool:
         """Unfinished requests, or finished ones whose state the runner still holds."""
-        return self.scheduler.has_requests()
+        return self.scheduler.has_requests() or self._has_pending_images()
+
+    def _has_pending_images(self) -> bool:
+        return self.image_rows is not None and bool(self.image_rows.pending)
 
     def get_state(self) -> dict[str, int | float]:
         """What the scheduler and the runner hold now (leak checks)."""

@@ -50,7 +50,7 @@ class LLMEngine:
         try:
             for index, core_request in enumerate(requests):
                 register_request(self.output_processor, core_request, parsed, parent, index)
-                self.engine_core.add_request(core_request)  # an image model: the encoder runs
+                self.engine_core.add_request(core_request)
         except BaseException:
             self.abort_request([request_id])  # nothing of it stays behind
             raise
