@@ -119,14 +119,36 @@ def _encode(weight: torch.Tensor, type_name: str):
     return (own(values) if own else gguf.quants.quantize(values, qtype)), qtype
 
 
+def _add_tokenizer(writer, model_dir: str, vocab_size: int) -> None:
+    import gguf
+
+    with open(os.path.join(model_dir, "tokenizer.json")) as f:
+        spec = json.load(f)
+    tokens = [f"[PAD{i}]" for i in range(vocab_size)]
+    types = [gguf.TokenType.UNUSED] * vocab_size
+    for token, i in spec["model"]["vocab"].items():
+        tokens[i], types[i] = token, gguf.TokenType.NORMAL
+    for added in spec.get("added_tokens", []):
+        tokens[added["id"]], types[added["id"]] = added["content"], gguf.TokenType.CONTROL
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m)
+                             for m in spec["model"]["merges"]])
+
+
 def _write_gguf(path: str, model_dir: str, arch: str,
                 expert_qtype: str | Callable[[str], str] | None = None,
-                layer_qtype: str | Callable[[str], str] | None = None) -> None:
+                layer_qtype: str | Callable[[str], str] | None = None,
+                real_tokenizer: bool = False) -> None:
     """`model_dir` as a llama.cpp-style GGUF, float32; with `layer_qtype` (a GGML type name,
     e.g. "Q4_1", or a function of the GGUF tensor name giving one) every layer matrix in
     that type and the embeddings and output in Q8_0, as llama.cpp's quantized files (the
     default model's: Q4_1 and Q8_0; a Q4_K_M file's: Q4_K, Q6_K, Q5_0 and Q8_0); with
-    `expert_qtype` (the same kinds) the stacked experts in that type."""
+    `expert_qtype` (the same kinds) the stacked experts in that type. The vocabulary is
+    placeholder names, or with `real_tokenizer` the directory's byte-level BPE as llama.cpp's
+    `gpt2` tokenizer (tokens, types, merges), so llama.cpp can tokenize for it."""
     import gguf
     from safetensors.torch import load_file
 
@@ -152,7 +174,10 @@ def _write_gguf(path: str, model_dir: str, arch: str,
     writer.add_rope_dimension_count(int(head_dim * cfg.get("partial_rotary_factor", 1.0)))
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    writer.add_token_list([f"tok{i}" for i in range(cfg["vocab_size"])])
+    if real_tokenizer:
+        _add_tokenizer(writer, model_dir, cfg["vocab_size"])
+    else:
+        writer.add_token_list([f"tok{i}" for i in range(cfg["vocab_size"])])
     writer.add_bos_token_id(cfg["bos_token_id"])
     writer.add_eos_token_id(cfg["eos_token_id"])
     if arch == "granite":
