@@ -95,11 +95,20 @@ def default_model_path() -> str:
 def avx2_build(tmp_path_factory: pytest.TempPathFactory):
     """The GGUF block layer's ops (gguf_mm.cpp, moe.cpp) built alone for AVX2
     (-march=haswell: no AVX-512), so that an AVX-512 machine runs the form an AVX2-only one
-    does: `gguf_mm`, `gguf_mm_form` and `moe_experts`."""
+    does: `gguf_mm`, `gguf_mm_form` and `moe_experts`. On an AVX2-only machine the
+    project's own build is that form already: its ops, without a second build."""
+    import types
     from pathlib import Path
 
     from torch.utils.cpp_extension import load
 
+    from vllm._custom_ops import cpu_ops
+
+    ops = cpu_ops()
+    if ops is not None and ops.gguf_mm_form() == "avx2":
+        return types.SimpleNamespace(gguf_mm=torch.ops.vllm_cpu.gguf_mm,
+                                     gguf_mm_form=ops.gguf_mm_form,
+                                     moe_experts=torch.ops.vllm_cpu.moe_experts)
     root = tmp_path_factory.mktemp("native_avx2")
     binding = root / "binding.cpp"
     binding.write_text(

@@ -233,6 +233,7 @@ def _write_gguf(path: str, model_dir: str, arch: str,
     writer.close()
 
 
+@pytest.mark.slow  # an engine: left out of `make test-fast`
 @pytest.mark.parametrize("arch", list(FAMILIES))
 def test_family_gguf_matches_safetensors(arch, tmp_path):
     from safetensors.torch import load_file

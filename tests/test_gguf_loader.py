@@ -364,6 +364,7 @@ def test_tiny_tokenizer_special_tokens_and_template(tiny_llama_dir: str) -> None
     assert prompt == "<s>user: hi\nassistant:"
 
 
+@pytest.mark.slow  # an engine: left out of `make test-fast`
 @pytest.mark.parametrize(
     "fixture_name, architecture, tied",
     [

@@ -198,7 +198,7 @@ def test_stop_token_and_n_samples(llm, tiny_llama_dir):
 
 def test_without_the_knob_requests_are_refused(tiny_llama_dir):
     plain = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=16 * 1024**2,
-                max_model_len=256)
+                max_model_len=256, enforce_eager=True)
     with pytest.raises(ValueError, match="enable_return_hidden_states"):
         plain.generate("Hello", _params(), use_tqdm=False)
     out = plain.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)[0]
@@ -216,7 +216,7 @@ def test_cache_bytes_come_out_of_the_kv_budget(llm, tiny_llama_dir, caplog):
         kv_bytes + stage_bytes)
     with caplog.at_level(logging.INFO, logger="vllm.v1.worker.worker"):
         plain = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=budget,
-                    max_model_len=256)
+                    max_model_len=256, enforce_eager=True)
         assert plain.llm_engine.vllm_config.cache_config.num_blocks == budget // kv_bytes
         assert not plain.llm_engine.engine_core.model_executor.model_runner.stage_outputs.enabled
         _llm(tiny_llama_dir)

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir) -> LLM:
     return LLM(tiny_llama_dir, dtype="float32", max_model_len=256,
-               kv_cache_memory_bytes=16 * 1024**2, seed=0)
+               kv_cache_memory_bytes=16 * 1024**2, seed=0,
+               enforce_eager=True)  # graphs: tests/test_graph_capture.py
 
 
 PROMPT = "Once upon a time there was a little robot"
@@ -241,12 +242,14 @@ def test_ignore_eos_ignores_generation_config_eos_ids(tmp_path, tiny_llama_dir):
 
     path = tmp_path / "m"
     shutil.copytree(tiny_llama_dir, path)
-    llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=8 * 1024**2, max_model_len=128)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=8 * 1024**2, max_model_len=128,
+              enforce_eager=True)
     base = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8),
                         use_tqdm=False)[0].outputs[0]
     extra_eos = base.token_ids[3]
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, extra_eos]}))
-    llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=8 * 1024**2, max_model_len=128)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=8 * 1024**2, max_model_len=128,
+              enforce_eager=True)
     stopped = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8),
                            use_tqdm=False)[0].outputs[0]
     assert stopped.token_ids == base.token_ids[:base.token_ids.index(extra_eos) + 1]

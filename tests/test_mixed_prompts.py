@@ -162,6 +162,7 @@ def _check(outputs, cases, hf, max_tokens: int = 10) -> None:
         torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow  # an engine: left out of `make test-fast`
 @pytest.mark.parametrize("policy", ["mixed", "separate"])
 def test_mixed_prompts_equal_transformers_chunked_and_batched(tiny_llama_dir, hf, cases,
                                                                policy):
@@ -195,6 +196,7 @@ def _ids(llm: LLM, text: str) -> list[int]:
     return llm.get_tokenizer().encode(text, add_special_tokens=False)
 
 
+@pytest.mark.slow  # an engine: left out of `make test-fast`
 def test_mixed_prompts_under_preemption(tiny_llama_dir, hf, cases):
     llm = _llm(tiny_llama_dir, num_gpu_blocks_override=14, block_size=8, max_model_len=96,
                enable_prefix_caching=False)
@@ -203,6 +205,7 @@ def test_mixed_prompts_under_preemption(tiny_llama_dir, hf, cases):
     _check(outputs, cases, hf, 40)
 
 
+@pytest.mark.slow  # an engine: left out of `make test-fast`
 def test_bad_segments_are_rejected(tiny_llama_dir):
     llm = _llm(tiny_llama_dir, max_model_len=32)
     hidden = load_hf_model(tiny_llama_dir).config.hidden_size

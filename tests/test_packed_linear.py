@@ -64,6 +64,7 @@ def test_packing_follows_the_cpu_flags() -> None:
     assert can_pack(torch.bfloat16, cpu, cpu_flags=avx2 | {"avx_ne_convert"})
 
 
+@pytest.mark.slow  # an engine: left out of `make test-fast`
 def test_unpacked_model_keeps_f_linear(tiny_llama_tied_dir, monkeypatch) -> None:
     """Where packing is refused (here, or forced where it would not be), the loader installs
     no `PackedLinear`: every linear of the bfloat16 model runs `F.linear` on its weight."""
@@ -85,6 +86,7 @@ def test_unpacked_model_keeps_f_linear(tiny_llama_tied_dir, monkeypatch) -> None
                .token_ids) == 4
 
 
+@pytest.mark.slow  # an engine: left out of `make test-fast`
 @packs
 def test_packed_model_gives_the_same_tokens(tiny_llama_tied_dir, monkeypatch) -> None:
     prompts = ["Hello world, this is", "The capital of France is", "A"]

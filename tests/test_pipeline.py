@@ -15,7 +15,9 @@ from vllm.pipeline.stage import load_pipeline_spec
 pytestmark = pytest.mark.slow
 
 PROMPTS = ["Hello world, this is", "The quick brown fox jumps over the lazy dog.", "A"]
-ENGINE = {"dtype": "float32", "kv_cache_memory_bytes": 16 * 1024**2, "max_model_len": 256}
+# Eager: the subject is the stages' orchestration (graphs: tests/test_graph_capture.py).
+ENGINE = {"dtype": "float32", "kv_cache_memory_bytes": 16 * 1024**2, "max_model_len": 256,
+          "enforce_eager": True}
 
 
 def _greedy(max_tokens: int) -> SamplingParams:

@@ -25,6 +25,11 @@ PROMPTS = [
 
 
 def _llm(path: str, **kwargs) -> LLM:
+    """Eager unless a test asks for graphs: batching policies, chunks, preemption and the
+    prefix cache are the scheduler's and the input batch's. The module's engine runs the
+    graphs (ids and embeds sets) against transformers; replay against eager is
+    tests/test_graph_capture.py's subject."""
+    kwargs.setdefault("enforce_eager", True)
     kwargs.setdefault("kv_cache_memory_bytes", 16 * 1024**2)
     kwargs.setdefault("max_model_len", 512)
     return LLM(path, dtype="float32", enable_prompt_embeds=True, **kwargs)
@@ -40,7 +45,7 @@ def _embed(path: str, ids: list[int]) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir) -> LLM:
-    return _llm(tiny_llama_dir)
+    return _llm(tiny_llama_dir, enforce_eager=False)
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +206,7 @@ def test_prompt_logprobs_and_disabled_flag(llm, tiny_llama_dir):
     with pytest.raises(ValueError, match="prompt_logprobs"):
         llm.generate({"prompt_embeds": e}, SamplingParams(prompt_logprobs=1), use_tqdm=False)
     plain = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=8 * 1024**2,
-                max_model_len=256)
+                max_model_len=256, enforce_eager=True)
     with pytest.raises(ValueError, match="enable_prompt_embeds"):
         plain.generate({"prompt_embeds": e}, use_tqdm=False)
 
@@ -251,8 +256,11 @@ def test_finished_request_leaves_no_embeds_behind(llm, tiny_llama_dir):
 
 
 def test_default_model_embeds_match(default_model_path):
+    # Graphs for its two rows only (a decode step of 2; prefills run the ANY graphs): the
+    # default model's ids and embeds sets, without compiling sizes no step here takes.
     llm = LLM(default_model_path, dtype="float32", max_model_len=512, enable_prompt_embeds=True,
-              kv_cache_memory_bytes=32 * 1024**2)
+              kv_cache_memory_bytes=32 * 1024**2,
+              compilation_config={"cudagraph_capture_sizes": [2]})
     tok = llm.get_tokenizer()
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
                                        add_generation_prompt=True)

@@ -26,6 +26,10 @@ from vllm.distributed.parallel_state import (
 )
 from vllm.distributed.shm_all_reduce import ShmAllReducer
 
+# Every test reads the reports of two spawned ranks (the module's fixture, ~10 s): left
+# out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 RANKS = 2
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SHAPES = [(1, 576), (8, 576), (3, 5, 17), (64, 576), (0, 576)]
@@ -146,7 +150,6 @@ def reports() -> list[dict[str, object]]:
                 p.kill()
 
 
-@pytest.mark.slow
 def test_same_bits_on_every_rank_and_equal_to_gloo(reports):
     rows = [report["matrix"] for report in reports]
     assert len(rows[0]) == len(DTYPES) * len(SHAPES)

@@ -124,6 +124,7 @@ def test_gemma_chunked_prefill_preemption_prefix_hits_embeds_and_graphs(arch, re
     assert _replayed_kinds(llm) == {InputKind.TOKEN_IDS, InputKind.EMBEDS}
 
 
+@pytest.mark.slow  # an engine: left out of `make test-fast`
 def test_mistral_window_with_chunked_prefill_and_graphs(mistral_dir):
     llm = LLM(mistral_dir, dtype="float32", block_size=4, max_model_len=128,
               kv_cache_memory_bytes=4 * 1024**2, max_num_batched_tokens=8,

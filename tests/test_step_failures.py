@@ -26,7 +26,7 @@ BAD = [10, 20, MARK, 30] * 5
 def llm(tiny_qwen2_dir: str, monkeypatch: pytest.MonkeyPatch) -> LLM:
     monkeypatch.setenv("VLLM_TEST_FAIL_ON_TOKEN_ID", str(MARK))
     return LLM(tiny_qwen2_dir, dtype="float32", kv_cache_memory_bytes=8 * 2**20,
-               max_model_len=256, seed=0)
+               max_model_len=256, seed=0, enforce_eager=True)
 
 
 def greedy(max_tokens: int = 8) -> SamplingParams:

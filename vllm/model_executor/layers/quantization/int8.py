@@ -25,6 +25,8 @@ elementwise ops, the part a compiled graph fuses.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -65,12 +67,29 @@ def dequantize_output(acc: torch.Tensor, x_scale: torch.Tensor, weight_scale: to
     return (acc.float() * (x_scale * weight_scale)).to(dtype)
 
 
-# Steps that run eagerly (`enforce_eager`, models without graph support) would otherwise
-# pay ~5 separate passes over the activations to quantize and ~3 to dequantize; compiled
-# once with a dynamic row count, each is one fused loop. Inside a captured graph, dynamo
-# inlines them into the graph being compiled.
-_quantize_fused = torch.compile(quantize_per_token, dynamic=True, fullgraph=True)
-_dequantize_fused = torch.compile(dequantize_output, dynamic=True, fullgraph=True)
+class _Fused:
+    """`fn` compiled with a dynamic row count, made at its first eager call.
+
+    Steps that run eagerly (`enforce_eager`, models without graph support) would otherwise
+    pay ~5 separate passes over the activations to quantize and ~3 to dequantize; compiled,
+    each is one fused loop. Inside a captured graph, dynamo inlines `fn` into the graph
+    being compiled. Compiling at the first call, not at import, keeps `torch._dynamo` (about
+    a second of imports) out of every process that never runs int8 layers."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+        self.compiled: Callable | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return self.fn(*args)
+        if self.compiled is None:
+            self.compiled = torch.compile(self.fn, dynamic=True, fullgraph=True)
+        return self.compiled(*args)
+
+
+_quantize_fused = _Fused(quantize_per_token)
+_dequantize_fused = _Fused(dequantize_output)
 
 
 class Int8Linear(nn.Module):
