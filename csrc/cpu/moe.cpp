@@ -15,8 +15,10 @@
 //   F32 (0), BF16 (30)   dense rows [E, N, K] (strided views allowed: w13's halves): a
 //                        decode form (register-blocked dot products, up to 8 rows of an
 //                        expert at a time, the weight row streamed once) and, for experts
-//                        with more than kBatchRows rows, a batched form (at::mm, a library
-//                        GEMM, one expert after another)
+//                        with more than kBatchRows rows, a batched form (at::mm in float32,
+//                        one expert after another). With AVX512-BF16, bfloat16 weights take
+//                        vdpbf16ps with the activations rounded to bfloat16 instead, at any
+//                        row count (passes of 8 rows over tiles of 16 weight rows)
 //   GGUF block types     uint8 [E, N, row bytes]: gguf_mm's block layer (gguf_blocks.h),
 //                        activations quantized per 32 once per product; its own passes of 8
 //                        rows over tiles of 16 weight rows are the batched form
@@ -127,10 +129,86 @@ void dense_range(const uint8_t* w, int64_t row_stride, const float* x, int64_t k
 }
 #endif  // VLLM_VEC16
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define VLLM_MOE_BF16_DOT 1
+// bfloat16 weights times bfloat16 activation rows, 32 products a `vdpbf16ps` (two a lane),
+// both read along k as they lie: rows row0..row0+M of a [*, k] times weight rows
+// [begin, end).
+template <int M>
+void bf16_rows(const uint8_t* w, int64_t row_stride, const c10::BFloat16* a, int64_t k,
+               int64_t row0, float* out, int64_t n_total, int64_t begin, int64_t end) {
+  const int64_t body = k - k % 32;
+  for (int64_t n = begin; n < end; ++n) {
+    const c10::BFloat16* wn = reinterpret_cast<const c10::BFloat16*>(w + n * row_stride);
+    __m512 acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < body; c += 32) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(wn + c);
+      for (int r = 0; r < M; ++r) {
+        acc[r] = _mm512_dpbf16_ps(acc[r], wv, (__m512bh)_mm512_loadu_si512(a + (row0 + r) * k + c));
+      }
+    }
+    for (int r = 0; r < M; ++r) {
+      float sum = _mm512_reduce_add_ps(acc[r]);
+      for (int64_t c = body; c < k; ++c) {
+        sum += static_cast<float>(wn[c]) * static_cast<float>(a[(row0 + r) * k + c]);
+      }
+      out[(row0 + r) * n_total + n] = sum;
+    }
+  }
+}
+
+// Any number of rows: passes of up to 8 over tiles of 16 weight rows (reread from L1).
+void bf16_range(const uint8_t* w, int64_t row_stride, const c10::BFloat16* a, int64_t k,
+                int64_t first_row, int64_t rows, float* out, int64_t n_total, int64_t begin,
+                int64_t end) {
+  for (int64_t tile = begin; tile < end; tile += 16) {
+    const int64_t tile_end = std::min(end, tile + 16);
+    for (int64_t done = 0; done < rows;) {
+      const int64_t left = rows - done, row0 = first_row + done;
+      if (left >= 8) {
+        bf16_rows<8>(w, row_stride, a, k, row0, out, n_total, tile, tile_end);
+        done += 8;
+      } else if (left >= 4) {
+        bf16_rows<4>(w, row_stride, a, k, row0, out, n_total, tile, tile_end);
+        done += 4;
+      } else if (left >= 2) {
+        bf16_rows<2>(w, row_stride, a, k, row0, out, n_total, tile, tile_end);
+        done += 2;
+      } else {
+        bf16_rows<1>(w, row_stride, a, k, row0, out, n_total, tile, tile_end);
+        done += 1;
+      }
+    }
+  }
+}
+
+// float32 rows -> bfloat16 (round to nearest even), 16 at a time.
+void to_bf16(const float* x, int64_t n, c10::BFloat16* y) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+  }
+  for (; i < n; ++i) y[i] = c10::BFloat16(x[i]);
+}
+#endif
+
+// bfloat16 weights read with bfloat16 activations (the vdpbf16ps form), where built.
+bool bf16_dot(int64_t type) {
+#if defined(VLLM_MOE_BF16_DOT)
+  return type == kBF16;
+#else
+  (void)type;
+  return false;
+#endif
+}
+
 // One product over rows [first, first + rows) of one expert, output columns [begin, end).
 struct Product {
   const Weights& w;
   const float* x;                       // dense: activations [R, k] float32
+  const c10::BFloat16* xb;              // the same rows in bfloat16 (the vdpbf16ps form)
   const vllm_gguf::Activations* a;      // GGUF: the same rows quantized
   int64_t k;
   float* out;
@@ -138,6 +216,12 @@ struct Product {
 
   void operator()(int64_t expert, int64_t first, int64_t rows, int64_t begin, int64_t end) const {
     const uint8_t* we = w.expert(expert);
+#if defined(VLLM_MOE_BF16_DOT)
+    if (bf16_dot(w.type)) {
+      bf16_range(we, w.row_stride, xb, k, first, rows, out, n_total, begin, end);
+      return;
+    }
+#endif
     switch (w.type) {
 #if defined(VLLM_VEC16)
       case kF32:
@@ -183,6 +267,24 @@ std::vector<Task> tiles(const std::vector<Task>& experts, int64_t n) {
     for (int64_t b = 0; b < n; b += tile) out.push_back({e.expert, e.first, e.rows, b, std::min(n, b + tile)});
   }
   return out;
+}
+
+// x (float32, contiguous) as bfloat16 for the vdpbf16ps form where `needed`, else empty.
+torch::Tensor bf16_copy(const torch::Tensor& x, bool needed) {
+  if (!needed) return torch::Tensor();
+  auto y = torch::empty(x.sizes(), x.options().dtype(torch::kBFloat16));
+#if defined(VLLM_MOE_BF16_DOT)
+  const float* src = x.data_ptr<float>();
+  c10::BFloat16* dst = y.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, x.numel(), 16384, [&](int64_t b, int64_t e) {
+    to_bf16(src + b, e - b, dst + b);
+  });
+#endif
+  return y;
+}
+
+const c10::BFloat16* bf16_rows_of(const torch::Tensor& x) {
+  return x.defined() ? x.data_ptr<c10::BFloat16>() : nullptr;
 }
 
 inline float silu(float g) { return g / (1.f + std::exp(-g)); }
@@ -252,7 +354,8 @@ torch::Tensor moe_experts(torch::Tensor x, torch::Tensor topk_weights, torch::Te
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t count = start[e + 1] - start[e];
     if (count == 0) continue;
-    const bool batched = dense_type(w1_type) && dense_type(w3_type) && count > kBatchRows;
+    const bool batched = dense_type(w1_type) && dense_type(w3_type) && !bf16_dot(w1_type) &&
+                         !bf16_dot(w3_type) && count > kBatchRows;
     (batched ? large : small).push_back({e, start[e], count, 0, 0});
   }
 
@@ -280,8 +383,11 @@ torch::Tensor moe_experts(torch::Tensor x, torch::Tensor topk_weights, torch::Te
   auto up = torch::empty({rows, inter}, xf.options());
   auto act = torch::empty({rows, inter}, xf.options());
   float *gp = gate.data_ptr<float>(), *upp = up.data_ptr<float>(), *ap = act.data_ptr<float>();
-  const Product gate_product{g, xs.data_ptr<float>(), &qx, hidden, gp, inter};
-  const Product up_product{u, xs.data_ptr<float>(), &qx, hidden, upp, inter};
+  auto xs_bf16 = bf16_copy(xs, bf16_dot(w1_type) || bf16_dot(w3_type));
+  const Product gate_product{g, xs.data_ptr<float>(), bf16_rows_of(xs_bf16), &qx, hidden, gp,
+                             inter};
+  const Product up_product{u, xs.data_ptr<float>(), bf16_rows_of(xs_bf16), &qx, hidden, upp,
+                           inter};
   const std::vector<Task> tasks1 = tiles(small, inter);
   at::parallel_for(0, static_cast<int64_t>(tasks1.size()), 1, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
@@ -308,13 +414,14 @@ torch::Tensor moe_experts(torch::Tensor x, torch::Tensor topk_weights, torch::Te
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t count = start[e + 1] - start[e];
     if (count == 0) continue;
-    const bool batched = dense_type(w2_type) && count > kBatchRows;
+    const bool batched = dense_type(w2_type) && !bf16_dot(w2_type) && count > kBatchRows;
     (batched ? large2 : small2).push_back({e, start[e], count, 0, 0});
   }
   if (!dense_type(w2_type)) quantize_rows(ap, rows, inter, &qa);
   auto y = torch::empty({rows, hidden}, xf.options());
   float* yp = y.data_ptr<float>();
-  const Product down_product{d, ap, &qa, inter, yp, hidden};
+  auto act_bf16 = bf16_copy(act, bf16_dot(w2_type));
+  const Product down_product{d, ap, bf16_rows_of(act_bf16), &qa, inter, yp, hidden};
   const std::vector<Task> tasks2 = tiles(small2, hidden);
   at::parallel_for(0, static_cast<int64_t>(tasks2.size()), 1, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
