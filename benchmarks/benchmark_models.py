@@ -113,7 +113,9 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe": Family("qwen3_moe", {"num_experts": 64, "num_experts_per_tok": 8,
                                       "moe_intermediate_size": 384,
                                       "intermediate_size": 1536, "hidden_size": 1024,
-                                      "num_attention_heads": 16}, MOE_BASE),
+                                      "num_attention_heads": 16,
+                                      # room for benchmark_peers --single's 1,024-token prompt
+                                      "max_position_embeddings": 4096}, MOE_BASE),
     "mixtral": Family("mixtral", {"num_local_experts": 8, "num_experts_per_tok": 2,
                                   "intermediate_size": 1536}, MOE_BASE),
     "olmoe": Family("olmoe", {"num_experts": 64, "num_experts_per_tok": 8,

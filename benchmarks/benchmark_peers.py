@@ -229,7 +229,7 @@ PASSAGE = (
 def single_workload(path: str, output_len: int, k: int) -> dict:
     """The token ids every engine gets: a 128-token and a 1,024-token random prompt and
     the copy-heavy chat prompt (the model's chat template, as a user would send it)."""
-    from vllm.model_executor.model_loader.gguf_loader import load_gguf_tokenizer
+    from vllm.model_executor.model_loader.gguf_loader import load_gguf_config, load_gguf_tokenizer
 
     tokenizer = load_gguf_tokenizer(path)
     question = f"{PASSAGE}\n\nRepeat the passage above word for word."
@@ -239,7 +239,8 @@ def single_workload(path: str, output_len: int, k: int) -> dict:
     else:  # a file without a chat template (Gemma 3 270M's as transformers reads it)
         text = question
     copy_prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
-    vocab = len(tokenizer)
+    # random ids the model embeds (a tokenizer may count added tokens past its table)
+    vocab = min(len(tokenizer), load_gguf_config(path)["vocab_size"])
     return {"decode_prompt": make_workload(vocab, 1, 128, 128, seed=1)[0],
             "long_prompt": make_workload(vocab, 1, 1024, 1024, seed=2)[0],
             "copy_prompt": list(copy_prompt), "copy_output_len": output_len,
