@@ -329,7 +329,7 @@ def moe_dispatch(repeats: int) -> None:
             layer.w2_weight.copy_(torch.randn(E, H, inter, generator=g) * 0.03)
         layer = layer.to(dtype)
         w13, w2 = layer.w13_weight.data, layer.w2_weight.data
-        kernels: dict[str, ExpertKernel] = {"loop": ExpertKernel(layer)}
+        kernels: dict[str, ExpertKernel | NativeExpertKernel] = {"loop": ExpertKernel(layer)}
         if dtype == torch.bfloat16:
             kernels["loop packed"] = PackedExpertKernel(layer)
         kernels["loop int8"] = Int8ExpertKernel(layer)

@@ -28,7 +28,7 @@ def q4_k_m(name: str, expert_width: int = 256) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description="A benchmark directory as a Q4_K_M-like GGUF")
     parser.add_argument("model_dir")
     parser.add_argument("out")
     args = parser.parse_args()

@@ -245,11 +245,14 @@ class Int8ExpertKernel(ExpertKernel):
 _F32, _BF16, _Q8_0 = 0, 30, 8
 
 
-class NativeExpertKernel(ExpertKernel):
+class NativeExpertKernel:
     """All of a step's experts in one native call (`torch.ops.vllm_cpu.moe_experts`, see
     csrc/cpu/moe.cpp): gate `w1` and up `w3` [E, I, ...] and down `w2` [E, H, ...] of this
     rank, each as float32 or bfloat16 rows or GGUF blocks (uint8 rows) of a ggml type
-    (`types`: w1's, w3's, w2's)."""
+    (`types`: w1's, w3's, w2's). `forward` as `ExpertKernel`'s; the ranks' outputs are
+    summed by the layer."""
+
+    reduces = False
 
     def __init__(self, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
                  types: tuple[int, int, int]) -> None:
@@ -298,7 +301,8 @@ class FusedMoE(nn.Module):
         self.w2_weight = set_weight_loader(nn.Parameter(
             torch.empty(num_experts, hidden_size, self.intermediate_size),
             requires_grad=False), self.weight_loader)
-        self.kernel: ExpertKernel | None = None  # set by process_weights_after_loading
+        # set by process_weights_after_loading
+        self.kernel: ExpertKernel | NativeExpertKernel | None = None
         # GGUF blocks of the experts' projections as loaded: part -> expert -> blocks
         self.block_codes: dict[str, dict[int, GGUFBlocks]] = {}
         self.op_id = next(_ids)
