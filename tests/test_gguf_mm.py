@@ -80,6 +80,26 @@ def _products_match_reference(mm, type_name: str) -> None:
         assert (low.double() - ref).abs().max() <= 0.01 * ref.abs().max()
 
 
+def assert_greedy_drift_small(got, want) -> None:
+    """Greedy continuations of a quantized engine (`got`) against its float twin (`want`,
+    the same weights dequantized): at least 3 of the 4 agree on their first 4 tokens, and
+    over each common prefix the chosen tokens' logprobs differ by 0.15 on average (the
+    activations' int8 rounding, amplified by a tiny random model)."""
+    agree, drift = 0, []
+    for g, w in zip(got, want, strict=True):
+        ids, ref_ids = g.outputs[0].token_ids, w.outputs[0].token_ids
+        lps, ref_lps = g.outputs[0].logprobs, w.outputs[0].logprobs
+        assert lps is not None and ref_lps is not None
+        common = 0
+        while common < len(ids) and ids[common] == ref_ids[common]:
+            drift.append(abs(lps[common][ids[common]].logprob
+                             - ref_lps[common][ids[common]].logprob))
+            common += 1
+        agree += common >= 4
+    assert agree >= 3
+    assert sum(drift) / len(drift) < 0.15
+
+
 def test_every_file_type_the_issue_names_has_a_layout() -> None:
     for name, (type_id, values, size) in GGUF_MM_TYPES.items():
         kind = gguf.GGMLQuantizationType[name]
@@ -223,17 +243,5 @@ def test_a_q4_k_m_file_keeps_its_blocks_and_matches_its_dequantized_weights(tmp_
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
     got = quantized.generate(prompts, params, use_tqdm=False)
     want_out = reference.generate(prompts, params, use_tqdm=False)
-    agree, drift = 0, []
-    for g, w in zip(got, want_out, strict=True):
-        ids, ref_ids = g.outputs[0].token_ids, w.outputs[0].token_ids
-        lps, ref_lps = g.outputs[0].logprobs, w.outputs[0].logprobs
-        assert lps is not None and ref_lps is not None
-        common = 0
-        while common < len(ids) and ids[common] == ref_ids[common]:
-            drift.append(abs(lps[common][ids[common]].logprob
-                             - ref_lps[common][ids[common]].logprob))
-            common += 1
-        agree += common >= 4
-    assert agree >= 3
-    assert sum(drift) / len(drift) < 0.15
+    assert_greedy_drift_small(got, want_out)
     assert len({tuple(o.outputs[0].token_ids) for o in got}) > 1  # not degenerate
