@@ -5,6 +5,8 @@ parts; refusals that leave the engine serving."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import soxr
@@ -25,6 +27,7 @@ from tests.qwen2_audio_reference import (
     wav_bytes,
 )
 from vllm import LLM, SamplingParams
+from vllm.config import InputKind
 
 pytestmark = pytest.mark.slow
 
@@ -192,3 +195,33 @@ def test_a_model_without_audio_refuses_it(tmp_path) -> None:
         assert llm.generate("hi", _greedy(), use_tqdm=False)[0].outputs[0].token_ids
     finally:
         llm.shutdown()
+
+
+# ---- engines of their own ----------------------------------------------------------------
+
+def test_under_preemption_and_with_graphs(audio_dir, hf) -> None:
+    """Preemption (16 blocks of 8 for prompts of about 40 tokens and 24 more each: a
+    preempted request keeps its rows and recomputes its KV), then compiled graphs (the
+    embeds set, captured for an audio model without enable_prompt_embeds), both equal to
+    transformers."""
+    cases = [(PROMPT, [clip(30 + i)]) if i % 2 else (TWO, [clip(30 + i, 0.5), clip(40 + i, 0.5)])
+             for i in range(4)]
+    prompts = [{"prompt": text, "multi_modal_data": {"audio": [(c, RATE) for c in clips]}}
+               for text, clips in cases]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = [hf_greedy(hf, text, clips, max_tokens=24)[1] for text, clips in cases]
+    small = LLM(audio_dir, dtype="float32", max_model_len=96, enforce_eager=True,
+                num_gpu_blocks_override=16, block_size=8, enable_prefix_caching=False)
+    outputs = small.generate(prompts, params, use_tqdm=False)
+    assert small.llm_engine.engine_core.scheduler.num_preemptions > 0
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+    small.shutdown()
+    graphs = LLM(audio_dir, dtype="float32", max_model_len=96,
+                 kv_cache_memory_bytes=16 * 1024**2,
+                 compilation_config={"cudagraph_capture_sizes": [1, 4]})
+    outputs = graphs.generate(prompts, params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+    executor: Any = graphs.llm_engine.engine_core.model_executor  # uni: the runner in process
+    replays = executor.model_runner.graphs.replays
+    assert any(kind == InputKind.EMBEDS for kind, _ in replays)  # audio rows in a graph
+    graphs.shutdown()
