@@ -18,7 +18,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from vllm.inputs.audio import load_feature_extractor, waveform_from_audio
+from vllm.inputs.audio import SAMPLE_RATE, load_feature_extractor, waveform_from_audio
+from vllm.inputs.audio_file import decode_audio_file
 
 # The most bytes of one encoded audio file (OpenAI's upload limit).
 MAX_AUDIO_BYTES = 25 * 1024**2
@@ -72,16 +73,13 @@ class AudioFeatureExtractor:
         """A clip (any form the module takes) -> float32 mono samples at the extractor's
         rate; ValueError naming what is wrong."""
         if isinstance(clip, (bytes, bytearray, memoryview)):
-            from vllm.inputs.audio import SAMPLE_RATE
-            from vllm.inputs.audio_file import decode_audio_file
-
             data = bytes(clip)
             if len(data) > MAX_AUDIO_BYTES:
                 raise ValueError(f"The audio file is {len(data)} bytes, over the limit of "
                                  f"{MAX_AUDIO_BYTES}.")
             samples = decode_audio_file(data, self.max_seconds, "one window of the model's "
                                         "feature extractor")
-            clip = (samples, SAMPLE_RATE)
+            clip = (samples, SAMPLE_RATE)  # the decoder's rate; resampled below if needed
         elif isinstance(clip, (np.ndarray, torch.Tensor)):
             clip = (clip, self.sample_rate)
         return waveform_from_audio(clip, self.sample_rate, self.max_seconds)

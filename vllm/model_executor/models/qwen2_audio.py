@@ -59,6 +59,8 @@ class Qwen2AudioEncoder(WhisperEncoder):
         x = F.gelu(self.conv2(F.gelu(self.conv1(batch.to(weight.dtype)))))
         x = x.transpose(1, 2)  # [clips, positions, d_model]
         h = torch.cat([x[i, :n] + self.embed_positions.weight[:n] for i, n in enumerate(lens)])
+        # The layers' attention reads the clips' boundaries from the forward context; only
+        # this model knows them (the runner hands it features), so it sets that context.
         metadata = EncoderAttentionMetadata.from_lens(lens)
         with set_forward_context(None, [], encoder_attn_metadata=metadata):
             for layer in self.layers:
