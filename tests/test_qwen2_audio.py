@@ -225,3 +225,48 @@ def test_under_preemption_and_with_graphs(audio_dir, hf) -> None:
     replays = executor.model_runner.graphs.replays
     assert any(kind == InputKind.EMBEDS for kind, _ in replays)  # audio rows in a graph
     graphs.shutdown()
+
+
+def test_full_window_clips_equal_transformers(audio_dir, hf) -> None:
+    """Clips that fill the 30 s window (750 positions): the stem's reads past the clip are
+    the window's own zero padding."""
+    llm = LLM(audio_dir, dtype="float32", max_model_len=1024, enforce_eager=True,
+              kv_cache_memory_bytes=16 * 1024**2)
+    clips = [clip(50, 30.0), clip(51, 29.995)]
+    outputs = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"audio": (c, RATE)}}
+                            for c in clips], _greedy(), use_tqdm=False)
+    for output, waveform in zip(outputs, clips, strict=True):
+        prompt_ids, expected = hf_greedy(hf, PROMPT, [waveform])
+        assert output.prompt_token_ids == prompt_ids
+        assert prompt_ids.count(hf[1].config.audio_token_id) == 750
+        assert list(output.outputs[0].token_ids) == expected
+    llm.shutdown()
+
+
+def test_checkpoint_in_the_newer_layout_loads(audio_dir, hf, tmp_path) -> None:
+    """The same weights under the names transformers' model classes use
+    (model.audio_tower.X, model.language_model.X, lm_head.X) give the same tokens."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    def newer(name: str) -> str:
+        if name.startswith("language_model.lm_head."):
+            return name.removeprefix("language_model.")
+        if name.startswith("language_model.model."):
+            return "model.language_model." + name.removeprefix("language_model.model.")
+        return "model." + name
+
+    for file in ("config.json", "preprocessor_config.json", "tokenizer.json",
+                 "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(f"{audio_dir}/{file}", tmp_path / file)
+    weights = load_file(f"{audio_dir}/model.safetensors")
+    assert any(name.startswith("language_model.model.") for name in weights)
+    save_file({newer(k): v for k, v in weights.items()}, str(tmp_path / "model.safetensors"))
+    llm = LLM(str(tmp_path), dtype="float32", max_model_len=256, enforce_eager=True,
+              kv_cache_memory_bytes=8 * 1024**2)
+    waveform = clip(52)
+    output = llm.generate({"prompt": PROMPT, "multi_modal_data": {"audio": (waveform, RATE)}},
+                          _greedy(), use_tqdm=False)[0]
+    assert list(output.outputs[0].token_ids) == hf_greedy(hf, PROMPT, [waveform])[1]
+    llm.shutdown()
