@@ -1,15 +1,20 @@
 """`/v1/chat/completions` on a tiny Qwen2-Audio, through the openai client: `input_audio`
-parts (OpenAI's form) and `audio_url` data: URLs (vLLM's); replies equal transformers'
-greedy tokens; bad audio is a 400 naming the problem, and the server answers after it."""
+parts (OpenAI's form) and `audio_url` parts (vLLM's: data: URLs, files under
+--allowed-local-media-path, URLs of --allowed-media-domains served by a local HTTP server);
+replies equal transformers' greedy tokens; bad audio is a 400 naming the problem, and the
+server answers after it."""
 
 from __future__ import annotations
 
 import base64
+import io
 
 import httpx
 import openai
 import pytest
+import soundfile
 
+from tests.llava_reference import serve_directory
 from tests.model_factory import make_tiny_qwen2_audio
 from tests.qwen2_audio_reference import (
     MAX_TOKENS,
@@ -32,9 +37,15 @@ def audio_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(audio_dir):
+def media_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("served_audio"))
+
+
+@pytest.fixture(scope="module")
+def server(audio_dir, media_dir):
     srv = RemoteServer(audio_dir, [*SMALL_ENGINE_ARGS, "--limit-mm-per-prompt",
-                                   '{"audio": 2}'])
+                                   '{"audio": 2}', "--allowed-local-media-path", media_dir,
+                                   "--allowed-media-domains", "127.0.0.1"])
     try:
         yield srv
     finally:
@@ -71,6 +82,32 @@ def test_input_audio_reply_equals_transformers(server, audio_dir, hf) -> None:
     assert again.status_code == 200, again.text
     assert again.json()["choices"][0]["message"]["content"] == reply.choices[0].message.content
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_audio_files_and_urls_equal_transformers(server, audio_dir, media_dir, hf) -> None:
+    """One clip as a file under the allowed path, one fetched from an allowed host."""
+    clips = [clip(23), clip(24, 1.2)]
+    for name, waveform in zip(("a.wav", "b.flac"), clips, strict=True):
+        with open(f"{media_dir}/{name}", "wb") as f:
+            f.write(wav_bytes(waveform) if name.endswith(".wav") else _flac(waveform))
+    with serve_directory(media_dir) as host:
+        r = _post(server, audio_dir, chat_messages([
+            {"type": "audio_url", "audio_url": {"url": f"file://{media_dir}/a.wav"}},
+            {"type": "audio_url", "audio_url": {"url": f"{host}/b.flac"}}]))
+    assert r.status_code == 200, r.text
+    # The reference hears the FLAC's 16-bit samples, as the server does.
+    flac, _ = soundfile.read(f"{media_dir}/b.flac", dtype="float32")
+    prompt_ids, expected = hf_chat_greedy(hf, [clips[0], flac])
+    assert r.json()["usage"]["prompt_tokens"] == len(prompt_ids)
+    assert r.json()["choices"][0]["message"]["content"] == hf[0].tokenizer.decode(
+        expected, skip_special_tokens=True)
+
+
+def _flac(waveform) -> bytes:
+    """A FLAC file of `waveform` (16-bit samples)."""
+    buffer = io.BytesIO()
+    soundfile.write(buffer, waveform, 16_000, format="FLAC")
+    return buffer.getvalue()
 
 
 def test_bad_audio_is_400_and_the_server_answers_on(server, audio_dir) -> None:
