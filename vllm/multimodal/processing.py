@@ -40,11 +40,7 @@ def expand_placeholders(token_ids: list[int], placeholder: int, items: list[Medi
     Example: ids [1, P, 5, P], items of 2 and 3 rows -> [1, P, P, 5, P, P, P], is_token
     [T, F, F, T, F, F, F], offsets 1 and 4.
     """
-    starts = [i for i, t in enumerate(token_ids) if t == placeholder]
-    if len(starts) != len(items):
-        raise ValueError(f"The prompt has {len(starts)} {what} placeholder(s) ({what} token "
-                         f"id {placeholder}) but {len(items)} {what}(s) were given: put one "
-                         f"placeholder where each {what} goes.")
+    starts = placeholder_starts(token_ids, placeholder, len(items), what)
     ids: list[int] = []
     is_token: list[bool] = []
     previous = 0
@@ -64,6 +60,18 @@ def expand_placeholders(token_ids: list[int], placeholder: int, items: list[Medi
         raise ValueError(f"The prompt (length {len(ids)}, with {len(items)} {what}(s) {each}) "
                          f"is longer than the maximum model length of {max_len}.")
     return MediaPrompt(ids, torch.tensor(is_token, dtype=torch.bool), items)
+
+
+def placeholder_starts(token_ids: list[int], placeholder: int, count: int,
+                       what: str) -> list[int]:
+    """The positions of `placeholder` in `token_ids`, which must be `count` (checked before
+    any item is decoded)."""
+    starts = [i for i, t in enumerate(token_ids) if t == placeholder]
+    if len(starts) != count:
+        raise ValueError(f"The prompt has {len(starts)} {what} placeholder(s) ({what} token "
+                         f"id {placeholder}) but {count} {what}(s) were given: put one "
+                         f"placeholder where each {what} goes.")
+    return starts
 
 
 def num_image_tokens(config: Any) -> int:
@@ -113,6 +121,7 @@ class ImagePromptProcessor:
         images = _items(data, "image", self.model_config.architecture)
         images = [item for image in images for item in _embeds_items(image)]
         _check_limit(len(images), "image", self.limit)
+        placeholder_starts(token_ids, self.image_token_id, len(images), "image")
         inputs = [self._image_input(k, image) for k, image in enumerate(images)]
         return expand_placeholders(token_ids, self.image_token_id, inputs, "image",
                                    self.model_config.max_model_len)
@@ -171,6 +180,7 @@ class AudioPromptProcessor:
         """`token_ids`: the prompt, one audio token per clip; `data`: multi_modal_data."""
         clips = _items(data, "audio", self.model_config.architecture)
         _check_limit(len(clips), "audio clip", self.limit)
+        placeholder_starts(token_ids, self.audio_token_id, len(clips), "audio clip")
         inputs = [self._clip_input(k, clip) for k, clip in enumerate(clips)]
         return expand_placeholders(token_ids, self.audio_token_id, inputs, "audio clip",
                                    self.model_config.max_model_len)
