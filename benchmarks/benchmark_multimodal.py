@@ -104,7 +104,7 @@ def compare_encoder_batching(llm: LLM, n: int, max_tokens: int, rounds: int = 2)
     """Distinct images with the vision tower fed one image per call (as before the requests
     of a step shared one encoder batch) and batched, alternating, other images each run;
     the best of `rounds` each (the development machine is shared and noisy)."""
-    stage: Any = llm.llm_engine.engine_core.image_rows
+    stage: Any = llm.llm_engine.engine_core.media_rows
     batch = stage.max_batch
     best = {1: float("inf"), batch: float("inf")}
     for r in range(rounds):

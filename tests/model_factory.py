@@ -386,3 +386,34 @@ def make_tiny_llava(path: str, *, seed: int = 0, **config_overrides: Any) -> str
                           crop_size={"height": TINY_IMAGE_SIZE, "width": TINY_IMAGE_SIZE}
                           ).save_pretrained(path)
     return path
+
+
+AUDIO_TOKENS = ["<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"]
+TINY_MEL_BINS = 80
+
+
+def make_tiny_qwen2_audio(path: str, *, seed: int = 0) -> str:
+    """Write a tiny random `Qwen2AudioForConditionalGeneration` (a 2-layer Whisper-style audio
+    encoder of width 32 over 80 mel bins, the projector, a tiny Qwen2) with its tokenizer
+    (plus `<|audio_bos|>`, `<|AUDIO|>`, `<|audio_eos|>`) and a Whisper feature extractor
+    config (16 kHz, 30 s windows) to ``path``. Returns ``path``."""
+    import transformers
+    from transformers import AutoTokenizer, WhisperFeatureExtractor
+
+    make_tiny_tokenizer(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.add_special_tokens({"additional_special_tokens": AUDIO_TOKENS})
+    tokenizer.save_pretrained(path)
+    audio = transformers.Qwen2AudioEncoderConfig(
+        num_mel_bins=TINY_MEL_BINS, encoder_layers=2, encoder_attention_heads=4,
+        encoder_ffn_dim=64, d_model=32, max_source_positions=1500)
+    text = tiny_model_config("qwen2", len(tokenizer))
+    config = transformers.Qwen2AudioConfig(
+        audio_config=audio, text_config=text,
+        audio_token_index=tokenizer.convert_tokens_to_ids("<|AUDIO|>"))
+    torch.manual_seed(seed)
+    model = transformers.Qwen2AudioForConditionalGeneration(config).eval()  # float32
+    _randomize_encoder_decoder(model, seed)
+    model.save_pretrained(path, safe_serialization=True)
+    WhisperFeatureExtractor(feature_size=TINY_MEL_BINS).save_pretrained(path)
+    return path

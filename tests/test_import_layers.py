@@ -221,7 +221,7 @@ class Tokenizer:
         return [ord(c) for c in text]
 
 config = SimpleNamespace(model_config=SimpleNamespace(max_model_len=64, hidden_size=4,
-                                                    is_image_model=False))
+                                                    mm_modalities=()))
 llm = object.__new__(LLM)
 llm.llm_engine = SimpleNamespace(get_tokenizer=Tokenizer, vllm_config=config)
 llm.generate = lambda prompts, *args: prompts

@@ -313,15 +313,15 @@ def test_feature_layers_and_strategies_equal_transformers(tmp_path, overrides) -
 
 
 def test_images_arriving_together_share_one_encoder_call(llm, hf, monkeypatch) -> None:
-    stage = llm.llm_engine.engine_core.image_rows
+    stage = llm.llm_engine.engine_core.media_rows
     calls: list[int] = []
 
-    def counted(pixels):
-        calls.append(pixels.shape[0])
-        return embed(pixels)
+    def counted(modality, pixels):
+        calls.append(len(pixels))
+        return embed(modality, pixels)
 
-    embed = stage.embed_images
-    monkeypatch.setattr(stage, "embed_images", counted)
+    embed = stage.embed
+    monkeypatch.setattr(stage, "embed", counted)
     images = [random_image(60 + i) for i in range(3)]
     outputs = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": image}}
                             for image in images], _greedy(), use_tqdm=False)
@@ -333,20 +333,20 @@ def test_images_arriving_together_share_one_encoder_call(llm, hf, monkeypatch) -
 def test_encoder_failure_fails_only_its_request(llm, hf, monkeypatch) -> None:
     """The batch fails, then each request runs alone: only the one whose image breaks the
     tower finishes with "error", the others are answered."""
-    stage = llm.llm_engine.engine_core.image_rows
+    stage = llm.llm_engine.engine_core.media_rows
     bad = random_image(50)
-    embed = stage.embed_images
+    embed = stage.embed
 
-    def broken(pixels):
+    def broken(modality, pixels):
         if any(torch.equal(p, bad_pixels) for p in pixels):
             raise RuntimeError("vision tower out of memory")
-        return embed(pixels)
+        return embed(modality, pixels)
 
     from vllm.multimodal.image import load_image, preprocess
 
-    bad_pixels = preprocess(load_image(bad), llm.llm_engine.processor.image_processor
+    bad_pixels = preprocess(load_image(bad), llm.llm_engine.processor.media_processor
                             .image_config)
-    monkeypatch.setattr(stage, "embed_images", broken)
+    monkeypatch.setattr(stage, "embed", broken)
     good = random_image(51)
     outputs = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": image}}
                             for image in (good, bad)], _greedy(), use_tqdm=False)

@@ -1,5 +1,5 @@
 """Image prompts without an engine: placeholder expansion, image embeddings, the engine core's
-image stage and its encoder cache (`vllm/multimodal/`, `vllm/v1/engine/image_rows.py`)."""
+media stage and its encoder cache (`vllm/multimodal/`, `vllm/v1/engine/media_rows.py`)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from PIL import Image
 from vllm.config import ModelConfig
 from vllm.multimodal.processing import ImagePromptProcessor, num_image_tokens
 from vllm.v1.engine import EngineCoreRequest
-from vllm.v1.engine.image_rows import ImageRows
-from vllm.v1.messages import ImageInput
+from vllm.v1.engine.media_rows import MediaRows
+from vllm.v1.messages import MediaInput
 
 IMAGE = 50  # the image token id of the configs below
 
@@ -61,14 +61,14 @@ def test_placeholders_expand_to_runs(tmp_path) -> None:
     prompt = processor.process([1, 7, IMAGE, 8, IMAGE, 9], {"image": [_image(0), _image(1)]})
     assert prompt.token_ids == [1, 7] + [IMAGE] * 4 + [8] + [IMAGE] * 4 + [9]
     assert prompt.is_token.tolist() == [True, True] + [False] * 4 + [True] + [False] * 4 + [True]
-    assert [(i.offset, i.num_tokens) for i in prompt.images] == [(2, 4), (7, 4)]
-    assert prompt.images[0].pixel_values.shape == (3, 14, 14)
-    assert prompt.images[0].content_hash != prompt.images[1].content_hash
+    assert [(i.offset, i.num_tokens) for i in prompt.items] == [(2, 4), (7, 4)]
+    assert prompt.items[0].data.shape == (3, 14, 14)
+    assert prompt.items[0].content_hash != prompt.items[1].content_hash
     # One picture as an array and as PNG bytes: the same pixels, the same key.
     png = io.BytesIO()
     Image.fromarray(_image(0)).save(png, format="PNG")
     again = processor.process([IMAGE], {"image": png.getvalue()})
-    assert again.images[0].content_hash == prompt.images[0].content_hash
+    assert again.items[0].content_hash == prompt.items[0].content_hash
 
 
 @pytest.mark.parametrize("ids, data, message", [
@@ -111,17 +111,16 @@ def test_image_embeds_fill_their_runs(tmp_path) -> None:
     one, pair = _embeds(0, 4, 8).double(), _embeds(1, 2, 4, 8)  # [4, 8]; [2, 4, 8]
     prompt = processor.process([1, IMAGE, 7, IMAGE, IMAGE], {"image": [one, pair]})
     assert prompt.token_ids == [1] + [IMAGE] * 4 + [7] + [IMAGE] * 8
-    assert [(i.offset, i.pixel_values) for i in prompt.images] == [(1, None), (6, None),
-                                                                  (10, None)]
-    rows = [i.embeds for i in prompt.images]
+    assert [(i.offset, i.data) for i in prompt.items] == [(1, None), (6, None), (10, None)]
+    rows = [i.embeds for i in prompt.items]
     assert all(r is not None and r.dtype == torch.float32 for r in rows)
     assert torch.equal(rows[0], one.float())  # cast to the model's dtype
     assert torch.equal(rows[1], pair[0]) and torch.equal(rows[2], pair[1])
-    assert len({i.content_hash for i in prompt.images}) == 3
+    assert len({i.content_hash for i in prompt.items}) == 3
     # Embeddings and a picture in one prompt.
     mixed = processor.process([IMAGE, IMAGE], {"image": [_image(0), one]})
-    assert mixed.images[0].embeds is None and mixed.images[0].pixel_values is not None
-    assert mixed.images[1].embeds is not None
+    assert mixed.items[0].embeds is None and mixed.items[0].data is not None
+    assert mixed.items[1].embeds is not None
 
 
 @pytest.mark.parametrize("data, message", [
@@ -153,16 +152,18 @@ class _Encoder:
     def __init__(self) -> None:
         self.calls: list[int] = []
 
-    def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
-        self.calls.append(pixels.shape[0])
-        return pixels[:, 0, 0, :1].reshape(-1, 1, 1).expand(-1, 2, 3).clone()
+    def __call__(self, modality: str, pixels: list[torch.Tensor]) -> list[torch.Tensor]:
+        assert modality == "image"
+        self.calls.append(len(pixels))
+        return [p[0, 0, :1].expand(2, 3).clone() for p in pixels]
 
 
-def _input(value: float, offset: int = 1) -> ImageInput:
-    return ImageInput(torch.full((3, 2, 2), float(value)), offset, 2, bytes([int(value)]) * 32)
+def _input(value: float, offset: int = 1) -> MediaInput:
+    return MediaInput("image", torch.full((3, 2, 2), float(value)), offset, 2,
+                      bytes([int(value)]) * 32)
 
 
-def _request(*images: ImageInput) -> EngineCoreRequest:
+def _request(*images: MediaInput) -> EngineCoreRequest:
     from vllm import SamplingParams
 
     n = 1 + 2 * len(images)
@@ -174,7 +175,7 @@ def _request(*images: ImageInput) -> EngineCoreRequest:
 
 def test_image_rows_fill_in_prompt_order_and_cache() -> None:
     encoder = _Encoder()
-    stage = ImageRows(encoder)
+    stage = MediaRows(encoder)
     request = _request(_input(5), _input(7, 3), _input(5, 5))
     stage.fill([request])
     assert request.mm_inputs is None
@@ -191,22 +192,22 @@ def test_image_rows_fill_in_prompt_order_and_cache() -> None:
 
 def test_image_rows_take_given_embeds_without_the_encoder() -> None:
     encoder = _Encoder()
-    stage = ImageRows(encoder)
-    given = ImageInput(None, 3, 2, b"E" * 32, embeds=torch.full((2, 3), 9.0))
+    stage = MediaRows(encoder)
+    given = MediaInput("image", None, 3, 2, b"E" * 32, embeds=torch.full((2, 3), 9.0))
     request = _request(_input(5), given)
     stage.fill([request])
     assert request.prompt_embeds is not None
     assert request.prompt_embeds[:, 0].tolist() == [5, 5, 9, 9]
     assert encoder.calls == [1]  # only the picture
     assert stage.stats()["encoder_cache_entries"] == 1  # given rows are not cached
-    only = _request(ImageInput(None, 1, 2, b"F" * 32, embeds=torch.ones(2, 3)))
+    only = _request(MediaInput("image", None, 1, 2, b"F" * 32, embeds=torch.ones(2, 3)))
     stage.fill([only])
     assert encoder.calls == [1] and only.prompt_embeds is not None
 
 
 def test_pending_requests_share_one_encoder_batch() -> None:
     encoder = _Encoder()
-    stage = ImageRows(encoder, max_batch=2)
+    stage = MediaRows(encoder, max_batch=2)
     first, second = _request(_input(1), _input(2, 3)), _request(_input(2), _input(3, 3))
     aborted = _request(_input(4))
     for request_id, request in zip("abc", (first, aborted, second)):
@@ -222,12 +223,12 @@ def test_pending_requests_share_one_encoder_batch() -> None:
 
 
 def test_a_failing_batch_fails_only_the_request_that_breaks_it() -> None:
-    def encoder(pixels: torch.Tensor) -> torch.Tensor:
-        if (pixels == 6).any():
+    def encoder(modality: str, pixels: list[torch.Tensor]) -> list[torch.Tensor]:
+        if any((p == 6).any() for p in pixels):
             raise RuntimeError("vision tower out of memory")
-        return _Encoder()(pixels)
+        return _Encoder()(modality, pixels)
 
-    stage = ImageRows(encoder)
+    stage = MediaRows(encoder)
     good, bad, other = _request(_input(1)), _request(_input(6)), _request(_input(2))
     for request in (good, bad, other):
         stage.admit(request)
@@ -240,7 +241,7 @@ def test_a_failing_batch_fails_only_the_request_that_breaks_it() -> None:
 
 def test_image_rows_cache_is_bounded_lru() -> None:
     encoder = _Encoder()
-    stage = ImageRows(encoder, budget_bytes=48)  # two images' rows (2 x 3 float32 each)
+    stage = MediaRows(encoder, budget_bytes=48)  # two images' rows (2 x 3 float32 each)
     for value in (1, 2, 1, 3):  # 1 is used again before 3 arrives: 2 is the oldest
         stage.fill([_request(_input(value))])
     assert stage.cached_bytes == 48 and stage.stats()["encoder_cache_entries"] == 2
@@ -248,7 +249,7 @@ def test_image_rows_cache_is_bounded_lru() -> None:
     assert stage.hits == 2
     stage.fill([_request(_input(2))])  # evicted: computed again
     assert stage.misses == 4
-    tiny = ImageRows(encoder, budget_bytes=10)  # rows larger than the budget: not kept
+    tiny = MediaRows(encoder, budget_bytes=10)  # rows larger than the budget: not kept
     tiny.fill([_request(_input(1))])
     assert tiny.stats()["encoder_cache_entries"] == 0 and tiny.cached_bytes == 0
 

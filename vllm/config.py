@@ -131,11 +131,22 @@ class ModelConfig:
         return self.hf_text_config.vocab_size
 
     @property
+    def mm_modalities(self) -> tuple[str, ...]:
+        """The media the model's prompts take (`multi_modal_data`): ("image",) for LLaVA,
+        ("audio",) for Qwen2-Audio, () for text models (and Whisper, whose audio is its
+        encoder's input, not part of a prompt)."""
+        from vllm.model_executor.models.registry import input_modalities
+
+        return input_modalities(self.architecture)
+
+    @property
+    def is_multimodal_model(self) -> bool:
+        return bool(self.mm_modalities)
+
+    @property
     def is_image_model(self) -> bool:
         """The model takes images (`multi_modal_data={"image": ...}`) into its prompt."""
-        from vllm.model_executor.models.registry import takes_images
-
-        return takes_images(self.architecture)
+        return "image" in self.mm_modalities
 
     def mm_limit(self, modality: str) -> int:
         """The most items of `modality` one prompt may carry."""
@@ -146,8 +157,8 @@ class ModelConfig:
     @property
     def uses_prompt_embeds(self) -> bool:
         """Steps may carry embeds rows (the runner's embeds graphs): user prompt embeds,
-        or an image model's image rows."""
-        return self.enable_prompt_embeds or self.is_image_model
+        or a multimodal model's media rows."""
+        return self.enable_prompt_embeds or self.is_multimodal_model
 
     @property
     def audio_frames_per_encoder_token(self) -> int | None:

@@ -159,7 +159,7 @@ class EngineArgs:
         if model_config.is_encoder_decoder:
             raise ValueError("enable_lora: LoRA adapters are supported on decoder-only "
                              "models, not encoder/decoder ones.")
-        if model_config.is_image_model:
+        if model_config.is_multimodal_model:
             raise ValueError(f"enable_lora: LoRA adapters are not supported on "
                              f"{model_config.architecture} yet.")
         return LoRAConfig(self.max_loras, self.max_lora_rank, max_cpu)

@@ -12,6 +12,8 @@ start).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import secrets
 from collections.abc import Callable, Sequence
@@ -225,74 +227,126 @@ def segments_prompt(pieces: list[str | int], texts: Sequence[Any],
     return {"prompt_segments": segments, "add_special_tokens": False}
 
 
-# Content parts that stand for images: a URL (data:, file:, http(s):) or precomputed
-# embeddings (base64 of torch.save(tensor [feature_size, hidden_size]), or a tensor offline).
-IMAGE_PART_TYPES = ("image_url", "image_embeds")
+# Content parts that stand for media -> their modality: images by URL (data:, file:,
+# http(s):) or as precomputed embeddings (base64 of torch.save(tensor [feature_size,
+# hidden_size]), or a tensor offline); audio inline (`input_audio`: base64 and a format,
+# OpenAI's form) or by URL (`audio_url`, vLLM's form).
+MEDIA_PART_TYPES = {"image_url": "image", "image_embeds": "image", "input_audio": "audio",
+                    "audio_url": "audio"}
+# `input_audio` formats the decoder reads (libsndfile's).
+AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg")
 
 
-class ImagePart(NamedTuple):
+class MediaPart(NamedTuple):
     where: str  # "messages[i].content[j]", for error messages
-    kind: str  # "image_url" or "image_embeds"
-    value: Any  # the URL, or the embeddings
+    kind: str  # a key of MEDIA_PART_TYPES
+    value: Any  # the URL, the embeddings, or input_audio's {"data", "format"}
+
+    @property
+    def modality(self) -> str:
+        return MEDIA_PART_TYPES[self.kind]
 
 
-def image_placeholder(model_config: Any, tokenizer: Any) -> str | None:
-    """The text of an image model's image token ("<image>" for LLaVA), which each image of
-    an image part becomes in the rendered prompt; None for a model without images."""
-    if not model_config.is_image_model or tokenizer is None:
-        return None
-    from vllm.multimodal.processing import image_token_id
+def chat_placeholders(model_config: Any, tokenizer: Any) -> dict[str, str]:
+    """Modality -> the text each of its items becomes in the rendered prompt (`{k}`: the
+    item's number among its modality's, from 1), for the media the model takes: LLaVA's
+    image token ("<image>"), Qwen2-Audio's "Audio {k}: <|audio_bos|><|AUDIO|><|audio_eos|>"
+    (vLLM's). The engine's processor expands each placeholder token to its item's run."""
+    if tokenizer is None:
+        return {}
+    placeholders: dict[str, str] = {}
+    if "image" in model_config.mm_modalities:
+        from vllm.multimodal.processing import image_token_id
 
-    return tokenizer.convert_ids_to_tokens(image_token_id(model_config.hf_config))
+        placeholders["image"] = tokenizer.convert_ids_to_tokens(
+            image_token_id(model_config.hf_config))
+    if "audio" in model_config.mm_modalities:
+        from vllm.multimodal.processing import audio_token_id
+
+        audio = tokenizer.convert_ids_to_tokens(audio_token_id(model_config.hf_config))
+        placeholders["audio"] = f"Audio {{k}}: <|audio_bos|>{audio}<|audio_eos|>"
+    return placeholders
 
 
-def image_parts(messages: list[dict[str, Any]], takes_images: bool) -> list[ImagePart]:
-    """The `image_url` and `image_embeds` parts of `messages`, in order; raises ValueError
-    for a model without images or a malformed part."""
-    parts: list[ImagePart] = []
+def media_parts(messages: list[dict[str, Any]], modalities: Sequence[str]) -> list[MediaPart]:
+    """The media parts of `messages`, in order; raises ValueError for media the model does
+    not take (`modalities`) or a malformed part."""
+    parts: list[MediaPart] = []
 
     def note(where: str, part: dict[str, Any]) -> str:
         kind = part["type"]
-        if not takes_images:
-            raise ValueError(f"{where}: this model takes no images.")
+        modality = MEDIA_PART_TYPES[kind]
+        if modality not in modalities:
+            raise ValueError(f"{where}: this model takes no "
+                             f"{'images' if modality == 'image' else modality}.")
         if part.get("uuid") is not None:
             raise ValueError(f"{where}: 'uuid' on media parts is not supported (the engine "
-                             "caches images by their content).")
-        value = part.get(kind)
-        if kind == "image_url":
-            value = value.get("url") if isinstance(value, dict) else value
-        elif isinstance(value, dict):  # {"image_embeds": ...}: no extra inputs for LLaVA
-            extra = sorted(k for k in value if k != "image_embeds")
-            if extra:
-                raise ValueError(f"{where}: image_embeds takes no {extra[0]!r} for this "
-                                 "model: send the embeddings alone.")
-            value = value.get("image_embeds")
-        if value is None and kind == "image_url":
-            raise ValueError(f"{where}: an image_url part needs 'image_url': {{'url': "
-                             "'data:image/...'}.")
-        if value is None:
-            raise ValueError(f"{where}: an image_embeds part needs 'image_embeds' (base64 of "
-                             "torch.save(tensor [feature_size, hidden_size])).")
-        parts.append(ImagePart(where, kind, value))
+                             "caches media by their content).")
+        parts.append(MediaPart(where, kind, _part_value(where, kind, part.get(kind))))
         return ""
 
-    _replace_parts(messages, IMAGE_PART_TYPES, note)
+    _replace_parts(messages, tuple(MEDIA_PART_TYPES), note)
     return parts
 
 
-def load_image_part(part: ImagePart, media: MediaConnector, embeds_budget: int
+def _part_value(where: str, kind: str, value: Any) -> Any:
+    """A media part's payload, checked for its form."""
+    if kind in ("image_url", "audio_url"):
+        value = value.get("url") if isinstance(value, dict) else value
+        if value is None:
+            what = kind.removesuffix("_url")
+            raise ValueError(f"{where}: an {kind} part needs '{kind}': {{'url': "
+                             f"'data:{what}/...'}}.")
+        return value
+    if kind == "input_audio":
+        if not isinstance(value, dict) or not isinstance(value.get("data"), str):
+            raise ValueError(f"{where}: an input_audio part needs 'input_audio': {{'data': "
+                             "<base64 of the audio file>, 'format': 'wav'}.")
+        audio_format = value.get("format")
+        if not isinstance(audio_format, str) or audio_format.lower() not in AUDIO_FORMATS:
+            raise ValueError(f"{where}: input_audio format {audio_format!r} is not supported "
+                             f"({', '.join(AUDIO_FORMATS)}).")
+        return value
+    if isinstance(value, dict):  # {"image_embeds": ...}: no extra inputs for LLaVA
+        extra = sorted(k for k in value if k != "image_embeds")
+        if extra:
+            raise ValueError(f"{where}: image_embeds takes no {extra[0]!r} for this "
+                             "model: send the embeddings alone.")
+        value = value.get("image_embeds")
+    if value is None:
+        raise ValueError(f"{where}: an image_embeds part needs 'image_embeds' (base64 of "
+                         "torch.save(tensor [feature_size, hidden_size])).")
+    return value
+
+
+def load_media_part(part: MediaPart, media: MediaConnector, embeds_budget: int
                     ) -> bytes | torch.Tensor:
-    """An image part's image offline: the encoded bytes its URL names, or its embeddings
-    (a tensor, or base64 of torch.save decoded within `embeds_budget` bytes)."""
+    """A media part's item offline: the encoded image or audio file its URL or data names,
+    or its image embeddings (a tensor, or base64 of torch.save decoded within
+    `embeds_budget` bytes)."""
     try:
         if part.kind == "image_url":
             return media.image_bytes(part.value)
+        if part.kind == "audio_url":
+            return media.audio_bytes(part.value)
+        if part.kind == "input_audio":
+            return input_audio_bytes(part.value["data"], media.max_audio_bytes)
         if isinstance(part.value, str):
             return image_embeds_tensor(decode_prompt_embeds(part.value, embeds_budget,
                                                             "image_embeds"))
         return image_embeds_tensor(part.value)
     except ValueError as e:
         raise ValueError(f"{part.where}: {e}") from None
+
+
+def input_audio_bytes(data: str, max_bytes: int) -> bytes:
+    """An input_audio part's file bytes from its base64 `data` (at most `max_bytes`)."""
+    if len(data) > (max_bytes + 2) // 3 * 4 + 4:
+        raise ValueError(f"The input_audio data is over the limit of {max_bytes} bytes.")
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError("The input_audio data is not valid base64.") from None
 
 
 def image_embeds_tensor(value: Any) -> torch.Tensor:
@@ -305,35 +359,56 @@ def image_embeds_tensor(value: Any) -> torch.Tensor:
     return value
 
 
-def with_image_placeholders(messages: list[dict[str, Any]], image_token: str,
-                            images: Sequence[bytes | torch.Tensor]) -> list[dict[str, Any]]:
-    """`messages` with image part k (as `image_parts` found them) replaced by the model's
-    placeholder, once per image it holds (embeddings [n, feature_size, hidden_size]: n);
-    the engine's processor expands each to its image's run."""
-    counts = iter([image.shape[0] if isinstance(image, torch.Tensor) and image.dim() == 3
-                   else 1 for image in images])
-    return _replace_parts(messages, IMAGE_PART_TYPES, lambda _, __: image_token * next(counts))
+class MediaItems(NamedTuple):
+    messages: list[dict[str, Any]]  # media parts replaced by their placeholders' text parts
+    data: dict[str, list[Any]]  # modality -> its items in order (the `multi_modal_data`)
+
+
+def with_media_placeholders(messages: list[dict[str, Any]], placeholders: dict[str, str],
+                            parts: Sequence[MediaPart],
+                            items: Sequence[bytes | torch.Tensor]) -> MediaItems:
+    """`messages` with media part k (as `media_parts` found them, loaded as `items[k]`)
+    replaced by its modality's placeholder, once per item it holds (embeddings
+    [n, feature_size, hidden_size]: n), and the items by modality; the engine's processor
+    expands each placeholder to its item's run.
+
+    Example (Qwen2-Audio): two input_audio parts -> "Audio 1: <|audio_bos|><|AUDIO|>
+    <|audio_eos|>" and "Audio 2: ..." text parts, data {"audio": [bytes0, bytes1]}.
+    """
+    data: dict[str, list[Any]] = {}
+    texts = []
+    for part, item in zip(parts, items, strict=True):
+        count = item.shape[0] if isinstance(item, torch.Tensor) and item.dim() == 3 else 1
+        done = data.setdefault(part.modality, [])
+        template = placeholders[part.modality]
+        texts.append("".join(template.replace("{k}", str(len(done) + i + 1))
+                             for i in range(count)))
+        done.append(item)
+    text_iter = iter(texts)
+    messages = _replace_parts(messages, tuple(MEDIA_PART_TYPES), lambda _, __: next(text_iter))
+    return MediaItems(messages, data)
 
 
 def chat_prompt(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
                 continue_final_message: bool, chat_template_kwargs: dict[str, Any] | None,
                 chat_template: str | None, max_model_len: int, hidden_size: int,
                 tools: list[dict[str, Any]] | None = None,
-                image_token: str | None = None,
+                placeholders: dict[str, str] | None = None,
                 media: MediaConnector | None = None) -> dict[str, Any]:
     """The engine prompt of one conversation, offline (`LLM.chat`): its rendered text as
-    ids, with image parts its images (`multi_modal_data`; URLs read by `media`, data: URLs
-    only by default), or, with prompt_embeds parts, a `prompt_segments` prompt; raises
-    ValueError."""
+    ids, with media parts their items (`multi_modal_data`; URLs read by `media`, data: URLs
+    only by default; `placeholders` from `chat_placeholders`), or, with prompt_embeds parts,
+    a `prompt_segments` prompt; raises ValueError."""
     budget = prompt_embeds_byte_budget(max_model_len, hidden_size)
-    images = [load_image_part(part, media or MediaConnector(), budget)
-              for part in image_parts(messages, image_token is not None)]
-    if images:
-        assert image_token is not None  # image_parts refuses images for other models
-        messages = with_image_placeholders(messages, image_token, images)
+    placeholders = placeholders or {}
+    found = media_parts(messages, tuple(placeholders))
+    items = [load_media_part(part, media or MediaConnector(), budget) for part in found]
+    mm_data: dict[str, list[Any]] = {}
+    if found:
+        messages, mm_data = with_media_placeholders(messages, placeholders, found, items)
     parts = take_embeds_parts(messages)
-    if images and parts.data:
-        raise ValueError("A conversation cannot mix image parts and prompt_embeds parts.")
+    if found and parts.data:
+        raise ValueError("A conversation cannot mix media parts and prompt_embeds parts.")
     try:
         text = render_chat(tokenizer, parts.messages, add_generation_prompt,
                            continue_final_message, chat_template_kwargs, chat_template,
@@ -343,7 +418,7 @@ def chat_prompt(tokenizer: Any, messages: list[dict[str, Any]], add_generation_p
     if not parts.data:
         prompt = {"prompt": text,
                   "prompt_token_ids": list(tokenizer.encode(text, add_special_tokens=False))}
-        return {**prompt, "multi_modal_data": {"image": images}} if images else prompt
+        return {**prompt, "multi_modal_data": mm_data} if mm_data else prompt
     pieces = split_at_placeholders(text, parts.placeholders)
     rows = [_offline_rows(data, budget) for data in parts.data]
     # Text pieces stay text: the engine tokenizes each on its own, without special tokens.

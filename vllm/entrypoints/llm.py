@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from vllm.beam_search import BeamSearchOutput, BeamSearchSequence
 from vllm.engine.arg_utils import EngineArgs
-from vllm.entrypoints.chat_utils import chat_prompt, image_placeholder
+from vllm.entrypoints.chat_utils import chat_placeholders, chat_prompt
 from vllm.lora.request import LoRARequest
 from vllm.multimodal.media import MediaConnector
 from vllm.outputs import RequestOutput
@@ -140,8 +140,10 @@ class LLM:
         URLs under `allowed_local_media_path`, http(s) URLs of `allowed_media_domains`) and,
         with `enable_mm_embeds`, `{"type": "image_embeds", "image_embeds": tensor}` parts
         (or base64 of torch.save(tensor)): each stands where the model's image placeholder
-        would. The rendered text is tokenized without special tokens: the template writes
-        its own.
+        would. An audio model's (Qwen2-Audio's) may hold `{"type": "input_audio",
+        "input_audio": {"data": base64 of a WAV/MP3/FLAC/OGG file, "format": "wav"}}` and
+        `{"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64,..."}}` parts.
+        The rendered text is tokenized without special tokens: the template writes its own.
         """
         if add_generation_prompt and continue_final_message:
             raise ValueError("continue_final_message and add_generation_prompt cannot both "
@@ -153,13 +155,13 @@ class LLM:
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer (skip_tokenizer_init is set).")
         model_config = self.llm_engine.vllm_config.model_config
-        image_token = image_placeholder(model_config, tokenizer)
-        media = (None if image_token is None  # a text model reads no media
+        placeholders = chat_placeholders(model_config, tokenizer)
+        media = (None if not placeholders  # a text model reads no media
                  else MediaConnector.from_model_config(model_config))
         prompts = [chat_prompt(tokenizer, conversation, add_generation_prompt,
                                continue_final_message, chat_template_kwargs, chat_template,
                                model_config.max_model_len, model_config.hidden_size, tools,
-                               image_token, media)
+                               placeholders, media)
                    for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 

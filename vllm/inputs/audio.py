@@ -28,8 +28,10 @@ def load_feature_extractor(model_dir: str, num_mel_bins: int) -> Any:
     return WhisperFeatureExtractor(feature_size=num_mel_bins)
 
 
-def waveform_from_audio(audio: Any) -> np.ndarray:
-    """`(waveform, sample_rate)` (vLLM's form) -> a float32 mono waveform at 16 kHz."""
+def waveform_from_audio(audio: Any, target_rate: int = SAMPLE_RATE,
+                        max_seconds: float = MAX_AUDIO_SECONDS) -> np.ndarray:
+    """`(waveform, sample_rate)` (vLLM's form) -> a float32 mono waveform at `target_rate`
+    (16 kHz: Whisper's and Qwen2-Audio's), at most `max_seconds` long."""
     if not isinstance(audio, (tuple, list)) or len(audio) != 2:
         raise ValueError("audio must be a (waveform, sample_rate) pair, got "
                          f"{type(audio).__name__}.")
@@ -45,13 +47,14 @@ def waveform_from_audio(audio: Any) -> np.ndarray:
                          f"{sample_rate!r}.")
     waveform = _to_mono_float(waveform)
     seconds = waveform.shape[0] / sample_rate
-    if seconds > MAX_AUDIO_SECONDS:
-        raise ValueError(f"The audio is {seconds:.1f} s long; one request takes at most "
-                         f"{MAX_AUDIO_SECONDS:.0f} s (one Whisper window). Split it.")
-    if sample_rate != SAMPLE_RATE:
+    if seconds > max_seconds:
+        raise ValueError(f"The audio is {seconds:.1f} s long; one clip takes at most "
+                         f"{max_seconds:g} s (one window of the model's feature extractor). "
+                         "Split it.")
+    if sample_rate != target_rate:
         import soxr
 
-        waveform = soxr.resample(waveform, sample_rate, SAMPLE_RATE).astype(np.float32)
+        waveform = soxr.resample(waveform, sample_rate, target_rate).astype(np.float32)
     return waveform
 
 

@@ -18,11 +18,12 @@ from vllm.inputs.audio import SAMPLE_RATE
 _DECODE_BLOCK_SECONDS = 10
 
 
-def decode_audio_file(data: bytes, max_seconds: float) -> np.ndarray:
+def decode_audio_file(data: bytes, max_seconds: float,
+                      limit_name: str = "--max-audio-seconds") -> np.ndarray:
     """An audio file's bytes -> float32 mono samples at 16 kHz, [num_samples].
 
     Raises ValueError naming the problem: no bytes, not a decodable audio file, no samples,
-    longer than `max_seconds`, non-finite samples.
+    longer than `max_seconds` (named `limit_name` in the error), non-finite samples.
     """
     import soundfile
 
@@ -35,7 +36,7 @@ def decode_audio_file(data: bytes, max_seconds: float) -> np.ndarray:
                 raise ValueError(f"The audio file has an invalid sample rate ({rate}).")
             if frames / rate > max_seconds:
                 raise ValueError(f"The audio is {frames / rate:.1f} s long, over the limit "
-                                 f"of {max_seconds:g} s (--max-audio-seconds).")
+                                 f"of {max_seconds:g} s ({limit_name}).")
             waveform = _read_mono_16k(file, rate, math.floor(max_seconds * rate) + 1)
     except (soundfile.LibsndfileError, RuntimeError, TypeError) as e:
         detail = getattr(e, "error_string", None) or str(e)
@@ -45,7 +46,7 @@ def decode_audio_file(data: bytes, max_seconds: float) -> np.ndarray:
         raise ValueError("The audio has no samples (zero length).")
     if waveform.shape[0] > max_seconds * SAMPLE_RATE + 1:  # a header that understated it
         raise ValueError(f"The audio is longer than the limit of {max_seconds:g} s "
-                         "(--max-audio-seconds).")
+                         f"({limit_name}).")
     if not np.isfinite(waveform).all():
         raise ValueError("The audio contains non-finite samples (NaN or inf).")
     return waveform

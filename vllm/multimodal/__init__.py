@@ -1,6 +1,7 @@
-"""Media in prompts: images decoded and preprocessed (`image`), placeholder runs in the
-prompt (`processing`). Media reach the language model on the prompt-embeds path: the engine
-core fills each placeholder run with the encoder's rows (`vllm/v1/engine/image_rows.py`)."""
+"""Media in prompts: images decoded and preprocessed (`image`), audio clips turned into
+log-mel features (`audio`), media URLs read (`media`), placeholder runs in the prompt
+(`processing`). Media reach the language model on the prompt-embeds path: the engine
+core fills each placeholder run with the encoder's rows (`vllm/v1/engine/media_rows.py`)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,15 @@
-"""An image prompt as the engine takes it: each image's placeholder token expanded to its run
-of image positions, and each image preprocessed into an `ImageInput` whose rows the engine
-core computes (`vllm/v1/engine/image_rows.py`), or, for image embeddings (a float tensor
+"""A media prompt as the engine takes it: each item's placeholder token expanded to its run
+of positions, and each item preprocessed into a `MediaInput` whose rows the engine core
+computes (`vllm/v1/engine/media_rows.py`), or, for image embeddings (a float tensor
 [feature_size, hidden_size] in place of an image, with `enable_mm_embeds`), whose rows the
-user gave.
+user gave. An image's run has a fixed length; an audio clip's follows its length.
 
 Example (LLaVA, 4 rows per image, `<image>` = 32000):
     "USER: <image>\\nWhat is this?" -> ids [1, 3148, 32000, 13, ...]
     -> ids [1, 3148, 32000, 32000, 32000, 32000, 13, ...], is_token [T, T, F, F, F, F, T, ...],
-       one ImageInput(offset=2, num_tokens=4).
+       one MediaInput("image", offset=2, num_tokens=4).
+Example (Qwen2-Audio, a 1 s clip = 25 rows): "<|audio_bos|><|AUDIO|><|audio_eos|>Say it" ->
+    the <|AUDIO|> id repeated 25 times between the two markers.
 """
 
 from __future__ import annotations
@@ -15,17 +17,61 @@ from __future__ import annotations
 import hashlib
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from vllm.config import ModelConfig
+from vllm.multimodal.audio import AudioFeatureExtractor, num_audio_tokens
 from vllm.multimodal.image import ImageProcessorConfig, load_image, preprocess
-from vllm.v1.messages import ImageInput
+from vllm.v1.messages import MediaInput
 
 
-class ImagePrompt(NamedTuple):
-    token_ids: list[int]  # image positions hold the image token id
-    is_token: torch.Tensor  # bool [num_tokens]: False at image positions
-    images: list[ImageInput]
+class MediaPrompt(NamedTuple):
+    token_ids: list[int]  # media positions hold the placeholder token id
+    is_token: torch.Tensor  # bool [num_tokens]: False at media positions
+    items: list[MediaInput]
+
+
+def expand_placeholders(token_ids: list[int], placeholder: int, items: list[MediaInput],
+                        what: str, max_len: int) -> MediaPrompt:
+    """`token_ids` with the k-th `placeholder` token expanded to item k's run (setting its
+    `offset`); `what` names the items in errors ("image", "audio clip").
+
+    Example: ids [1, P, 5, P], items of 2 and 3 rows -> [1, P, P, 5, P, P, P], is_token
+    [T, F, F, T, F, F, F], offsets 1 and 4.
+    """
+    starts = placeholder_starts(token_ids, placeholder, len(items), what)
+    ids: list[int] = []
+    is_token: list[bool] = []
+    previous = 0
+    for start, item in zip(starts, items, strict=True):
+        ids += token_ids[previous:start]
+        is_token += [True] * (start - previous)
+        item.offset = len(ids)
+        ids += [placeholder] * item.num_tokens
+        is_token += [False] * item.num_tokens
+        previous = start + 1
+    ids += token_ids[previous:]
+    is_token += [True] * (len(token_ids) - previous)
+    if len(ids) > max_len:
+        sizes = sorted({item.num_tokens for item in items})
+        each = (f"of {sizes[0]} positions each" if len(sizes) == 1
+                else f"of {sum(item.num_tokens for item in items)} positions in all")
+        raise ValueError(f"The prompt (length {len(ids)}, with {len(items)} {what}(s) {each}) "
+                         f"is longer than the maximum model length of {max_len}.")
+    return MediaPrompt(ids, torch.tensor(is_token, dtype=torch.bool), items)
+
+
+def placeholder_starts(token_ids: list[int], placeholder: int, count: int,
+                       what: str) -> list[int]:
+    """The positions of `placeholder` in `token_ids`, which must be `count` (checked before
+    any item is decoded)."""
+    starts = [i for i, t in enumerate(token_ids) if t == placeholder]
+    if len(starts) != count:
+        raise ValueError(f"The prompt has {len(starts)} {what} placeholder(s) ({what} token "
+                         f"id {placeholder}) but {count} {what}(s) were given: put one "
+                         f"placeholder where each {what} goes.")
+    return starts
 
 
 def num_image_tokens(config: Any) -> int:
@@ -55,7 +101,7 @@ def image_token_id(config: Any) -> int:
 
 class ImagePromptProcessor:
     """Turns `{"prompt" | "prompt_token_ids", "multi_modal_data": {"image": ...}}` into an
-    `ImagePrompt`, with the model's own image processor settings and the engine's limits."""
+    `MediaPrompt`, with the model's own image processor settings and the engine's limits."""
 
     def __init__(self, model_config: ModelConfig) -> None:
         config = model_config.hf_config
@@ -70,44 +116,25 @@ class ImagePromptProcessor:
                              f"images, but the vision tower takes {side}x{side}.")
         self.limit = model_config.mm_limit("image")
 
-    def process(self, token_ids: list[int], data: Any) -> ImagePrompt:
+    def process(self, token_ids: list[int], data: Any) -> MediaPrompt:
         """`token_ids`: the prompt, one image token per image; `data`: multi_modal_data."""
-        images = self._images(data)
-        starts = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
-        if len(starts) != len(images):
-            raise ValueError(f"The prompt has {len(starts)} image placeholder(s) "
-                             f"(image token id {self.image_token_id}) but "
-                             f"{len(images)} image(s) were given: put one placeholder "
-                             "where each image goes.")
-        n = self.num_image_tokens
-        ids: list[int] = []
-        is_token: list[bool] = []
-        inputs: list[ImageInput] = []
-        previous = 0
-        for k, (start, image) in enumerate(zip(starts, images, strict=True)):
-            ids += token_ids[previous:start]
-            is_token += [True] * (start - previous)
-            inputs.append(self._image_input(k, image, len(ids)))
-            ids += [self.image_token_id] * n
-            is_token += [False] * n
-            previous = start + 1
-        ids += token_ids[previous:]
-        is_token += [True] * (len(token_ids) - previous)
-        max_len = self.model_config.max_model_len
-        if len(ids) > max_len:
-            raise ValueError(f"The prompt (length {len(ids)}, with {len(images)} image(s) of "
-                             f"{n} positions each) is longer than the maximum model length "
-                             f"of {max_len}.")
-        return ImagePrompt(ids, torch.tensor(is_token, dtype=torch.bool), inputs)
+        images = _items(data, "image", self.model_config.architecture)
+        images = [item for image in images for item in _embeds_items(image)]
+        _check_limit(len(images), "image", self.limit)
+        placeholder_starts(token_ids, self.image_token_id, len(images), "image")
+        inputs = [self._image_input(k, image) for k, image in enumerate(images)]
+        return expand_placeholders(token_ids, self.image_token_id, inputs, "image",
+                                   self.model_config.max_model_len)
 
-    def _image_input(self, k: int, image: Any, offset: int) -> ImageInput:
+    def _image_input(self, k: int, image: Any) -> MediaInput:
         """Image k of the prompt: pixels for the vision encoder, or the user's rows."""
         if is_image_embeds(image):
             embeds = self._check_embeds(k, image)
-            return ImageInput(None, offset, self.num_image_tokens, _tensor_hash(b"E", embeds),
-                              embeds=embeds)
+            return MediaInput("image", None, 0, self.num_image_tokens,
+                              _tensor_hash(b"E", embeds), embeds=embeds)
         pixels = preprocess(load_image(image), self.image_config)
-        return ImageInput(pixels, offset, self.num_image_tokens, _tensor_hash(b"P", pixels))
+        return MediaInput("image", pixels, 0, self.num_image_tokens,
+                          _tensor_hash(b"P", pixels))
 
     def _check_embeds(self, k: int, embeds: torch.Tensor) -> torch.Tensor:
         """image_embeds item k as [num_image_tokens, hidden_size] in the model's dtype."""
@@ -131,23 +158,94 @@ class ImagePromptProcessor:
                              f"after the cast to {mc.dtype}.")
         return embeds
 
-    def _images(self, data: Any) -> list[Any]:
-        if not isinstance(data, dict):
-            raise ValueError("multi_modal_data must be a dict such as {'image': image}, got "
-                             f"{type(data).__name__}.")
-        other = sorted(k for k in data if k != "image")
-        if other:
-            raise ValueError(f"multi_modal_data: {self.model_config.architecture} takes "
-                             f"images only, not {other[0]!r}.")
-        images = data.get("image")
-        if images is None:
-            raise ValueError("multi_modal_data has no 'image'.")
-        images = [item for image in (images if isinstance(images, (list, tuple))
-                                     else [images]) for item in _embeds_items(image)]
-        if len(images) > self.limit:
-            raise ValueError(f"At most {self.limit} image(s) may be provided in one prompt, "
-                             f"got {len(images)} (limit_mm_per_prompt).")
-        return images
+
+
+class AudioPromptProcessor:
+    """Turns `{"prompt" | "prompt_token_ids", "multi_modal_data": {"audio": clip | [clips]}}`
+    into a `MediaPrompt` for Qwen2-Audio: each `<|AUDIO|>` token (one per clip, as the user
+    or the chat template writes it) becomes the clip's run of `num_audio_tokens` positions,
+    with the model's own feature extractor settings and the engine's limits. A clip is
+    `(waveform, sample_rate)`, a waveform at the extractor's rate, or audio file bytes."""
+
+    def __init__(self, model_config: ModelConfig) -> None:
+        config = model_config.hf_config
+        audio = config.audio_config
+        self.model_config = model_config
+        self.audio_token_id = audio_token_id(config)
+        self.extractor = AudioFeatureExtractor(model_config.model, audio.num_mel_bins,
+                                               2 * audio.max_source_positions)
+        self.limit = model_config.mm_limit("audio")
+
+    def process(self, token_ids: list[int], data: Any) -> MediaPrompt:
+        """`token_ids`: the prompt, one audio token per clip; `data`: multi_modal_data."""
+        clips = _items(data, "audio", self.model_config.architecture)
+        _check_limit(len(clips), "audio clip", self.limit)
+        placeholder_starts(token_ids, self.audio_token_id, len(clips), "audio clip")
+        inputs = [self._clip_input(k, clip) for k, clip in enumerate(clips)]
+        return expand_placeholders(token_ids, self.audio_token_id, inputs, "audio clip",
+                                   self.model_config.max_model_len)
+
+    def _clip_input(self, k: int, clip: Any) -> MediaInput:
+        try:
+            features, num_frames = self.extractor.features(clip)
+        except ValueError as e:
+            raise ValueError(f"Audio clip {k}: {e}") from None
+        return MediaInput("audio", features, 0, num_audio_tokens(num_frames),
+                          _tensor_hash(b"A", features))
+
+
+def audio_token_id(config: Any) -> int:
+    token = getattr(config, "audio_token_id", None)
+    if token is None:
+        token = getattr(config, "audio_token_index", None)
+    if token is None:
+        raise ValueError("The model's config names no audio token (audio_token_index).")
+    return int(token)
+
+
+MediaPromptProcessor = ImagePromptProcessor | AudioPromptProcessor
+
+
+def media_prompt_processor(model_config: ModelConfig) -> MediaPromptProcessor | None:
+    """The processor of a multimodal model's prompts; None for a model of text."""
+    modalities = model_config.mm_modalities
+    if modalities == ("image",):
+        return ImagePromptProcessor(model_config)
+    if modalities == ("audio",):
+        return AudioPromptProcessor(model_config)
+    return None
+
+
+def _items(data: Any, modality: str, architecture: str) -> list[Any]:
+    """The `modality` items of `multi_modal_data`: a list of items, or one item. For audio,
+    a `(waveform, sample_rate)` pair is one clip."""
+    if not isinstance(data, dict):
+        raise ValueError(f"multi_modal_data must be a dict such as {{{modality!r}: ...}}, got "
+                         f"{type(data).__name__}.")
+    other = sorted(k for k in data if k != modality)
+    if other:
+        only = "images" if modality == "image" else modality
+        raise ValueError(f"multi_modal_data: {architecture} takes {only} only, not "
+                         f"{other[0]!r}.")
+    items = data.get(modality)
+    if items is None:
+        raise ValueError(f"multi_modal_data has no {modality!r}.")
+    if modality == "audio" and _is_rate_pair(items):
+        return [items]
+    return list(items) if isinstance(items, (list, tuple)) else [items]
+
+
+def _is_rate_pair(item: Any) -> bool:
+    """(waveform, sample_rate): one clip, not a list of two."""
+    return (isinstance(item, (tuple, list)) and len(item) == 2
+            and isinstance(item[0], (np.ndarray, torch.Tensor))
+            and not isinstance(item[1], bool) and isinstance(item[1], (int, float)))
+
+
+def _check_limit(count: int, what: str, limit: int) -> None:
+    if count > limit:
+        raise ValueError(f"At most {limit} {what}(s) may be provided in one prompt, got "
+                         f"{count} (limit_mm_per_prompt).")
 
 
 def is_image_embeds(item: Any) -> bool:

@@ -45,16 +45,21 @@ class EncoderInput:
 
 
 @dataclass(slots=True)
-class ImageInput:
-    """One image of a prompt, preprocessed by the `Processor`: the engine core's image stage
-    (`vllm/v1/engine/image_rows.py`) turns it into `num_tokens` prompt-embeds rows for the
-    placeholder run starting at prompt position `offset`. Exactly one of `pixel_values` (the
-    vision encoder computes the rows) and `embeds` (the user's precomputed rows) is set."""
+class MediaInput:
+    """One image or audio clip of a prompt, preprocessed by the `Processor`: the engine
+    core's media stage (`vllm/v1/engine/media_rows.py`) turns it into `num_tokens`
+    prompt-embeds rows for the placeholder run starting at prompt position `offset`. Exactly
+    one of `data` (the model's encoder computes the rows) and `embeds` (the user's
+    precomputed rows) is set."""
 
-    pixel_values: torch.Tensor | None  # [3, H, W] float32, CPU; raw tensor frames on the wire
+    modality: str  # "image" or "audio"
+    # image: pixel values [3, H, W]; audio: log-mel features [num_mel_bins, frames + 2] (the
+    # clip's frames and the two after it that the convolution stem reads); float32, CPU,
+    # raw tensor frames on the wire.
+    data: torch.Tensor | None
     offset: int
     num_tokens: int
-    content_hash: bytes  # sha256 of the pixel values (the encoder cache's key) or embeds
+    content_hash: bytes  # sha256 of `data` (the encoder cache's key) or of `embeds`
     embeds: torch.Tensor | None = None  # [num_tokens, hidden_size], model dtype, CPU
 
 
@@ -129,9 +134,9 @@ class EngineCoreRequest:
     # its files as the workers read them (set by the engine core; `files_fingerprint`).
     lora_request: LoRARequest | None = None
     lora_fingerprint: bytes = b""
-    # Images whose rows the engine core computes: their placeholder positions are False in
-    # `prompt_is_token_ids`, and `prompt_embeds` is None until the image stage fills it.
-    mm_inputs: list[ImageInput] | None = None
+    # Media whose rows the engine core computes: their placeholder positions are False in
+    # `prompt_is_token_ids`, and `prompt_embeds` is None until the media stage fills it.
+    mm_inputs: list[MediaInput] | None = None
 
     @property
     def embeds_layout(self) -> EmbedsLayout | None:

@@ -9,9 +9,10 @@ Rendering and its checks are `vllm.entrypoints.chat_utils` (shared with `LLM.cha
 `prompt_embeds` content parts: the template renders with a placeholder per part, the text
 between parts is tokenized piece by piece, and the engine gets a mixed prompt of token ids
 and rows; the parts decode through the server's one `EmbedsIntake` (byte budget, in-flight
-cap) like completion prompts. Image parts (`image_url`, `image_embeds`) are read first, off
-the event loop (URLs under `MediaConnector`'s rules; embeddings through the same intake),
-then each becomes the model's image placeholder and the engine's processor its run.
+cap) like completion prompts. Media parts (`image_url`, `image_embeds`, `input_audio`,
+`audio_url`) are read first, off the event loop (URLs under `MediaConnector`'s rules;
+embeddings through the same intake), then each becomes the model's placeholder and the
+engine's processor its run.
 """
 
 from __future__ import annotations
@@ -23,16 +24,17 @@ from typing import Any
 
 from vllm.entrypoints.chat_utils import (
     EmbedsParts,
-    ImagePart,
+    MediaPart,
+    chat_placeholders,
     check_template_kwargs,
     image_embeds_tensor,
-    image_parts,
-    image_placeholder,
+    input_audio_bytes,
+    media_parts,
     render_chat,
     segments_prompt,
     split_at_placeholders,
     take_embeds_parts,
-    with_image_placeholders,
+    with_media_placeholders,
 )
 from vllm.entrypoints.errors import OpenAIError
 from vllm.entrypoints.openai.prompt_embeds import EmbedsLease
@@ -88,8 +90,9 @@ class OpenAIServingChat(OpenAIServing):
         mc = self.model_config
         # prompt_embeds parts: the server's intake, shared with /v1/completions.
         self.embeds = embeds or EmbedsIntake(self.options, mc.max_model_len, mc.hidden_size)
-        self.image_token = image_placeholder(mc, self.tokenizer)  # image parts become it
-        self.media = MediaConnector.from_model_config(mc)  # where image URLs may point
+        # modality -> the text its parts become (`chat_placeholders`); {}: a text model
+        self.placeholders = chat_placeholders(mc, self.tokenizer)
+        self.media = MediaConnector.from_model_config(mc)  # where media URLs may point
 
     async def render(self, request: ChatCompletionRequest,
                      messages: list[dict[str, Any]] | None = None) -> str:
@@ -116,12 +119,12 @@ class OpenAIServingChat(OpenAIServing):
         if request.logit_bias:
             raise OpenAIError("logit_bias is not supported.")
         try:
-            media = image_parts(request.messages, self.image_token is not None)
+            media = media_parts(request.messages, tuple(self.placeholders))
             parts = take_embeds_parts(request.messages)
         except ValueError as e:
             raise OpenAIError(str(e)) from None
         if media and parts.data:
-            raise OpenAIError("A conversation cannot mix image parts and prompt_embeds parts.")
+            raise OpenAIError("A conversation cannot mix media parts and prompt_embeds parts.")
         if parts.data and not self.model_config.enable_prompt_embeds:
             raise OpenAIError(EMBEDS_DISABLED)
         check_tool_request(request, self.options.tool_parser)
@@ -130,15 +133,16 @@ class OpenAIServingChat(OpenAIServing):
         return await self.embeds.leased(lease, self._create(request, parts, lease, media))
 
     async def _create(self, request: ChatCompletionRequest, parts: EmbedsParts,
-                      lease: EmbedsLease, media: list[ImagePart]
+                      lease: EmbedsLease, media: list[MediaPart]
                       ) -> ChatCompletionResponse | AsyncGenerator[str, None]:
         num_logprobs = self._num_logprobs(request)
-        images = [await self._load_image(part, lease, max(1, request.n or 1))
-                  for part in media]
-        if images:
-            assert self.image_token is not None  # image_parts refuses them otherwise
-            parts = parts._replace(messages=with_image_placeholders(
-                request.messages, self.image_token, images))
+        items = [await self._load_media(part, lease, max(1, request.n or 1))
+                 for part in media]
+        mm_data: dict[str, list[Any]] = {}
+        if items:
+            messages, mm_data = with_media_placeholders(request.messages, self.placeholders,
+                                                        media, items)
+            parts = parts._replace(messages=messages)
         text = await self.render(request, parts.messages)
         prompt: dict[str, Any]
         if parts.data:
@@ -146,8 +150,8 @@ class OpenAIServingChat(OpenAIServing):
         else:
             token_ids = await self.tokenize(text, request.add_special_tokens)
             prompt, num_tokens = {"prompt": text, "prompt_token_ids": token_ids}, len(token_ids)
-            if images:  # each placeholder becomes its image's run in the engine's processor
-                prompt["multi_modal_data"] = {"image": images}
+            if mm_data:  # each placeholder becomes its item's run in the engine's processor
+                prompt["multi_modal_data"] = mm_data
         max_tokens = request.max_completion_tokens or request.max_tokens
         self.check_max_tokens(num_tokens, max_tokens)
         params = self._sampling_params(request, max_tokens, num_logprobs)
@@ -172,14 +176,18 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionResponse(id=request_id, model=self.response_model(request.model),
                                       choices=choices, usage=usage)
 
-    async def _load_image(self, part: ImagePart, lease: EmbedsLease, copies: int
+    async def _load_media(self, part: MediaPart, lease: EmbedsLease, copies: int
                           ) -> bytes | Any:
-        """An image part's image, read off the event loop: the encoded bytes its URL names
-        (`MediaConnector`'s rules), or its embeddings decoded by the embeds intake."""
+        """A media part's item, read off the event loop: the encoded bytes its URL or data
+        names (`MediaConnector`'s rules), or its embeddings decoded by the embeds intake."""
         try:
-            if part.kind == "image_url":
-                loop = asyncio.get_running_loop()
-                return await loop.run_in_executor(None, self.media.image_bytes, part.value)
+            loop = asyncio.get_running_loop()
+            if part.kind in ("image_url", "audio_url"):
+                return await loop.run_in_executor(None, self.media.media_bytes, part.value,
+                                                  part.modality)
+            if part.kind == "input_audio":
+                return await loop.run_in_executor(None, input_audio_bytes, part.value["data"],
+                                                  self.media.max_audio_bytes)
             return image_embeds_tensor(await self.embeds.decode(part.value, lease, copies,
                                                                 "image_embeds"))
         except ValueError as e:

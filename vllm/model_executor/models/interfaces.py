@@ -101,16 +101,18 @@ class FusedDecodeModel(VllmModel, Protocol):
         ...
 
 
-class ImageModel(VllmModel, Protocol):
-    """A model whose prompts take images (LLaVA): the engine core asks for their rows."""
+class MultiModalModel(VllmModel, Protocol):
+    """A model whose prompts take images or audio (LLaVA, Qwen2-Audio): the engine core asks
+    for their rows."""
 
-    def embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """Images [n, 3, H, W] -> rows [n, num_image_tokens, hidden_size]."""
+    def embed_media(self, modality: str, data: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Items of one modality (`MediaInput.data`: images [3, H, W], audio log-mel
+        features [num_mel_bins, frames + 2]) -> each item's rows [num_tokens, hidden_size]."""
         ...
 
 
-def supports_images(model: VllmModel) -> TypeGuard[ImageModel]:
-    return callable(getattr(model, "embed_images", None))
+def supports_media(model: VllmModel) -> TypeGuard[MultiModalModel]:
+    return callable(getattr(model, "embed_media", None))
 
 
 def is_encoder_decoder(model: VllmModel) -> TypeGuard[EncoderDecoderModel]:

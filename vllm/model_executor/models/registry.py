@@ -35,6 +35,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "BartForConditionalGeneration": ("bart", "BartForConditionalGeneration"),
     "WhisperForConditionalGeneration": ("whisper", "WhisperForConditionalGeneration"),
     "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
+    "Qwen2AudioForConditionalGeneration": ("qwen2_audio", "Qwen2AudioForConditionalGeneration"),
 }
 
 # Architectures whose encoder input is audio -> log-mel frames per encoder position (the
@@ -44,9 +45,12 @@ _AUDIO_MODELS: dict[str, int] = {
     "WhisperForConditionalGeneration": 2,
 }
 
-# Architectures whose prompts take images (`multi_modal_data={"image": ...}`), read by the
-# front end without importing the model.
-_IMAGE_MODELS: tuple[str, ...] = ("LlavaForConditionalGeneration",)
+# Architectures whose prompts take media (`multi_modal_data={"image": ...}`) -> the
+# modalities, read by the front end without importing the model.
+_MULTIMODAL_MODELS: dict[str, tuple[str, ...]] = {
+    "LlavaForConditionalGeneration": ("image",),
+    "Qwen2AudioForConditionalGeneration": ("audio",),
+}
 
 if TYPE_CHECKING:  # the type checker holds every registered class to `ModelClass`
     from vllm.model_executor.models.bart import BartForConditionalGeneration
@@ -58,6 +62,7 @@ if TYPE_CHECKING:  # the type checker holds every registered class to `ModelClas
     from vllm.model_executor.models.olmo2 import Olmo2ForCausalLM
     from vllm.model_executor.models.olmoe import OlmoeForCausalLM
     from vllm.model_executor.models.phi3 import Phi3ForCausalLM
+    from vllm.model_executor.models.qwen2_audio import Qwen2AudioForConditionalGeneration
     from vllm.model_executor.models.qwen2_moe import Qwen2MoeForCausalLM
     from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
     from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -68,7 +73,7 @@ if TYPE_CHECKING:  # the type checker holds every registered class to `ModelClas
         Olmo2ForCausalLM, GraniteForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM,
         Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, OlmoeForCausalLM,
         BartForConditionalGeneration, WhisperForConditionalGeneration,
-        LlavaForConditionalGeneration]
+        LlavaForConditionalGeneration, Qwen2AudioForConditionalGeneration]
 
 
 def get_supported_archs() -> list[str]:
@@ -80,8 +85,9 @@ def audio_frames_per_encoder_token(architecture: str) -> int | None:
     return _AUDIO_MODELS.get(architecture)
 
 
-def takes_images(architecture: str) -> bool:
-    return architecture in _IMAGE_MODELS
+def input_modalities(architecture: str) -> tuple[str, ...]:
+    """The media a model's prompts take ("image", "audio"); () for a model of text."""
+    return _MULTIMODAL_MODELS.get(architecture, ())
 
 
 def resolve_model_cls(architecture: str) -> type[nn.Module]:

@@ -13,7 +13,7 @@ from vllm.utils import cdiv
 from vllm.v1.core.kv_cache_groups import blocks_needed
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
-from vllm.v1.engine.image_rows import ImageRows
+from vllm.v1.engine.media_rows import MediaRows
 from vllm.v1.executor.abstract import Executor, ExecutorDeadError
 from vllm.v1.request import RequestStatus
 from vllm.v1.structured_output.manager import GrammarCompiler, StructuredOutputManager
@@ -49,8 +49,8 @@ class EngineCore:
                                    self.structured_output_manager)
         # adapter id -> the fingerprint of its files when the workers read them
         self._recent_loras: OrderedDict[int, bytes] = OrderedDict()
-        self.image_rows = (ImageRows(self.model_executor.embed_images)
-                           if vllm_config.model_config.is_image_model else None)
+        self.media_rows = (MediaRows(self.model_executor.embed_media)
+                           if vllm_config.model_config.is_multimodal_model else None)
 
     def _initialize_kv_cache(self) -> None:
         """Sizes the KV cache from the workers' free memory and allocates it there; refuses
@@ -79,20 +79,20 @@ class EngineCore:
         if request.lora_request is not None:
             request.lora_fingerprint = self._preload_lora(request.lora_request)
         if request.mm_inputs:
-            if self.image_rows is None:
+            if self.media_rows is None:
                 raise ValueError(f"{self.vllm_config.model_config.architecture} takes no "
-                                 "images.")
-            self.image_rows.admit(request)  # scheduled at the next step, its rows filled
+                                 "images or audio.")
+            self.media_rows.admit(request)  # scheduled at the next step, its rows filled
             return
         self.scheduler.add_request(request)
 
-    def _admit_image_requests(self) -> list[EngineCoreOutput]:
-        """The requests with images that arrived since the last step: their rows from one
-        encoder batch, then to the scheduler as mixed ids/embeds prompts; those whose
-        image failed the encoder finish with FinishReason.ERROR."""
-        if self.image_rows is None or not self.image_rows.pending:
+    def _admit_media_requests(self) -> list[EngineCoreOutput]:
+        """The requests with media that arrived since the last step: their rows from one
+        encoder batch per modality, then to the scheduler as mixed ids/embeds prompts; those
+        whose item failed the encoder finish with FinishReason.ERROR."""
+        if self.media_rows is None or not self.media_rows.pending:
             return []
-        filled, failed = self.image_rows.fill_pending()
+        filled, failed = self.media_rows.fill_pending()
         for request in filled:
             self.scheduler.add_request(request)
         return [EngineCoreOutput(r.request_id, [], finish_reason=FinishReason.ERROR)
@@ -132,8 +132,8 @@ class EngineCore:
         return self.model_executor.remove_lora(lora_int_id)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        if self.image_rows is not None:
-            self.image_rows.drop(request_ids)
+        if self.media_rows is not None:
+            self.media_rows.drop(request_ids)
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def stop_requests(self, request_ids: list[str]) -> None:
@@ -142,7 +142,7 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
 
     def step(self) -> EngineCoreOutputs:
-        failed = self._admit_image_requests()
+        failed = self._admit_media_requests()
         if failed or not self.scheduler.has_requests():
             return EngineCoreOutputs(failed, scheduler_stats=self.scheduler.make_stats())
         scheduler_output = self.scheduler.schedule()
@@ -158,14 +158,14 @@ class EngineCore:
         return self.scheduler.update_from_output(scheduler_output, model_output)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._has_pending_images()
+        return self.scheduler.has_unfinished_requests() or self._has_pending_media()
 
     def has_requests(self) -> bool:
         """Unfinished requests, or finished ones whose state the runner still holds."""
-        return self.scheduler.has_requests() or self._has_pending_images()
+        return self.scheduler.has_requests() or self._has_pending_media()
 
-    def _has_pending_images(self) -> bool:
-        return self.image_rows is not None and bool(self.image_rows.pending)
+    def _has_pending_media(self) -> bool:
+        return self.media_rows is not None and bool(self.media_rows.pending)
 
     def get_state(self) -> dict[str, int | float]:
         """What the scheduler and the runner hold now (leak checks)."""
@@ -175,7 +175,7 @@ class EngineCore:
             "num_running_reqs": len(scheduler.running),
             "num_waiting_reqs": len(scheduler.waiting),
             "kv_cache_usage": scheduler.kv_cache_manager.usage,
-            **(self.image_rows.stats() if self.image_rows is not None else {}),
+            **(self.media_rows.stats() if self.media_rows is not None else {}),
             **self.model_executor.get_state(),
         }
 

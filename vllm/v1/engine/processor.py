@@ -20,10 +20,10 @@ from vllm.inputs.encoder_decoder import (
 )
 from vllm.inputs.parse import ParsedPrompt, parse_prompt, validate_prompt_embeds
 from vllm.lora.request import LoRARequest
-from vllm.multimodal.processing import ImagePromptProcessor
+from vllm.multimodal.processing import media_prompt_processor
 from vllm.sampling_params import MAX_LOGPROBS, SamplingParams
 from vllm.v1.engine import EncoderInput, EngineCoreRequest
-from vllm.v1.messages import ImageInput
+from vllm.v1.messages import MediaInput
 from vllm.v1.request import EMBEDS_PLACEHOLDER_TOKEN_ID
 from vllm.v1.structured_output.manager import GrammarCompiler
 
@@ -58,8 +58,8 @@ class Processor:
         self.feature_extractor = (
             load_feature_extractor(model_config.model, model_config.hf_config.num_mel_bins)
             if self.is_audio_model else None)
-        self.image_processor = (ImagePromptProcessor(model_config)
-                                if model_config.is_image_model else None)
+        # Images or audio in prompts (LLaVA, Qwen2-Audio): placeholder runs and encoder inputs.
+        self.media_processor = media_prompt_processor(model_config)
 
     def process_inputs(self, request_id: str, prompt: Any, params: SamplingParams,
                        arrival_time: float | None = None,
@@ -72,7 +72,7 @@ class Processor:
         if self.model_config.is_encoder_decoder:
             parsed, encoder_input = self._process_encoder_decoder(prompt)
         else:
-            _reject_encoder_inputs(prompt, self.model_config, self.image_processor is not None)
+            _reject_encoder_inputs(prompt, self.model_config, self.media_processor is not None)
             parsed = parse_prompt(prompt)
         cache_salt = _cache_salt(prompt)
         if cache_salt is not None and encoder_input is not None:
@@ -88,11 +88,11 @@ class Processor:
             raise ValueError("return_hidden_states is set, but this engine does not keep "
                              "hidden states: create it with enable_return_hidden_states=True "
                              "(server: --enable-return-hidden-states).")
-        embeds = token_ids = is_token = images = None
+        embeds = token_ids = is_token = media = None
         mm_data = (prompt.get("multi_modal_data")
-                   if self.image_processor is not None and isinstance(prompt, dict) else None)
+                   if self.media_processor is not None and isinstance(prompt, dict) else None)
         if mm_data is not None:
-            token_ids, is_token, images = self._image_prompt(parsed, mm_data)
+            token_ids, is_token, media = self._media_prompt(parsed, mm_data)
         elif parsed.prompt_segments is not None:
             token_ids, embeds, is_token = self._segments(parsed.prompt_segments,
                                                          parsed.add_special_tokens)
@@ -116,9 +116,9 @@ class Processor:
             cache_salt=cache_salt,
             prompt_is_token_ids=is_token,
             lora_request=lora_request,
-            mm_inputs=images,
+            mm_inputs=media,
         )
-        if images is not None:  # the text, and the ids with each image's run
+        if media is not None:  # the text, and the ids with each item's run
             return request, parsed._replace(prompt_token_ids=token_ids)
         if is_token is not None:  # a mixed prompt has no text nor ids to show
             return request, parsed._replace(prompt_segments=None)
@@ -189,18 +189,18 @@ class Processor:
                              f"model length of {self.model_config.max_model_len}.")
         return ids, embeds, mask
 
-    def _image_prompt(self, parsed: ParsedPrompt, mm_data: Any
-                      ) -> tuple[list[int], torch.Tensor, list[ImageInput]]:
-        """A prompt with images: its ids with each placeholder expanded to the image's run,
-        the is_token mask (False on image positions) and the preprocessed images."""
-        assert self.image_processor is not None  # only image models take this path
+    def _media_prompt(self, parsed: ParsedPrompt, mm_data: Any
+                      ) -> tuple[list[int], torch.Tensor, list[MediaInput]]:
+        """A prompt with media: its ids with each placeholder expanded to the item's run,
+        the is_token mask (False on media positions) and the preprocessed items."""
+        assert self.media_processor is not None  # only multimodal models take this path
         if parsed.prompt_embeds is not None or parsed.prompt_segments is not None:
             raise ValueError("multi_modal_data goes with a text prompt or prompt_token_ids, "
                              "not with prompt_embeds or prompt_segments.")
         token_ids = self._tokenize(parsed)
         self._validate_token_ids(token_ids)
-        prompt = self.image_processor.process(token_ids, mm_data)
-        return prompt.token_ids, prompt.is_token, prompt.images
+        prompt = self.media_processor.process(token_ids, mm_data)
+        return prompt.token_ids, prompt.is_token, prompt.items
 
     def _leading_special_ids(self) -> list[int]:
         """The special tokens the tokenizer puts before a text prompt (BOS for Llama)."""
@@ -358,9 +358,9 @@ def _content_hash(tag: bytes, data: np.ndarray) -> bytes:
     return hashlib.sha256(tag + np.ascontiguousarray(data).tobytes()).digest()
 
 
-def _reject_encoder_inputs(prompt: Any, model_config: ModelConfig, takes_images: bool) -> None:
+def _reject_encoder_inputs(prompt: Any, model_config: ModelConfig, takes_media: bool) -> None:
     if isinstance(prompt, dict):
-        keys = ("encoder_prompt", "decoder_prompt") + (() if takes_images
+        keys = ("encoder_prompt", "decoder_prompt") + (() if takes_media
                                                         else ("multi_modal_data",))
         for key in keys:
             if prompt.get(key) is not None:

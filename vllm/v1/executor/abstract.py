@@ -71,9 +71,10 @@ class Executor(ABC):
         assert output is not None  # rank 0 returns the step's output
         return output
 
-    def embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """An image model's rows of images [n, 3, H, W] -> [n, num_tokens, hidden], CPU."""
-        return self.collective_rpc("embed_images", (pixel_values,))[0]
+    def embed_media(self, modality: str, data: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A multimodal model's rows of media items (`MediaInput.data`) -> each item's
+        [num_tokens, hidden], CPU."""
+        return self.collective_rpc("embed_media", (modality, data))[0]
 
     def drop_requests(self, req_ids: list[str]) -> None:
         self.collective_rpc("drop_requests", (req_ids,))

@@ -24,7 +24,7 @@ from vllm.model_executor.models.interfaces import (
     VllmModel,
     is_encoder_decoder,
     supports_graph_capture,
-    supports_images,
+    supports_media,
 )
 from vllm.v1.attention.backends import get_attn_backend
 from vllm.v1.attention.backends.abstract import CommonAttentionMetadata
@@ -349,13 +349,15 @@ class ModelRunner:
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         self.states.update(scheduler_output)
 
-    def embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """An image model's rows of images [n, 3, H, W] -> [n, num_tokens, hidden], CPU
-        (the engine core's image stage puts them into prompts as embeds rows)."""
+    def embed_media(self, modality: str, data: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A multimodal model's rows of media items (`MediaInput.data`) -> each item's
+        [num_tokens, hidden], CPU (the engine core's media stage puts them into prompts as
+        embeds rows)."""
         model = self.model
-        assert model is not None and supports_images(model), "not an image model"
+        assert model is not None and supports_media(model), "not a multimodal model"
         with torch.inference_mode():
-            return model.embed_images(pixel_values.to(self.device)).cpu()
+            rows = model.embed_media(modality, [item.to(self.device) for item in data])
+        return [r.cpu() for r in rows]
 
     def drop_requests(self, req_ids: list[str]) -> None:
         """Forgets the batch rows of a failed step's requests (`RequestStates.drop`)."""

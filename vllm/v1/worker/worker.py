@@ -139,8 +139,8 @@ class Worker:
         output = self.runner.execute_model(scheduler_output)
         return output if self.rank == 0 else None
 
-    def embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        return self.runner.embed_images(pixel_values)
+    def embed_media(self, modality: str, data: list[torch.Tensor]) -> list[torch.Tensor]:
+        return self.runner.embed_media(modality, data)
 
     def drop_requests(self, req_ids: list[str]) -> None:
         self.runner.drop_requests(req_ids)
