@@ -10,6 +10,9 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define VLLM_GGUF_MM 1
@@ -57,7 +60,11 @@ inline constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);
+#else
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
 }
 
 // Q4_K / Q5_K: eight 6-bit scales and mins packed in 12 bytes (scales 0-3 and mins 0-3 in
@@ -85,13 +92,23 @@ inline void k3_scales(const uint8_t* s, int sc[16]) {
 
 #if defined(VLLM_GGUF_MM)
 
-// ---- block unpacking: a block as groups of 32 codes with int16 scales -------------------
+// ---- block unpacking: a block as groups of 32 codes and their scales -------------------
+//
+// A block of 32 values (Q4_0 ... Q8_0, IQ4_NL) is codes[0], its float scale `d` and, where
+// the type has one, the float `min` subtracted per 32 (times the activations' s32).
+// A super-block of 256 is codes[0..7] and either
+//   - one scale per group (Q4_K, Q5_K, IQ4_XS): `scale` lane g = d * s_g as a float, and
+//     the mins per group in `mins[0]` (lane g, times s32); or
+//   - integer scales per 16 values (Q2_K, Q3_K, Q6_K, `kScales16`): `sc16` (int16 lanes in
+//     order), `scale` = d in every lane, and the mins per 16 in `mins[0..1]` (times sx).
+// Every field is built in registers (no scalar stores read back as vectors).
 
 struct Unpacked {
-  __m256i codes[8];    // group g's 32 codes: unsigned, or signed values (kSigned)
-  __m256i scales[8];   // int16: lanes 0-7 scale values 0-15 of the group, lanes 8-15 16-31
-  float d;             // the block's float scale
-  alignas(32) float mins[16];  // per 16 values, times the activations' sx16, subtracted
+  __m256i codes[8];   // group g's 32 codes: unsigned, or signed values (kSigned)
+  __m256i sc16;       // kScales16: the 16 scales as int16
+  __m256 scale;       // super-blocks: each group's float factor (see above)
+  __m256 mins[2];     // super-blocks with mins: per group (mins[0]) or per 16 (kScales16)
+  float d = 0.f, min = 0.f;  // blocks of 32
 };
 
 inline __m256i load32(const uint8_t* p) {
@@ -133,115 +150,122 @@ inline __m256i iq4_lookup(__m256i nibbles) {
   return _mm256_shuffle_epi8(_mm256_set_m128i(t, t), nibbles);
 }
 
-inline __m256i scale_pair(int low, int high) {
-  return _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(high)),
-                          _mm_set1_epi16(static_cast<int16_t>(low)));
+// Eight bytes (the low 64 bits of `v`), unsigned or signed, as eight floats.
+inline __m256 bytes_to_floats(__m128i v) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+}
+inline __m256 signed_bytes_to_floats(__m128i v) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
 }
 
-// One struct per type: kValues, kBytes, kSigned, kMins (whether mins[] is used) and
-// unpack(). Blocks of 32 fill group 0 and mins[0..1].
+// Sixteen signed scales (bytes) of a kScales16 type: sc16, and mins = factor * scale.
+inline void scales16(__m128i sc, float factor, Unpacked& u) {
+  u.sc16 = _mm256_cvtepi8_epi16(sc);
+  const __m256 f = _mm256_set1_ps(factor);
+  u.mins[0] = _mm256_mul_ps(f, signed_bytes_to_floats(sc));
+  u.mins[1] = _mm256_mul_ps(f, signed_bytes_to_floats(_mm_srli_si128(sc, 8)));
+}
+
+// One struct per type: kValues, kBytes, kSigned, kMins (whether it subtracts mins),
+// kScales16 and unpack().
 template <int64_t TYPE>
 struct Block;
 
 template <>
 struct Block<kQ4_0> {
   static constexpr int kValues = 32, kBytes = 18;
-  static constexpr bool kSigned = false, kMins = true;
+  static constexpr bool kSigned = false, kMins = true, kScales16 = false;
   static void unpack(const uint8_t* b, Unpacked& u) {
     u.d = half_at(b);
     u.codes[0] = nibbles32(b + 2);
-    u.scales[0] = _mm256_set1_epi16(1);
-    u.mins[0] = u.mins[1] = 8.f * u.d;
+    u.min = 8.f * u.d;
   }
 };
 
 template <>
 struct Block<kQ4_1> {
   static constexpr int kValues = 32, kBytes = 20;
-  static constexpr bool kSigned = false, kMins = true;
+  static constexpr bool kSigned = false, kMins = true, kScales16 = false;
   static void unpack(const uint8_t* b, Unpacked& u) {
     u.d = half_at(b);
     u.codes[0] = nibbles32(b + 4);
-    u.scales[0] = _mm256_set1_epi16(1);
-    u.mins[0] = u.mins[1] = -half_at(b + 2);
+    u.min = -half_at(b + 2);
   }
 };
 
 template <>
 struct Block<kQ5_0> {
   static constexpr int kValues = 32, kBytes = 22;
-  static constexpr bool kSigned = false, kMins = true;
+  static constexpr bool kSigned = false, kMins = true, kScales16 = false;
   static void unpack(const uint8_t* b, Unpacked& u) {
     u.d = half_at(b);
     uint32_t qh;
     std::memcpy(&qh, b + 2, 4);
     u.codes[0] = _mm256_or_si256(nibbles32(b + 6), spread_bits(qh, 0x10));
-    u.scales[0] = _mm256_set1_epi16(1);
-    u.mins[0] = u.mins[1] = 16.f * u.d;
+    u.min = 16.f * u.d;
   }
 };
 
 template <>
 struct Block<kQ5_1> {
   static constexpr int kValues = 32, kBytes = 24;
-  static constexpr bool kSigned = false, kMins = true;
+  static constexpr bool kSigned = false, kMins = true, kScales16 = false;
   static void unpack(const uint8_t* b, Unpacked& u) {
     u.d = half_at(b);
     uint32_t qh;
     std::memcpy(&qh, b + 4, 4);
     u.codes[0] = _mm256_or_si256(nibbles32(b + 8), spread_bits(qh, 0x10));
-    u.scales[0] = _mm256_set1_epi16(1);
-    u.mins[0] = u.mins[1] = -half_at(b + 2);
+    u.min = -half_at(b + 2);
   }
 };
 
 template <>
 struct Block<kQ8_0> {
   static constexpr int kValues = 32, kBytes = 34;
-  static constexpr bool kSigned = true, kMins = false;
+  static constexpr bool kSigned = true, kMins = false, kScales16 = false;
   static void unpack(const uint8_t* b, Unpacked& u) {
     u.d = half_at(b);
     u.codes[0] = load32(b + 2);
-    u.scales[0] = _mm256_set1_epi16(1);
   }
 };
 
 template <>
 struct Block<kIQ4_NL> {
   static constexpr int kValues = 32, kBytes = 18;
-  static constexpr bool kSigned = true, kMins = false;
+  static constexpr bool kSigned = true, kMins = false, kScales16 = false;
   static void unpack(const uint8_t* b, Unpacked& u) {
     u.d = half_at(b);
     u.codes[0] = iq4_lookup(nibbles32(b + 2));
-    u.scales[0] = _mm256_set1_epi16(1);
   }
 };
 
 template <>
 struct Block<kQ2_K> {
   static constexpr int kValues = 256, kBytes = 84;
-  static constexpr bool kSigned = false, kMins = true;
+  static constexpr bool kSigned = false, kMins = true, kScales16 = true;
   static void unpack(const uint8_t* b, Unpacked& u) {
-    const uint8_t* sc = b;
-    u.d = half_at(b + 80);
-    const float dmin = half_at(b + 82);
+    // 16 bytes: each 16 values' scale in the low nibble, its min in the high one.
+    const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    const float d = half_at(b + 80), dmin = half_at(b + 82);
     for (int h = 0; h < 2; ++h) {
       const __m256i qs = load32(b + 16 + 32 * h);
       for (int j = 0; j < 4; ++j) u.codes[4 * h + j] = bit_field(qs, 2 * j, 2);
     }
-    for (int g = 0; g < 8; ++g) u.scales[g] = scale_pair(sc[2 * g] & 0xF, sc[2 * g + 1] & 0xF);
-    for (int i = 0; i < 16; ++i) u.mins[i] = dmin * static_cast<float>(sc[i] >> 4);
+    u.sc16 = _mm256_cvtepu8_epi16(_mm_and_si128(s, low4));
+    u.scale = _mm256_set1_ps(d);
+    const __m128i mins = _mm_and_si128(_mm_srli_epi16(s, 4), low4);
+    u.mins[0] = _mm256_mul_ps(_mm256_set1_ps(dmin), bytes_to_floats(mins));
+    u.mins[1] = _mm256_mul_ps(_mm256_set1_ps(dmin), bytes_to_floats(_mm_srli_si128(mins, 8)));
   }
 };
 
 template <>
 struct Block<kQ3_K> {
   static constexpr int kValues = 256, kBytes = 110;
-  static constexpr bool kSigned = false, kMins = true;
+  static constexpr bool kSigned = false, kMins = true, kScales16 = true;
   static void unpack(const uint8_t* b, Unpacked& u) {
-    int sc[16];
-    k3_scales(b + 96, sc);
-    u.d = half_at(b + 108);
+    const float d = half_at(b + 108);
     const __m256i hm = load32(b);
     for (int h = 0; h < 2; ++h) {
       const __m256i qs = load32(b + 32 + 32 * h);
@@ -250,21 +274,48 @@ struct Block<kQ3_K> {
         u.codes[g] = _mm256_or_si256(bit_field(qs, 2 * j, 2), select_bit(hm, g, 4));
       }
     }
-    for (int g = 0; g < 8; ++g) u.scales[g] = scale_pair(sc[2 * g], sc[2 * g + 1]);
-    for (int i = 0; i < 16; ++i) u.mins[i] = 4.f * u.d * static_cast<float>(sc[i]);
+    // The sixteen 6-bit scales (k3_scales's layout): low nibbles from bytes 0-7 (low
+    // halves, then high halves), two high bits each from bytes 8-11 (scale i: byte i % 4,
+    // bits 2 (i / 4)), biased by 32.
+    const uint8_t* s = b + 96;
+    const __m128i lo8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s));
+    const __m128i lows = _mm_and_si128(_mm_unpacklo_epi64(lo8, _mm_srli_epi16(lo8, 4)),
+                                       _mm_set1_epi8(0x0F));
+    uint32_t hb;
+    std::memcpy(&hb, s + 8, 4);
+    const __m128i highs = _mm_and_si128(
+        _mm_srlv_epi32(_mm_set1_epi32(static_cast<int32_t>(hb)), _mm_setr_epi32(0, 2, 4, 6)),
+        _mm_set1_epi8(3));
+    const __m128i sc = _mm_sub_epi8(_mm_or_si128(lows, _mm_slli_epi16(highs, 4)),
+                                    _mm_set1_epi8(32));
+    scales16(sc, 4.f * d, u);
+    u.scale = _mm256_set1_ps(d);
   }
 };
+
+// Q4_K / Q5_K's twelve bytes of 6-bit scales and mins (k4_scales's layout) as eight
+// scale bytes and eight min bytes, with 32-bit word operations.
+inline void k4_scale_bytes(const uint8_t* s, uint64_t* scales, uint64_t* mins) {
+  uint32_t a, b, c;  // bytes 0-3 (scales 0-3, top bits of 4-7), 4-7 (mins), 8-11
+  std::memcpy(&a, s, 4);
+  std::memcpy(&b, s + 4, 4);
+  std::memcpy(&c, s + 8, 4);
+  const uint32_t six = 0x3F3F3F3Fu, nib = 0x0F0F0F0Fu, top = 0x30303030u;
+  *scales = (a & six) | static_cast<uint64_t>((c & nib) | ((a >> 2) & top)) << 32;
+  *mins = (b & six) | static_cast<uint64_t>(((c >> 4) & nib) | ((b >> 2) & top)) << 32;
+}
 
 template <int64_t TYPE>
 struct BlockK45 {
   static constexpr bool kFive = TYPE == kQ5_K;
   static constexpr int kValues = 256, kBytes = kFive ? 176 : 144;
-  static constexpr bool kSigned = false, kMins = true;
+  static constexpr bool kSigned = false, kMins = true, kScales16 = false;
   static void unpack(const uint8_t* b, Unpacked& u) {
-    u.d = half_at(b);
-    const float dmin = half_at(b + 2);
-    int sc[8], mn[8];
-    k4_scales(b + 4, sc, mn);
+    const float d = half_at(b), dmin = half_at(b + 2);
+    uint64_t sc, mn;
+    k4_scale_bytes(b + 4, &sc, &mn);
+    u.scale = _mm256_mul_ps(_mm256_set1_ps(d), bytes_to_floats(_mm_cvtsi64_si128(static_cast<int64_t>(sc))));
+    u.mins[0] = _mm256_mul_ps(_mm256_set1_ps(dmin), bytes_to_floats(_mm_cvtsi64_si128(static_cast<int64_t>(mn))));
     const uint8_t* qs = b + (kFive ? 48 : 16);
     __m256i qh = _mm256_setzero_si256();
     if constexpr (kFive) qh = load32(b + 16);
@@ -276,10 +327,6 @@ struct BlockK45 {
         if constexpr (kFive) u.codes[g] = _mm256_or_si256(u.codes[g], select_bit(qh, g, 0x10));
       }
     }
-    for (int g = 0; g < 8; ++g) {
-      u.scales[g] = _mm256_set1_epi16(static_cast<int16_t>(sc[g]));
-      u.mins[2 * g] = u.mins[2 * g + 1] = dmin * static_cast<float>(mn[g]);
-    }
   }
 };
 template <>
@@ -290,10 +337,9 @@ struct Block<kQ5_K> : BlockK45<kQ5_K> {};
 template <>
 struct Block<kQ6_K> {
   static constexpr int kValues = 256, kBytes = 210;
-  static constexpr bool kSigned = false, kMins = true;
+  static constexpr bool kSigned = false, kMins = true, kScales16 = true;
   static void unpack(const uint8_t* b, Unpacked& u) {
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-    u.d = half_at(b + 208);
+    const float d = half_at(b + 208);
     for (int h = 0; h < 2; ++h) {
       const __m256i ql0 = load32(b + 64 * h), ql1 = load32(b + 64 * h + 32);
       const __m256i qh = load32(b + 128 + 32 * h);
@@ -302,35 +348,37 @@ struct Block<kQ6_K> {
         u.codes[4 * h + g] = _mm256_or_si256(low, _mm256_slli_epi16(bit_field(qh, 2 * g, 2), 4));
       }
     }
-    for (int g = 0; g < 8; ++g) u.scales[g] = scale_pair(sc[2 * g], sc[2 * g + 1]);
-    for (int i = 0; i < 16; ++i) u.mins[i] = 32.f * u.d * static_cast<float>(sc[i]);
+    scales16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)), 32.f * d, u);
+    u.scale = _mm256_set1_ps(d);
   }
 };
 
 template <>
 struct Block<kIQ4_XS> {
   static constexpr int kValues = 256, kBytes = 136;
-  static constexpr bool kSigned = true, kMins = false;
+  static constexpr bool kSigned = true, kMins = false, kScales16 = false;
   static void unpack(const uint8_t* b, Unpacked& u) {
-    u.d = half_at(b);
+    const float d = half_at(b);
     uint16_t sh;
     std::memcpy(&sh, b + 2, 2);
+    int ls[8];
     for (int g = 0; g < 8; ++g) {
-      const int ls = ((b[4 + g / 2] >> (4 * (g % 2))) & 0xF) | (((sh >> (2 * g)) & 3) << 4);
+      ls[g] = (((b[4 + g / 2] >> (4 * (g % 2))) & 0xF) | (((sh >> (2 * g)) & 3) << 4)) - 32;
       u.codes[g] = iq4_lookup(nibbles32(b + 8 + 16 * g));
-      u.scales[g] = _mm256_set1_epi16(static_cast<int16_t>(ls - 32));
     }
+    u.scale = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_setr_epi32(
+        ls[0], ls[1], ls[2], ls[3], ls[4], ls[5], ls[6], ls[7])));
   }
 };
 
 // ---- activations ------------------------------------------------------------------------
 
 // Rows of x quantized per group of 32: qx [M, K] int8, dx [M, K / 32], sx [M, K / 16] (dx
-// times the sum of each 16 codes).
+// times the sum of each 16 codes) and s32 [M, K / 32] (dx times the sum of each 32).
 struct Activations {
   int64_t k = 0;
   std::vector<int8_t> qx;
-  std::vector<float> dx, sx;
+  std::vector<float> dx, sx, s32;
 };
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -360,6 +408,7 @@ void quantize_activations(const T* x, int64_t rows, int64_t k, Activations* a) {
   a->qx.resize(rows * k);
   a->dx.resize(rows * k / 32);
   a->sx.resize(rows * k / 16);
+  a->s32.resize(rows * k / 32);
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t g = 0; g < k / 32; ++g) {
@@ -376,8 +425,11 @@ void quantize_activations(const T* x, int64_t rows, int64_t k, Activations* a) {
       for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
       const float dx = mx / 127.f;
       a->dx[r * (k / 32) + g] = dx;
-      a->sx[r * (k / 16) + 2 * g] = dx * static_cast<float>(hsum8(_mm256_add_epi32(q[0], q[1])));
-      a->sx[r * (k / 16) + 2 * g + 1] = dx * static_cast<float>(hsum8(_mm256_add_epi32(q[2], q[3])));
+      const int32_t low = hsum8(_mm256_add_epi32(q[0], q[1]));
+      const int32_t high = hsum8(_mm256_add_epi32(q[2], q[3]));
+      a->sx[r * (k / 16) + 2 * g] = dx * static_cast<float>(low);
+      a->sx[r * (k / 16) + 2 * g + 1] = dx * static_cast<float>(high);
+      a->s32[r * (k / 32) + g] = dx * static_cast<float>(low + high);
       // packs interleave 128-bit lanes; the permute puts the dwords back in order.
       const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
                                                 _mm256_packs_epi32(q[2], q[3]));
@@ -389,53 +441,102 @@ void quantize_activations(const T* x, int64_t rows, int64_t k, Activations* a) {
 
 // ---- the products -----------------------------------------------------------------------
 
+// A super-block's sums accumulate in two partial registers per row and block, added to the
+// row's accumulator once a block, so one row's dependency chain is one add a block.
+// kept_whole: each block's partial sum passes an empty asm statement, so that -ffast-math's
+// reassociation cannot fold its terms into the accumulator in an order that depends on how
+// many rows the pass unrolls: a row's result is the same bits in every pass (and alone).
+
+// kScales16, AVX2: group g's int16 scales (lanes 0-7 scale 2g, lanes 8-15 scale 2g + 1).
+inline __m256i group_scales(__m256i sc16, int g) {
+  const __m128i half = g < 4 ? _mm256_castsi256_si128(sc16) : _mm256_extracti128_si256(sc16, 1);
+  const int j = 2 * (g % 4);  // the int16 index of scale 2g in its half
+  const auto pick = [](int i) { return static_cast<int16_t>((2 * i) | ((2 * i + 1) << 8)); };
+  const __m256i shuffle = _mm256_set_m128i(_mm_set1_epi16(pick(j + 1)), _mm_set1_epi16(pick(j)));
+  return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(half), shuffle);
+}
+
 // Activation rows row0..row0+M times weight rows [begin, end): out [rows, n_total] float.
 template <int64_t TYPE, int M>
 void rows_times(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_t row0,
                 float* out, int64_t n_total, int64_t begin, int64_t end) {
   using B = Block<TYPE>;
   constexpr int kGroups = B::kValues / 32;
-  const int64_t k = a.k, blocks = k / B::kValues;
+  const int64_t k = a.k, blocks = k / B::kValues, groups = k / 32;
+  const __m256i ones = _mm256_set1_epi16(1);
 #if defined(VLLM_GGUF_MM_512)
-  // Super-blocks in 512-bit halves: groups 2p and 2p + 1 side by side, each group's d dx
-  // spread over its 8 lanes from one vector of the eight.
-  constexpr bool kWide = kGroups == 8;
-  __m512i spread[4];
+  // Super-blocks in 512-bit halves: groups 2p and 2p + 1 side by side, each group's
+  // factor spread over its 8 lanes from one vector of the eight.
+  __m512i spread[4], pair_scales[4];
   for (int p = 0; p < 4; ++p) {
     spread[p] = _mm512_inserti64x4(_mm512_set1_epi32(2 * p), _mm256_set1_epi32(2 * p + 1), 1);
+    // kScales16: lanes 8i..8i+7 of pair p take scale 4p + i.
+    pair_scales[p] = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(4 * p + 1)),
+                                                _mm_set1_epi16(static_cast<int16_t>(4 * p)))),
+        _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(4 * p + 3)),
+                         _mm_set1_epi16(static_cast<int16_t>(4 * p + 2))), 1);
   }
-#else
-  constexpr bool kWide = false;
+  const __m512i ones512 = _mm512_set1_epi16(1);
 #endif
   for (int64_t n = begin; n < end; ++n) {
     const uint8_t* wn = w + n * row_bytes;
-    __m256 acc[M], acc_min[M];
-    for (int r = 0; r < M; ++r) acc[r] = acc_min[r] = _mm256_setzero_ps();
+    if constexpr (kGroups == 1) {
+      __m256 acc[M];
+      float min_sum[M] = {};
+      for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
+      for (int64_t blk = 0; blk < blocks; ++blk) {
+        Unpacked u;
+        B::unpack(wn + blk * B::kBytes, u);
+        __m256i magnitude = u.codes[0];
+        if constexpr (B::kSigned) magnitude = _mm256_sign_epi8(u.codes[0], u.codes[0]);
+        for (int r = 0; r < M; ++r) {
+          const int64_t row = row0 + r;
+          const __m256i x = load32(reinterpret_cast<const uint8_t*>(a.qx.data() + row * k + 32 * blk));
+          const __m256i pairs = B::kSigned
+              ? _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x, u.codes[0]))
+              : _mm256_maddubs_epi16(u.codes[0], x);
+          const __m256i dot = _mm256_madd_epi16(pairs, ones);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                   _mm256_set1_ps(u.d * a.dx[row * groups + blk]), acc[r]);
+          if constexpr (B::kMins) min_sum[r] += u.min * a.s32[row * groups + blk];
+        }
+      }
+      for (int r = 0; r < M; ++r) out[(row0 + r) * n_total + n] = hsum8(acc[r]) - min_sum[r];
+    } else {
 #if defined(VLLM_GGUF_MM_512)
-    __m512 wide[M];
-    for (int r = 0; r < M; ++r) wide[r] = _mm512_setzero_ps();
+      __m512 acc[M];
+      for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+#else
+      __m256 acc[M];
+      for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
 #endif
-    float min_sum[M] = {};
-    for (int64_t blk = 0; blk < blocks; ++blk) {
-      Unpacked u;
-      B::unpack(wn + blk * B::kBytes, u);
-      const int64_t col = blk * B::kValues;
-      if constexpr (kWide) {
+      __m256 acc_min[M];
+      for (int r = 0; r < M; ++r) acc_min[r] = _mm256_setzero_ps();
+      for (int64_t blk = 0; blk < blocks; ++blk) {
+        Unpacked u;
+        B::unpack(wn + blk * B::kBytes, u);
+        // The block's factors as computed (kept_whole): a factor used by one row only could
+        // otherwise be reassociated into that row's products, a different rounding.
+        asm("" : "+x"(u.scale), "+x"(u.mins[0]), "+x"(u.mins[1]));
+        const int64_t group0 = blk * 8;
 #if defined(VLLM_GGUF_MM_512)
         __m512i codes[4], scales[4], magnitude[4];
         for (int p = 0; p < 4; ++p) {
-          codes[p] = _mm512_inserti64x4(_mm512_castsi256_si512(u.codes[2 * p]),
-                                        u.codes[2 * p + 1], 1);
-          scales[p] = _mm512_inserti64x4(_mm512_castsi256_si512(u.scales[2 * p]),
-                                         u.scales[2 * p + 1], 1);
+          codes[p] = _mm512_inserti64x4(_mm512_castsi256_si512(u.codes[2 * p]), u.codes[2 * p + 1], 1);
           if constexpr (B::kSigned) magnitude[p] = _mm512_abs_epi8(codes[p]);
+          if constexpr (B::kScales16) {
+            scales[p] = _mm512_permutexvar_epi16(pair_scales[p], _mm512_castsi256_si512(u.sc16));
+          } else {
+            scales[p] = ones512;
+          }
         }
-        const __m256 d = _mm256_set1_ps(u.d);
         for (int r = 0; r < M; ++r) {
           const int64_t row = row0 + r;
-          const int8_t* qx = a.qx.data() + row * k + col;
-          const __m512 ddx = _mm512_castps256_ps512(
-              _mm256_mul_ps(d, _mm256_loadu_ps(a.dx.data() + row * (k / 32) + col / 32)));
+          const int8_t* qx = a.qx.data() + row * k + 32 * group0;
+          const __m512 factor = _mm512_castps256_ps512(
+              _mm256_mul_ps(u.scale, _mm256_loadu_ps(a.dx.data() + row * groups + group0)));
+          __m512 part[2];
           for (int p = 0; p < 4; ++p) {
             __m512i x = _mm512_loadu_si512(qx + 64 * p);
             __m512i pairs;
@@ -445,53 +546,69 @@ void rows_times(const uint8_t* w, int64_t row_bytes, const Activations& a, int64
             } else {
               pairs = _mm512_maddubs_epi16(codes[p], x);
             }
-            const __m512i dot = _mm512_madd_epi16(pairs, scales[p]);
-            wide[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
-                                      _mm512_permutexvar_ps(spread[p], ddx), wide[r]);
+            const __m512 dot = _mm512_cvtepi32_ps(_mm512_madd_epi16(pairs, scales[p]));
+            const __m512 f = _mm512_permutexvar_ps(spread[p], factor);
+            part[p % 2] = p < 2 ? _mm512_mul_ps(dot, f) : _mm512_fmadd_ps(dot, f, part[p % 2]);
           }
+          __m512 sum = _mm512_add_ps(part[0], part[1]);
+          asm("" : "+v"(sum));  // the block's sum stays one term (see kept_whole)
+          acc[r] = _mm512_add_ps(acc[r], sum);
         }
-#endif
-      } else {
-        __m256i magnitude[kGroups];
-        if constexpr (B::kSigned) {
-          for (int g = 0; g < kGroups; ++g) magnitude[g] = _mm256_sign_epi8(u.codes[g], u.codes[g]);
+#else
+        __m256i scales[8], magnitude[8];
+        for (int g = 0; g < 8; ++g) {
+          if constexpr (B::kSigned) magnitude[g] = _mm256_sign_epi8(u.codes[g], u.codes[g]);
+          if constexpr (B::kScales16) {
+            scales[g] = group_scales(u.sc16, g);
+          } else {
+            scales[g] = ones;
+          }
         }
         for (int r = 0; r < M; ++r) {
           const int64_t row = row0 + r;
-          const int8_t* qx = a.qx.data() + row * k + col;
-          const float* dx = a.dx.data() + row * (k / 32) + col / 32;
-          for (int g = 0; g < kGroups; ++g) {
+          const int8_t* qx = a.qx.data() + row * k + 32 * group0;
+          const __m256 factor = _mm256_mul_ps(u.scale, _mm256_loadu_ps(a.dx.data() + row * groups + group0));
+          __m256 part[2];
+          for (int g = 0; g < 8; ++g) {
             const __m256i x = load32(reinterpret_cast<const uint8_t*>(qx + 32 * g));
-            __m256i pairs;
-            if constexpr (B::kSigned) {
-              pairs = _mm256_maddubs_epi16(magnitude[g], _mm256_sign_epi8(x, u.codes[g]));
-            } else {
-              pairs = _mm256_maddubs_epi16(u.codes[g], x);
-            }
-            const __m256i dot = _mm256_madd_epi16(pairs, u.scales[g]);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(u.d * dx[g]), acc[r]);
+            const __m256i pairs = B::kSigned
+                ? _mm256_maddubs_epi16(magnitude[g], _mm256_sign_epi8(x, u.codes[g]))
+                : _mm256_maddubs_epi16(u.codes[g], x);
+            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, scales[g]));
+            const __m256 f = _mm256_permutevar8x32_ps(factor, _mm256_set1_epi32(g));
+            part[g % 2] = g < 2 ? _mm256_mul_ps(dot, f) : _mm256_fmadd_ps(dot, f, part[g % 2]);
           }
+          __m256 sum = _mm256_add_ps(part[0], part[1]);
+          asm("" : "+x"(sum));  // the block's sum stays one term (see kept_whole)
+          acc[r] = _mm256_add_ps(acc[r], sum);
         }
-      }
-      if constexpr (B::kMins) {
-        for (int r = 0; r < M; ++r) {
-          const float* sx = a.sx.data() + (row0 + r) * (k / 16) + col / 16;
-          if constexpr (kGroups == 8) {
-            acc_min[r] = _mm256_fmadd_ps(_mm256_load_ps(u.mins), _mm256_loadu_ps(sx), acc_min[r]);
-            acc_min[r] = _mm256_fmadd_ps(_mm256_load_ps(u.mins + 8), _mm256_loadu_ps(sx + 8),
-                                         acc_min[r]);
-          } else {
-            min_sum[r] += u.mins[0] * sx[0] + u.mins[1] * sx[1];
-          }
-        }
-      }
-    }
-    for (int r = 0; r < M; ++r) {
-      float sum = hsum8(acc[r]);
-#if defined(VLLM_GGUF_MM_512)
-      sum += _mm512_reduce_add_ps(wide[r]);
 #endif
-      out[(row0 + r) * n_total + n] = sum - hsum8(acc_min[r]) - min_sum[r];
+        if constexpr (B::kMins) {
+          for (int r = 0; r < M; ++r) {
+            const int64_t row = row0 + r;
+            if constexpr (B::kScales16) {
+              const float* sx = a.sx.data() + row * (k / 16) + 2 * group0;
+              __m256 m = _mm256_fmadd_ps(u.mins[1], _mm256_loadu_ps(sx + 8),
+                                         _mm256_mul_ps(u.mins[0], _mm256_loadu_ps(sx)));
+              asm("" : "+x"(m));
+              acc_min[r] = _mm256_add_ps(acc_min[r], m);
+            } else {
+              acc_min[r] = _mm256_fmadd_ps(u.mins[0], _mm256_loadu_ps(a.s32.data() + row * groups + group0),
+                                           acc_min[r]);
+            }
+          }
+        }
+      }
+      for (int r = 0; r < M; ++r) {
+#if defined(VLLM_GGUF_MM_512)
+        float sum = _mm512_reduce_add_ps(acc[r]);
+#else
+        float sum = hsum8(acc[r]);
+#endif
+        float mins = hsum8(acc_min[r]);
+        asm("" : "+x"(sum), "+x"(mins));  // two whole sums (kept_whole)
+        out[(row0 + r) * n_total + n] = sum - mins;
+      }
     }
   }
 }
