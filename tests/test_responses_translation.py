@@ -409,6 +409,7 @@ def test_deleting_a_response_in_flight_stops_it() -> None:
             "event: response.output_text.done", "event: response.content_part.done",
             "event: response.output_item.done", "event: response.failed"]
         assert '"status":"cancelled"' in rest[-1] and '"text":"Hel"' in rest[-1]
+        assert '"status":"incomplete"' in rest[-2]  # the message it stopped in
         assert serving.in_flight == {} and serving.deleting == {}
         for gone in (serving.retrieve, serving.delete):
             with pytest.raises(OpenAIError, match="not found") as info:

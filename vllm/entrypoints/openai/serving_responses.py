@@ -430,14 +430,17 @@ class EventWriter:
                                                 delta=delta)))
         return events
 
-    def _close(self) -> list[StreamEvent]:
+    def _close(self, cut: bool = False) -> list[StreamEvent]:
+        """Closes the open item: "incomplete" if `cut` (the response stopped) or it is text
+        cut by the token limit, else "completed"."""
         item, self.open = self.open, None
         if item is None:
             return []
         index = self._index(item)
         events: list[StreamEvent] = []
-        item.status = "incomplete" if self.finish_reason == "length" \
-            and isinstance(item, OutputMessage) else "completed"
+        item.status = "incomplete" if cut or (self.finish_reason == "length"
+                                              and isinstance(item, OutputMessage)) \
+            else "completed"
         if isinstance(item, OutputMessage):
             part = item.content[0]
             events.append(self.event(TextDoneEvent(item_id=item.id, output_index=index,
@@ -467,7 +470,7 @@ class EventWriter:
     def cancel(self) -> list[StreamEvent]:
         """Closes the open item as it stands; the last event: response.failed, the response
         "cancelled" (deleted while it streamed; the stream has no event of its own for it)."""
-        events = self._close()
+        events = self._close(cut=True)
         self.response.status = "cancelled"
         return [*events, self.lifecycle("failed")]
 
