@@ -20,7 +20,8 @@ object or its event stream:
 Stored responses (`store`, on by default as with OpenAI) keep their conversation without
 the instructions (OpenAI does not carry instructions over to a continuation) in a bounded
 in-memory LRU; `GET /v1/responses/{id}` reads them back, and while one is generated shows
-it as it stands (status "in_progress").
+it as it stands (status "in_progress"); `DELETE` forgets one, or stops one being generated
+(status "cancelled", never stored).
 """
 
 from __future__ import annotations
