@@ -358,3 +358,73 @@ def test_a_streamed_response_is_retrievable_while_in_flight() -> None:
         await unstored.aclose()
 
     asyncio.run(run())
+
+
+def test_deleting_a_response_in_flight_stops_it() -> None:
+    """DELETE on a stored response still generating: its generation stops at once (the
+    chat stream's waiting read is cancelled, which aborts the engine request), a stream
+    ends with the response "cancelled" (response.failed: the stream has no event of its
+    own for it), a request waiting for the whole response gets it "cancelled", and
+    nothing is stored."""
+    import asyncio
+
+    from vllm.entrypoints.openai.serving_engine import sse
+
+    class Chat:  # the chat handler's two methods the Responses handler calls
+        def __init__(self) -> None:
+            self.stopped: list[str] = []
+
+        def response_model(self, model: str | None) -> str:
+            return "m"
+
+        async def create_chat_completion(self, request):
+            async def events():
+                try:
+                    yield sse(_chunk("Hel"))
+                    await asyncio.Event().wait()  # the next token never comes
+                finally:
+                    self.stopped.append("stream")
+            if request.stream:
+                return events()
+            try:
+                await asyncio.Event().wait()
+            finally:
+                self.stopped.append("whole")
+
+    def request(stream: bool) -> ResponsesRequest:
+        return ResponsesRequest.model_validate({"model": "m", "input": "hi", "stream": stream})
+
+    async def run() -> None:
+        chat = Chat()
+        serving = OpenAIServingResponses(chat)  # type: ignore[arg-type]
+        stream = await serving.create_response(request(stream=True))
+        assert not isinstance(stream, ResponseObject)
+        events = [await anext(stream) for _ in range(5)]  # created ... the first delta
+        assert "response.output_text.delta" in events[-1]
+        [response_id] = serving.in_flight
+        serving.delete(response_id)
+        rest = [event async for event in stream]
+        assert chat.stopped == ["stream"]
+        assert [e.split("\n")[0] for e in rest] == [
+            "event: response.output_text.done", "event: response.content_part.done",
+            "event: response.output_item.done", "event: response.failed"]
+        assert '"status":"cancelled"' in rest[-1] and '"text":"Hel"' in rest[-1]
+        assert '"status":"incomplete"' in rest[-2]  # the message it stopped in
+        assert serving.in_flight == {} and serving.deleting == {}
+        for gone in (serving.retrieve, serving.delete):
+            with pytest.raises(OpenAIError, match="not found") as info:
+                gone(response_id)
+            assert info.value.status_code == 404
+
+        whole = asyncio.ensure_future(serving.create_response(request(stream=False)))
+        while not serving.in_flight:
+            await asyncio.sleep(0)
+        [response_id] = serving.in_flight
+        serving.delete(response_id)
+        response = await whole
+        assert isinstance(response, ResponseObject)
+        assert response.status == "cancelled" and response.id == response_id
+        assert chat.stopped == ["stream", "whole"]
+        assert serving.in_flight == {} and not serving.store.entries
+
+    asyncio.run(run())

@@ -17,7 +17,13 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server_utils import SMALL_ENGINE_ARGS, RemoteServer, encode_tensor
+from tests.server_utils import (
+    SMALL_ENGINE_ARGS,
+    RemoteServer,
+    encode_tensor,
+    scrape_metrics,
+    wait_until,
+)
 from tests.test_server_chat_embeds import embed, tokenizer  # noqa: F401 (fixtures)
 
 # End to end (engines or servers): left out of `make test-fast`.
@@ -304,3 +310,30 @@ def test_a_streamed_response_is_retrievable_while_in_flight(client: openai.OpenA
     assert done.status == rest[-1].response.status != "in_progress"
     assert done.output_text == rest[-1].response.output_text
     assert done.output_text.startswith(now.output_text)
+
+
+def requests_aborted(server: RemoteServer) -> float:
+    return sum(value for name, value in scrape_metrics(server).items()
+               if name.startswith("vllm:request_success_total{")
+               and 'finished_reason="abort"' in name)
+
+
+def test_deleting_a_streamed_response_in_flight_stops_it(client: openai.OpenAI,
+                                                         server: RemoteServer) -> None:
+    """DELETE during the stream: the generation stops (its engine request aborted, long
+    before its 400 tokens), the stream ends with the response "cancelled", and the id is
+    gone."""
+    before = requests_aborted(server)
+    events = iter(respond(client, input="Count from one to three hundred in words.",
+                          stream=True, max_output_tokens=400))
+    created = next(events)
+    next(e for e in events if e.type == "response.output_text.delta")
+    deleted = httpx.delete(f"{server.url}/v1/responses/{created.response.id}", timeout=30)
+    assert deleted.json() == {"id": created.response.id, "object": "response.deleted",
+                              "deleted": True}
+    last = list(events)[-1]
+    assert last.type == "response.failed" and last.response.status == "cancelled"
+    assert last.response.output_text and last.response.output[-1].status == "incomplete"
+    wait_until(lambda: requests_aborted(server) == before + 1, "the request was aborted")
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(created.response.id)

@@ -19,7 +19,12 @@ import openai
 import pytest
 
 from tests.server_utils import SMALL_ENGINE_ARGS, RemoteServer
-from tests.test_server_responses import check_tool_then_answer
+from tests.test_server_responses import (
+    SHOWN_CALLS,
+    check_tool_then_answer,
+    run_agent,
+    weather_agent,
+)
 from vllm.entrypoints.chat_utils import render_chat
 from vllm.entrypoints.errors import OpenAIError
 from vllm.entrypoints.openai.protocol import ChatCompletionRequest
@@ -214,6 +219,21 @@ def test_agents_sdk_calls_the_tool_then_answers_on_chat_completions(
     """The Agents SDK on its chat-completions model (`OpenAIChatCompletionsModel`): see
     `check_tool_then_answer`."""
     check_tool_then_answer(f"{server.url}/v1", "OpenAIChatCompletionsModel")
+
+
+def test_agents_sdk_default_setup_on_chat_completions_ends_in_an_answer(
+        server: RemoteServer) -> None:
+    """The SDK's defaults throughout on its chat-completions model: a strict tool, no
+    tool_choice ("auto" on every turn). Shown how, the model calls the tool by itself with
+    arguments its strict schema accepts; given the result, it answers in text."""
+    from agents import MessageOutputItem, ToolCallItem, ToolCallOutputItem
+
+    agent, seen = weather_agent(f"{server.url}/v1", "OpenAIChatCompletionsModel")
+    result = run_agent(agent, SHOWN_CALLS, max_turns=3)
+    assert seen == ["Paris"]
+    assert [type(item) for item in result.new_items] == [ToolCallItem, ToolCallOutputItem,
+                                                         MessageOutputItem]
+    assert isinstance(result.final_output, str) and result.final_output
 
 
 def test_tool_result_renders_into_the_second_turn(client: openai.OpenAI,

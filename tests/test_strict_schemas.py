@@ -23,6 +23,7 @@ from vllm.entrypoints.openai.tool_calls import (
     tool_choice_schema,
 )
 from vllm.entrypoints.openai.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
+from vllm.entrypoints.openai.tool_parsers.llama_tool_parser import Llama3JsonToolParser
 from vllm.sampling_params import SamplingParams
 from vllm.sampling_params import StructuredOutputsParams as S
 from vllm.v1.structured_output.backend import BOUNDED_WHITESPACE, grammar_key, strict_schema
@@ -302,6 +303,36 @@ def test_structural_tag_grammar_is_text_with_strict_structures(compiler, tokeniz
     assert not accepts(compiler, tokenizer, bounded, '<f>a:{"name": "Al",\n\n')
 
 
+def test_response_format_structural_tag_is_the_same_constraint() -> None:
+    """vLLM's `response_format: {"type": "structural_tag", ...}` gives the constraint that
+    `structured_outputs.structural_tag` gives (bounded whitespace: it is not strict)."""
+    by_format = chat_request(tools=None, response_format=CALL_TAG).structured_outputs_params()
+    by_params = chat_request(tools=None, structured_outputs={"structural_tag": CALL_TAG}
+                             ).structured_outputs_params()
+    assert by_format is not None and by_params is not None
+    assert grammar_key(by_format) == grammar_key(by_params)
+    assert grammar_key(by_format).whitespace == BOUNDED_WHITESPACE
+
+
+@pytest.mark.parametrize("response_format, message", [
+    ({**CALL_TAG, "structures": None}, "response_format.structures must be a non-empty list"),
+    ({**CALL_TAG, "triggers": ["<g>"]},
+     r"response_format.structures\[0\].begin '<f>a:' does not start with any of the triggers"),
+    ({**CALL_TAG, "structures": [{"begin": "<f>", "end": "</f>"}]},
+     r"response_format.structures\[0\] must be \{begin: string, schema: JSON schema"),
+    ({"type": "structural_tag", "format": {"type": "triggered_tags"}},
+     r"got \['format'\] \(the newer `format` form is not supported\)"),
+    ({"type": "json_object", "triggers": ["<f>"]},
+     "response_format of type 'json_object' takes no triggers"),
+    ({**CALL_TAG, "json_schema": {"name": "x", "schema": {}}},
+     "response_format of type 'structural_tag' takes no json_schema"),
+])
+def test_malformed_response_format_structural_tags_are_refused_by_name(
+        response_format: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        chat_request(tools=None, response_format=response_format).structured_outputs_params()
+
+
 TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {}}}}
 STRICT_WEATHER = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
@@ -332,8 +363,44 @@ def test_strict_tools_under_auto_get_the_parsers_call_form(compiler, tokenizer) 
     extracted = Hermes2ProToolParser(None).extract("Let me see." + call + "\n")
     assert extracted.content == "Let me see."
     assert extracted.calls == [("get_weather", '{"city":"Oslo"}')]
+
+
+def test_strict_tools_under_auto_get_the_llama3_json_call_form(compiler, tokenizer) -> None:
+    """llama3_json: the same grammar of text and calls, each call in Llama 3.1's JSON form
+    (`{"name": ..., "parameters": {...}}`, several separated by "; "), which the parser
+    reads from the start of the output."""
+    request = chat_request(tools=[STRICT_WEATHER, TIME_TOOL])
+    check_tool_request(request, "llama3_json")
+    constraint = tool_choice_constraint(request, "llama3_json")
+    assert constraint is not None
+    params = request.structured_outputs_params(("tool_choice", constraint))
+    assert params is not None and params.disable_any_whitespace
+    weather = '{"name": "get_weather", "parameters": {"city":"Oslo"}}'
+    time = '{"name": "get_time", "parameters": {}}'
+    assert ends(compiler, tokenizer, params, "It is sunny.")
+    assert ends(compiler, tokenizer, params, weather)
+    assert ends(compiler, tokenizer, params, f"{weather}; {time}")
+    for bad in ('"get_stock", ', '"get_weather", "arguments": ',
+                '"get_weather", "parameters": {"town"',
+                '"get_weather", "parameters": {"city":"Oslo","unit":"c"}',
+                '"get_weather", "parameters": {"city": '):
+        assert not accepts(compiler, tokenizer, params, '{"name": ' + bad)
+    assert not ends(compiler, tokenizer, params, weather[:30])
+    parser = Llama3JsonToolParser(None)
+    assert parser.extract(f"{weather}; {time}").calls == [
+        ("get_weather", '{"city":"Oslo"}'), ("get_time", "{}")]
+    streamer = ToolCallStreamer(parser, None)
+    deltas = [streamer.feed(weather[i:i + 7], final=False) for i in range(0, len(weather), 7)]
+    deltas.append(streamer.feed("", final=True))
+    assert "".join(call.function.arguments or "" for d in deltas for call in d.tool_calls
+                   if call.function is not None) == '{"city":"Oslo"}'
+    assert not any(d.content for d in deltas)
+
+
+def test_a_parser_without_a_call_form_refuses_strict_tools_under_auto(monkeypatch) -> None:
+    monkeypatch.setattr(Llama3JsonToolParser, "call_form", classmethod(lambda cls, name: None))
     with pytest.raises(OpenAIError, match="cannot enforce with --tool-call-parser llama3_json"):
-        check_tool_request(request, "llama3_json")
+        check_tool_request(chat_request(tools=[STRICT_WEATHER]), "llama3_json")
 
 
 def test_a_trigger_that_is_a_special_token_is_that_token(tiny_llama_dir: str) -> None:

@@ -67,7 +67,7 @@ class StructuredOutputsParams:
                 f"{', '.join(STRUCTURED_OUTPUT_KINDS)}; got {', '.join(set_kinds)}."
             )
         if self.structural_tag is not None:
-            _check_structural_tag(self.structural_tag)
+            check_structural_tag(self.structural_tag, "structured_outputs.structural_tag")
         if self.whitespace_pattern is not None:
             if not isinstance(self.whitespace_pattern, str) or not self.whitespace_pattern:
                 raise ValueError("structured_outputs.whitespace_pattern must be a non-empty "
@@ -130,10 +130,9 @@ class StructuredOutputsParams:
                     None)
 
 
-def _check_structural_tag(value: Any) -> None:
-    """Raises ValueError naming what is wrong with a `structural_tag` (its schemas are
-    checked when they compile)."""
-    where = "structured_outputs.structural_tag"
+def check_structural_tag(value: Any, where: str) -> None:
+    """Raises ValueError naming what is wrong with a structural tag given as `where` (its
+    schemas are checked when they compile)."""
     if isinstance(value, str):
         try:
             value = _json.loads(value)

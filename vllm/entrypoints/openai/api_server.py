@@ -409,7 +409,7 @@ def _add_responses_routes(app: FastAPI, responses: OpenAIServingResponses) -> No
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> Response:
-        responses.store.delete(response_id)
+        responses.delete(response_id)
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
 

@@ -8,13 +8,14 @@ from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 from fastapi import UploadFile
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vllm.sampling_params import (
     BeamSearchParams,
     RequestOutputKind,
     SamplingParams,
     StructuredOutputsParams,
+    check_structural_tag,
 )
 
 
@@ -91,8 +92,28 @@ class JsonSchemaResponseFormat(OpenAIBaseModel):
 
 
 class ResponseFormat(OpenAIBaseModel):
-    type: Literal["text", "json_object", "json_schema"]
+    """OpenAI's text, json_object and json_schema, and vLLM's structural_tag: free text in
+    which each trigger starts one of the structures, `{"type": "structural_tag",
+    "structures": [{"begin", "schema", "end"}], "triggers": [...]}` (see
+    `StructuredOutputsParams.structural_tag`). A field of another type is refused."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaResponseFormat | None = None
+    structures: list[Any] | None = None
+    triggers: list[Any] | None = None
+    # The newer structural-tag form: declared only to be refused by name, with the reason.
+    format: Any = None
+
+    @model_validator(mode="after")
+    def _fields_of_its_type(self) -> ResponseFormat:
+        own = {"json_schema": ("json_schema",), "structural_tag": ("structures", "triggers",
+                                                                  "format")}
+        foreign = [name for name in ("json_schema", "structures", "triggers", "format")
+                   if getattr(self, name) is not None and name not in own.get(self.type, ())]
+        if foreign:
+            raise ValueError(f"response_format of type {self.type!r} takes no "
+                             f"{', '.join(foreign)}.")
+        return self
 
 
 class SamplingRequest(OpenAIBaseModel):
@@ -268,6 +289,10 @@ class SamplingRequest(OpenAIBaseModel):
 def _response_format_params(response_format: ResponseFormat) -> StructuredOutputsParams:
     if response_format.type == "json_object":
         return StructuredOutputsParams(json_object=True)
+    if response_format.type == "structural_tag":
+        tag = response_format.model_dump(exclude={"json_schema"}, exclude_none=True)
+        check_structural_tag(tag, "response_format")
+        return StructuredOutputsParams(structural_tag=tag)
     spec = response_format.json_schema
     if spec is None or spec.json_schema is None:
         raise ValueError('response_format of type "json_schema" needs json_schema.schema.')

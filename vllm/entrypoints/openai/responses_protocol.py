@@ -151,7 +151,7 @@ class ResponseObject(OpenAIBaseModel):
     object: Literal["response"] = "response"
     created_at: int = Field(default_factory=lambda: int(time.time()))
     completed_at: int | None = None
-    status: Literal["completed", "failed", "in_progress", "incomplete"] = "in_progress"
+    status: Literal["completed", "failed", "in_progress", "incomplete", "cancelled"] = "in_progress"
     error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None
     model: str

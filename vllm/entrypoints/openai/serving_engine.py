@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from vllm.entrypoints.errors import OpenAIError
 from vllm.entrypoints.openai.protocol import (
@@ -23,6 +23,8 @@ from vllm.v1.engine.async_llm import AsyncLLM, RequestStream
 
 if TYPE_CHECKING:
     from vllm.entrypoints.openai.serving_models import ServedLoRAs
+
+T = TypeVar("T")
 
 
 def error_response(error: OpenAIError) -> ErrorResponse:
@@ -112,6 +114,36 @@ async def merge_async_iterators(*iterators: AsyncGenerator[Any, None]
         for it in iterators:
             if hasattr(it, "aclose"):
                 await it.aclose()
+
+
+async def run_until(work: Awaitable[T], stop: asyncio.Event) -> T | None:
+    """`work`'s result; None if `stop` is set first, the work then cancelled (a generation
+    it awaits is aborted). Cancelling this cancels the work too."""
+    task = asyncio.ensure_future(work)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait([task, stopped], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    return None if task.cancelled() else task.result()
+
+
+async def iterate_until(items: AsyncIterator[T], stop: asyncio.Event
+                        ) -> AsyncGenerator[T, None]:
+    """`items` (never None) until `stop` is set: a read still waiting then is cancelled
+    (the iterator ends there, as a generator that a cancellation reached does)."""
+    while not stop.is_set():
+        try:
+            item = await run_until(anext(items), stop)
+        except StopAsyncIteration:
+            return
+        if item is None and stop.is_set():
+            return
+        assert item is not None
+        yield item
 
 
 # No tokenizer we support packs more characters than this into one token.

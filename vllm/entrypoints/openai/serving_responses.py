@@ -20,11 +20,13 @@ object or its event stream:
 Stored responses (`store`, on by default as with OpenAI) keep their conversation without
 the instructions (OpenAI does not carry instructions over to a continuation) in a bounded
 in-memory LRU; `GET /v1/responses/{id}` reads them back, and while one is generated shows
-it as it stands (status "in_progress").
+it as it stands (status "in_progress"); `DELETE` forgets one, or stops one being generated
+(status "cancelled", never stored).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -65,6 +67,7 @@ from vllm.entrypoints.openai.responses_protocol import (
     TextDoneEvent,
 )
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from vllm.entrypoints.openai.serving_engine import iterate_until, run_until
 
 logger = logging.getLogger(__name__)
 
@@ -428,14 +431,17 @@ class EventWriter:
                                                 delta=delta)))
         return events
 
-    def _close(self) -> list[StreamEvent]:
+    def _close(self, cut: bool = False) -> list[StreamEvent]:
+        """Closes the open item: "incomplete" if `cut` (the response stopped) or it is text
+        cut by the token limit, else "completed"."""
         item, self.open = self.open, None
         if item is None:
             return []
         index = self._index(item)
         events: list[StreamEvent] = []
-        item.status = "incomplete" if self.finish_reason == "length" \
-            and isinstance(item, OutputMessage) else "completed"
+        item.status = "incomplete" if cut or (self.finish_reason == "length"
+                                              and isinstance(item, OutputMessage)) \
+            else "completed"
         if isinstance(item, OutputMessage):
             part = item.content[0]
             events.append(self.event(TextDoneEvent(item_id=item.id, output_index=index,
@@ -461,6 +467,13 @@ class EventWriter:
         events += self._close()
         finish(self.response, self.finish_reason)
         return [*events, self.lifecycle(self.response.status)]
+
+    def cancel(self) -> list[StreamEvent]:
+        """Closes the open item as it stands; the last event: response.failed, the response
+        "cancelled" (deleted while it streamed; the stream has no event of its own for it)."""
+        events = self._close(cut=True)
+        self.response.status = "cancelled"
+        return [*events, self.lifecycle("failed")]
 
     def fail(self, error: Exception) -> list[StreamEvent]:
         message = error.message if isinstance(error, OpenAIError) else str(error)
@@ -508,6 +521,7 @@ class OpenAIServingResponses:
         # Responses being generated that will be stored, by id: `retrieve` shows them as
         # they stand (status "in_progress", the output so far).
         self.in_flight: dict[str, ResponseObject] = {}
+        self.deleting: dict[str, asyncio.Event] = {}  # their `delete` events, by id
 
     def start(self, request: ResponsesRequest) -> StartedResponse:
         history: list[dict[str, Any]] = []
@@ -540,10 +554,13 @@ class OpenAIServingResponses:
             result = await self.chat.create_chat_completion(started.chat)
             assert not isinstance(result, ChatCompletionResponse)
             return self._stream(started, result)
-        with self._generating(started.response):
-            result = await self.chat.create_chat_completion(started.chat)
-        assert isinstance(result, ChatCompletionResponse)
         response = started.response
+        with self._generating(response) as deleted:
+            result = await run_until(self.chat.create_chat_completion(started.chat), deleted)
+        if result is None:  # deleted while it was generated: stopped, and not stored
+            response.status = "cancelled"
+            return response
+        assert isinstance(result, ChatCompletionResponse)
         response.output = output_items(result)
         response.usage = response_usage(result.usage)
         finish(response, result.choices[0].finish_reason)
@@ -553,34 +570,42 @@ class OpenAIServingResponses:
     async def _stream(self, started: StartedResponse, chat_events: AsyncGenerator[str, None]
                       ) -> AsyncGenerator[str, None]:
         writer = EventWriter(started.response)
-        with self._generating(started.response):
+        with self._generating(started.response) as deleted:
             yield sse_event(writer.lifecycle("created"))
             yield sse_event(writer.lifecycle("in_progress"))
             async with aclosing(chat_events):
                 try:
-                    async for chunk in chat_chunks(chat_events):
+                    async for chunk in iterate_until(chat_chunks(chat_events), deleted):
                         for event in writer.feed(chunk):
                             yield sse_event(event)
                 except Exception as e:
                     for event in writer.fail(e):
                         yield sse_event(event)
                     return
+            if deleted.is_set():  # stopped, and not stored
+                for event in writer.cancel():
+                    yield sse_event(event)
+                return
             for event in writer.end():
                 yield sse_event(event)
             self._keep(writer.response, started.conversation)
 
     @contextmanager
-    def _generating(self, response: ResponseObject) -> Iterator[None]:
-        """Shows a response that will be stored to `retrieve` while it is generated (until it
-        is stored, fails, or its client goes away)."""
+    def _generating(self, response: ResponseObject) -> Iterator[asyncio.Event]:
+        """Shows a response that will be stored to `retrieve` and `delete` while it is
+        generated (until it is stored, fails, or its client goes away); yields the event
+        that `delete` sets to stop it."""
+        deleted = asyncio.Event()
         if not response.store:
-            yield
+            yield deleted
             return
         self.in_flight[response.id] = response
+        self.deleting[response.id] = deleted
         try:
-            yield
+            yield deleted
         finally:
             self.in_flight.pop(response.id, None)
+            self.deleting.pop(response.id, None)
 
     def _keep(self, response: ResponseObject, conversation: list[dict[str, Any]]) -> None:
         if response.store:
@@ -592,3 +617,14 @@ class OpenAIServingResponses:
         if response is not None:
             return response.model_copy(deep=True)
         return self.store.get(response_id)[0]
+
+    def delete(self, response_id: str) -> None:
+        """Deletes a stored response; one being generated is stopped (its engine request
+        aborted) and never stored: a stream then ends with the response "cancelled", a
+        request waiting for the whole response gets it "cancelled". Raises a 404
+        OpenAIError for an unknown id."""
+        if response_id in self.deleting:
+            self.deleting.pop(response_id).set()
+            self.in_flight.pop(response_id, None)
+            return
+        self.store.delete(response_id)

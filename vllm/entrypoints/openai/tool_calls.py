@@ -71,9 +71,9 @@ def check_tool_request(request: ChatCompletionRequest, tool_parser: str | None) 
         if strict and ToolParserManager.get_tool_parser(tool_parser).call_form(strict[0]) \
                 is None:
             raise OpenAIError(f"tools {strict} set strict=true, which tool_choice \"auto\" "
-                              f"cannot enforce with --tool-call-parser {tool_parser} (its "
-                              "calls have no tagged form amid text; hermes has one): use "
-                              "tool_choice \"required\" or a named function.")
+                              f"cannot enforce with --tool-call-parser {tool_parser} (it "
+                              "gives no form of a call amid text): use tool_choice "
+                              "\"required\" or a named function.")
 
 
 def _describe(choice: Any) -> str:

@@ -4,11 +4,18 @@
     {"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": ...}
 
 Any other output is all content. `arguments` is accepted in place of `parameters`.
+
+Strict tools under tool_choice "auto" constrain each call to `call_form`'s shape (as Llama
+3.1's template renders one, Jinja's tojson: ", " and ": "). The grammar lets text come
+before a call, but a call is only read at the start of the output, as here.
 """
 
 from __future__ import annotations
 
+import json
+
 from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
+    CallForm,
     ParsedToolText,
     PartialToolCall,
     ToolParser,
@@ -21,6 +28,10 @@ PYTHON_TAG = "<|python_tag|>"
 
 class Llama3JsonToolParser(ToolParser):
     arguments_keys = ("parameters", "arguments")
+
+    @classmethod
+    def call_form(cls, name: str) -> CallForm:
+        return CallForm('{"name": ', f'{{"name": {json.dumps(name)}, "parameters": ', "}")
 
     def parse(self, text: str, final: bool) -> ParsedToolText:
         i = skip_whitespace(text, 0)
