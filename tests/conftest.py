@@ -92,6 +92,18 @@ def default_model_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def tool_server(default_model_path: str):
+    """The default model served with the hermes tool template and parser and prompt embeds
+    (`TOOL_SERVER_ARGS`), shared by the client-API modules (chat tools, Responses, LangChain
+    and instructor): one start-up for all three."""
+    from tests.server_utils import TOOL_SERVER_ARGS, RemoteServer
+
+    srv = RemoteServer(default_model_path, TOOL_SERVER_ARGS)
+    yield srv
+    assert srv.stop() == 0, srv.final_log
+
+
+@pytest.fixture(scope="session")
 def avx2_build(tmp_path_factory: pytest.TempPathFactory):
     """The GGUF block layer's ops (gguf_mm.cpp, moe.cpp) built alone for AVX2
     (-march=haswell: no AVX-512), so that an AVX-512 machine runs the form an AVX2-only one

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import torch
@@ -24,6 +25,14 @@ import vllm
 GRAPHS_ENGINE_ARGS = ["--dtype", "float32", "--kv-cache-memory-bytes", "64MiB",
                       "--max-model-len", "512", "--seed", "0"]
 SMALL_ENGINE_ARGS = [*GRAPHS_ENGINE_ARGS, "--enforce-eager"]
+# The default model served with the hermes tool template and parser, as the client-API test
+# modules (chat tools, Responses, LangChain / instructor) share it (conftest's `tool_server`).
+TOOL_MODEL = "smollm2"
+HERMES_TEMPLATE = Path(__file__).parent.parent / "examples" / "tool_chat_template_hermes.jinja"
+TOOL_SERVER_ARGS = ["--served-model-name", TOOL_MODEL, "--chat-template", str(HERMES_TEMPLATE),
+                    "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                    "--enable-prompt-embeds", *SMALL_ENGINE_ARGS, "--max-model-len", "1024",
+                    "--kv-cache-memory-bytes", "128MiB"]
 STARTUP_TIMEOUT_S = 180.0
 
 

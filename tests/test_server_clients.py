@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,13 +19,12 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.server_utils import SMALL_ENGINE_ARGS, RemoteServer
+from tests.server_utils import TOOL_MODEL, RemoteServer
 
 # End to end (engines or servers): left out of `make test-fast`.
 pytestmark = pytest.mark.slow
 
-TEMPLATE = Path(__file__).parent.parent / "examples" / "tool_chat_template_hermes.jinja"
-MODEL = "smollm2"
+MODEL = TOOL_MODEL
 WEATHER_SCHEMA: dict[str, Any] = {
     "type": "object", "properties": {
         "city": {"type": "string", "maxLength": 16},
@@ -50,13 +48,8 @@ CITY_PROMPT = "Describe Paris as JSON: its name, country and population in milli
 
 
 @pytest.fixture(scope="module")
-def server(default_model_path: str):
-    srv = RemoteServer(default_model_path, [
-        "--served-model-name", MODEL, "--chat-template", str(TEMPLATE),
-        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-        *SMALL_ENGINE_ARGS, "--max-model-len", "1024", "--kv-cache-memory-bytes", "128MiB"])
-    yield srv
-    assert srv.stop() == 0, srv.final_log
+def server(tool_server: RemoteServer) -> RemoteServer:
+    return tool_server  # one server for the client-API modules (conftest)
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +60,11 @@ def client(server: RemoteServer) -> openai.OpenAI:
 def chat_model(server: RemoteServer, **kwargs: Any) -> Any:
     """LangChain's ChatOpenAI on this server: only base_url (and the model) set, greedy."""
     from langchain_openai import ChatOpenAI
+    from pydantic import SecretStr
 
     kwargs = {"temperature": 0.0, "max_tokens": 24, **kwargs}
-    return ChatOpenAI(model=MODEL, base_url=f"{server.url}/v1", api_key="x", max_retries=0,
-                      timeout=120, **kwargs)
+    return ChatOpenAI(model=MODEL, base_url=f"{server.url}/v1", api_key=SecretStr("x"),
+                      max_retries=0, timeout=120, **kwargs)
 
 
 # ---- LangChain -----------------------------------------------------------------------------

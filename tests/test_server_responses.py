@@ -9,7 +9,6 @@ same prompt tokens and, greedy, the same text. One server for the module."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,7 +17,7 @@ import openai
 import pytest
 
 from tests.server_utils import (
-    SMALL_ENGINE_ARGS,
+    TOOL_MODEL,
     RemoteServer,
     encode_tensor,
     scrape_metrics,
@@ -29,8 +28,7 @@ from tests.test_server_chat_embeds import embed, tokenizer  # noqa: F401 (fixtur
 # End to end (engines or servers): left out of `make test-fast`.
 pytestmark = pytest.mark.slow
 
-TEMPLATE = Path(__file__).parent.parent / "examples" / "tool_chat_template_hermes.jinja"
-MODEL = "smollm2"
+MODEL = TOOL_MODEL
 WEATHER_SCHEMA: dict[str, Any] = {
     "type": "object", "properties": {
         "city": {"type": "string", "maxLength": 16},
@@ -43,13 +41,8 @@ ASK = "What is the weather in Paris?"
 
 
 @pytest.fixture(scope="module")
-def server(default_model_path: str):
-    srv = RemoteServer(default_model_path, [
-        "--served-model-name", MODEL, "--chat-template", str(TEMPLATE),
-        "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-prompt-embeds",
-        *SMALL_ENGINE_ARGS, "--max-model-len", "1024", "--kv-cache-memory-bytes", "128MiB"])
-    yield srv
-    assert srv.stop() == 0, srv.final_log
+def server(tool_server: RemoteServer) -> RemoteServer:
+    return tool_server  # one server for the client-API modules (conftest)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,7 +17,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server_utils import SMALL_ENGINE_ARGS, RemoteServer
+from tests.server_utils import HERMES_TEMPLATE, TOOL_MODEL, RemoteServer
 from tests.test_server_responses import (
     SHOWN_CALLS,
     check_tool_then_answer,
@@ -34,8 +33,8 @@ from vllm.transformers_utils.tokenizer import get_tokenizer
 # End to end (engines or servers): left out of `make test-fast`.
 pytestmark = pytest.mark.slow
 
-TEMPLATE = Path(__file__).parent.parent / "examples" / "tool_chat_template_hermes.jinja"
-MODEL = "smollm2"
+TEMPLATE = HERMES_TEMPLATE
+MODEL = TOOL_MODEL
 
 WEATHER: dict[str, Any] = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city.",
@@ -62,13 +61,8 @@ SHOWN = [message for i, city in enumerate(["Rome", "Lima", "Cairo"]) for message
 
 
 @pytest.fixture(scope="module")
-def server(default_model_path: str):
-    srv = RemoteServer(default_model_path, [
-        "--served-model-name", MODEL, "--chat-template", str(TEMPLATE),
-        "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enforce-eager",
-        *SMALL_ENGINE_ARGS, "--max-model-len", "1024", "--kv-cache-memory-bytes", "128MiB"])
-    yield srv
-    assert srv.stop() == 0, srv.final_log
+def server(tool_server: RemoteServer) -> RemoteServer:
+    return tool_server  # one server for the client-API modules (conftest)
 
 
 @pytest.fixture(scope="module")
