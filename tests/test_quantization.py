@@ -1,5 +1,7 @@
-"""`quantization="int8"`: exact quantizer examples, batch independence, and the drift of the
-default model against its unquantized self (numbers in the README)."""
+"""`quantization="int8"`: exact quantizer examples, the kernel each processor takes (torch's
+int8 GEMM with VNNI or AMX, Q8_0 blocks through `gguf_mm` without), batch independence, and
+the drift of the default model against its unquantized self in both forms (numbers in
+docs/speed.md)."""
 
 from __future__ import annotations
 
@@ -10,10 +12,20 @@ from torch import nn
 from tests.quant_drift import greedy_runs, measure_drift
 from vllm.engine.arg_utils import EngineArgs
 from vllm.model_executor.layers.quantization import Int8Linear
+from vllm.model_executor.layers.quantization.gguf_blocks import (
+    GGUFBlockLinear,
+    gguf_mm_available,
+)
 from vllm.model_executor.layers.quantization.int8 import (
+    FORM_ENV,
+    int8_form,
+    int8_kernel,
     quantize_per_channel,
     quantize_per_token,
 )
+
+FORMS = ["int_mm", pytest.param("q8_0", marks=pytest.mark.skipif(
+    not gguf_mm_available(), reason="Q8_0 int8 needs gguf_mm (AVX2 with FMA and F16C)"))]
 
 
 def test_quantize_per_channel_example() -> None:
@@ -42,10 +54,47 @@ def test_int8_linear_is_close_to_the_float_linear_and_batch_independent() -> Non
         assert torch.equal(quantized(x[i:i + 1]), y[i:i + 1])
 
 
+@pytest.mark.skipif(not gguf_mm_available(), reason="gguf_mm not built on this CPU")
+def test_int8_form_follows_the_processor(monkeypatch) -> None:
+    monkeypatch.delenv(FORM_ENV, raising=False)
+    avx2 = frozenset({"avx2", "fma", "f16c"})
+    assert int8_form(576, False, avx2) == "q8_0"  # torch's int8 GEMM: a reference loop
+    for dot in ("avx512_vnni", "avx_vnni", "amx_int8"):
+        assert int8_form(576, False, avx2 | {dot}) == "int_mm"
+    assert int8_form(576, True, avx2) == "int_mm"  # a row-parallel shard
+    assert int8_form(48, False, avx2) == "int_mm"  # not whole blocks of 32
+    monkeypatch.setenv(FORM_ENV, "int_mm")
+    assert int8_form(576, False, avx2) == "int_mm"
+    monkeypatch.setenv(FORM_ENV, "q8_0")
+    assert int8_form(576, False, avx2 | {"avx512_vnni"}) == "q8_0"
+    monkeypatch.setenv(FORM_ENV, "fast")
+    with pytest.raises(ValueError, match="VLLM_CPU_INT8_FORM='fast'"):
+        int8_form(576, False, avx2)
+
+
+@pytest.mark.skipif(not gguf_mm_available(), reason="gguf_mm not built on this CPU")
+def test_q8_0_int8_is_close_to_the_float_linear_and_batch_independent(monkeypatch) -> None:
+    monkeypatch.setenv(FORM_ENV, "q8_0")
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48)
+    x = torch.randn(5, 64)
+    x[2] *= 100
+    quantized, name = int8_kernel(linear)
+    assert isinstance(quantized, GGUFBlockLinear) and name == "int8 as Q8_0"
+    y = quantized(x)
+    ref = linear(x).detach()
+    assert torch.allclose(y, ref, rtol=0.02, atol=0.02 * ref.abs().max().item())
+    for i in range(5):
+        assert torch.equal(quantized(x[i:i + 1]), y[i:i + 1])
+
+
+@pytest.mark.parametrize("form", FORMS)
 def test_int8_applies_to_every_linear_layer_but_the_vocabulary_projection(
-        tiny_llama_dir) -> None:
+        tiny_llama_dir, form, monkeypatch) -> None:
     from vllm import LLM
     from vllm.model_executor.layers.linear import LinearBase
+
+    monkeypatch.setenv(FORM_ENV, form)
 
     llm = LLM(tiny_llama_dir, dtype="float32", quantization="int8", enforce_eager=True,
               kv_cache_memory_bytes=8 * 1024**2, max_model_len=64)
@@ -53,7 +102,8 @@ def test_int8_applies_to_every_linear_layer_but_the_vocabulary_projection(
     kernels = {name: type(m.kernel) for name, m in model.named_modules()
                if isinstance(m, LinearBase)}
     assert kernels.pop("lm_head") is type(None)
-    assert kernels and set(kernels.values()) == {Int8Linear}
+    assert kernels and set(kernels.values()) == {
+        Int8Linear if form == "int_mm" else GGUFBlockLinear}
     assert model.layers[0].self_attn.qkv_proj.weight is None  # the int8 copy replaced it
 
 
@@ -67,12 +117,15 @@ def test_engine_args_check_quantization(tiny_llama_dir) -> None:
 
 
 @pytest.mark.slow
-def test_int8_drift_on_the_default_model_is_bounded(default_model_path) -> None:
+@pytest.mark.parametrize("form", FORMS)
+def test_int8_drift_on_the_default_model_is_bounded(default_model_path, form,
+                                                    monkeypatch) -> None:
     """Bounds measured drift with a margin (README: 'Quantized weights'): per-token int8
     activations are the main source; a broken kernel would share no prefix at all. Where
     greedy paths part is decided by near-ties, so the prefix moves with the CPU's float
     rounding: 12 prompts gave a mean prefix of 4.83 (logprob diff mean 0.105, max 0.53) on
     an AVX2-only CPU, more on the AVX-512 one; the logprob bounds are the tighter check."""
+    monkeypatch.setenv(FORM_ENV, form)
     reference = greedy_runs(default_model_path, 16, dtype="float32")
     candidate = greedy_runs(default_model_path, 16, dtype="float32", quantization="int8")
     drift = measure_drift(reference, candidate, first_n=4)

@@ -39,7 +39,7 @@ from vllm.distributed import (
     tensor_model_parallel_all_reduce,
 )
 from vllm.distributed.utils import divide, kv_head_start, kv_heads_per_rank
-from vllm.model_executor.layers.quantization.int8 import Int8Linear
+from vllm.model_executor.layers.quantization.int8 import Int8Linear, int8_kernel
 
 if TYPE_CHECKING:
     from vllm.model_executor.layers.quantization.gguf_blocks import QuantGemvWeights
@@ -148,9 +148,9 @@ class LinearBase(nn.Module):
                                in_features=self.in_features, out_features=self.out_features)
         codes, self._codes = self._codes, []
         if quantization == "int8" and self.quantizable:
-            self.kernel = Int8Linear(view, self.int8_weight_absmax())
+            self.kernel, name = int8_kernel(view, self.int8_weight_absmax())
             self.weight = None  # the int8 copy replaces it
-            return "int8"
+            return name
         dense: nn.Module | None = PackedLinear(view) if pack else None
         if codes and quantization == "gguf":
             kernel = self._gguf_kernel([c for _, c in sorted(codes, key=lambda p: p[0])],
