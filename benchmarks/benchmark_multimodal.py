@@ -12,7 +12,14 @@ images, same sizes), the way it ran before the requests of a step shared one enc
     python benchmarks/benchmark_multimodal.py --num-requests 16 --max-tokens 16
 """
 
+# ruff: noqa: I001
 from __future__ import annotations
+
+# vllm first: it sets how OpenMP threads wait for work before torch loads libgomp
+# (vllm/platforms/openmp.py). Imported after torch, the engine and transformers both ran
+# with libgomp's long default spin, and on a shared machine every small op of a decode step
+# waited for a preempted thread (decode steps of 64 requests 6-10x slower).
+import vllm  # noqa: F401
 
 import argparse
 import tempfile

@@ -19,6 +19,7 @@ from vllm.v1.core.kv_cache_utils import make_block_hasher
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EncoderInput, EngineCoreRequest
+from vllm.v1.engine.media_rows import MediaRows
 from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output.manager import StructuredOutputManager
@@ -102,8 +103,10 @@ def make_scheduler(
     prompt_embeds_batching: str = "mixed",
     max_num_encoder_input_tokens: int = 2048,
     structured_output_manager: StructuredOutputManager | None = None,
+    media: MediaRows | None = None,
 ) -> Scheduler:
-    """A `Scheduler` on a `num_blocks`-block pool (block 0 is the null block)."""
+    """A `Scheduler` on a `num_blocks`-block pool (block 0 is the null block); `media`:
+    the media stage of a model that takes images or audio."""
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
@@ -115,7 +118,7 @@ def make_scheduler(
     cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks,
                                enable_prefix_caching=enable_prefix_caching)
     return Scheduler(scheduler_config, cache_config,
-                     structured_output_manager=structured_output_manager)
+                     structured_output_manager=structured_output_manager, media=media)
 
 
 def make_runner_output(

@@ -53,10 +53,11 @@ def media_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def llm(llava_dir, media_dir):
     # 24-token steps: a prompt with two images (32 image positions) is prefilled in chunks,
-    # and image runs cross chunk and block boundaries.
+    # and image runs cross chunk and block boundaries; three images encoded per step.
     engine = LLM(llava_dir, dtype="float32", max_model_len=256, enforce_eager=True,
                  kv_cache_memory_bytes=16 * 1024**2, block_size=16,
                  max_num_batched_tokens=24, enable_chunked_prefill=True,
+                 max_num_encoder_input_tokens=3 * IMAGE_TOKENS,
                  enable_prefix_caching=True, limit_mm_per_prompt={"image": 2},
                  enable_mm_embeds=True, allowed_local_media_path=media_dir,
                  allowed_media_domains=["127.0.0.1"])
@@ -328,6 +329,31 @@ def test_images_arriving_together_share_one_encoder_call(llm, hf, monkeypatch) -
     assert calls == [3]
     for output, image in zip(outputs, images, strict=True):
         assert list(output.outputs[0].token_ids) == hf_greedy(hf, PROMPT, [image])[1]
+
+
+def test_a_burst_under_a_small_encoder_budget_equals_transformers(llm, hf,
+                                                                  monkeypatch) -> None:
+    """An encoder budget of one image a step: a burst of four requests (one with two images,
+    over the budget: encoded alone, never split) is encoded one request a step, each image
+    once, and every request answers as transformers does."""
+    core = llm.llm_engine.engine_core
+    monkeypatch.setattr(core.scheduler.config, "max_num_encoder_input_tokens", IMAGE_TOKENS)
+    stage = core.media_rows
+    calls: list[int] = []
+
+    def counted(modality, pixels):
+        calls.append(len(pixels))
+        return embed(modality, pixels)
+
+    embed = stage.embed
+    monkeypatch.setattr(stage, "embed", counted)
+    cases = [(PROMPT, [random_image(70)]), (TWO, [random_image(71), random_image(72)]),
+             (PROMPT, [random_image(73)]), (PROMPT, [random_image(74)])]
+    outputs = llm.generate([{"prompt": text, "multi_modal_data": {"image": images}}
+                            for text, images in cases], _greedy(), use_tqdm=False)
+    assert calls == [1, 2, 1, 1]
+    for output, (text, images) in zip(outputs, cases, strict=True):
+        assert list(output.outputs[0].token_ids) == hf_greedy(hf, text, images)[1]
 
 
 def test_encoder_failure_fails_only_its_request(llm, hf, monkeypatch) -> None:

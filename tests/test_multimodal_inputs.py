@@ -214,7 +214,7 @@ def test_pending_requests_share_one_encoder_batch() -> None:
         request.request_id = request_id
         stage.admit(request)
     stage.drop(["b"])  # aborted before the step
-    filled, failed = stage.fill_pending()
+    filled, failed = stage.take(list(stage.pending))
     assert filled == [first, second] and failed == [] and stage.pending == []
     assert encoder.calls == [2, 1]  # images 1, 2 | 3: batches of at most max_batch, each once
     assert aborted.prompt_embeds is None
@@ -232,11 +232,11 @@ def test_a_failing_batch_fails_only_the_request_that_breaks_it() -> None:
     good, bad, other = _request(_input(1)), _request(_input(6)), _request(_input(2))
     for request in (good, bad, other):
         stage.admit(request)
-    filled, failed = stage.fill_pending()
-    assert filled == [good, other] and failed == [bad]
+    filled, failed = stage.take(list(stage.pending))
+    assert filled == [good, other] and failed == [bad] and stage.pending == []
     assert bad.prompt_embeds is None and bad.mm_inputs is not None
     stage.admit(bad)
-    assert stage.fill_pending() == ([], [bad])
+    assert stage.take([bad]) == ([], [bad])
 
 
 def test_image_rows_cache_is_bounded_lru() -> None:

@@ -12,7 +12,7 @@ from vllm.lora.request import LoRARequest
 from vllm.utils import cdiv
 from vllm.v1.core.kv_cache_groups import blocks_needed
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
 from vllm.v1.engine.media_rows import MediaRows
 from vllm.v1.executor.abstract import Executor, ExecutorDeadError
 from vllm.v1.request import RequestStatus
@@ -44,13 +44,15 @@ class EngineCore:
             self.model_executor.shutdown()
             raise
         self.structured_output_manager = _structured_output_manager(vllm_config, grammar_compiler)
-        self.scheduler = Scheduler(vllm_config.scheduler_config, vllm_config.cache_config,
-                                   vllm_config.model_config.kv_cache_groups,
-                                   self.structured_output_manager)
-        # adapter id -> the fingerprint of its files when the workers read them
-        self._recent_loras: OrderedDict[int, bytes] = OrderedDict()
+        # The media stage: requests with images or audio wait there for their rows; the
+        # scheduler picks them within its per-step encoder budget.
         self.media_rows = (MediaRows(self.model_executor.embed_media)
                            if vllm_config.model_config.is_multimodal_model else None)
+        self.scheduler = Scheduler(vllm_config.scheduler_config, vllm_config.cache_config,
+                                   vllm_config.model_config.kv_cache_groups,
+                                   self.structured_output_manager, self.media_rows)
+        # adapter id -> the fingerprint of its files when the workers read them
+        self._recent_loras: OrderedDict[int, bytes] = OrderedDict()
 
     def _initialize_kv_cache(self) -> None:
         """Sizes the KV cache from the workers' free memory and allocates it there; refuses
@@ -78,25 +80,10 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         if request.lora_request is not None:
             request.lora_fingerprint = self._preload_lora(request.lora_request)
-        if request.mm_inputs:
-            if self.media_rows is None:
-                raise ValueError(f"{self.vllm_config.model_config.architecture} takes no "
-                                 "images or audio.")
-            self.media_rows.admit(request)  # scheduled at the next step, its rows filled
-            return
+        if request.mm_inputs and self.media_rows is None:
+            raise ValueError(f"{self.vllm_config.model_config.architecture} takes no "
+                             "images or audio.")
         self.scheduler.add_request(request)
-
-    def _admit_media_requests(self) -> list[EngineCoreOutput]:
-        """The requests with media that arrived since the last step: their rows from one
-        encoder batch per modality, then to the scheduler as mixed ids/embeds prompts; those
-        whose item failed the encoder finish with FinishReason.ERROR."""
-        if self.media_rows is None or not self.media_rows.pending:
-            return []
-        filled, failed = self.media_rows.fill_pending()
-        for request in filled:
-            self.scheduler.add_request(request)
-        return [EngineCoreOutput(r.request_id, [], finish_reason=FinishReason.ERROR)
-                for r in failed]
 
     def _preload_lora(self, lora_request: LoRARequest) -> bytes:
         """Reads an adapter into the workers' CPU caches when its first request arrives,
@@ -132,8 +119,6 @@ class EngineCore:
         return self.model_executor.remove_lora(lora_int_id)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        if self.media_rows is not None:
-            self.media_rows.drop(request_ids)
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def stop_requests(self, request_ids: list[str]) -> None:
@@ -142,9 +127,8 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
 
     def step(self) -> EngineCoreOutputs:
-        failed = self._admit_media_requests()
-        if failed or not self.scheduler.has_requests():
-            return EngineCoreOutputs(failed, scheduler_stats=self.scheduler.make_stats())
+        if not self.scheduler.has_requests():
+            return EngineCoreOutputs([], scheduler_stats=self.scheduler.make_stats())
         scheduler_output = self.scheduler.schedule()
         try:
             model_output = self.model_executor.execute_model(scheduler_output)
@@ -158,14 +142,11 @@ class EngineCore:
         return self.scheduler.update_from_output(scheduler_output, model_output)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._has_pending_media()
+        return self.scheduler.has_unfinished_requests()
 
     def has_requests(self) -> bool:
         """Unfinished requests, or finished ones whose state the runner still holds."""
-        return self.scheduler.has_requests() or self._has_pending_media()
-
-    def _has_pending_media(self) -> bool:
-        return self.media_rows is not None and bool(self.media_rows.pending)
+        return self.scheduler.has_requests()
 
     def get_state(self) -> dict[str, int | float]:
         """What the scheduler and the runner hold now (leak checks)."""

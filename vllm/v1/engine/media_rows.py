@@ -1,12 +1,11 @@
-"""The engine core's media stage: before a request with images or audio reaches the
-scheduler, its placeholder runs get their rows from the model's encoder (the vision tower,
-or the audio tower; run on the workers, one batch per modality for the requests that arrived
-since the last step), through an encoder cache keyed by each item's content hash (or, for
-image embeddings, from the user). After this stage the
-request is a mixed token/embeds prompt like any other (`prompt_token_ids` +
-`prompt_is_token_ids` + `prompt_embeds`): the scheduler, KV cache, prefix cache (which hashes
-rows by their bytes) and graphs see nothing new, and a preempted request keeps its rows (no
-encoder rerun).
+"""The media stage: a request with images or audio waits here until the scheduler picks it
+within its per-step encoder budget; then its placeholder runs get their rows from the model's
+encoder (the vision tower, or the audio tower; run on the workers, one batch per modality for
+the requests picked in that step), through an encoder cache keyed by each item's content hash
+(or, for image embeddings, from the user). After this stage the request is a mixed
+token/embeds prompt like any other (`prompt_token_ids` + `prompt_is_token_ids` +
+`prompt_embeds`): the scheduler, KV cache, prefix cache (which hashes rows by their bytes)
+and graphs see nothing new; chunks and preemptions reuse the rows (no encoder rerun).
 """
 
 from __future__ import annotations
@@ -32,9 +31,10 @@ class MediaRows:
     (LRU over content hashes, bounded by bytes; an output larger than the whole budget is
     used once and not kept).
 
-    Requests that arrive between two engine steps wait here (`admit`); at the next step
-    `fill_pending` runs the encoder once per modality for all their missing items (at most
-    `max_batch` per call), so the tower sees a batch, not one request at a time.
+    Requests wait here (`admit`) until the scheduler picks those that fit its step's encoder
+    budget (`encoder_cost`, `take`); the encoder then runs once per modality for all their
+    missing items (at most `max_batch` per call), so the tower sees a batch, not one
+    request at a time.
 
     Args:
         embed: (modality, each item's `data`) -> each item's rows [num_tokens, hidden] (the
@@ -54,18 +54,41 @@ class MediaRows:
         self.misses = 0
 
     def admit(self, request: EngineCoreRequest) -> None:
-        """Holds a request with media until the next `fill_pending`."""
+        """Holds a request with media until the scheduler picks it (`take`)."""
         self.pending.append(request)
+
+    def holds(self, request_id: str) -> bool:
+        return any(r.request_id == request_id for r in self.pending)
 
     def drop(self, request_ids: list[str]) -> None:
         """Forgets pending requests (aborted before their rows were computed)."""
         gone = set(request_ids)
         self.pending = [r for r in self.pending if r.request_id not in gone]
 
-    def fill_pending(self) -> tuple[list[EngineCoreRequest], list[EngineCoreRequest]]:
-        """Fills every pending request; returns (filled, failed). When the batch fails,
-        each request is tried alone, so only the one whose item breaks the encoder fails."""
-        requests, self.pending = self.pending, []
+    def encoder_cost(self, request: EngineCoreRequest, seen: set[bytes]) -> int:
+        """Encoder input tokens `request` adds to a step whose other items are `seen`
+        (content hashes, updated here): its items neither cached nor already in the step.
+        A cache hit, a repeat and user-given embeddings cost nothing.
+
+        Example: items A (576 positions, cached), B (576) and B again, with `seen` = {}:
+        576, and `seen` becomes {A, B}; a second request of A and B then costs 0."""
+        cost = 0
+        for item in request.mm_inputs or ():
+            key = item.content_hash
+            if key in seen:
+                continue
+            seen.add(key)
+            if item.embeds is None and key not in self._cache:
+                cost += item.num_tokens
+        return cost
+
+    def take(self, requests: list[EngineCoreRequest]
+             ) -> tuple[list[EngineCoreRequest], list[EngineCoreRequest]]:
+        """Fills `requests` (pending ones, in one encoder batch per modality) and stops
+        holding them; returns (filled, failed). When the batch fails, each request is
+        tried alone, so only the one whose item breaks the encoder fails."""
+        taken = {id(r) for r in requests}
+        self.pending = [r for r in self.pending if id(r) not in taken]
         try:
             self.fill(requests)
             return requests, []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from vllm.config import CacheConfig, InputKind, SchedulerConfig
 from vllm.v1.core.kv_cache_groups import KVCacheGroupSpec
@@ -37,6 +38,9 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.spec_decode.metrics import SpecDecodingStats
 from vllm.v1.structured_output.manager import StructuredOutputManager
 
+if TYPE_CHECKING:
+    from vllm.v1.engine.media_rows import MediaRows
+
 __all__ = ["EngineStepError", "Scheduler"]
 
 
@@ -45,7 +49,7 @@ class _Step:
     """What one `schedule()` call has decided so far."""
 
     budget: int
-    encoder_budget: int  # encoder input tokens left this step
+    encoder_budget: int  # encoder input tokens left this step (encoder/decoder inputs, media)
     num_scheduled: dict[str, int] = field(default_factory=dict)  # in scheduling order
     encoder_req_ids: list[str] = field(default_factory=list)  # their encoder runs this step
     new_reqs: list[Request] = field(default_factory=list)
@@ -71,6 +75,12 @@ class Scheduler:
     re-schedules them after a preemption), unless their cross-attention blocks are still
     cached; encoder inputs are never split and count against their own per-step budget.
 
+    Requests with images or audio wait in the media stage (`MediaRows`) until their items
+    fit that same budget (`_encode_media`: items in the encoder cache, or already encoded
+    this step, cost nothing); their rows are then computed in one encoder batch per
+    modality and they join `waiting` as mixed ids/embeds prompts. No token of a request is
+    scheduled before its rows exist, and chunks or preemptions reuse the rows.
+
     A finished request that asked for its hidden states keeps its blocks for one more step:
     the runner reads its rows from the stage-output cache through them (`rows_to_gather`),
     and its final output leaves with those rows. Only then do the blocks go back.
@@ -87,8 +97,11 @@ class Scheduler:
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  kv_cache_groups: list[KVCacheGroupSpec] | None = None,
-                 structured_output_manager: StructuredOutputManager | None = None) -> None:
+                 structured_output_manager: StructuredOutputManager | None = None,
+                 media: MediaRows | None = None) -> None:
         self.config = scheduler_config
+        self.media = media  # None: the model takes no images or audio
+        self.media_failures: list[EngineCoreOutput] = []  # sent with the next outputs
         self.max_model_len = scheduler_config.max_model_len
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
@@ -115,8 +128,17 @@ class Scheduler:
 
     def add_request(self, engine_request: EngineCoreRequest) -> None:
         req_id = engine_request.request_id
-        if req_id in self.requests or req_id in self.beam_search:
+        if (req_id in self.requests or req_id in self.beam_search
+                or (self.media is not None and self.media.holds(req_id))):
             raise ValueError(f"Request id {req_id!r} is already running.")
+        if engine_request.mm_inputs:
+            if self.media is None:
+                raise ValueError("This model takes no images or audio.")
+            self.media.admit(engine_request)  # its rows first (`_encode_media`)
+            return
+        self._enqueue(engine_request)
+
+    def _enqueue(self, engine_request: EngineCoreRequest) -> None:
         if engine_request.sampling_params.beam_search is not None:
             request = self.beam_search.add(engine_request)  # the root beam
         else:
@@ -139,6 +161,8 @@ class Scheduler:
                 continue
             request = self.requests.get(req_id)
             if request is None:
+                if self.media is not None:  # its rows not computed yet: nothing else held
+                    self.media.drop([req_id])
                 continue
             if req_id in self.held_for_rows:  # already finished, rows not yet read
                 if status == RequestStatus.FINISHED_ABORTED:
@@ -187,18 +211,21 @@ class Scheduler:
         del self.requests[request.request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._num_media_pending())
 
     def has_finished_requests(self) -> bool:
         """Finished ids not yet delivered to the runner (it frees their state then), or
         finished requests whose rows it has yet to read."""
-        return bool(self.finished_req_ids or self.held_for_rows)
+        return bool(self.finished_req_ids or self.held_for_rows or self.media_failures)
 
     def has_requests(self) -> bool:
         return self.has_unfinished_requests() or self.has_finished_requests()
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + self._num_media_pending()
+
+    def _num_media_pending(self) -> int:
+        return 0 if self.media is None else len(self.media.pending)
 
     # ---- beam search ----------------------------------------------------------------
 
@@ -257,6 +284,7 @@ class Scheduler:
                      encoder_budget=self.config.max_num_encoder_input_tokens,
                      suspect=self.failure_isolation.next_suspect(self.requests))
         self._resolve_grammars()
+        self._encode_media(step)
         kind = None if step.suspect is not None else self._step_kind()
         self._schedule_running(step, kind)
         if not step.preempted:
@@ -275,6 +303,43 @@ class Scheduler:
         for request in (*step.cached_reqs, *step.new_reqs):
             request.num_computed_tokens += step.num_scheduled[request.request_id]
         return output
+
+    def _encode_media(self, step: _Step) -> None:
+        """Media requests, in arrival order, whose items fit the step's encoder budget get
+        their rows (one encoder batch per modality) and join `waiting`. After the first that
+        does not fit, only those costing nothing (every item cached or already in this
+        step) are taken, so a large image is not overtaken by ever newer small ones. An item
+        is never split: with the budget untouched, the first request is taken whatever its
+        cost. A request whose item fails the encoder finishes with FinishReason.ERROR.
+
+        Example: budget 400, 196 positions an image, pending [A, B, C(A), D, E(A)] with A
+        cached: A costs 0, B 196, C 0, D 196, E 0; all five fit (392). Budget 300: A, B, C,
+        then D (196 > 104) does not fit; E (0) is still taken; D waits for the next step.
+        """
+        media = self.media
+        if media is None or not media.pending:
+            return
+        chosen: list[EngineCoreRequest] = []
+        seen: set[bytes] = set()  # items already in this step's batch (or cached)
+        blocked = False
+        for engine_request in media.pending:
+            step_items = set(seen)
+            cost = media.encoder_cost(engine_request, step_items)
+            untouched = step.encoder_budget == self.config.max_num_encoder_input_tokens
+            if cost and (blocked or (cost > step.encoder_budget and not untouched)):
+                blocked = True
+                continue
+            seen = step_items
+            step.encoder_budget = max(0, step.encoder_budget - cost)
+            chosen.append(engine_request)
+        if not chosen:
+            return
+        filled, failed = media.take(chosen)
+        for engine_request in filled:
+            self._enqueue(engine_request)
+        self.media_failures += [
+            EngineCoreOutput(r.request_id, [], finish_reason=FinishReason.ERROR)
+            for r in failed]
 
     def _schedule_running(self, step: _Step, kind: InputKind | None) -> None:
         """Running requests, oldest first; a request short of blocks preempts the newest."""
@@ -432,6 +497,7 @@ class Scheduler:
                            runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
         outputs = self._release_held(scheduler_output, runner_output)
         outputs += self.structured_output.take_failures()
+        outputs += self._take_media_failures()
         self.failure_isolation.step_ran(len(scheduler_output.num_scheduled_tokens))
         spec_stats = (SpecDecodingStats.new(self.num_spec_tokens)
                       if scheduler_output.scheduled_spec_decode_tokens else None)
@@ -518,7 +584,7 @@ class Scheduler:
             self.kv_cache_manager.uncache_uncomputed(
                 request, request.num_computed_tokens - num_scheduled[req_id],
                 req_id in scheduler_output.scheduled_encoder_inputs)
-        failures = self.structured_output.take_failures()
+        failures = self.structured_output.take_failures() + self._take_media_failures()
         culprit = self.failure_isolation.blame(list(num_scheduled))
         if culprit is not None:
             return EngineCoreOutputs([*failures, self._convict(self.requests[culprit])],
@@ -527,6 +593,10 @@ class Scheduler:
             self.running.remove(request)
             self._preempt(request)
         return EngineCoreOutputs(failures, self.make_stats())
+
+    def _take_media_failures(self) -> list[EngineCoreOutput]:
+        failures, self.media_failures = self.media_failures, []
+        return failures
 
     def _convict(self, request: Request) -> EngineCoreOutput:
         """Finishes the lone request of a failed step with FinishReason.ERROR."""
@@ -546,7 +616,7 @@ class Scheduler:
         return SchedulerStats(
             spec_decoding=spec_decoding if spec_decoding and spec_decoding.num_drafts else None,
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=len(self.waiting) + self._num_media_pending(),
             kv_cache_usage=self.kv_cache_manager.usage,
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,

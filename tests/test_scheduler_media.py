@@ -1,0 +1,184 @@
+"""Exact tests of the scheduler's per-step encoder budget for requests with images: which
+requests' images are encoded in which step, for given budgets and encoder-cache contents,
+and that their rows are computed once however their prompts are chunked or preempted.
+
+A fake encoder stands in for the vision tower: image "v" is a [3, 2, 2] tensor of v, its
+rows are HIDDEN-wide copies of v, and every call is recorded as the list of its images.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from tests.core_factories import HIDDEN, make_params, make_runner_output, make_scheduler
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreRequest, FinishReason
+from vllm.v1.engine.media_rows import MediaRows
+from vllm.v1.messages import MediaInput
+from vllm.v1.request import RequestStatus
+
+IMAGE = 9  # the placeholder id at image positions
+
+
+class FakeTower:
+    """Rows [num_tokens, HIDDEN] of each image's value; records each call's images."""
+
+    def __init__(self, num_tokens: dict[int, int], fail_on: int | None = None) -> None:
+        self.num_tokens = num_tokens  # image value -> its positions
+        self.fail_on = fail_on
+        self.calls: list[list[int]] = []
+
+    def __call__(self, modality: str, pixels: list[torch.Tensor]) -> list[torch.Tensor]:
+        values = [int(p[0, 0, 0]) for p in pixels]
+        self.calls.append(values)
+        if self.fail_on in values:
+            raise RuntimeError("vision tower failed")
+        return [torch.full((self.num_tokens[v], HIDDEN), float(v)) for v in values]
+
+
+def image_request(request_id: str, *images: tuple[int, int]) -> EngineCoreRequest:
+    """A prompt [1, <run of image 1>, 1, <run of image 2>, ..., 1]; `images` are
+    (value, positions) pairs: the same value is the same image (content hash)."""
+    ids, mask, media = [], [], []
+    for value, num_tokens in images:
+        ids.append(1)
+        mask.append(True)
+        media.append(MediaInput("image", torch.full((3, 2, 2), float(value)), len(ids),
+                                num_tokens, hashlib.sha256(bytes([value])).digest()))
+        ids += [IMAGE] * num_tokens
+        mask += [False] * num_tokens
+    ids.append(1)
+    mask.append(True)
+    return EngineCoreRequest(request_id, ids, None, make_params(max_tokens=4), 2,
+                             prompt_is_token_ids=torch.tensor(mask), mm_inputs=media)
+
+
+def setup(budget: int, num_tokens: dict[int, int], **kwargs
+          ) -> tuple[Scheduler, MediaRows, FakeTower]:
+    tower = FakeTower(num_tokens, kwargs.pop("fail_on", None))
+    media = MediaRows(tower)
+    scheduler = make_scheduler(max_num_encoder_input_tokens=budget, media=media, **kwargs)
+    return scheduler, media, tower
+
+
+def step(scheduler: Scheduler) -> SchedulerOutput:
+    """One step; every request whose scheduled tokens reach its end samples token 5."""
+    out = scheduler.schedule()
+    sampled = {r: [5] for r in out.num_scheduled_tokens
+               if scheduler.requests[r].num_computed_tokens == scheduler.requests[r].num_tokens}
+    scheduler.update_from_output(out, make_runner_output(out, sampled))
+    return out
+
+
+def test_a_burst_is_encoded_a_budget_at_a_time_and_its_text_waits() -> None:
+    """Budget 8, five distinct images of 4 positions: two images a step; a request's
+    tokens are scheduled in the step that encodes its image, never before."""
+    s, media, tower = setup(8, {v: 4 for v in range(1, 6)})
+    for v in range(1, 6):
+        s.add_request(image_request(f"r{v}", (v, 4)))
+    assert s.get_num_unfinished_requests() == 5 and len(s.waiting) == 0
+    out = step(s)
+    assert tower.calls == [[1, 2]]
+    assert list(out.num_scheduled_tokens) == ["r1", "r2"]
+    assert out.num_scheduled_tokens == {"r1": 6, "r2": 6}
+    assert [r.request_id for r in media.pending] == ["r3", "r4", "r5"]
+    first = out.scheduled_new_reqs[0]
+    assert first.prompt_embeds is not None and first.prompt_embeds[:, 0].tolist() == [1] * 4
+    out = step(s)
+    assert tower.calls == [[1, 2], [3, 4]]
+    assert list(out.num_scheduled_tokens) == ["r1", "r2", "r3", "r4"]  # two decodes first
+    out = step(s)
+    assert tower.calls == [[1, 2], [3, 4], [5]] and media.pending == []
+    assert out.num_scheduled_tokens["r5"] == 6
+    assert media.stats()["encoder_cache_misses"] == 5
+
+
+def test_cache_hits_and_repeats_cost_nothing() -> None:
+    """Image 1 cached; budget 8: [1, 2, 1, 3, 4] costs 0 + 4 + 0 + 4, then image 4 does
+    not fit; an image twice in one step (and twice in one prompt) is encoded once."""
+    s, media, tower = setup(8, {v: 4 for v in range(1, 6)})
+    s.add_request(image_request("warm", (1, 4)))
+    step(s)
+    assert tower.calls == [[1]]
+    for name, v in (("a", 1), ("b", 2), ("c", 1), ("d", 3), ("e", 4)):
+        s.add_request(image_request(name, (v, 4)))
+    out = step(s)
+    assert tower.calls == [[1], [2, 3]]
+    assert [r.req_id for r in out.scheduled_new_reqs] == ["a", "b", "c", "d"]
+    assert [r.request_id for r in media.pending] == ["e"]
+    assert media.hits == 1  # image 1, read once for "a" and "c"
+    s.add_request(image_request("f", (5, 4), (5, 4)))
+    s.add_request(image_request("g", (5, 4)))
+    step(s)
+    assert tower.calls == [[1], [2, 3], [4, 5]]  # "e" (4) and image 5 once for "f", "g"
+    assert media.pending == []
+
+
+def test_a_large_image_waits_its_turn_but_free_requests_pass() -> None:
+    """Budget 8: image 1 (6 positions) fits, image 2 (4) then does not; image 3 (2) would
+    fit the 2 left over but does not overtake image 2, while a request whose image is
+    already in this step costs nothing and is taken. Next step: 2 and 3."""
+    s, media, tower = setup(8, {1: 6, 2: 4, 3: 2})
+    s.add_request(image_request("big", (1, 6)))
+    s.add_request(image_request("mid", (2, 4)))
+    s.add_request(image_request("small", (3, 2)))
+    s.add_request(image_request("again", (1, 6)))
+    out = step(s)
+    assert tower.calls == [[1]]
+    assert [r.req_id for r in out.scheduled_new_reqs] == ["big", "again"]
+    assert [r.request_id for r in media.pending] == ["mid", "small"]
+    step(s)
+    assert tower.calls == [[1], [2, 3]]
+
+
+def test_an_image_over_the_whole_budget_is_encoded_alone() -> None:
+    """An image is never split: with budget 4, an image of 6 positions takes a step of
+    its own (the first of the step, the budget untouched), the next image the step after."""
+    s, media, tower = setup(4, {1: 6, 2: 6})
+    s.add_request(image_request("a", (1, 6)))
+    s.add_request(image_request("b", (2, 6)))
+    step(s)
+    assert tower.calls == [[1]]
+    step(s)
+    assert tower.calls == [[1], [2]]
+
+
+def test_rows_are_encoded_once_across_chunks_and_preemption() -> None:
+    """Token budget 3 cuts the image's run of 8 positions across four chunks; the rows
+    travel whole with the request, the encoder runs once; a preempted request comes back
+    with its rows (no encoder run)."""
+    s, media, tower = setup(64, {1: 8}, max_num_batched_tokens=3, block_size=4)
+    s.add_request(image_request("a", (1, 8)))
+    chunks = []
+    for _ in range(4):
+        out = step(s)
+        chunks.append(out.num_scheduled_tokens["a"])
+    assert chunks == [3, 3, 3, 1] and tower.calls == [[1]]
+    request = s.requests["a"]
+    assert request.prompt_embeds is not None and request.prompt_embeds.shape == (8, HIDDEN)
+    s.running.remove(request)
+    s._preempt(request)
+    out = step(s)
+    assert [r.req_id for r in out.scheduled_new_reqs] == ["a"]
+    assert out.scheduled_new_reqs[0].prompt_embeds is request.prompt_embeds
+    assert tower.calls == [[1]]
+
+
+def test_aborted_and_failed_image_requests() -> None:
+    """An abort before the rows exist drops the request from the media stage; an image
+    that breaks the encoder fails its request alone, with FinishReason.ERROR."""
+    s, media, tower = setup(64, {1: 4, 2: 4, 3: 4}, fail_on=2)
+    for name, v in (("a", 1), ("b", 2), ("c", 3)):
+        s.add_request(image_request(name, (v, 4)))
+    s.add_request(image_request("gone", (1, 4)))
+    s.finish_requests(["gone"], RequestStatus.FINISHED_ABORTED)
+    out = s.schedule()
+    assert tower.calls == [[1, 2, 3], [1], [2], [3]]  # the batch, then each alone
+    assert list(out.num_scheduled_tokens) == ["a", "c"]
+    result = s.update_from_output(out, make_runner_output(out))
+    assert [(o.request_id, o.finish_reason) for o in result.outputs] == [
+        ("b", FinishReason.ERROR)]
+    assert media.pending == [] and "b" not in s.requests
