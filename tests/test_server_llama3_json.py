@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from tests.server_utils import SMALL_ENGINE_ARGS, RemoteServer
+from tests.test_server_tools import SHOWN, WEATHER
 
 # End to end (engines or servers): left out of `make test-fast`.
 pytestmark = pytest.mark.slow
@@ -45,19 +46,8 @@ The functions:
 <|im_start|>assistant
 {% endif -%}
 """
-SCHEMA: dict[str, Any] = {"type": "object", "properties": {
-    "city": {"type": "string", "maxLength": 16},
-    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-    "required": ["city", "unit"], "additionalProperties": False}
-STRICT_WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The current weather in a city.",
-    "parameters": SCHEMA, "strict": True}}
-SHOWN: list[Any] = [message for i, city in enumerate(["Rome", "Lima", "Cairo"]) for message in (
-    {"role": "user", "content": f"What is the weather in {city}?"},
-    {"role": "assistant", "content": None, "tool_calls": [{
-        "id": f"call-{i}", "type": "function", "function": {
-            "name": "get_weather", "arguments": json.dumps({"city": city, "unit": "celsius"})}}]},
-)] + [{"role": "user", "content": "What is the weather in Oslo?"}]
+SCHEMA: dict[str, Any] = WEATHER["function"]["parameters"]
+STRICT_WEATHER = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
 
 
 @pytest.fixture(scope="module")

@@ -52,7 +52,7 @@ TOOLS = [WEATHER, TIME]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris, and the time in Tokyo?"}]
 # A conversation that shows the model how it calls tools (for tool_choice "auto").
-SHOWN = [message for i, city in enumerate(["Rome", "Lima", "Cairo"]) for message in (
+SHOWN: list[Any] = [message for i, city in enumerate(["Rome", "Lima", "Cairo"]) for message in (
     {"role": "user", "content": f"What is the weather in {city}?"},
     {"role": "assistant", "content": None, "tool_calls": [{
         "id": f"call-{i}", "type": "function", "function": {
