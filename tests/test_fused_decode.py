@@ -17,7 +17,8 @@ import torch
 
 from tests.model_factory import make_tiny_model
 from tests.quant_drift import DRIFT_PROMPTS, measure_drift
-from tests.test_gguf_families import _write_gguf
+from tests.test_gguf_families import FAMILIES, _write_gguf
+from tests.test_gguf_mm import q4_k_m_type
 from tests.test_spec_decode import NoDrafts, OracleProposer
 from vllm import LLM, SamplingParams
 from vllm._custom_ops import cpu_ops
@@ -101,14 +102,59 @@ def test_fused_decode_matches_the_graphs_on_a_tiny_q4_1_llama(
     assert len({tuple(tokens) for tokens, _ in got}) > 1  # the outputs are not degenerate
     # Where it does not apply, the reason says why.
     model, caches = runner.model, runner.kv_caches
-    assert unsupported_reason(model, caches, torch.float32, 1, lora=False) is None
-    assert unsupported_reason(model, caches, torch.float32, 1, lora=True) == "LoRA adapters"
-    assert unsupported_reason(model, caches, torch.float32, 2, lora=False) \
-        == "several KV cache groups"
+    assert unsupported_reason(model, caches, torch.float32, lora=False) is None
+    assert unsupported_reason(model, caches, torch.float32, lora=True) == "LoRA adapters"
     with monkeypatch.context() as patch:
         patch.setenv(ENV_SWITCH, "0")
-        assert unsupported_reason(model, caches, torch.float32, 1, lora=False) \
+        assert unsupported_reason(model, caches, torch.float32, lora=False) \
             == f"{ENV_SWITCH}=0"
+
+
+@pytest.fixture(scope="module", params=["gemma3", "gemma2", "qwen3"])
+def tiny_q4_k_m(request: pytest.FixtureRequest,
+                tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """(GGUF path, tokenizer dir) of a tiny model of a family whose layers differ from
+    Llama's, as a Q4_K_M file (Q4_K, Q6_K, Q5_0 and Q8_0 blocks, read in place by
+    gguf_mm): Gemma 3 (four norms a layer with (1 + w) weights, q/k norms, tanh GELU,
+    window layers on the local rotary table, each layer kind its own KV cache group),
+    Gemma 2 (the attention soft-cap, one rotary table) and Qwen3 (q/k norms, Llama's
+    RMSNorm). Rows of whole super-blocks: hidden 256, intermediate 512, heads of 64."""
+    arch = request.param
+    root = tmp_path_factory.mktemp(f"fused_{arch}")
+    overrides: dict[str, Any] = {**FAMILIES[arch], "hidden_size": 256,
+                                 "intermediate_size": 512, "num_attention_heads": 4,
+                                 "num_key_value_heads": 2, "head_dim": 64}
+    if arch.startswith("gemma"):
+        overrides["query_pre_attn_scalar"] = 64
+    model_dir = make_tiny_model(str(root / arch), arch, **overrides)
+    path = str(root / f"{arch}-q4_k_m.gguf")
+    _write_gguf(path, model_dir, arch, layer_qtype=q4_k_m_type)
+    return path, model_dir
+
+
+@pytest.mark.slow
+def test_fused_decode_matches_the_graphs_on_other_families(
+        tiny_q4_k_m: tuple[str, str]) -> None:
+    """As on the Q4_1 Llama: float32, one engine, the fused decoder's steps against the
+    graphs'; tokens identical, logprobs within 1e-2 (Qwen3: 5e-2, where the graphs' own
+    eager and compiled forms differ by 4.7e-2: its q/k norms sharpen attention, so an int8
+    activation code one step apart moves a logprob further; a wrong window, table or norm
+    moves them by tenths and changes the tokens). The prompts run past the windows (5
+    positions) and across KV blocks, so window layers read their groups' masked tables."""
+    path, model_dir = tiny_q4_k_m
+    llm = LLM(path, tokenizer=model_dir, quantization="gguf", dtype="float32",
+              max_model_len=128, block_size=16, enable_prefix_caching=True,
+              kv_cache_memory_bytes=8 * 1024**2)
+    fused = _runner(llm).fused_decode
+    assert fused is not None
+    expected = _generate(llm, _PROMPTS, None)
+    got = _generate(llm, _PROMPTS, fused)
+    assert fused.steps >= 2 * (_NEW_TOKENS - 1)
+    atol = 5e-2 if "qwen3" in path else 1e-2
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, expected, strict=True):
+        assert tokens == ref_tokens
+        torch.testing.assert_close(logprobs, ref_logprobs, atol=atol, rtol=0)
+    assert len({tuple(tokens) for tokens, _ in got}) > 1
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """The worker reads capabilities off the model and backend protocols, never off concrete
 classes: no module under `vllm/v1/worker/` imports a model family or a concrete attention
 backend, and the fused decoder's eligibility comes from what a model declares
-(`fused_decode_spec`) and what its attention backend declares (`fused_decode_scale`)."""
+(`fused_decode_spec`) and what its attention backend declares (`fused_decode_attention`)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ from torch import nn
 
 import vllm._custom_ops
 from vllm.model_executor.models.llama import LlamaForCausalLM
+from vllm.model_executor.models.olmo2 import Olmo2ForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
-from vllm.v1.attention.backends.abstract import AttentionBackend
+from vllm.v1.attention.backends.abstract import AttentionBackend, AttentionType
 from vllm.v1.attention.backends.torch_sdpa import TorchSDPABackend
 from vllm.v1.worker.fused_decode import FusedDecode, unsupported_reason
 
@@ -69,11 +70,11 @@ def _fake_native_ops(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_model_without_the_declaration_gets_the_logged_reason(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     model = cast(Any, _Undeclared())
-    reason = "_Undeclared is not a plain Llama-family decoder"
-    assert unsupported_reason(model, [], torch.float32, 1, lora=False) == reason
+    reason = "_Undeclared declares no fused decoder form"
+    assert unsupported_reason(model, [], torch.float32, lora=False) == reason
     _fake_native_ops(monkeypatch)
     with caplog.at_level(logging.INFO, logger="vllm.v1.worker.fused_decode"):
-        assert FusedDecode.build(model, [], torch.float32, 1, False, AttentionBackend) is None
+        assert FusedDecode.build(model, [], torch.float32, [], False, AttentionBackend) is None
     assert f"Fused decode steps off: {reason}." in caplog.messages
 
 
@@ -84,18 +85,25 @@ def _llama_config(**kwargs) -> transformers.LlamaConfig:
 
 
 def test_the_llama_family_and_its_backend_declare_the_reasons() -> None:
-    """The reasons come from the model's declaration (dense projections, q/k norms, a
-    family's own forward pieces) and its backend's (a sliding window)."""
+    """The reasons come from the model's declaration (dense projections, q/k norms over the
+    whole projection, a family's own forward pieces) and its backend's (attention its
+    decoder does not compute: cross-attention). A window and per-head q/k norms (Qwen3)
+    are forms the decoder computes: only the dense projections stop those."""
     caches = [torch.zeros(1)] * 2
+    dense = "layer 0 has a projection other than a bias-free one-rank GGUF kernel"
     plain = LlamaForCausalLM(_llama_config(), TorchSDPABackend, 64, torch.float32)
-    assert unsupported_reason(cast(Any, plain), caches, torch.float32, 1, lora=False) \
-        == "layer 0 has a projection other than a bias-free quant_gemv GGUF kernel"
+    assert unsupported_reason(cast(Any, plain), caches, torch.float32, lora=False) == dense
     windowed = LlamaForCausalLM(_llama_config(sliding_window=4), TorchSDPABackend, 64,
                                 torch.float32)
-    assert unsupported_reason(cast(Any, windowed), caches, torch.float32, 1, lora=False) \
-        == "layer 0's attention has a window, a soft-cap or another backend"
+    assert unsupported_reason(cast(Any, windowed), caches, torch.float32, lora=False) == dense
     qwen3 = Qwen3ForCausalLM(_llama_config(head_dim=32), TorchSDPABackend, 64, torch.float32)
-    assert unsupported_reason(cast(Any, qwen3), caches, torch.float32, 1, lora=False) \
-        == "layer 0 has q/k norms or clipping"
-    assert unsupported_reason(cast(Any, plain), caches, torch.float64, 1, lora=False) \
+    assert unsupported_reason(cast(Any, qwen3), caches, torch.float32, lora=False) == dense
+    olmo2 = Olmo2ForCausalLM(_llama_config(), TorchSDPABackend, 64, torch.float32)
+    assert unsupported_reason(cast(Any, olmo2), caches, torch.float32, lora=False) \
+        == "layer 0 is not a plain Llama layer"
+    cross = plain.layers[0].self_attn.attn.impl
+    cross.attn_type = AttentionType.ENCODER_DECODER
+    assert unsupported_reason(cast(Any, plain), caches, torch.float32, lora=False) \
+        == "layer 0's attention is not one its backend lets the fused decoder compute"
+    assert unsupported_reason(cast(Any, plain), caches, torch.float64, lora=False) \
         == "dtype torch.float64"

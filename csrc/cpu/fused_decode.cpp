@@ -1,10 +1,22 @@
-// Whole decode steps of a Llama-family decoder whose linear layers are quant_gemv block
-// codes (GGUF), every layer in one call and one OpenMP parallel region:
+// Whole decode steps of a decoder whose linear layers are GGUF weights, every layer in one
+// call and one OpenMP parallel region:
 //
-//   for each layer:  x = RMSNorm(h) -> int8 rows -> qkv (quant_gemv rows split over the
-//   threads) -> rotary on q, k -> k, v into the paged cache -> paged decode attention ->
-//   o_proj -> h += o -> RMSNorm -> gate_up -> SiLU(gate) * up -> down -> h += down
-//   then the final RMSNorm.
+//   for each layer:  x = norm(h) -> int8 rows -> qkv (rows split over the threads)
+//   -> (q/k norms per head) -> rotary on q, k -> k, v into the paged cache -> paged decode
+//   attention (the layer's window, the soft-cap) -> o_proj -> (post-attention norm) -> h += o
+//   -> norm -> gate_up -> act(gate) * up -> down -> (post-feedforward norm) -> h += down
+//   then the final norm.
+//
+// The forms it computes, from the model's description (`FusedDecodeSpec`):
+//   - Llama family: pre-norm layers (input and post-attention norms), RMSNorm as
+//     `weight * rnd(x / rms(x))`, SiLU; Qwen3's q/k norms per head; Mistral's window.
+//   - Gemma 2 / 3 ("sandwich" norms): four norms a layer (input, after attention's output,
+//     before and after the feed-forward), RMSNorm as `rnd(x / rms(x) * (1 + w))` in float32,
+//     tanh GELU; Gemma 3's q/k norms and its local rotary table on window layers, Gemma 2's
+//     attention soft-cap.
+// Weights (`FusedWeight`): quant_gemv's repacked Q4_0 / Q4_1 / Q8_0 codes (quant_gemv.h), or
+// GGUF blocks read in place in the file's types, a weight's rows in consecutive parts each
+// in its own type (gguf_blocks.h: a Gemma q/k/v of Q5_0 q and k and a Q8_0 v).
 //
 // A one-token step of a small model spends most of its time outside weight streaming when
 // each of these is its own operator (dispatch, a compiled graph per layer, a fork and join
@@ -17,23 +29,23 @@
 // every thread reads.
 //
 // Numerics follow the operator-by-operator path: every tensor that path stores in the
-// model's dtype (normed rows, q/k/v, the rotated q and k, attention's output, each
-// projection, the residual stream, SiLU(gate) * up) is rounded to it here at the same
-// point; sums and the norm's statistics are float32. The kernels are those of the
-// operators: quant_gemv's inner loops (quant_gemv.h) and paged decode attention
+// model's dtype (normed rows, q/k/v, the normed and rotated q and k, attention's output,
+// each projection, the residual stream, act(gate), act(gate) * up) is rounded to it here at
+// the same point; sums and the norm's statistics are float32. The kernels are those of the
+// operators: quant_gemv's and gguf_mm's inner loops and paged decode attention
 // (paged_attention.h).
 //
 // Rows: a step's tokens, up to kMaxChunkedRows (32): one token of each decoding request, or
 // several tokens of one sequence (a verification step's k + 1, a short prompt chunk). Every
-// row attends to its own sequence length through its own block-table row, as a decode
-// query does; where rows share a sequence, every row's K/V is written before any row
-// attends (one more barrier), so a row sees the rows before it, as causal attention does.
-// Past 8 rows the projections take quant_gemv's passes over L1-resident tiles.
+// row attends to its own sequence length through its own block-table row (of its layer's KV
+// cache group), as a decode query does; where rows share a sequence, every row's K/V is
+// written before any row attends (one more barrier), so a row sees the rows before it, as
+// causal attention does.
 //
 // Layouts: h [rows, hidden] in the model dtype T (float32, bfloat16 or float16);
 // the KV caches are the attention backend's [2, num_blocks, block_size, kv_heads,
-// head_size]; cos / sin [max_positions, head_size] (the rotary table, full width,
-// rotate-half form); norm weights [hidden] in T.
+// head_size]; each rotary table's cos / sin [max_positions, head_size] (full width,
+// rotate-half form); norm weights [hidden] (q/k norms [head_size]) in T.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -45,11 +57,12 @@
 #include <type_traits>
 #include <vector>
 
+#include "gguf_blocks.h"
 #include "paged_attention.h"
 #include "quant_gemv.h"
 #include "vec.h"
 
-#if defined(VLLM_QUANT_GEMV)
+#if defined(VLLM_QUANT_GEMV) && defined(VLLM_GGUF_MM)
 namespace {
 
 using vllm_cpu::f32x16;
@@ -71,34 +84,37 @@ inline f32x16 round16(f32x16 x) {
   }
 }
 
-// One block-quantized weight: quant_gemv's packed codes and float16 scales.
-struct QuantWeight {
-  torch::Tensor codes, d, m;  // kept alive
-  int64_t bits = 0, n = 0, kp = 0;
-};
-
-// out = weight * rnd(x / rms(x)), rounded: RMSNorm's `weight * h.to(dtype)`.
+// Rows of `size` values normed: `in` rounded to T first where `round_in` (a projection's
+// float output, which the operator path stored in T). `one_plus`: Gemma's
+// rnd(x / rms(x) * w) with w = 1 + weight in float32; else RMSNorm's
+// rnd(weight * rnd(x / rms(x))). `out` may be `in`.
 template <typename T>
-void rms_norm(const float* x, const float* weight, float* out, int64_t rows, int64_t size,
-              float eps) {
+void rms_norm(const float* in, bool round_in, const float* weight, float* out, int64_t rows,
+              int64_t size, float eps, bool one_plus) {
   for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * size;
+    const float* xr = in + r * size;
+    auto value = [&](int64_t j) {
+      const f32x16 v = load16(xr + j);
+      return round_in ? round16<T>(v) : v;
+    };
     f32x16 ss = vllm_cpu::zero16();
     for (int64_t j = 0; j < size; j += 16) {
-      const f32x16 v = load16(xr + j);
+      const f32x16 v = value(j);
       ss = vllm_cpu::fmadd16(v, v, ss);
     }
     const float inv =
         1.0f / std::sqrt(vllm_cpu::reduce_add16(ss) / static_cast<float>(size) + eps);
     const f32x16 vinv = vllm_cpu::set16(inv);
     for (int64_t j = 0; j < size; j += 16) {
-      const f32x16 normed = round16<T>(mul16(load16(xr + j), vinv));
-      store16(out + r * size + j, round16<T>(mul16(load16(weight + j), normed)));
+      const f32x16 normed = mul16(value(j), vinv);
+      store16(out + r * size + j,
+              one_plus ? round16<T>(mul16(normed, load16(weight + j)))
+                       : round16<T>(mul16(load16(weight + j), round16<T>(normed))));
     }
   }
 }
 
-// h = rnd(h + rnd(y)): a residual add of a projection stored in T.
+// h = rnd(h + rnd(y)): a residual add of a value stored in T.
 template <typename T>
 void add_residual(float* h, const float* y, int64_t count) {
   for (int64_t j = 0; j < count; j += 16) {
@@ -109,66 +125,180 @@ void add_residual(float* h, const float* y, int64_t count) {
 
 }  // namespace
 
+// One projection's weight, [n, k]: quant_gemv's repacked block codes and float16 scales,
+// or GGUF blocks as the file stores them, in parts of consecutive rows.
+class FusedWeight {
+ public:
+  static FusedWeight quant_gemv(torch::Tensor codes, torch::Tensor d, torch::Tensor m,
+                                int64_t bits) {
+    FusedWeight w;
+    w.codes_ = codes.contiguous();
+    w.d_ = d.contiguous();
+    w.m_ = m.contiguous();
+    w.bits_ = bits;
+    TORCH_CHECK(bits == 4 || bits == 8, "FusedWeight: quant_gemv bits must be 4 or 8");
+    TORCH_CHECK(w.codes_.scalar_type() == torch::kUInt8 && w.d_.scalar_type() == torch::kHalf &&
+                    w.m_.scalar_type() == torch::kHalf && w.d_.dim() == 2,
+                "FusedWeight: not quant_gemv's layout");
+    w.n_ = w.codes_.size(0);
+    w.k_ = w.d_.size(1) * 32;  // padded to whole half quads
+    TORCH_CHECK(w.codes_.size(1) == w.k_ * bits / 8, "FusedWeight: not quant_gemv's layout");
+    return w;
+  }
+
+  static FusedWeight gguf(std::vector<torch::Tensor> parts, std::vector<int64_t> types) {
+    TORCH_CHECK(!parts.empty() && parts.size() == types.size(),
+                "FusedWeight: one GGUF type per part");
+    FusedWeight w;
+    w.bits_ = 0;
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const auto l = vllm_gguf::layout(types[i]);
+      TORCH_CHECK(parts[i].dim() == 2 && parts[i].scalar_type() == torch::kUInt8 &&
+                      parts[i].size(1) % l.bytes == 0,
+                  "FusedWeight: part ", i, " is not uint8 [rows, whole blocks]");
+      const int64_t k = parts[i].size(1) / l.bytes * l.values;
+      TORCH_CHECK(i == 0 || k == w.k_, "FusedWeight: the parts differ in inputs");
+      w.k_ = k;
+      w.offsets_.push_back(w.n_);
+      w.n_ += parts[i].size(0);
+      w.parts_.push_back(parts[i].contiguous());
+      w.types_.push_back(types[i]);
+    }
+    return w;
+  }
+
+  bool is_gguf() const { return bits_ == 0; }
+  int64_t n() const { return n_; }
+  int64_t k() const { return k_; }
+
+  // Whether it multiplies `in` inputs: GGUF blocks exactly; quant_gemv's rows padded to
+  // whole half quads.
+  bool takes(int64_t in) const {
+    return is_gguf() ? k_ == in : k_ >= in && k_ - in < vllm_cpu::qgemv::kHalf;
+  }
+
+  // This thread's output rows [begin, end) of `rows` activation rows, quantized as this
+  // weight's kernel reads them (`qr` or `acts`), into out [rows, n].
+  void rows_range(int64_t rows, const QuantizedRows& qr, const vllm_gguf::Activations& acts,
+                  float* out, int64_t begin, int64_t end) const {
+    if (!is_gguf()) {
+      vllm_cpu::qgemv::gemv_range<float>(rows, bits_, codes_.data_ptr<uint8_t>(),
+                                         d_.data_ptr<at::Half>(), m_.data_ptr<at::Half>(), qr,
+                                         out, n_, begin, end);
+      return;
+    }
+    for (size_t i = 0; i < parts_.size(); ++i) {
+      const int64_t first = offsets_[i], last = first + parts_[i].size(0);
+      const int64_t b = std::max(begin, first), e = std::min(end, last);
+      if (b < e)
+        vllm_gguf::dispatch(types_[i], parts_[i].data_ptr<uint8_t>(), parts_[i].size(1), acts,
+                            0, rows, out + first, n_, b - first, e - first);
+    }
+  }
+
+  // The activation rows x [rows, in] quantized as this weight's kernel reads them.
+  template <typename X>
+  void quantize(const X* x, int64_t rows, int64_t in, QuantizedRows* qr,
+                vllm_gguf::Activations* acts) const {
+    if (is_gguf()) vllm_gguf::quantize_activations<X>(x, rows, in, acts);
+    else vllm_cpu::qgemv::quantize_rows<X>(x, rows, in, k_, qr);
+  }
+
+ private:
+  torch::Tensor codes_, d_, m_;  // quant_gemv's
+  int64_t bits_ = 0;             // quant_gemv's 4 or 8; 0: GGUF blocks
+  std::vector<torch::Tensor> parts_;  // GGUF's: each part's blocks, type and first row
+  std::vector<int64_t> types_, offsets_;
+  int64_t n_ = 0, k_ = 0;
+};
+
 class FusedDecoder {
  public:
-  FusedDecoder(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> codes,
-               std::vector<torch::Tensor> d, std::vector<torch::Tensor> m,
-               std::vector<int64_t> bits, std::vector<torch::Tensor> kv_caches,
-               torch::Tensor cos, torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads,
-               int64_t head_size, double eps, double scale)
-      : kv_caches_(std::move(kv_caches)), cos_(std::move(cos)), sin_(std::move(sin)),
-        num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_size_(head_size),
-        eps_(static_cast<float>(eps)), scale_(static_cast<float>(scale)) {
+  // Per layer: `norms_per_layer` norms (2: input and post-attention; 4: input, attention
+  // output, pre- and post-feedforward) in `norms`, then the final one; four weights (qkv,
+  // o, gate_up, down); its KV cache, KV cache group (the block table it reads) and rotary
+  // table (an index into cos / sin); its window (0: none); two q/k norms per layer in
+  // `qk_norms`, or none. `activation`: "silu" or "gelu_tanh".
+  FusedDecoder(std::vector<torch::Tensor> norms, int64_t norms_per_layer, bool one_plus_norms,
+               std::vector<FusedWeight> weights, std::vector<torch::Tensor> kv_caches,
+               std::vector<int64_t> kv_groups, std::vector<torch::Tensor> qk_norms,
+               std::vector<torch::Tensor> cos, std::vector<torch::Tensor> sin,
+               std::vector<int64_t> rope_index, std::vector<int64_t> windows,
+               int64_t num_heads, int64_t num_kv_heads, int64_t head_size, double eps,
+               double scale, double soft_cap, std::string activation)
+      : weights_(std::move(weights)), kv_caches_(std::move(kv_caches)),
+        kv_groups_(std::move(kv_groups)), cos_(std::move(cos)), sin_(std::move(sin)),
+        rope_index_(std::move(rope_index)), windows_(std::move(windows)),
+        norms_per_layer_(norms_per_layer), one_plus_(one_plus_norms), num_heads_(num_heads),
+        num_kv_heads_(num_kv_heads), head_size_(head_size), eps_(static_cast<float>(eps)),
+        scale_(static_cast<float>(scale)), soft_cap_(static_cast<float>(soft_cap)) {
     layers_ = static_cast<int64_t>(kv_caches_.size());
     TORCH_CHECK(layers_ > 0, "FusedDecoder: no layers");
-    TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers_ + 1,
-                "FusedDecoder: 2 norms per layer and the final one expected");
-    TORCH_CHECK(static_cast<int64_t>(codes.size()) == 4 * layers_ && d.size() == codes.size() &&
-                    m.size() == codes.size() && bits.size() == codes.size(),
+    TORCH_CHECK(norms_per_layer == 2 || norms_per_layer == 4,
+                "FusedDecoder: 2 or 4 norms per layer");
+    TORCH_CHECK(static_cast<int64_t>(norms.size()) == norms_per_layer * layers_ + 1,
+                "FusedDecoder: ", norms_per_layer, " norms per layer and the final one expected");
+    TORCH_CHECK(static_cast<int64_t>(weights_.size()) == 4 * layers_,
                 "FusedDecoder: 4 weights (qkv, o, gate_up, down) per layer expected");
-    dtype_ = cos_.scalar_type();
+    TORCH_CHECK(static_cast<int64_t>(kv_groups_.size()) == layers_ &&
+                    static_cast<int64_t>(rope_index_.size()) == layers_ &&
+                    static_cast<int64_t>(windows_.size()) == layers_,
+                "FusedDecoder: a KV cache group, rotary table and window per layer expected");
+    TORCH_CHECK(qk_norms.empty() || static_cast<int64_t>(qk_norms.size()) == 2 * layers_,
+                "FusedDecoder: q/k norms: two per layer or none");
+    TORCH_CHECK(activation == "silu" || activation == "gelu_tanh",
+                "FusedDecoder: activation must be silu or gelu_tanh, got ", activation);
+    gelu_ = activation == "gelu_tanh";
+    TORCH_CHECK(!cos_.empty() && cos_.size() == sin_.size(), "FusedDecoder: rotary tables");
+    dtype_ = cos_[0].scalar_type();
     hidden_ = norms[0].numel();
     TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0,
                 "FusedDecoder: bad head counts");
-    TORCH_CHECK(head_size % 32 == 0 && hidden_ % 16 == 0, "FusedDecoder: head size ",
-                head_size, " (a multiple of 32) or hidden size ", hidden_,
-                " (a multiple of 16) unsupported");
-    TORCH_CHECK(cos_.dim() == 2 && cos_.size(1) == head_size && sin_.sizes() == cos_.sizes() &&
-                    cos_.is_contiguous() && sin_.is_contiguous() &&
-                    sin_.scalar_type() == dtype_,
-                "FusedDecoder: cos / sin must be contiguous [positions, head_size]");
-    for (const auto& w : norms) {
-      TORCH_CHECK(w.numel() == hidden_ && w.scalar_type() == dtype_, "FusedDecoder: norm shape");
-      norms_.push_back(w.to(torch::kFloat32).contiguous());
+    TORCH_CHECK(head_size % 32 == 0 && hidden_ % 32 == 0, "FusedDecoder: head size ",
+                head_size, " or hidden size ", hidden_, " is not a multiple of 32");
+    max_positions_ = cos_[0].size(0);
+    for (size_t t = 0; t < cos_.size(); ++t) {
+      TORCH_CHECK(cos_[t].dim() == 2 && cos_[t].size(1) == head_size &&
+                      sin_[t].sizes() == cos_[t].sizes() && cos_[t].is_contiguous() &&
+                      sin_[t].is_contiguous() && cos_[t].scalar_type() == dtype_ &&
+                      sin_[t].scalar_type() == dtype_,
+                  "FusedDecoder: cos / sin must be contiguous [positions, head_size] in the "
+                  "model dtype");
+      max_positions_ = std::min(max_positions_, cos_[t].size(0));
     }
+    auto float_norm = [&](const torch::Tensor& w, int64_t size) {
+      TORCH_CHECK(w.numel() == size && (one_plus_ || w.scalar_type() == dtype_),
+                  "FusedDecoder: norm weights must be [", size, "] in the model dtype");
+      // Gemma's weights as the (1 + w) the norm multiplies by, in float32.
+      return one_plus_ ? (w.to(torch::kFloat32) + 1.0f).contiguous()
+                       : w.to(torch::kFloat32).contiguous();
+    };
+    for (const auto& w : norms) norms_.push_back(float_norm(w, hidden_));
+    for (const auto& w : qk_norms) qk_norms_.push_back(float_norm(w, head_size));
     const int64_t q_size = num_heads * head_size, kv_size = num_kv_heads * head_size;
-    for (size_t i = 0; i < codes.size(); ++i) {
-      QuantWeight w{codes[i].contiguous(), d[i].contiguous(), m[i].contiguous(), bits[i],
-                    codes[i].size(0), d[i].size(1) * 32};
-      TORCH_CHECK(w.bits == 4 || w.bits == 8, "FusedDecoder: bits must be 4 or 8");
-      TORCH_CHECK(w.codes.scalar_type() == torch::kUInt8 && w.d.scalar_type() == torch::kHalf &&
-                      w.m.scalar_type() == torch::kHalf && w.codes.size(1) == w.kp * w.bits / 8,
-                  "FusedDecoder: weight ", i, " is not quant_gemv's layout");
-      weights_.push_back(std::move(w));
-    }
-    intermediate_ = weights_[2].n / 2;
-    TORCH_CHECK(intermediate_ % 16 == 0, "FusedDecoder: intermediate size must be a multiple "
-                "of 16");
+    intermediate_ = weights_[2].n() / 2;
+    TORCH_CHECK(intermediate_ % 32 == 0, "FusedDecoder: intermediate size must be a multiple "
+                "of 32");
+    num_groups_ = 0;
     for (int64_t l = 0; l < layers_; ++l) {
       const int64_t in[4] = {hidden_, q_size, hidden_, intermediate_};
       const int64_t out[4] = {q_size + 2 * kv_size, hidden_, 2 * intermediate_, hidden_};
       for (int j = 0; j < 4; ++j) {
-        const QuantWeight& w = weights_[4 * l + j];
-        TORCH_CHECK(w.n == out[j] && w.kp >= in[j] && w.kp - in[j] < vllm_cpu::qgemv::kHalf,
-                    "FusedDecoder: layer ", l, " weight ", j, " has shape [", w.n, ", ", w.kp,
-                    "], expected [", out[j], ", ", in[j], "]");
+        const FusedWeight& w = weights_[4 * l + j];
+        TORCH_CHECK(w.n() == out[j] && w.takes(in[j]), "FusedDecoder: layer ", l, " weight ",
+                    j, " has shape [", w.n(), ", ", w.k(), "], expected [", out[j], ", ",
+                    in[j], "]");
       }
       const auto& kv = kv_caches_[l];
       TORCH_CHECK(kv.dim() == 5 && kv.size(0) == 2 && kv.size(3) == num_kv_heads &&
                       kv.size(4) == head_size && kv.is_contiguous() &&
-                      kv.scalar_type() == dtype_,
+                      kv.scalar_type() == dtype_ && kv.sizes() == kv_caches_[0].sizes(),
                   "FusedDecoder: KV cache ", l, " is not [2, blocks, block_size, ", num_kv_heads,
                   ", ", head_size, "] in the model dtype");
+      TORCH_CHECK(kv_groups_[l] >= 0 && rope_index_[l] >= 0 &&
+                      rope_index_[l] < static_cast<int64_t>(cos_.size()) && windows_[l] >= 0,
+                  "FusedDecoder: layer ", l, "'s KV cache group, rotary table or window");
+      num_groups_ = std::max(num_groups_, kv_groups_[l] + 1);
     }
     const int64_t rows = vllm_cpu::qgemv::kMaxChunkedRows;
     const int64_t widths[4] = {q_size + 2 * kv_size, hidden_, 2 * intermediate_, hidden_};
@@ -179,60 +309,82 @@ class FusedDecoder {
   }
 
   int64_t num_layers() const { return layers_; }
+  int64_t num_kv_cache_groups() const { return num_groups_; }
 
   // One step: h [rows, hidden] (the embeddings); row r is a token at positions[r], written
-  // at cache slot slot_mapping[r], attending to seq_lens[r] keys through block_table[r].
-  // `shared_sequences`: some rows belong to one sequence (every K/V is written before any
-  // row attends). Returns the final-normed hidden states.
-  torch::Tensor forward(torch::Tensor h, torch::Tensor positions, torch::Tensor block_table,
-                        torch::Tensor seq_lens, torch::Tensor slot_mapping,
-                        bool shared_sequences) {
+  // at cache slot slot_mappings[g][r] of each KV cache group g, attending to seq_lens[r]
+  // keys through block_tables[g][r]. `shared_sequences`: some rows belong to one sequence
+  // (every K/V is written before any row attends). Returns the final-normed hidden states.
+  torch::Tensor forward(torch::Tensor h, torch::Tensor positions,
+                        std::vector<torch::Tensor> block_tables, torch::Tensor seq_lens,
+                        std::vector<torch::Tensor> slot_mappings, bool shared_sequences) {
     TORCH_CHECK(h.dim() == 2 && h.size(1) == hidden_ && h.scalar_type() == dtype_,
                 "FusedDecoder: h must be [rows, ", hidden_, "] in the model dtype");
     const int64_t rows = h.size(0);
     TORCH_CHECK(rows >= 1 && rows <= vllm_cpu::qgemv::kMaxChunkedRows, "FusedDecoder: 1 to ",
                 vllm_cpu::qgemv::kMaxChunkedRows, " rows, got ", rows);
+    TORCH_CHECK(static_cast<int64_t>(block_tables.size()) == num_groups_ &&
+                    static_cast<int64_t>(slot_mappings.size()) == num_groups_,
+                "FusedDecoder: one block table and slot mapping per KV cache group (",
+                num_groups_, ")");
     TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.numel() == rows &&
-                    slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.numel() >= rows,
-                "FusedDecoder: positions / slot_mapping must be int64, one per row");
-    TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.dim() == 2 &&
-                    block_table.size(0) == rows && seq_lens.scalar_type() == torch::kInt32 &&
-                    seq_lens.numel() == rows,
-                "FusedDecoder: block_table [rows, blocks] / seq_lens [rows] must be int32");
+                    seq_lens.scalar_type() == torch::kInt32 && seq_lens.numel() == rows,
+                "FusedDecoder: positions (int64) and seq_lens (int32), one per row");
     h = h.contiguous();
     positions = positions.contiguous();
-    slot_mapping = slot_mapping.contiguous();
-    block_table = block_table.contiguous();
     seq_lens = seq_lens.contiguous();
     const int64_t num_slots = kv_caches_[0].size(1) * kv_caches_[0].size(2);
     const int64_t block_size = kv_caches_[0].size(2);
+    for (int64_t g = 0; g < num_groups_; ++g) {
+      auto& table = block_tables[g];
+      auto& slots = slot_mappings[g];
+      TORCH_CHECK(table.scalar_type() == torch::kInt32 && table.dim() == 2 &&
+                      table.size(0) == rows && table.size(1) == block_tables[0].size(1) &&
+                      slots.scalar_type() == torch::kInt64 && slots.numel() >= rows,
+                  "FusedDecoder: block tables [rows, blocks] (int32, one width) and slot "
+                  "mappings (int64, one per row)");
+      table = table.contiguous();
+      slots = slots.contiguous();
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t s = slots.data_ptr<int64_t>()[r];
+        TORCH_CHECK(s >= 0 && s < num_slots, "FusedDecoder: slot ", s, " out of range");
+      }
+    }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t p = positions.data_ptr<int64_t>()[r];
-      const int64_t s = slot_mapping.data_ptr<int64_t>()[r];
       const int64_t len = seq_lens.data_ptr<int32_t>()[r];
-      TORCH_CHECK(p >= 0 && p < cos_.size(0), "FusedDecoder: position ", p, " out of range");
-      TORCH_CHECK(s >= 0 && s < num_slots, "FusedDecoder: slot ", s, " out of range");
-      TORCH_CHECK(len >= 1 && len <= block_table.size(1) * block_size,
+      TORCH_CHECK(p >= 0 && p < max_positions_, "FusedDecoder: position ", p, " out of range");
+      TORCH_CHECK(len >= 1 && len <= block_tables[0].size(1) * block_size,
                   "FusedDecoder: sequence length ", len, " does not fit the block table");
+    }
+    Step step{positions.data_ptr<int64_t>(), seq_lens.data_ptr<int32_t>(), {}, {},
+              block_tables[0].size(1), shared_sequences};
+    for (int64_t g = 0; g < num_groups_; ++g) {
+      step.tables.push_back(block_tables[g].data_ptr<int32_t>());
+      step.slots.push_back(slot_mappings[g].data_ptr<int64_t>());
     }
     auto out = torch::empty_like(h);
     switch (dtype_) {
-      case torch::kFloat32:
-        run<float>(h, positions, block_table, seq_lens, slot_mapping, shared_sequences, out);
-        break;
-      case torch::kBFloat16:
-        run<at::BFloat16>(h, positions, block_table, seq_lens, slot_mapping, shared_sequences,
-                          out);
-        break;
-      case torch::kFloat16:
-        run<at::Half>(h, positions, block_table, seq_lens, slot_mapping, shared_sequences, out);
-        break;
+      case torch::kFloat32: run<float>(h, step, out); break;
+      case torch::kBFloat16: run<at::BFloat16>(h, step, out); break;
+      case torch::kFloat16: run<at::Half>(h, step, out); break;
       default: TORCH_CHECK(false, "FusedDecoder: unsupported dtype ", dtype_);
     }
     return out;
   }
 
  private:
+  // A step's rows: positions, lengths, and per KV cache group the block table rows and
+  // slots.
+  struct Step {
+    const int64_t* pos;
+    const int32_t* lens;
+    std::vector<const int32_t*> tables;
+    std::vector<const int64_t*> slots;
+    int64_t max_blocks;
+    bool shared;
+  };
+
   // Rows [begin, end) of this thread's share of an n-row projection (chunks of 16).
   static void share(int64_t n, int tid, int threads, int64_t* begin, int64_t* end) {
     const int64_t chunk = ((n + threads - 1) / threads + 15) / 16 * 16;
@@ -240,20 +392,14 @@ class FusedDecoder {
     *end = std::min(n, *begin + chunk);
   }
 
+  const float* norm(int64_t layer, int i) const {
+    return norms_[norms_per_layer_ * layer + i].data_ptr<float>();
+  }
+
   template <typename T>
-  void run(const torch::Tensor& h_in, const torch::Tensor& positions,
-           const torch::Tensor& block_table, const torch::Tensor& seq_lens,
-           const torch::Tensor& slot_mapping, bool shared_sequences, torch::Tensor& out) {
+  void run(const torch::Tensor& h_in, const Step& step, torch::Tensor& out) {
     const int64_t rows = h_in.size(0), hidden = hidden_, inter = intermediate_;
-    const int64_t D = head_size_, half = D / 2;
-    const int64_t q_size = num_heads_ * D, kv_size = num_kv_heads_ * D;
-    const int64_t qkv_n = q_size + 2 * kv_size;
-    const int64_t* pos = positions.data_ptr<int64_t>();
-    const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-    const int32_t* table = block_table.data_ptr<int32_t>();
-    const int32_t* lens = seq_lens.data_ptr<int32_t>();
-    const T* cos = cos_.data_ptr<T>();
-    const T* sin = sin_.data_ptr<T>();
+    const int64_t q_size = num_heads_ * head_size_;
     T* q = reinterpret_cast<T*>(q_.data());
     T* attn = reinterpret_cast<T*>(attn_.data());
     float* y_qkv = y_[0].data();
@@ -269,19 +415,15 @@ class FusedDecoder {
       for (int64_t i = 0; i < rows * hidden; i += 16)
         store16(p.h.data() + i, load16(hin + i));
     }
-    auto weight = [&](int64_t layer, int j) -> const QuantWeight& {
-      return weights_[4 * layer + j];
-    };
-    // This thread's rows of projection j of `layer`, from its quantized rows, into out.
-    auto project = [&](int64_t layer, int j, int tid, int nt, const QuantizedRows& qr,
-                       float* out_rows) {
-      const QuantWeight& w = weight(layer, j);
-      int64_t begin, end;
-      share(w.n, tid, nt, &begin, &end);
-      if (begin < end)
-        vllm_cpu::qgemv::gemv_range<float>(rows, w.bits, w.codes.data_ptr<uint8_t>(),
-                                           w.d.data_ptr<at::Half>(), w.m.data_ptr<at::Half>(),
-                                           qr, out_rows, w.n, begin, end);
+    const bool sandwich = norms_per_layer_ == 4;
+    // h += (the post-norm of) a projection's output y, which every thread reads whole.
+    auto add = [&](float* h, float* x, const float* y, int64_t layer, int post_norm) {
+      if (sandwich) {
+        rms_norm<T>(y, true, norm(layer, post_norm), x, rows, hidden, eps_, one_plus_);
+        add_residual<T>(h, x, rows * hidden);
+      } else {
+        add_residual<T>(h, y, rows * hidden);
+      }
     };
     // Every thread keeps its own copy of the residual stream and does the elementwise work
     // and the int8 quantization of each projection's input itself (the same values on
@@ -294,64 +436,77 @@ class FusedDecoder {
       Private& mine = private_[tid];
       float* h = mine.h.data();
       float* x = mine.x.data();
-      QuantizedRows& qr = mine.quantized;
+      // This thread's rows of projection j of `layer` of the inputs `in` [rows, k].
+      auto project = [&](int64_t layer, int j, const auto* in, int64_t k, float* out_rows) {
+        const FusedWeight& w = weights_[4 * layer + j];
+        w.quantize(in, rows, k, &mine.quantized, &mine.activations);
+        int64_t begin, end;
+        share(w.n(), tid, nt, &begin, &end);
+        if (begin < end) w.rows_range(rows, mine.quantized, mine.activations, out_rows, begin, end);
+      };
       for (int64_t l = 0; l < layers_; ++l) {
-        if (l > 0) add_residual<T>(h, y_down, rows * hidden);  // the previous layer's down
-        rms_norm<T>(h, norms_[2 * l].data_ptr<float>(), x, rows, hidden, eps_);
-        vllm_cpu::qgemv::quantize_rows<float>(x, rows, hidden, weight(l, 0).kp, &qr);
-        project(l, 0, tid, nt, qr, y_qkv);
+        if (l > 0) add(h, x, y_down, l - 1, 3);  // the previous layer's down
+        rms_norm<T>(h, false, norm(l, 0), x, rows, hidden, eps_, one_plus_);
+        project(l, 0, x, hidden, y_qkv);
 #pragma omp barrier
         {  // each thread its share of the rows; one row: the first thread
           const int64_t first = rows * tid / nt, last = rows * (tid + 1) / nt;
-          if (first < last) rotate_and_store<T>(l, first, last, y_qkv, qkv_n, pos, slots, cos,
-                                                sin, q, half);
-          if (shared_sequences) {
+          if (first < last) rotate_and_store<T>(l, first, last, y_qkv, step, q, x);
+          if (step.shared) {
 #pragma omp barrier
           }
-          if (first < last) attend<T>(l, first, last, table, lens, block_table.size(1), q, attn);
+          if (first < last) attend<T>(l, first, last, step, q, attn);
         }
 #pragma omp barrier
-        vllm_cpu::qgemv::quantize_rows<T>(attn, rows, q_size, weight(l, 1).kp, &qr);
-        project(l, 1, tid, nt, qr, y_o);
+        project(l, 1, attn, q_size, y_o);
 #pragma omp barrier
-        add_residual<T>(h, y_o, rows * hidden);
-        rms_norm<T>(h, norms_[2 * l + 1].data_ptr<float>(), x, rows, hidden, eps_);
-        vllm_cpu::qgemv::quantize_rows<float>(x, rows, hidden, weight(l, 2).kp, &qr);
-        project(l, 2, tid, nt, qr, y_gu);
+        add(h, x, y_o, l, 1);
+        rms_norm<T>(h, false, norm(l, sandwich ? 2 : 1), x, rows, hidden, eps_, one_plus_);
+        project(l, 2, x, hidden, y_gu);
 #pragma omp barrier
-        silu_mul<T>(y_gu, x, rows, inter);
-        vllm_cpu::qgemv::quantize_rows<float>(x, rows, inter, weight(l, 3).kp, &qr);
-        project(l, 3, tid, nt, qr, y_down);
+        act_mul<T>(y_gu, x, rows, inter);
+        project(l, 3, x, inter, y_down);
 #pragma omp barrier
       }
     }
     float* h = private_[0].h.data();
     float* x = private_[0].x.data();
-    add_residual<T>(h, y_down, rows * hidden);
-    rms_norm<T>(h, norms_[2 * layers_].data_ptr<float>(), x, rows, hidden, eps_);
+    add(h, x, y_down, layers_ - 1, 3);
+    rms_norm<T>(h, false, norms_.back().data_ptr<float>(), x, rows, hidden, eps_, one_plus_);
     T* o = out.data_ptr<T>();
     for (int64_t i = 0; i < rows * hidden; i += 16) store16(o + i, load16(x + i));
   }
 
-  // Rows [first, last): rotary on q and k (rotate-half form), q into `q`, k and v into the
-  // layer's cache at the rows' slots.
+  // Rows [first, last): q and k (normed per head where the model has q/k norms) rotated
+  // (rotate-half form) by the layer's table, q into `q`, k and v into the layer's cache at
+  // the rows' slots of its group. `scratch`: this thread's, at least a head.
   template <typename T>
   void rotate_and_store(int64_t layer, int64_t first, int64_t last, const float* qkv,
-                        int64_t qkv_n, const int64_t* pos, const int64_t* slots, const T* cos,
-                        const T* sin, T* q, int64_t half) const {
-    const int64_t D = head_size_;
+                        const Step& step, T* q, float* scratch) const {
+    const int64_t D = head_size_, half = D / 2;
     const int64_t q_size = num_heads_ * D, kv_size = num_kv_heads_ * D;
+    const int64_t qkv_n = q_size + 2 * kv_size;
     const torch::Tensor& kv = kv_caches_[layer];
     T* k_cache = kv.data_ptr<T>();
     const int64_t num_slots = kv.size(1) * kv.size(2);
     T* v_cache = k_cache + num_slots * kv_size;
+    const T* cos = cos_[rope_index_[layer]].data_ptr<T>();
+    const T* sin = sin_[rope_index_[layer]].data_ptr<T>();
+    const int64_t* slots = step.slots[kv_groups_[layer]];
+    const bool qk_norm = !qk_norms_.empty();
     for (int64_t r = first; r < last; ++r) {
       const float* src = qkv + r * qkv_n;
-      const T* c = cos + pos[r] * D;
-      const T* s = sin + pos[r] * D;
+      const T* c = cos + step.pos[r] * D;
+      const T* s = sin + step.pos[r] * D;
       // Heads 0..num_heads-1 are q (into q), then the kv heads' k (into the cache).
       for (int64_t head = 0; head < num_heads_ + num_kv_heads_; ++head) {
         const float* in = src + head * D;
+        if (qk_norm) {  // the head normed, as the operator path stores it in T
+          const bool is_q = head < num_heads_;
+          rms_norm<T>(in, true, qk_norms_[2 * layer + (is_q ? 0 : 1)].data_ptr<float>(),
+                      scratch, 1, D, eps_, one_plus_);
+          in = scratch;
+        }
         T* dst = head < num_heads_ ? q + r * q_size + head * D
                                    : k_cache + slots[r] * kv_size + (head - num_heads_) * D;
         for (int64_t j = 0; j < half; j += 16) {
@@ -369,49 +524,69 @@ class FusedDecoder {
     }
   }
 
-  // Rows [first, last): paged decode attention of their queries into `attn`.
+  // Rows [first, last): paged decode attention of their queries into `attn`, through the
+  // block tables of the layer's group, with its window and the soft-cap.
   template <typename T>
-  void attend(int64_t layer, int64_t first, int64_t last, const int32_t* table,
-              const int32_t* lens, int64_t max_blocks, const T* q, T* attn) const {
+  void attend(int64_t layer, int64_t first, int64_t last, const Step& step, const T* q,
+              T* attn) const {
     const int64_t q_size = num_heads_ * head_size_;
     const torch::Tensor& kv = kv_caches_[layer];
-    vllm_cpu::paged_decode<T>(q + first * q_size, kv.data_ptr<T>(), table + first * max_blocks,
-                              lens + first, attn + first * q_size, last - first, num_heads_,
-                              num_kv_heads_, head_size_, kv.size(1), kv.size(2), max_blocks,
-                              scale_, 0, 0.0f);
+    const int32_t* table = step.tables[kv_groups_[layer]];
+    vllm_cpu::paged_decode<T>(q + first * q_size, kv.data_ptr<T>(),
+                              table + first * step.max_blocks, step.lens + first,
+                              attn + first * q_size, last - first, num_heads_, num_kv_heads_,
+                              head_size_, kv.size(1), kv.size(2), step.max_blocks, scale_,
+                              windows_[layer], soft_cap_);
   }
 
-  // out = rnd(SiLU(gate) * up) for gate_up rows [gate | up] of width 2 * inter.
+  // out = rnd(rnd(act(gate)) * up) for gate_up rows [gate | up] of width 2 * inter, each
+  // stored in T first: act SiLU, g / (1 + e^-g), or tanh GELU,
+  // g / 2 (1 + tanh(y)) = g / (1 + e^-2y) with y = sqrt(2 / pi) (g + 0.044715 g^3).
+  // exp16 clamps its argument below at -87 (e^87 is finite).
   template <typename T>
-  static void silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter) {
+  void act_mul(const float* gate_up, float* out, int64_t rows, int64_t inter) const {
     const f32x16 one = vllm_cpu::set16(1.0f);
+    const f32x16 minus_2c = vllm_cpu::set16(-2.0f * 0.7978845608028654f);
+    const f32x16 cubic = vllm_cpu::set16(0.044715f);
     for (int64_t r = 0; r < rows; ++r) {
       const float* g = gate_up + r * 2 * inter;
       for (int64_t j = 0; j < inter; j += 16) {
         const f32x16 gv = round16<T>(load16(g + j));
         const f32x16 uv = round16<T>(load16(g + inter + j));
-        // SiLU(g) = g / (1 + e^-g); exp16 clamps its argument below at -87 (e^87 is finite).
-        const f32x16 e = vllm_cpu::exp16(vllm_cpu::sub16(vllm_cpu::zero16(), gv));
-        const f32x16 silu = vllm_cpu::div16(gv, add16(one, e));
-        store16(out + r * inter + j, round16<T>(mul16(silu, uv)));
+        f32x16 arg;
+        if (gelu_) {
+          const f32x16 inner = vllm_cpu::fmadd16(mul16(cubic, gv), mul16(gv, gv), gv);
+          arg = mul16(minus_2c, inner);
+        } else {
+          arg = vllm_cpu::sub16(vllm_cpu::zero16(), gv);
+        }
+        const f32x16 act = round16<T>(vllm_cpu::div16(gv, add16(one, vllm_cpu::exp16(arg))));
+        store16(out + r * inter + j, round16<T>(mul16(act, uv)));
       }
     }
   }
 
-  std::vector<torch::Tensor> norms_;  // float32 copies: input, post per layer, final
-  std::vector<QuantWeight> weights_;  // qkv, o, gate_up, down per layer
+  std::vector<torch::Tensor> norms_;     // float32: per layer's, then the final one
+  std::vector<torch::Tensor> qk_norms_;  // float32: q and k per layer, or none
+  std::vector<FusedWeight> weights_;     // qkv, o, gate_up, down per layer
   std::vector<torch::Tensor> kv_caches_;
-  torch::Tensor cos_, sin_;
-  int64_t layers_ = 0, hidden_ = 0, intermediate_ = 0;
+  std::vector<int64_t> kv_groups_;
+  std::vector<torch::Tensor> cos_, sin_;
+  std::vector<int64_t> rope_index_, windows_;
+  int64_t layers_ = 0, hidden_ = 0, intermediate_ = 0, max_positions_ = 0, num_groups_ = 0;
+  int64_t norms_per_layer_;
+  bool one_plus_, gelu_ = false;
   int64_t num_heads_, num_kv_heads_, head_size_;
-  float eps_, scale_;
+  float eps_, scale_, soft_cap_;
   at::ScalarType dtype_;
   // Scratch, allocated once: each projection's output (qkv, o, gate_up, down),
   // attention's query and output (T in float-sized slots), and per thread its copy of the
-  // residual stream, a normed / activated input and its int8 quantization.
+  // residual stream, a normed / activated input and its int8 quantization (in the layout
+  // of each kernel).
   struct Private {
     std::vector<float> h, x;
     QuantizedRows quantized;
+    vllm_gguf::Activations activations;
   };
   std::vector<float> y_[4], q_, attn_;
   std::vector<Private> private_;
@@ -419,20 +594,33 @@ class FusedDecoder {
 
 void bind_fused_decoder(pybind11::module& m) {
   namespace py = pybind11;
+  py::class_<FusedWeight>(m, "FusedWeight",
+                          "One weight of the fused decoder: quant_gemv codes or GGUF blocks")
+      .def_static("quant_gemv", &FusedWeight::quant_gemv, py::arg("codes"), py::arg("d"),
+                  py::arg("m"), py::arg("bits"))
+      .def_static("gguf", &FusedWeight::gguf, py::arg("parts"), py::arg("types"))
+      .def_property_readonly("shape", [](const FusedWeight& w) {
+        return py::make_tuple(w.n(), w.k());
+      });
   py::class_<FusedDecoder>(m, "FusedDecoder",
-                           "Whole decode steps of a Llama-family decoder on quant_gemv weights")
-      .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+                           "Whole decode steps of a decoder on GGUF weights")
+      .def(py::init<std::vector<torch::Tensor>, int64_t, bool, std::vector<FusedWeight>,
+                    std::vector<torch::Tensor>, std::vector<int64_t>,
                     std::vector<torch::Tensor>, std::vector<torch::Tensor>,
-                    std::vector<int64_t>, std::vector<torch::Tensor>, torch::Tensor,
-                    torch::Tensor, int64_t, int64_t, int64_t, double, double>(),
-           py::arg("norms"), py::arg("codes"), py::arg("d"), py::arg("m"), py::arg("bits"),
-           py::arg("kv_caches"), py::arg("cos"), py::arg("sin"), py::arg("num_heads"),
-           py::arg("num_kv_heads"), py::arg("head_size"), py::arg("eps"), py::arg("scale"))
+                    std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
+                    int64_t, int64_t, int64_t, double, double, double, std::string>(),
+           py::arg("norms"), py::arg("norms_per_layer"), py::arg("one_plus_norms"),
+           py::arg("weights"), py::arg("kv_caches"), py::arg("kv_groups"),
+           py::arg("qk_norms"), py::arg("cos"), py::arg("sin"), py::arg("rope_index"),
+           py::arg("windows"), py::arg("num_heads"), py::arg("num_kv_heads"),
+           py::arg("head_size"), py::arg("eps"), py::arg("scale"), py::arg("soft_cap"),
+           py::arg("activation"))
       .def("forward", &FusedDecoder::forward, py::arg("h"), py::arg("positions"),
-           py::arg("block_table"), py::arg("seq_lens"), py::arg("slot_mapping"),
+           py::arg("block_tables"), py::arg("seq_lens"), py::arg("slot_mappings"),
            py::arg("shared_sequences") = false)
-      .def_property_readonly("num_layers", &FusedDecoder::num_layers);
+      .def_property_readonly("num_layers", &FusedDecoder::num_layers)
+      .def_property_readonly("num_kv_cache_groups", &FusedDecoder::num_kv_cache_groups);
 }
 #else
-void bind_fused_decoder(pybind11::module&) {}  // no quant_gemv: no fused decoder
+void bind_fused_decoder(pybind11::module&) {}  // no quant_gemv or gguf_mm: no fused decoder
 #endif

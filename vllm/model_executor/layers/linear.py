@@ -42,7 +42,7 @@ from vllm.distributed.utils import divide, kv_head_start, kv_heads_per_rank
 from vllm.model_executor.layers.quantization.int8 import Int8Linear, int8_kernel
 
 if TYPE_CHECKING:
-    from vllm.model_executor.layers.quantization.gguf_blocks import QuantGemvWeights
+    from vllm.model_executor.layers.quantization.gguf_blocks import FusedWeights
 
 logger = logging.getLogger(__name__)
 
@@ -210,15 +210,21 @@ class LinearBase(nn.Module):
         """The absmax int8 scales each output row by; None: this rank's rows are whole."""
         return None
 
-    def quant_gemv_weights(self) -> QuantGemvWeights | None:
-        """This layer's GGUF block codes where it multiplies by them with `quant_gemv`, on
-        one rank and without a bias (as the fused CPU decoder takes them); else None."""
-        from vllm.model_executor.layers.quantization.gguf_blocks import GGUFLinear
+    def fused_decode_weights(self) -> FusedWeights | None:
+        """This layer's GGUF weight as the fused CPU decoder reads it (quant_gemv's codes
+        or `gguf_mm`'s blocks), on one rank and without a bias; else None."""
+        from vllm.model_executor.layers.quantization.gguf_blocks import (
+            GGUFBlockLinear,
+            GGUFLinear,
+        )
 
-        if (not isinstance(self.kernel, GGUFLinear) or self.bias is not None
-                or self.tp_size != 1):
+        if self.bias is not None or self.tp_size != 1:
             return None
-        return self.kernel.quant_gemv_weights()
+        if isinstance(self.kernel, GGUFLinear):
+            return self.kernel.quant_gemv_weights()
+        if isinstance(self.kernel, GGUFBlockLinear):
+            return self.kernel.fused_decode_weights()
+        return None
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x times this rank's weight, plus `bias` on the dense path; a kernel adds the

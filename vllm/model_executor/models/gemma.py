@@ -12,15 +12,18 @@ q/k RMSNorm and its own rope per layer type (window layers: `rope_local_base_fre
 from __future__ import annotations
 
 import copy
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+from vllm.model_executor.models.interfaces import FusedDecodeSpec
 from vllm.model_executor.models.llama import (
     LlamaAttention,
     LlamaForCausalLM,
     LlamaMLP,
+    fused_decode_layer,
     head_dim_of,
 )
 from vllm.v1.attention.backends.abstract import AttentionBackend
@@ -93,6 +96,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         # sqrt(hidden_size) rounded to the model dtype, as transformers does.
         self.embed_scale = torch.tensor(config.hidden_size**0.5).to(dtype).item()
         self.final_soft_cap: float | None = getattr(config, "final_logit_softcapping", None)
+        self.activation = getattr(config, "hidden_activation", "gelu_pytorch_tanh")
 
     def make_layer(self, config, layer_idx: int, backend: type[AttentionBackend]) -> nn.Module:
         return GemmaDecoderLayer(config, layer_idx, backend, self.qk_norm)
@@ -113,6 +117,40 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
             local_cos, local_sin = self.local_rotary_emb.lookup(positions)
             cos, sin = torch.cat([cos, local_cos], -1), torch.cat([sin, local_sin], -1)
         return h, (cos, sin)
+
+    def fused_decode_spec(self) -> FusedDecodeSpec | str:
+        """This model as the fused CPU decoder runs it: Gemma layers (four norms with
+        (1 + w) weights, tanh GELU, q/k norms for Gemma 3, window layers on the local
+        rotary table, the attention soft-cap) on GGUF weights; the embeddings scaled at
+        lookup. The final soft-cap stays in `compute_logits`."""
+        cls = type(self)
+        if any(getattr(cls, name) is not getattr(Gemma2ForCausalLM, name)
+               for name in ("forward", "prepare", "finish")):
+            return f"{cls.__name__} is not a plain Gemma decoder"
+        if type(self.norm) is not GemmaRMSNorm:
+            return "final norm is not GemmaRMSNorm"
+        ropes = [(self.rotary.cos, self.rotary.sin)]
+        if self.local_rotary_emb is not None:
+            ropes.append((self.local_rotary_emb.cos, self.local_rotary_emb.sin))
+        layers = []
+        for i, layer in enumerate(self.layers):
+            if (type(layer) is not GemmaDecoderLayer or type(layer.self_attn) is not GemmaAttention
+                    or type(layer.mlp) is not LlamaMLP):
+                return f"layer {i} is not a plain Gemma layer"
+            described = fused_decode_layer(
+                i, cast(Any, layer.self_attn), layer.mlp,
+                [layer.input_layernorm, layer.post_attention_layernorm,
+                 layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm],
+                GemmaRMSNorm, self.activation, rope=int(layer.local_rope))
+            if isinstance(described, str):
+                return described
+            layers.append(described)
+        attn = cast(GemmaDecoderLayer, self.layers[0]).self_attn
+        return FusedDecodeSpec(
+            embed_tokens=self.get_input_embeddings, layers=layers, final_norm=self.norm.weight,
+            final_norm_eps=self.norm.eps, ropes=ropes, num_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, one_plus_norms=True,
+            activation=self.activation)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head.compute_logits(hidden_states)

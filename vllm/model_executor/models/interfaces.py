@@ -11,9 +11,10 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from vllm.model_executor.layers.quantization.gguf_blocks import QuantGemvWeights
+    from vllm.model_executor.layers.quantization.gguf_blocks import FusedWeights
     from vllm.model_executor.model_loader.weight_utils import PackedModulesMapping
     from vllm.model_executor.models.encoder_decoder import CrossAttention
+    from vllm.v1.attention.backends.abstract import FusedAttention
     from vllm.v1.messages import EncoderInput
 
 
@@ -72,28 +73,45 @@ class GraphModel(VllmModel, Protocol):
 
 
 @dataclass(slots=True)
+class FusedDecodeLayer:
+    """One decoder layer as the fused decoder computes it: norm, q/k/v (q/k norms per
+    head), rotary, paged attention, o, (norm,) residual; norm, gate_up, act(gate) * up,
+    down, (norm,) residual."""
+
+    # Pre-norm layers (Llama): [input, post-attention]; sandwich norms (Gemma): [input,
+    # attention output, pre-feedforward, post-feedforward]
+    norms: list[torch.Tensor]
+    projections: list[FusedWeights]  # qkv, o, gate_up, down: bias-free, this rank's whole
+    attention: FusedAttention  # its backend's declaration (`fused_decode_attention`)
+    kv_cache_layer: int  # its index into the KV caches
+    norm_eps: float  # its norms' epsilon
+    qk_norms: list[torch.Tensor]  # [q norm, k norm] weights per head, or [] (none)
+    rope: int = 0  # its rotary table's index in `FusedDecodeSpec.ropes`
+
+
+@dataclass(slots=True)
 class FusedDecodeSpec:
     """A decoder as the native fused decoder (`v1/worker/fused_decode.py`) runs its small
-    steps: plain tensors in layer order. Every layer is pre-norm attention (RMSNorm, q/k/v,
-    full rotary in rotate-half form, paged attention, o) and a SiLU-gated MLP (RMSNorm,
-    gate_up, down), each with a residual; then the final RMSNorm."""
+    steps: plain tensors in layer order, every layer of one form (`FusedDecodeLayer`), then
+    the final norm. Norms are RMSNorm, `weight * rnd(x / rms(x))`, or with
+    `one_plus_norms` Gemma's `rnd(x / rms(x) * (1 + weight))` in float32; rotary is full
+    width in rotate-half form."""
 
     embed_tokens: Callable[[torch.Tensor], torch.Tensor]  # ids [n] -> rows [n, hidden_size]
-    # [2 * num_layers + 1]: each layer's input and post-attention norm, then the final norm
-    norm_weights: list[torch.Tensor]
-    norm_eps: list[float]  # the same norms' epsilons
-    projections: list[QuantGemvWeights]  # [4 * num_layers]: each layer's qkv, o, gate_up, down
-    kv_cache_layers: list[int]  # [num_layers] each layer's index into the KV caches
-    cos: torch.Tensor  # [max_positions, rotary_dim] the rotary table
-    sin: torch.Tensor  # [max_positions, rotary_dim]
+    layers: list[FusedDecodeLayer]
+    final_norm: torch.Tensor
+    final_norm_eps: float
+    ropes: list[tuple[torch.Tensor, torch.Tensor]]  # (cos, sin) [max_positions, head_dim]
     num_heads: int  # this rank's
     num_kv_heads: int
     head_dim: int
-    scale: float  # the attention's softmax scale (`AttentionImpl.fused_decode_scale`)
+    one_plus_norms: bool = False
+    activation: str = "silu"  # or "gelu_tanh"
 
 
 class FusedDecodeModel(VllmModel, Protocol):
-    """A decoder the native fused decoder may run (the Llama family's plain layers)."""
+    """A decoder the native fused decoder may run (the Llama family's plain layers, Qwen3's,
+    Gemma 2 / 3's)."""
 
     def fused_decode_spec(self) -> FusedDecodeSpec | str:
         """The description the fused decoder runs from, or why this model (as built and

@@ -34,7 +34,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     VocabParallelEmbedding,
 )
 from vllm.model_executor.model_loader.weight_utils import PackedModulesMapping, load_weights
-from vllm.model_executor.models.interfaces import FusedDecodeSpec
+from vllm.model_executor.models.interfaces import FusedDecodeLayer, FusedDecodeSpec
 from vllm.transformers_utils.config import head_dim_of, layer_sliding_windows, num_kv_heads_of
 from vllm.v1.attention.backends.abstract import AttentionBackend
 
@@ -233,31 +233,24 @@ class LlamaForCausalLM(nn.Module):
     def fused_decode_spec(self) -> FusedDecodeSpec | str:
         """This model as the fused CPU decoder runs it, where that computes exactly what
         the layers would: the plain forward (a family overriding `forward`, `prepare` or
-        `finish` changes it), RMSNorms, plain `LlamaDecoderLayer`s (see `_fused_reason`).
-        """
+        `finish` changes it), RMSNorms, plain `LlamaDecoderLayer`s (q/k norms per head
+        included, as Qwen3's) on GGUF weights (see `fused_decode_layer`)."""
         reason = self.fused_decode_shape_reason()
         if reason is not None:
             return reason
-        layers = [cast(_PlainLayer, layer) for layer in self.layers]
-        for i, layer in enumerate(layers):
-            reason = _fused_reason(i, layer)
-            if reason is not None:
-                return reason
-        norms = [n for layer in layers for n in (layer.input_layernorm,
-                                                 layer.post_attention_layernorm)]
-        norms.append(self.norm)
-        projections = [linear.quant_gemv_weights() for layer in layers for linear in (
-            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-            layer.mlp.down_proj)]
-        attn = layers[0].self_attn
-        scale = attn.attn.impl.fused_decode_scale()
-        assert scale is not None and all(p is not None for p in projections)  # as checked
+        layers = []
+        for i, layer in enumerate(self.layers):
+            plain = cast(_PlainLayer, layer)
+            described = fused_decode_layer(i, plain.self_attn, plain.mlp, [
+                plain.input_layernorm, plain.post_attention_layernorm], RMSNorm, "silu")
+            if isinstance(described, str):
+                return described
+            layers.append(described)
+        attn = cast(_PlainLayer, self.layers[0]).self_attn
         return FusedDecodeSpec(
-            embed_tokens=self.embed_tokens, norm_weights=[n.weight for n in norms],
-            norm_eps=[n.eps for n in norms], projections=cast(list, projections),
-            kv_cache_layers=[layer.self_attn.attn.layer_idx for layer in layers],
-            cos=self.rotary.cos, sin=self.rotary.sin, num_heads=attn.num_heads,
-            num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, scale=scale)
+            embed_tokens=self.embed_tokens, layers=layers, final_norm=self.norm.weight,
+            final_norm_eps=self.norm.eps, ropes=[(self.rotary.cos, self.rotary.sin)],
+            num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
@@ -280,22 +273,31 @@ class _PlainLayer(LlamaDecoderLayer):
     post_attention_layernorm: RMSNorm
 
 
-def _fused_reason(i: int, layer: _PlainLayer) -> str | None:
-    """Why the fused decoder cannot compute plain Llama layer `i`: q/k norms or clipping,
-    attention its backend does not let it compute (`fused_decode_scale`: a window, a
-    soft-cap, another backend), another activation or norm, a projection other than a
-    bias-free one-rank quant_gemv kernel; None where it can."""
-    attn, mlp = layer.self_attn, layer.mlp
-    if attn.qk_norm is not None or attn.clip_qkv is not None:
-        return f"layer {i} has q/k norms or clipping"
-    if attn.attn.impl.fused_decode_scale() is None:
-        return f"layer {i}'s attention has a window, a soft-cap or another backend"
-    if mlp.act is not ACTIVATIONS["silu"]:
-        return f"layer {i}'s activation is not SiLU"
-    if not all(type(n) is RMSNorm for n in (layer.input_layernorm,
-                                            layer.post_attention_layernorm)):
-        return f"layer {i}'s norms are not RMSNorm"
-    if any(linear.quant_gemv_weights() is None for linear in (
-            attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
-        return f"layer {i} has a projection other than a bias-free quant_gemv GGUF kernel"
-    return None
+def fused_decode_layer(i: int, attn: _PlainAttention, mlp: LlamaMLP, norms: list[nn.Module],
+                       norm_type: type[nn.Module], activation: str,
+                       rope: int = 0) -> FusedDecodeLayer | str:
+    """Layer `i` (its attention, MLP and norms in the fused decoder's order) as the fused
+    decoder computes it, or why it cannot: q/k norms over the whole projection or clipping,
+    attention its backend does not let it compute (`fused_decode_attention`), another
+    activation or norm, a projection other than a bias-free one-rank GGUF kernel."""
+    if attn.qk_norm == "projection" or attn.clip_qkv is not None:
+        return f"layer {i} has q/k norms over the whole projection or clipping"
+    attention = attn.attn.impl.fused_decode_attention()
+    if attention is None:
+        return f"layer {i}'s attention is not one its backend lets the fused decoder compute"
+    if mlp.act is not ACTIVATIONS[activation]:
+        return f"layer {i}'s activation is not {activation}"
+    qk_norms = [attn.q_norm, attn.k_norm] if attn.qk_norm == "head" else []
+    if not all(type(n) is norm_type for n in norms + qk_norms):
+        return f"layer {i}'s norms are not {norm_type.__name__}"
+    if len({float(cast(float, n.eps)) for n in norms + qk_norms}) != 1:
+        return f"layer {i}'s norms' epsilons differ"
+    weights = [linear.fused_decode_weights() for linear in (
+        attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    if any(w is None for w in weights):
+        return f"layer {i} has a projection other than a bias-free one-rank GGUF kernel"
+    return FusedDecodeLayer(
+        norms=[cast(torch.Tensor, n.weight) for n in norms],
+        projections=cast(list, weights), attention=attention,
+        kv_cache_layer=attn.attn.layer_idx, norm_eps=float(cast(float, norms[0].eps)),
+        qk_norms=[cast(torch.Tensor, n.weight) for n in qk_norms], rope=rope)

@@ -1,7 +1,8 @@
-"""Decode steps of a Llama-family model on GGUF block codes as one native call per step
-(`csrc/cpu/fused_decode.cpp`'s `FusedDecoder`): every layer's RMSNorm, quantized q/k/v,
-rotary, KV write, paged attention, o_proj, residual, RMSNorm, gate_up, SiLU x up, down and
-residual, then the final norm, in one OpenMP parallel region with buffers allocated once.
+"""Decode steps of a decoder on GGUF weights as one native call per step
+(`csrc/cpu/fused_decode.cpp`'s `FusedDecoder`): every layer's norm, quantized q/k/v (q/k
+norms), rotary, KV write, paged attention, o_proj, (norm,) residual, norm, gate_up,
+act(gate) x up, down, (norm,) residual, then the final norm, in one OpenMP parallel region
+with buffers allocated once.
 
 A one-token step of a small model otherwise spends more time around its kernels than in
 them: one compiled graph call per layer (dynamo's per-call entry, the dispatcher, the
@@ -9,17 +10,20 @@ attention op's Python) and a fork and join of the thread team per kernel; on the
 model that was ~170 us of a layer's ~250, against ~80 us of weight streaming.
 
 It applies where the fused code computes exactly what the layers would (`unsupported_reason`
-says why not, logged once): CPU, one KV cache group, no LoRA, a float dtype, and a model that
-declares itself one the decoder computes (`FusedDecodeModel.fused_decode_spec`: the Llama
-family's plain layers on bias-free one-rank quant_gemv projections, attention its backend
-lets the decoder compute, `AttentionImpl.fused_decode_scale`), its rotary table full-width
-in the model dtype and its norms of one epsilon; and per step (`run`), where the step has at
-most `MAX_TOKENS` tokens (where the layers themselves take quant_gemv): decode rows (one
-token per request, read from the backend's decode metadata, `AttentionBackend.decode_rows`),
-a speculative verification step's k + 1 tokens of a request (the same kernels as a decode
-step: a query of several tokens against the paged cache), or a short prompt chunk. Larger
-steps, and every step when `VLLM_CPU_FUSED_DECODE=0`, take the compiled graphs. It is built
-with the graphs (`capture_model`), so `enforce_eager` turns it off too.
+says why not, logged once): CPU, no LoRA, a float dtype, and a model that declares itself
+one the decoder computes (`FusedDecodeModel.fused_decode_spec`: the Llama family's plain
+layers, Qwen3's q/k norms, Gemma 2 / 3's sandwich norms, tanh GELU, window layers and
+soft-caps; bias-free one-rank GGUF projections, quant_gemv's codes or `gguf_mm`'s blocks;
+attention its backend lets the decoder compute, `AttentionImpl.fused_decode_attention`), its
+rotary tables full-width in the model dtype and its norms of one epsilon. Each layer reads
+the block table of its KV cache group (window layers' groups mask blocks before the
+window). Per step (`run`), where the step has at most `MAX_TOKENS` tokens (where the layers
+themselves take quant_gemv): decode rows (one token per request, read from the backend's
+decode metadata, `AttentionBackend.decode_rows`, with one KV cache group), a speculative
+verification step's k + 1 tokens of a request (the same kernels as a decode step: a query
+of several tokens against the paged cache), or a short prompt chunk. Larger steps, and
+every step when `VLLM_CPU_FUSED_DECODE=0`, take the compiled graphs. It is built with the
+graphs (`capture_model`), so `enforce_eager` turns it off too.
 """
 
 from __future__ import annotations
@@ -31,13 +35,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm.model_executor.layers.quantization.gguf_blocks import MAX_ROWS
+from vllm.model_executor.layers.quantization.gguf_blocks import (
+    MAX_ROWS,
+    FusedWeights,
+    QuantGemvWeights,
+)
 from vllm.model_executor.models.interfaces import (
     FusedDecodeSpec,
     VllmModel,
     supports_fused_decode,
 )
 from vllm.v1.attention.backends.abstract import AttentionBackend, CommonAttentionMetadata
+from vllm.v1.core.kv_cache_groups import KVCacheGroupSpec, layer_slots
 
 logger = logging.getLogger(__name__)
 
@@ -46,36 +55,49 @@ ENV_SWITCH = "VLLM_CPU_FUSED_DECODE"
 
 
 def fused_decode_spec(model: VllmModel, kv_caches: list[torch.Tensor], dtype: torch.dtype,
-                      num_kv_cache_groups: int, lora: bool) -> FusedDecodeSpec | str:
+                      lora: bool) -> FusedDecodeSpec | str:
     """The model as the fused decoder runs it, or why the decoder cannot run its steps."""
     if os.environ.get(ENV_SWITCH) == "0":
         return f"{ENV_SWITCH}=0"
     if lora:
         return "LoRA adapters"
-    if num_kv_cache_groups != 1:
-        return "several KV cache groups"
     if not supports_fused_decode(model):
-        return f"{type(model).__name__} is not a plain Llama-family decoder"
+        return f"{type(model).__name__} declares no fused decoder form"
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return f"dtype {dtype}"
     spec = model.fused_decode_spec()
     if isinstance(spec, str):
         return spec
-    if tuple(spec.cos.shape[1:]) != (spec.head_dim,) or spec.cos.dtype != dtype:
-        return "rotary table is not full-width in the model dtype"
-    for i, layer in enumerate(spec.kv_cache_layers):
-        if layer >= len(kv_caches):
+    for table in (t for rope in spec.ropes for t in rope):
+        if tuple(table.shape[1:]) != (spec.head_dim,) or table.dtype != dtype:
+            return "a rotary table is not full-width in the model dtype"
+    for i, layer in enumerate(spec.layers):
+        if layer.kv_cache_layer >= len(kv_caches):
             return f"layer {i} has no KV cache"
-    if len(set(spec.norm_eps)) != 1:
+    if len({layer.norm_eps for layer in spec.layers} | {spec.final_norm_eps}) != 1:
         return "the norms' epsilons differ"
+    if len({(a.scale, a.soft_cap) for a in (layer.attention for layer in spec.layers)}) != 1:
+        return "the layers' attention scales or soft-caps differ"
+    if spec.activation not in _ACTIVATIONS:
+        return f"activation {spec.activation}"
     return spec
 
 
 def unsupported_reason(model: VllmModel, kv_caches: list[torch.Tensor], dtype: torch.dtype,
-                       num_kv_cache_groups: int, lora: bool) -> str | None:
+                       lora: bool) -> str | None:
     """Why the fused decoder cannot run `model`'s decode steps, or None where it can."""
-    spec = fused_decode_spec(model, kv_caches, dtype, num_kv_cache_groups, lora)
+    spec = fused_decode_spec(model, kv_caches, dtype, lora)
     return spec if isinstance(spec, str) else None
+
+
+# The models' activation names -> the native decoder's.
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def _native_weight(ops: Any, weight: FusedWeights) -> Any:
+    if isinstance(weight, QuantGemvWeights):
+        return ops.FusedWeight.quant_gemv(weight.codes, weight.d, weight.m, weight.bits)
+    return ops.FusedWeight.gguf(weight.parts, weight.types)
 
 
 class FusedDecode:
@@ -93,7 +115,7 @@ class FusedDecode:
 
     @classmethod
     def build(cls, model: VllmModel, kv_caches: list[torch.Tensor], dtype: torch.dtype,
-              num_kv_cache_groups: int, lora: bool,
+              kv_cache_groups: list[KVCacheGroupSpec], lora: bool,
               backend: type[AttentionBackend]) -> FusedDecode | None:
         """The fused decoder where it applies (see the module docstring), else None."""
         from vllm._custom_ops import cpu_ops
@@ -101,23 +123,31 @@ class FusedDecode:
         ops = cpu_ops()
         spec = ("no native kernels" if ops is None or not hasattr(ops, "FusedDecoder")
                 or not ops.quant_gemv_available() else
-                fused_decode_spec(model, kv_caches, dtype, num_kv_cache_groups, lora))
+                fused_decode_spec(model, kv_caches, dtype, lora))
         if isinstance(spec, str):
             logger.info("Fused decode steps off: %s.", spec)
             return None
         assert ops is not None
-        p = spec.projections
+        groups = {layer: group for layer, (group, _) in layer_slots(kv_cache_groups).items()}
+        layers = spec.layers
         try:
             decoder = ops.FusedDecoder(
-                spec.norm_weights, [w.codes for w in p], [w.d for w in p], [w.m for w in p],
-                [w.bits for w in p], [kv_caches[layer] for layer in spec.kv_cache_layers],
-                spec.cos, spec.sin, spec.num_heads, spec.num_kv_heads, spec.head_dim,
-                spec.norm_eps[0], spec.scale)
+                [n for layer in layers for n in layer.norms] + [spec.final_norm],
+                len(layers[0].norms), spec.one_plus_norms,
+                [_native_weight(ops, w) for layer in layers for w in layer.projections],
+                [kv_caches[layer.kv_cache_layer] for layer in layers],
+                [groups.get(layer.kv_cache_layer, 0) for layer in layers],
+                [n for layer in layers for n in layer.qk_norms],
+                [cos for cos, _ in spec.ropes], [sin for _, sin in spec.ropes],
+                [layer.rope for layer in layers], [layer.attention.window for layer in layers],
+                spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.final_norm_eps,
+                layers[0].attention.scale, layers[0].attention.soft_cap,
+                _ACTIVATIONS[spec.activation])
         except RuntimeError as e:  # a shape the native decoder does not take
             logger.info("Fused decode steps off: %s", e)
             return None
         logger.info("Fused decode steps on: %d layers in one native call per step.",
-                    len(spec.kv_cache_layers))
+                    len(layers))
         return cls(decoder, spec, kv_caches[0].shape[2], backend)
 
     # The most tokens of a step it takes: as many as the layers' quant_gemv kernels take.
@@ -131,34 +161,39 @@ class FusedDecode:
 
     def run(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
             inputs_embeds: torch.Tensor | None, attn_metadata: object,
-            common: CommonAttentionMetadata) -> torch.Tensor | None:
+            group_commons: list[CommonAttentionMetadata]) -> torch.Tensor | None:
         """The step's final hidden states, or None where the step is not one it `takes`.
 
-        A decode-only step from the runner's persistent inputs reads the backend's decode
-        block table and lengths (`attn_metadata`). Any other step (`attn_metadata` None: a
-        verification step's k + 1 tokens of a request, a short prompt chunk) runs each
-        token as a decode query at its own length, `seq_lens - query_lens + i + 1` for the
-        request's i-th token, through its request's block-table row."""
+        A decode-only step from the runner's persistent inputs (one KV cache group) reads
+        the backend's decode block table and lengths (`attn_metadata`). Any other step
+        (`attn_metadata` None: several KV cache groups, a verification step's k + 1 tokens
+        of a request, a short prompt chunk) runs each token as a decode query at its own
+        length, `seq_lens - query_lens + i + 1` for the request's i-th token, through its
+        request's block-table row of each group (`group_commons`, one per group)."""
         n = positions.shape[0]
+        common = group_commons[0]
         if not self.takes(n) or common.num_actual_tokens != n:
             return None
         if attn_metadata is None:
-            block_table, seq_lens = self._token_rows(common)
-            slot_mapping = torch.from_numpy(common.slot_mapping)
+            tables = [self._token_rows(c) for c in group_commons]
+            block_tables = [table for table, _ in tables]
+            seq_lens = tables[0][1]
+            slot_mappings = [torch.from_numpy(c.slot_mapping) for c in group_commons]
             # Several tokens of one sequence: every K/V row written before any attends.
             shared = n > common.seq_lens.size
         else:
             rows = self.backend.decode_rows(attn_metadata)
-            if rows is None:
+            if rows is None or len(group_commons) != 1:
                 return None
-            block_table, seq_lens, slot_mapping = rows
+            block_tables, seq_lens, slot_mappings = ([rows.block_table], rows.seq_lens,
+                                                     [rows.slot_mapping])
             shared = False
         if inputs_embeds is None:
             assert input_ids is not None
             h = self.spec.embed_tokens(input_ids)
         else:
-            h = inputs_embeds.to(self.spec.cos.dtype)
-        out = self.decoder.forward(h, positions, block_table, seq_lens, slot_mapping, shared)
+            h = inputs_embeds.to(self.spec.ropes[0][0].dtype)
+        out = self.decoder.forward(h, positions, block_tables, seq_lens, slot_mappings, shared)
         self.steps += 1
         self.tokens += n
         return out

@@ -243,7 +243,7 @@ class ModelRunner:
         with torch.inference_mode():
             self.graphs.capture(self._dummy_step)
         self.fused_decode = FusedDecode.build(model, self.kv_caches, self.dtype,
-                                              len(self.kv_cache_groups),
+                                              self.kv_cache_groups,
                                               self.lora_manager is not None, self.attn_backend)
         if self.spec is not None:
             self.spec.capture_model(sizes, max_num_tokens)
@@ -333,7 +333,7 @@ class ModelRunner:
         if self.fused_decode is not None:
             hidden_states = self.fused_decode.run(inputs.input_ids, inputs.positions,
                                                   inputs.inputs_embeds, inputs.attn_metadata,
-                                                  inputs.common)
+                                                  inputs.group_commons)
             if hidden_states is not None:
                 return hidden_states
         assert inputs.attn_metadata is not None, "a step left to the fused decoder"

@@ -75,6 +75,8 @@ class ModelInputs(NamedTuple):
     # positions per row); None in a step without drafts.
     draft_layout: DraftLayout | None
     common: CommonAttentionMetadata  # the step's batch layout (for CUDA graph buffers)
+    # Each KV cache group's layout (block tables and slots; [common] with one group)
+    group_commons: list[CommonAttentionMetadata]
     num_scheduled: np.ndarray  # [num_reqs] int32 tokens of each batch row (LoRA slots)
 
 
@@ -149,7 +151,8 @@ class StepInputsBuilder:
         is_token_np = batch.is_token_ids.reshape(-1)[idx.token_indices]
         num_tokens = int(idx.query_start_loc[-1])
         fused = num_tokens <= fused_max_tokens
-        attn_metadata, common = self._group_metadata(idx, backend, build=not fused)
+        attn_metadata, commons = self._group_metadata(idx, backend, build=not fused)
+        common = commons[0]
         cross_attn_metadata = (self._cross_attn_metadata(common, backend)
                                if self.is_encoder_decoder else None)
         sampling_rows, logits_indices, draft_layout = self._sampling_rows(idx,
@@ -172,6 +175,7 @@ class StepInputsBuilder:
             sampling_rows=sampling_rows,
             draft_layout=draft_layout,
             common=common,
+            group_commons=commons,
             num_scheduled=num_scheduled,
         )
 
@@ -193,9 +197,9 @@ class StepInputsBuilder:
         return sampling_rows, logits_indices, draft_layout
 
     def _group_metadata(self, idx: StepIndices, backend: type[AttentionBackend],
-                        build: bool) -> tuple[list, CommonAttentionMetadata]:
-        """Each KV cache group's backend metadata (None each where not `build`), and group
-        0's common layout."""
+                        build: bool) -> tuple[list, list[CommonAttentionMetadata]]:
+        """Each KV cache group's backend metadata (None each where not `build`) and common
+        layout."""
         batch = self.batch
         num_reqs = batch.num_reqs
         num_computed = batch.num_computed_tokens_cpu[:num_reqs].copy()
@@ -213,7 +217,7 @@ class StepInputsBuilder:
             commons.append(group_common)
             metadata.append(backend.build_metadata(group_common, self.block_size, self.device)
                             if build else None)
-        return metadata, commons[0]
+        return metadata, commons
 
     def _prepare_decode(self, decode: DecodeInputs, num_reqs: int,
                         backend: type[AttentionBackend]) -> ModelInputs | None:
@@ -240,7 +244,7 @@ class StepInputsBuilder:
                            cross_attn_metadata=None, slot_mapping=step.common.slot_mapping,
                            logits_indices=logits_indices, sampling_rows=rows,
                            draft_layout=None, common=step.common,
-                           num_scheduled=decode.ones[:num_reqs])
+                           group_commons=[step.common], num_scheduled=decode.ones[:num_reqs])
 
     def _decode_metadata_of(self, step: DecodeStep, backend: type[AttentionBackend]) -> object:
         """The backend's metadata of a decode step: kept for every later step of as many

@@ -207,6 +207,18 @@ class QuantGemvWeights(NamedTuple):
     bits: int  # 4 or 8
 
 
+class GGUFBlockWeights(NamedTuple):
+    """One weight as `gguf_mm` reads it (a `GGUFBlockLinear`'s): consecutive row parts,
+    each uint8 [rows, row bytes] in its ggml block type."""
+
+    parts: list[torch.Tensor]
+    types: list[int]
+
+
+# A weight as the fused CPU decoder reads it.
+FusedWeights = QuantGemvWeights | GGUFBlockWeights
+
+
 def row_switch_tokens(module: nn.Module) -> int:
     """The most tokens at which a layer of `module` picks its kernel by row count:
     `MAX_ROWS` where it holds a `GGUFLinear`, else 0."""
@@ -319,6 +331,10 @@ class GGUFBlockLinear(nn.Module):
         ys = [torch.ops.vllm_cpu.gguf_mm(x, w, t) for w, t in zip(self.weights, self.types)]
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
         return y if self.bias is None else y + self.bias
+
+    def fused_decode_weights(self) -> GGUFBlockWeights | None:
+        """The blocks, where the layer has no bias (the fused decoder adds none)."""
+        return GGUFBlockWeights(self.weights, self.types) if self.bias is None else None
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

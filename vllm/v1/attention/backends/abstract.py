@@ -75,6 +75,16 @@ class CommonAttentionMetadata:
         )
 
 
+class FusedAttention(NamedTuple):
+    """A layer's attention as the fused CPU decoder computes it: causal, over the paged KV
+    cache, a query at position p seeing keys (p - window, p] (window 0: every key), scores
+    `soft_cap * tanh(score / soft_cap)` before the softmax where soft_cap > 0."""
+
+    scale: float  # the softmax scale
+    window: int
+    soft_cap: float
+
+
 class DecodeRows(NamedTuple):
     """A decode-only step's paged-cache layout as tensors, one row per request."""
 
@@ -180,8 +190,7 @@ class AttentionImpl(ABC):
                  slot_mapping: torch.Tensor) -> None:
         """Stores key/value rows [n, num_kv_heads, head_size] at flat cache slots [n]."""
 
-    def fused_decode_scale(self) -> float | None:
-        """The softmax scale where the fused CPU decoder may compute this layer's attention
-        in its place (plain causal attention over this backend's paged KV cache: no window,
-        no soft-cap); None (the default) where it may not."""
+    def fused_decode_attention(self) -> FusedAttention | None:
+        """This layer's attention as the fused CPU decoder computes it in its place (decode
+        queries over this backend's paged KV cache); None (the default) where it may not."""
         return None

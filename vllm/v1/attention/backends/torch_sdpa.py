@@ -36,6 +36,7 @@ from vllm.v1.attention.backends.abstract import (
     CommonAttentionMetadata,
     DecodeRows,
     EncoderAttentionMetadata,
+    FusedAttention,
 )
 
 # Longest cross-attention query span computed by the paged decode path (see build_metadata).
@@ -270,10 +271,11 @@ class TorchSDPAImpl(AttentionImpl):
         self.logits_soft_cap = logits_soft_cap
         self.plain = sliding_window is None and logits_soft_cap is None  # torch paths
 
-    def fused_decode_scale(self) -> float | None:
-        if self.sliding_window is not None or self.logits_soft_cap is not None:
+    def fused_decode_attention(self) -> FusedAttention | None:
+        # Decoder self-attention: the native decode kernel its decode rows take.
+        if self.attn_type != AttentionType.DECODER:
             return None
-        return self.scale
+        return FusedAttention(self.scale, self.sliding_window or 0, self.logits_soft_cap or 0.0)
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
