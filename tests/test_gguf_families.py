@@ -148,7 +148,8 @@ def _write_gguf(path: str, model_dir: str, arch: str,
     default model's: Q4_1 and Q8_0; a Q4_K_M file's: Q4_K, Q6_K, Q5_0 and Q8_0); with
     `expert_qtype` (the same kinds) the stacked experts in that type. The vocabulary is
     placeholder names, or with `real_tokenizer` the directory's byte-level BPE as llama.cpp's
-    `gpt2` tokenizer (tokens, types, merges), so llama.cpp can tokenize for it."""
+    `gpt2` tokenizer (tokens, types, merges), so llama.cpp can tokenize for it. The
+    routers (`ffn_gate_inp`) stay float32, as llama.cpp's quantizer leaves them."""
     import gguf
     from safetensors.torch import load_file
 
@@ -220,7 +221,8 @@ def _write_gguf(path: str, model_dir: str, arch: str,
             writer.add_tensor(name, blocks.reshape(*weight.shape[:2], -1), raw_dtype=qtype)
             continue
         gguf_name = name if name.startswith("blk.") else _gguf_name(arch, name)
-        if layer_qtype is not None and weight.ndim == 2:
+        # The routers stay float32, as llama.cpp's quantizer leaves them.
+        if layer_qtype is not None and weight.ndim == 2 and "ffn_gate_inp" not in gguf_name:
             top = gguf_name.split(".")[0] in ("token_embd", "output")
             chosen = layer_qtype if isinstance(layer_qtype, str) else layer_qtype(gguf_name)
             blocks, qtype = _encode(weight, "Q8_0" if top else chosen)

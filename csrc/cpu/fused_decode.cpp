@@ -52,6 +52,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <memory>
 #include <type_traits>
@@ -212,21 +213,87 @@ class FusedWeight {
   int64_t n_ = 0, k_ = 0;
 };
 
+// A layer's feed-forward block: a gated MLP (gate_up [2 I, H], down [H, I]), or a mixture
+// of experts as `moe_experts` computes it (moe.cpp): a dense router [E, H] (logits in T,
+// softmax in float32, the top k, renormalised where asked, weights rounded to T), each
+// chosen expert's SiLU(gate) * up and down in float32 from GGUF blocks gate / up [E, I, row
+// bytes] and down [E, H, row bytes], the token's rows summed by their weights in slot order
+// and rounded to T once.
+class FusedMLP {
+ public:
+  static FusedMLP dense(FusedWeight gate_up, FusedWeight down) {
+    FusedMLP m;
+    m.gate_up_ = std::move(gate_up);
+    m.down_ = std::move(down);
+    m.inter_ = m.gate_up_.n() / 2;
+    return m;
+  }
+
+  static FusedMLP experts(torch::Tensor router, torch::Tensor w1, torch::Tensor w3,
+                          torch::Tensor w2, std::vector<int64_t> types, int64_t top_k,
+                          bool renormalize) {
+    FusedMLP m;
+    m.experts_ = true;
+    TORCH_CHECK(router.dim() == 2 && w1.dim() == 3 && w3.dim() == 3 && w2.dim() == 3 &&
+                    w3.size(0) == w1.size(0) && w3.size(1) == w1.size(1) &&
+                    w1.scalar_type() == torch::kUInt8 && w3.scalar_type() == torch::kUInt8 &&
+                    w2.scalar_type() == torch::kUInt8 && types.size() == 3,
+                "FusedMLP: experts need a router [E, H] and GGUF blocks gate / up [E, I, bytes], "
+                "down [E, H, bytes] with their three types");
+    m.num_experts_ = router.size(0);
+    m.router_dtype_ = router.scalar_type();
+    m.router_ = router.to(torch::kFloat32).contiguous();
+    m.w_[0] = w1.contiguous();
+    m.w_[1] = w3.contiguous();
+    m.w_[2] = w2.contiguous();
+    m.inter_ = w1.size(1);
+    const int64_t hidden = router.size(1);
+    const int64_t ins[3] = {hidden, hidden, m.inter_};
+    for (int j = 0; j < 3; ++j) {
+      const auto l = vllm_gguf::layout(types[j]);
+      TORCH_CHECK(m.w_[j].size(0) == m.num_experts_ && ins[j] % l.values == 0 &&
+                      m.w_[j].size(2) == ins[j] / l.values * l.bytes,
+                  "FusedMLP: expert weight ", j, " does not hold [", m.num_experts_,
+                  ", rows, ", ins[j], "] values of type ", types[j]);
+      m.types_[j] = types[j];
+    }
+    TORCH_CHECK(w2.size(1) == hidden, "FusedMLP: down has ", w2.size(1), " rows, expected ",
+                hidden);
+    TORCH_CHECK(top_k >= 1 && top_k <= m.num_experts_, "FusedMLP: top_k ", top_k);
+    m.top_k_ = top_k;
+    m.renormalize_ = renormalize;
+    return m;
+  }
+
+  bool is_experts() const { return experts_; }
+  int64_t intermediate() const { return inter_; }
+
+  FusedWeight gate_up_, down_;  // the gated MLP's
+  bool experts_ = false;
+  // the experts'
+  torch::Tensor router_, w_[3];  // router float32 [E, H] (T's values); gate, up, down
+  at::ScalarType router_dtype_ = at::kFloat;
+  int64_t types_[3] = {0, 0, 0};
+  int64_t num_experts_ = 0, inter_ = 0, top_k_ = 0;
+  bool renormalize_ = false;
+};
+
 class FusedDecoder {
  public:
   // Per layer: `norms_per_layer` norms (2: input and post-attention; 4: input, attention
-  // output, pre- and post-feedforward) in `norms`, then the final one; four weights (qkv,
-  // o, gate_up, down); its KV cache, KV cache group (the block table it reads) and rotary
+  // output, pre- and post-feedforward) in `norms`, then the final one; two attention weights
+  // (qkv, o) and its feed-forward block (`mlps`); its KV cache, KV cache group (the block table it reads) and rotary
   // table (an index into cos / sin); its window (0: none); two q/k norms per layer in
   // `qk_norms`, or none. `activation`: "silu" or "gelu_tanh".
   FusedDecoder(std::vector<torch::Tensor> norms, int64_t norms_per_layer, bool one_plus_norms,
-               std::vector<FusedWeight> weights, std::vector<torch::Tensor> kv_caches,
+               std::vector<FusedWeight> weights, std::vector<FusedMLP> mlps,
+               std::vector<torch::Tensor> kv_caches,
                std::vector<int64_t> kv_groups, std::vector<torch::Tensor> qk_norms,
                std::vector<torch::Tensor> cos, std::vector<torch::Tensor> sin,
                std::vector<int64_t> rope_index, std::vector<int64_t> windows,
                int64_t num_heads, int64_t num_kv_heads, int64_t head_size, double eps,
                double scale, double soft_cap, std::string activation)
-      : weights_(std::move(weights)), kv_caches_(std::move(kv_caches)),
+      : weights_(std::move(weights)), mlps_(std::move(mlps)), kv_caches_(std::move(kv_caches)),
         kv_groups_(std::move(kv_groups)), cos_(std::move(cos)), sin_(std::move(sin)),
         rope_index_(std::move(rope_index)), windows_(std::move(windows)),
         norms_per_layer_(norms_per_layer), one_plus_(one_plus_norms), num_heads_(num_heads),
@@ -238,8 +305,10 @@ class FusedDecoder {
                 "FusedDecoder: 2 or 4 norms per layer");
     TORCH_CHECK(static_cast<int64_t>(norms.size()) == norms_per_layer * layers_ + 1,
                 "FusedDecoder: ", norms_per_layer, " norms per layer and the final one expected");
-    TORCH_CHECK(static_cast<int64_t>(weights_.size()) == 4 * layers_,
-                "FusedDecoder: 4 weights (qkv, o, gate_up, down) per layer expected");
+    TORCH_CHECK(static_cast<int64_t>(weights_.size()) == 2 * layers_ &&
+                    static_cast<int64_t>(mlps_.size()) == layers_,
+                "FusedDecoder: 2 attention weights (qkv, o) and a feed-forward block per layer "
+                "expected");
     TORCH_CHECK(static_cast<int64_t>(kv_groups_.size()) == layers_ &&
                     static_cast<int64_t>(rope_index_.size()) == layers_ &&
                     static_cast<int64_t>(windows_.size()) == layers_,
@@ -276,18 +345,32 @@ class FusedDecoder {
     for (const auto& w : norms) norms_.push_back(float_norm(w, hidden_));
     for (const auto& w : qk_norms) qk_norms_.push_back(float_norm(w, head_size));
     const int64_t q_size = num_heads * head_size, kv_size = num_kv_heads * head_size;
-    intermediate_ = weights_[2].n() / 2;
-    TORCH_CHECK(intermediate_ % 32 == 0, "FusedDecoder: intermediate size must be a multiple "
-                "of 32");
     num_groups_ = 0;
+    int64_t expert_rows = 0, expert_inter = 0;  // the experts' scratch: rows x slots, width
     for (int64_t l = 0; l < layers_; ++l) {
-      const int64_t in[4] = {hidden_, q_size, hidden_, intermediate_};
-      const int64_t out[4] = {q_size + 2 * kv_size, hidden_, 2 * intermediate_, hidden_};
-      for (int j = 0; j < 4; ++j) {
-        const FusedWeight& w = weights_[4 * l + j];
-        TORCH_CHECK(w.n() == out[j] && w.takes(in[j]), "FusedDecoder: layer ", l, " weight ",
-                    j, " has shape [", w.n(), ", ", w.k(), "], expected [", out[j], ", ",
-                    in[j], "]");
+      const FusedMLP& mlp = mlps_[l];
+      const int64_t inter = mlp.intermediate();
+      TORCH_CHECK(inter % 32 == 0, "FusedDecoder: layer ", l, "'s intermediate size ", inter,
+                  " is not a multiple of 32");
+      intermediate_ = std::max(intermediate_, inter);
+      std::vector<const FusedWeight*> ws = {&weights_[2 * l], &weights_[2 * l + 1]};
+      std::vector<int64_t> in = {hidden_, q_size}, out = {q_size + 2 * kv_size, hidden_};
+      if (mlp.is_experts()) {
+        TORCH_CHECK(mlp.router_.size(1) == hidden_ && mlp.router_dtype_ == dtype_,
+                    "FusedDecoder: layer ", l, "'s router is not [experts, ", hidden_,
+                    "] in the model dtype");
+        expert_rows = std::max(expert_rows, mlp.top_k_ * vllm_cpu::qgemv::kMaxChunkedRows);
+        expert_inter = std::max(expert_inter, inter);
+      } else {
+        ws.push_back(&mlp.gate_up_);
+        ws.push_back(&mlp.down_);
+        in.insert(in.end(), {hidden_, inter});
+        out.insert(out.end(), {2 * inter, hidden_});
+      }
+      for (size_t j = 0; j < ws.size(); ++j) {
+        TORCH_CHECK(ws[j]->n() == out[j] && ws[j]->takes(in[j]), "FusedDecoder: layer ", l,
+                    " weight ", j, " has shape [", ws[j]->n(), ", ", ws[j]->k(), "], expected [",
+                    out[j], ", ", in[j], "]");
       }
       const auto& kv = kv_caches_[l];
       TORCH_CHECK(kv.dim() == 5 && kv.size(0) == 2 && kv.size(3) == num_kv_heads &&
@@ -303,6 +386,8 @@ class FusedDecoder {
     const int64_t rows = vllm_cpu::qgemv::kMaxChunkedRows;
     const int64_t widths[4] = {q_size + 2 * kv_size, hidden_, 2 * intermediate_, hidden_};
     for (int j = 0; j < 4; ++j) y_[j].resize(rows * widths[j]);
+    for (int j = 0; j < 3; ++j) expert_y_[j].resize(expert_rows * expert_inter);
+    expert_y_[3].resize(expert_rows * hidden_);
     // Attention's query and output in T (at most 4 bytes an element).
     q_.resize(rows * q_size);
     attn_.resize(rows * q_size);
@@ -374,6 +459,17 @@ class FusedDecoder {
   }
 
  private:
+  // Per thread: its copy of the residual stream, a normed / activated input and its int8
+  // quantization (in the layout of each kernel); for experts, the routing, the (row, slot)
+  // pairs' order by expert, their inputs and the block's output.
+  struct Private {
+    std::vector<float> h, x;
+    QuantizedRows quantized;
+    vllm_gguf::Activations activations;
+    std::vector<float> probs, weights, gathered, moe;
+    std::vector<int64_t> ids, start, next, order, position;
+  };
+
   // A step's rows: positions, lengths, and per KV cache group the block table rows and
   // slots.
   struct Step {
@@ -398,7 +494,7 @@ class FusedDecoder {
 
   template <typename T>
   void run(const torch::Tensor& h_in, const Step& step, torch::Tensor& out) {
-    const int64_t rows = h_in.size(0), hidden = hidden_, inter = intermediate_;
+    const int64_t rows = h_in.size(0), hidden = hidden_;
     const int64_t q_size = num_heads_ * head_size_;
     T* q = reinterpret_cast<T*>(q_.data());
     T* attn = reinterpret_cast<T*>(attn_.data());
@@ -411,7 +507,7 @@ class FusedDecoder {
     const T* hin = h_in.data_ptr<T>();
     for (auto& p : private_) {
       p.h.resize(vllm_cpu::qgemv::kMaxChunkedRows * hidden);
-      p.x.resize(vllm_cpu::qgemv::kMaxChunkedRows * std::max(hidden, inter));
+      p.x.resize(vllm_cpu::qgemv::kMaxChunkedRows * std::max(hidden, intermediate_));
       for (int64_t i = 0; i < rows * hidden; i += 16)
         store16(p.h.data() + i, load16(hin + i));
     }
@@ -436,18 +532,18 @@ class FusedDecoder {
       Private& mine = private_[tid];
       float* h = mine.h.data();
       float* x = mine.x.data();
-      // This thread's rows of projection j of `layer` of the inputs `in` [rows, k].
-      auto project = [&](int64_t layer, int j, const auto* in, int64_t k, float* out_rows) {
-        const FusedWeight& w = weights_[4 * layer + j];
+      // This thread's rows of weight w of the inputs `in` [rows, k].
+      auto project = [&](const FusedWeight& w, const auto* in, int64_t k, float* out_rows) {
         w.quantize(in, rows, k, &mine.quantized, &mine.activations);
         int64_t begin, end;
         share(w.n(), tid, nt, &begin, &end);
         if (begin < end) w.rows_range(rows, mine.quantized, mine.activations, out_rows, begin, end);
       };
+      const float* down = y_down;  // the feed-forward block's output: shared, or this thread's
       for (int64_t l = 0; l < layers_; ++l) {
-        if (l > 0) add(h, x, y_down, l - 1, 3);  // the previous layer's down
+        if (l > 0) add(h, x, down, l - 1, 3);  // the previous layer's feed-forward
         rms_norm<T>(h, false, norm(l, 0), x, rows, hidden, eps_, one_plus_);
-        project(l, 0, x, hidden, y_qkv);
+        project(weights_[2 * l], x, hidden, y_qkv);
 #pragma omp barrier
         {  // each thread its share of the rows; one row: the first thread
           const int64_t first = rows * tid / nt, last = rows * (tid + 1) / nt;
@@ -458,20 +554,28 @@ class FusedDecoder {
           if (first < last) attend<T>(l, first, last, step, q, attn);
         }
 #pragma omp barrier
-        project(l, 1, attn, q_size, y_o);
+        project(weights_[2 * l + 1], attn, q_size, y_o);
 #pragma omp barrier
         add(h, x, y_o, l, 1);
         rms_norm<T>(h, false, norm(l, sandwich ? 2 : 1), x, rows, hidden, eps_, one_plus_);
-        project(l, 2, x, hidden, y_gu);
+        const FusedMLP& mlp = mlps_[l];
+        if (mlp.is_experts()) {
+          experts<T>(mlp, rows, x, tid, nt, mine);
+          down = mine.moe.data();
+        } else {
+          project(mlp.gate_up_, x, hidden, y_gu);
 #pragma omp barrier
-        act_mul<T>(y_gu, x, rows, inter);
-        project(l, 3, x, inter, y_down);
+          act_mul<T>(y_gu, x, rows, mlp.intermediate());
+          project(mlp.down_, x, mlp.intermediate(), y_down);
 #pragma omp barrier
+          down = y_down;
+        }
       }
+      if (tid == 0) last_down_ = down;
     }
     float* h = private_[0].h.data();
     float* x = private_[0].x.data();
-    add(h, x, y_down, layers_ - 1, 3);
+    add(h, x, last_down_, layers_ - 1, 3);
     rms_norm<T>(h, false, norms_.back().data_ptr<float>(), x, rows, hidden, eps_, one_plus_);
     T* o = out.data_ptr<T>();
     for (int64_t i = 0; i < rows * hidden; i += 16) store16(o + i, load16(x + i));
@@ -539,6 +643,115 @@ class FusedDecoder {
                               windows_[layer], soft_cap_);
   }
 
+  // A mixture-of-experts block on rows x [rows, hidden] (normed, T's values) into this
+  // thread's `moe` [rows, hidden], as `moe_experts` computes it (see FusedMLP). Every
+  // thread routes every row and quantizes every expert row itself; the products are tasks
+  // (an expert's rows times a tile of its weight rows) dealt round the threads, with a
+  // barrier after the gate / up products and one after the down products.
+  template <typename T>
+  void experts(const FusedMLP& m, int64_t rows, const float* x, int tid, int nt,
+               Private& mine) {
+    const int64_t H = hidden_, E = m.num_experts_, k = m.top_k_, I = m.inter_;
+    const int64_t n = rows * k;  // (row, slot) pairs
+    mine.weights.resize(n);
+    mine.ids.resize(n);
+    mine.probs.resize(E);
+    const float* router = m.router_.data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r) {
+      float* p = mine.probs.data();
+      float top = -INFINITY;
+      for (int64_t e = 0; e < E; ++e) {  // the logits, in T
+        f32x16 acc = vllm_cpu::zero16();
+        for (int64_t j = 0; j < H; j += 16)
+          acc = vllm_cpu::fmadd16(load16(x + r * H + j), load16(router + e * H + j), acc);
+        p[e] = static_cast<float>(static_cast<T>(vllm_cpu::reduce_add16(acc)));
+        top = std::max(top, p[e]);
+      }
+      float sum = 0.f;
+      for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(p[e] - top));
+      for (int64_t e = 0; e < E; ++e) p[e] /= sum;
+      float chosen = 0.f;
+      for (int64_t j = 0; j < k; ++j) {  // the top k, largest first (ties: the lower id)
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; ++e)
+          if (p[e] >= 0.f && (best < 0 || p[e] > p[best])) best = e;
+        mine.ids[r * k + j] = best;
+        mine.weights[r * k + j] = p[best];
+        chosen += p[best];
+        p[best] = -1.f;
+      }
+      for (int64_t j = 0; j < k; ++j) {
+        float& w = mine.weights[r * k + j];
+        w = static_cast<float>(static_cast<T>(m.renormalize_ ? w / chosen : w));
+      }
+    }
+    // The (row, slot) pairs by expert, stable (a counting sort), and their inputs.
+    std::vector<int64_t>& start = mine.start;
+    start.assign(E + 1, 0);
+    mine.order.resize(n);
+    mine.position.resize(n);
+    for (int64_t i = 0; i < n; ++i) ++start[mine.ids[i] + 1];
+    for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+    mine.next.assign(start.begin(), start.end() - 1);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t p = mine.next[mine.ids[i]]++;
+      mine.order[p] = i;
+      mine.position[i] = p;
+    }
+    mine.gathered.resize(n * std::max(H, I));
+    float* xs = mine.gathered.data();
+    for (int64_t p = 0; p < n; ++p)
+      std::memcpy(xs + p * H, x + (mine.order[p] / k) * H, H * sizeof(float));
+    vllm_gguf::quantize_activations<float>(xs, n, H, &mine.activations);
+    // Tasks: each active expert's weight rows in tiles, about four tasks a thread.
+    int64_t active = 0;
+    for (int64_t e = 0; e < E; ++e) active += start[e + 1] > start[e];
+    auto for_my_tasks = [&](int64_t width, auto&& task) {
+      const int64_t want = std::max<int64_t>(1, 4 * nt / std::max<int64_t>(1, active));
+      const int64_t tile = std::max<int64_t>(16, (width / want + 15) / 16 * 16);
+      int64_t index = 0;
+      for (int64_t e = 0; e < E; ++e) {
+        if (start[e + 1] == start[e]) continue;
+        for (int64_t b = 0; b < width; b += tile, ++index)
+          if (index % nt == tid) task(e, start[e], start[e + 1] - start[e], b, std::min(width, b + tile));
+      }
+    };
+    float *gate = expert_y_[0].data(), *up = expert_y_[1].data(), *act = expert_y_[2].data();
+    float* y = expert_y_[3].data();
+    auto expert_rows = [&](int j, int64_t e) {
+      const torch::Tensor& w = m.w_[j];
+      return w.data_ptr<uint8_t>() + e * w.stride(0);
+    };
+    for_my_tasks(I, [&](int64_t e, int64_t first, int64_t count, int64_t b, int64_t end) {
+      vllm_gguf::dispatch(m.types_[0], expert_rows(0, e), m.w_[0].size(2), mine.activations,
+                          first, count, gate, I, b, end);
+      vllm_gguf::dispatch(m.types_[1], expert_rows(1, e), m.w_[1].size(2), mine.activations,
+                          first, count, up, I, b, end);
+      for (int64_t r = first; r < first + count; ++r)
+        for (int64_t c = b; c < end; ++c) {
+          const float g = gate[r * I + c];
+          act[r * I + c] = g / (1.f + std::exp(-g)) * up[r * I + c];
+        }
+    });
+#pragma omp barrier
+    vllm_gguf::quantize_activations<float>(act, n, I, &mine.activations);
+    for_my_tasks(H, [&](int64_t e, int64_t first, int64_t count, int64_t b, int64_t end) {
+      vllm_gguf::dispatch(m.types_[2], expert_rows(2, e), m.w_[2].size(2), mine.activations,
+                          first, count, y, H, b, end);
+    });
+#pragma omp barrier
+    mine.moe.assign(rows * H, 0.f);
+    for (int64_t r = 0; r < rows; ++r) {  // each row's slots in order, rounded to T once
+      float* o = mine.moe.data() + r * H;
+      for (int64_t j = 0; j < k; ++j) {
+        const float w = mine.weights[r * k + j];
+        const float* row = y + mine.position[r * k + j] * H;
+        for (int64_t c = 0; c < H; ++c) o[c] += w * row[c];
+      }
+      for (int64_t c = 0; c < H; c += 16) store16(o + c, round16<T>(load16(o + c)));
+    }
+  }
+
   // out = rnd(rnd(act(gate)) * up) for gate_up rows [gate | up] of width 2 * inter, each
   // stored in T first: act SiLU, g / (1 + e^-g), or tanh GELU,
   // g / 2 (1 + tanh(y)) = g / (1 + e^-2y) with y = sqrt(2 / pi) (g + 0.044715 g^3).
@@ -568,7 +781,8 @@ class FusedDecoder {
 
   std::vector<torch::Tensor> norms_;     // float32: per layer's, then the final one
   std::vector<torch::Tensor> qk_norms_;  // float32: q and k per layer, or none
-  std::vector<FusedWeight> weights_;     // qkv, o, gate_up, down per layer
+  std::vector<FusedWeight> weights_;     // qkv, o per layer
+  std::vector<FusedMLP> mlps_;
   std::vector<torch::Tensor> kv_caches_;
   std::vector<int64_t> kv_groups_;
   std::vector<torch::Tensor> cos_, sin_;
@@ -580,15 +794,11 @@ class FusedDecoder {
   float eps_, scale_, soft_cap_;
   at::ScalarType dtype_;
   // Scratch, allocated once: each projection's output (qkv, o, gate_up, down),
-  // attention's query and output (T in float-sized slots), and per thread its copy of the
-  // residual stream, a normed / activated input and its int8 quantization (in the layout
-  // of each kernel).
-  struct Private {
-    std::vector<float> h, x;
-    QuantizedRows quantized;
-    vllm_gguf::Activations activations;
-  };
+  // attention's query and output (T in float-sized slots) and the experts' (`Private`:
+  // each thread's).
   std::vector<float> y_[4], q_, attn_;
+  std::vector<float> expert_y_[4];  // the experts' gate, up, act [pairs, I] and down [pairs, H]
+  const float* last_down_ = nullptr;
   std::vector<Private> private_;
 };
 
@@ -602,15 +812,20 @@ void bind_fused_decoder(pybind11::module& m) {
       .def_property_readonly("shape", [](const FusedWeight& w) {
         return py::make_tuple(w.n(), w.k());
       });
+  py::class_<FusedMLP>(m, "FusedMLP", "A layer's feed-forward block in the fused decoder")
+      .def_static("dense", &FusedMLP::dense, py::arg("gate_up"), py::arg("down"))
+      .def_static("experts", &FusedMLP::experts, py::arg("router"), py::arg("w1"),
+                  py::arg("w3"), py::arg("w2"), py::arg("types"), py::arg("top_k"),
+                  py::arg("renormalize"));
   py::class_<FusedDecoder>(m, "FusedDecoder",
                            "Whole decode steps of a decoder on GGUF weights")
       .def(py::init<std::vector<torch::Tensor>, int64_t, bool, std::vector<FusedWeight>,
-                    std::vector<torch::Tensor>, std::vector<int64_t>,
+                    std::vector<FusedMLP>, std::vector<torch::Tensor>, std::vector<int64_t>,
                     std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                     std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
                     int64_t, int64_t, int64_t, double, double, double, std::string>(),
            py::arg("norms"), py::arg("norms_per_layer"), py::arg("one_plus_norms"),
-           py::arg("weights"), py::arg("kv_caches"), py::arg("kv_groups"),
+           py::arg("weights"), py::arg("mlps"), py::arg("kv_caches"), py::arg("kv_groups"),
            py::arg("qk_norms"), py::arg("cos"), py::arg("sin"), py::arg("rope_index"),
            py::arg("windows"), py::arg("num_heads"), py::arg("num_kv_heads"),
            py::arg("head_size"), py::arg("eps"), py::arg("scale"), py::arg("soft_cap"),

@@ -264,6 +264,11 @@ class NativeExpertKernel:
         """The type id of dense weights in `dtype`, None where the op does not read it."""
         return {torch.float32: _F32, torch.bfloat16: _BF16}.get(dtype)
 
+    @property
+    def reads_blocks(self) -> bool:
+        """Whether every weight is GGUF blocks (none dense)."""
+        return all(t not in (_F32, _BF16) for t in self.types)
+
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
                 ) -> torch.Tensor:
         return torch.ops.vllm_cpu.moe_experts(x, topk_weights, topk_ids, *self.weights,

@@ -73,6 +73,20 @@ class GraphModel(VllmModel, Protocol):
 
 
 @dataclass(slots=True)
+class FusedExperts:
+    """A mixture-of-experts block as the fused decoder computes it: a dense router and GGUF
+    blocks of the experts (as `moe_experts` reads them); no shared expert."""
+
+    router: torch.Tensor  # [num_experts, hidden] in the model dtype
+    w1: torch.Tensor  # gate [E, I, row bytes] uint8
+    w3: torch.Tensor  # up [E, I, row bytes]
+    w2: torch.Tensor  # down [E, H, row bytes]
+    types: tuple[int, int, int]  # their ggml block types
+    top_k: int
+    renormalize: bool
+
+
+@dataclass(slots=True)
 class FusedDecodeLayer:
     """One decoder layer as the fused decoder computes it: norm, q/k/v (q/k norms per
     head), rotary, paged attention, o, (norm,) residual; norm, gate_up, act(gate) * up,
@@ -81,12 +95,14 @@ class FusedDecodeLayer:
     # Pre-norm layers (Llama): [input, post-attention]; sandwich norms (Gemma): [input,
     # attention output, pre-feedforward, post-feedforward]
     norms: list[torch.Tensor]
-    projections: list[FusedWeights]  # qkv, o, gate_up, down: bias-free, this rank's whole
+    # qkv, o, gate_up, down (qkv, o with `experts`): bias-free, this rank's whole
+    projections: list[FusedWeights]
     attention: FusedAttention  # its backend's declaration (`fused_decode_attention`)
     kv_cache_layer: int  # its index into the KV caches
     norm_eps: float  # its norms' epsilon
     qk_norms: list[torch.Tensor]  # [q norm, k norm] weights per head, or [] (none)
     rope: int = 0  # its rotary table's index in `FusedDecodeSpec.ropes`
+    experts: FusedExperts | None = None  # its feed-forward block, where a mixture of experts
 
 
 @dataclass(slots=True)

@@ -13,7 +13,7 @@ from the forward context.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import ClassVar, Literal, cast
+from typing import Any, ClassVar, Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -217,6 +217,9 @@ class LlamaForCausalLM(nn.Module):
         overrides `forward`, `prepare` or `finish`, another norm or layer), else None. The
         loader asks before the weights are processed: such a model's GGUF Q4_0 / Q4_1 /
         Q8_0 layers are kept in the layout that decoder reads."""
+        return self._fused_shape_reason((LlamaMLP,))
+
+    def _fused_shape_reason(self, mlp_types: tuple[type[nn.Module], ...]) -> str | None:
         cls = type(self)
         if any(getattr(cls, name) is not getattr(LlamaForCausalLM, name)
                for name in ("forward", "prepare", "finish")):
@@ -226,7 +229,7 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             if (type(layer) is not LlamaDecoderLayer
                     or type(layer.self_attn) is not LlamaAttention
-                    or type(layer.mlp) is not LlamaMLP):
+                    or type(layer.mlp) not in mlp_types):
                 return f"layer {i} is not a plain Llama layer"
         return None
 
@@ -234,8 +237,11 @@ class LlamaForCausalLM(nn.Module):
         """This model as the fused CPU decoder runs it, where that computes exactly what
         the layers would: the plain forward (a family overriding `forward`, `prepare` or
         `finish` changes it), RMSNorms, plain `LlamaDecoderLayer`s (q/k norms per head
-        included, as Qwen3's) on GGUF weights (see `fused_decode_layer`)."""
-        reason = self.fused_decode_shape_reason()
+        included, as Qwen3's; a mixture of experts without a shared expert, as Qwen3-MoE's)
+        on GGUF weights (see `fused_decode_layer`)."""
+        from vllm.model_executor.models.moe import SparseMoeBlock  # (it imports this module)
+
+        reason = self._fused_shape_reason((LlamaMLP, SparseMoeBlock))
         if reason is not None:
             return reason
         layers = []
@@ -273,31 +279,39 @@ class _PlainLayer(LlamaDecoderLayer):
     post_attention_layernorm: RMSNorm
 
 
-def fused_decode_layer(i: int, attn: _PlainAttention, mlp: LlamaMLP, norms: list[nn.Module],
+def fused_decode_layer(i: int, attn: _PlainAttention, mlp: nn.Module, norms: list[nn.Module],
                        norm_type: type[nn.Module], activation: str,
                        rope: int = 0) -> FusedDecodeLayer | str:
     """Layer `i` (its attention, MLP and norms in the fused decoder's order) as the fused
     decoder computes it, or why it cannot: q/k norms over the whole projection or clipping,
     attention its backend does not let it compute (`fused_decode_attention`), another
-    activation or norm, a projection other than a bias-free one-rank GGUF kernel."""
+    activation or norm, a projection other than a bias-free one-rank GGUF kernel, experts
+    the decoder does not compute (`SparseMoeBlock.fused_decode_experts`)."""
     if attn.qk_norm == "projection" or attn.clip_qkv is not None:
         return f"layer {i} has q/k norms over the whole projection or clipping"
     attention = attn.attn.impl.fused_decode_attention()
     if attention is None:
         return f"layer {i}'s attention is not one its backend lets the fused decoder compute"
-    if mlp.act is not ACTIVATIONS[activation]:
-        return f"layer {i}'s activation is not {activation}"
+    experts = None
+    if isinstance(mlp, LlamaMLP):
+        if mlp.act is not ACTIVATIONS[activation]:
+            return f"layer {i}'s activation is not {activation}"
+        linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+    else:
+        experts = cast(Any, mlp).fused_decode_experts()
+        if isinstance(experts, str):
+            return f"layer {i}: {experts}"
+        linears = [attn.qkv_proj, attn.o_proj]
     qk_norms = [attn.q_norm, attn.k_norm] if attn.qk_norm == "head" else []
     if not all(type(n) is norm_type for n in norms + qk_norms):
         return f"layer {i}'s norms are not {norm_type.__name__}"
     if len({float(cast(float, n.eps)) for n in norms + qk_norms}) != 1:
         return f"layer {i}'s norms' epsilons differ"
-    weights = [linear.fused_decode_weights() for linear in (
-        attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    weights = [linear.fused_decode_weights() for linear in linears]
     if any(w is None for w in weights):
         return f"layer {i} has a projection other than a bias-free one-rank GGUF kernel"
     return FusedDecodeLayer(
         norms=[cast(torch.Tensor, n.weight) for n in norms],
-        projections=cast(list, weights), attention=attention,
+        projections=cast(list, weights), attention=attention, experts=experts,
         kv_cache_layer=attn.attn.layer_idx, norm_eps=float(cast(float, norms[0].eps)),
         qk_norms=[cast(torch.Tensor, n.weight) for n in qk_norms], rope=rope)

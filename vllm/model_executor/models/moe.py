@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vllm.model_executor.layers.fused_moe import FusedMoE
+from vllm.model_executor.layers.fused_moe import FusedMoE, NativeExpertKernel
 from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.models.interfaces import FusedExperts
 from vllm.model_executor.models.llama import LlamaMLP
 
 
@@ -35,6 +36,23 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = LlamaMLP(hidden_size, shared_intermediate_size)
             self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, bias=False)
             self.shared_expert_gate.quantizable = False
+
+    def fused_decode_experts(self) -> FusedExperts | str:
+        """This block as the fused CPU decoder computes it, or why it cannot: a shared
+        expert, a router that is not a dense bias-free weight, experts that are not GGUF
+        (or int8 Q8_0) blocks of one rank."""
+        if self.shared_expert is not None:
+            return "a shared expert"
+        gate, experts = self.gate, self.experts
+        if gate.weight is None or gate.bias is not None:
+            return "the router is not a dense bias-free weight"
+        kernel = experts.kernel
+        if (experts.tp_size != 1 or not isinstance(kernel, NativeExpertKernel)
+                or not kernel.reads_blocks):
+            return "the experts are not GGUF blocks on one rank"
+        w1, w3, w2 = kernel.weights
+        return FusedExperts(router=gate.weight.data, w1=w1, w3=w3, w2=w2, types=kernel.types,
+                            top_k=experts.top_k, renormalize=experts.renormalize)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, self.gate(x))

@@ -41,6 +41,7 @@ from vllm.model_executor.layers.quantization.gguf_blocks import (
     QuantGemvWeights,
 )
 from vllm.model_executor.models.interfaces import (
+    FusedDecodeLayer,
     FusedDecodeSpec,
     VllmModel,
     supports_fused_decode,
@@ -100,6 +101,15 @@ def _native_weight(ops: Any, weight: FusedWeights) -> Any:
     return ops.FusedWeight.gguf(weight.parts, weight.types)
 
 
+def _native_mlp(ops: Any, layer: FusedDecodeLayer) -> Any:
+    e = layer.experts
+    if e is None:
+        gate_up, down = (_native_weight(ops, w) for w in layer.projections[2:])
+        return ops.FusedMLP.dense(gate_up, down)
+    return ops.FusedMLP.experts(e.router, e.w1, e.w3, e.w2, list(e.types), e.top_k,
+                                e.renormalize)
+
+
 class FusedDecode:
     """The native decoder of one model and its KV caches; `steps` and `tokens` count the
     steps it ran and their tokens."""
@@ -134,7 +144,8 @@ class FusedDecode:
             decoder = ops.FusedDecoder(
                 [n for layer in layers for n in layer.norms] + [spec.final_norm],
                 len(layers[0].norms), spec.one_plus_norms,
-                [_native_weight(ops, w) for layer in layers for w in layer.projections],
+                [_native_weight(ops, w) for layer in layers for w in layer.projections[:2]],
+                [_native_mlp(ops, layer) for layer in layers],
                 [kv_caches[layer.kv_cache_layer] for layer in layers],
                 [groups.get(layer.kv_cache_layer, 0) for layer in layers],
                 [n for layer in layers for n in layer.qk_norms],
