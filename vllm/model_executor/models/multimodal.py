@@ -25,6 +25,7 @@ TEXT_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen2_vl_text": "Qwen2ForCausalLM",  # with M-RoPE: `rotary_embedding` reads the config
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "granite": "GraniteForCausalLM",
