@@ -8,13 +8,13 @@ patches and merges each 2 x 2 of them into one row, so an image of H x W pixels 
 
     grid (t, h, w) = (1, H / 14, W / 14) patches -> h * w / 4 rows
 
-Example: 40 x 52 pixels -> smart_resize 56 x 56 (the minimum area) -> grid (1, 4, 4) -> 4
-rows; its `<|image_pad|>` becomes 4 of them.
+Example: 40 x 52 pixels -> smart_resize 56 x 84 (grown to the minimum area of 56 x 56) ->
+grid (1, 4, 6) patches -> 2 x 3 = 6 rows; its `<|image_pad|>` becomes 6 of them.
 
 M-RoPE: each prompt position has three rotary positions (temporal, height, width). Text
 positions count up together; an image's rows take (start, start + row, start + column) over
 its merged grid; the text after it continues from start + max(rows, columns). Example: 2
-text tokens, an image of 2 x 3 merged rows, 1 text token:
+text tokens, the image above (2 x 3 rows), 1 text token:
 
     t: 0 1  2 2 2 2 2 2  5
     h: 0 1  2 2 2 3 3 3  5
@@ -92,7 +92,8 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int,
                  max_pixels: int) -> tuple[int, int]:
     """(height, width) both multiples of `factor`, the area within [min_pixels, max_pixels],
     the aspect ratio kept as near as may be. Examples (factor 28, 3136 .. 28224):
-    40 x 52 -> 56 x 56 (grown to the minimum), 100 x 300 -> 84 x 280 (shrunk to the
+    40 x 52 -> 56 x 84 (28 x 56 is under the minimum: 40 x 52 * sqrt(3136 / 2080), each
+    side ceiled to a multiple of 28), 100 x 300 -> 84 x 280 (112 x 308 is over the
     maximum: 100 x 300 / sqrt(30000 / 28224), each side floored to a multiple of 28)."""
     if max(height, width) / min(height, width) > 200:
         raise ValueError(f"The image's aspect ratio is over 200 ({width}x{height}).")
