@@ -426,12 +426,14 @@ QWEN2_VL_MIN_PIXELS = 56 * 56
 QWEN2_VL_MAX_PIXELS = 168 * 168
 
 
-def make_tiny_qwen2_vl(path: str, *, seed: int = 0) -> str:
-    """Write a tiny random `Qwen2VLForConditionalGeneration` (a 2-layer vision tower of width
-    32 with 2-D rotary attention and the 2 x 2 patch merger, a tiny Qwen2 with M-RoPE
-    sections [2, 3, 3] over its 16-channel heads) with its tokenizer (plus the vision tokens)
-    and a Qwen2-VL image processor config (`QWEN2_VL_MIN_PIXELS` .. `QWEN2_VL_MAX_PIXELS`) to
-    ``path``. Returns ``path``."""
+def make_tiny_qwen2_vl(path: str, *, seed: int = 0, version: str = "2") -> str:
+    """Write a tiny random `Qwen2VLForConditionalGeneration` (`version` "2.5":
+    `Qwen2_5_VLForConditionalGeneration`) to ``path``: a 2-layer vision tower of width 32
+    with 2-D rotary attention and the 2 x 2 patch merger (2.5: RMSNorms, a gated MLP, block
+    0 attending within windows of 2 x 2 merge units, block 1 within the image), a tiny Qwen2
+    with M-RoPE sections [2, 3, 3] over its 16-channel heads, its tokenizer (plus the vision
+    tokens) and a Qwen2-VL image processor config (`QWEN2_VL_MIN_PIXELS` ..
+    `QWEN2_VL_MAX_PIXELS`). Returns ``path``."""
     import transformers
     from transformers import AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
@@ -446,15 +448,23 @@ def make_tiny_qwen2_vl(path: str, *, seed: int = 0) -> str:
     text = tiny_model_config("qwen2", len(tokenizer)).to_dict()
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0,
                                "mrope_section": [2, 3, 3]}
-    vision = {"depth": 2, "embed_dim": 32, "hidden_size": text["hidden_size"], "num_heads": 4,
-              "mlp_ratio": 2, "patch_size": 14, "spatial_merge_size": 2,
-              "temporal_patch_size": 2}
-    config = transformers.Qwen2VLConfig(
+    vision: dict[str, Any] = {"depth": 2, "num_heads": 4, "patch_size": 14,
+                              "spatial_merge_size": 2, "temporal_patch_size": 2}
+    if version == "2":
+        vision |= {"embed_dim": 32, "hidden_size": text["hidden_size"], "mlp_ratio": 2}
+        config_cls, model_cls = (transformers.Qwen2VLConfig,
+                                 transformers.Qwen2VLForConditionalGeneration)
+    else:
+        vision |= {"hidden_size": 32, "out_hidden_size": text["hidden_size"],
+                   "intermediate_size": 48, "window_size": 56, "fullatt_block_indexes": [1]}
+        config_cls, model_cls = (transformers.Qwen2_5_VLConfig,
+                                 transformers.Qwen2_5_VLForConditionalGeneration)
+    config = config_cls(
         text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
     torch.manual_seed(seed)
-    model = transformers.Qwen2VLForConditionalGeneration(config).eval()  # float32
+    model = model_cls(config).eval()  # float32
     _randomize_parameters(model, seed, WEIGHT_INIT_STD)
     model.save_pretrained(path, safe_serialization=True)
     Qwen2VLImageProcessorPil(size={"shortest_edge": QWEN2_VL_MIN_PIXELS,

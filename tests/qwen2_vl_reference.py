@@ -21,16 +21,17 @@ IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 class Reference(NamedTuple):
     image_processor: Any  # Qwen2VLImageProcessorPil
     tokenizer: Any
-    model: Any  # Qwen2VLForConditionalGeneration, float32
+    model: Any  # Qwen2VLForConditionalGeneration (or 2.5), float32
 
 
 def load_reference(path: str) -> Reference:
-    from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
+    """Qwen2-VL or Qwen2.5-VL, whichever the directory holds."""
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
 
-    model = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
     return Reference(Qwen2VLImageProcessorPil.from_pretrained(path),
                      AutoTokenizer.from_pretrained(path), model.eval())
 

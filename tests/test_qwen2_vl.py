@@ -159,3 +159,26 @@ def test_under_preemption_and_without_graphs(model_dir, hf) -> None:
     runner = executor.model_runner
     assert runner.graphs is None and runner.fused_decode is None
     graphs.shutdown()
+
+
+def test_qwen2_5_vl_equals_transformers(tmp_path) -> None:
+    """Qwen2.5-VL (window attention in its tower): one image and two, prefilled in chunks,
+    then an image sent again (prefix and encoder cache hits)."""
+    model_dir = make_tiny_qwen2_vl(str(tmp_path), version="2.5")
+    hf = load_reference(model_dir)
+    engine = LLM(model_dir, dtype="float32", max_model_len=256, enforce_eager=True,
+                 kv_cache_memory_bytes=16 * 1024**2, block_size=16,
+                 max_num_batched_tokens=24, enable_chunked_prefill=True,
+                 enable_prefix_caching=True)
+    cases = [(PROMPT, [random_image(40, SHAPES[1])]), (TWO, [random_image(41, SHAPES[2]),
+                                                             random_image(42)]),
+             (PROMPT, [random_image(40, SHAPES[1])])]
+    outputs = [engine.generate({"prompt": text, "multi_modal_data": {"image": images}},
+                               _greedy(), use_tqdm=False)[0] for text, images in cases]
+    for output, (text, images) in zip(outputs, cases, strict=True):
+        prompt_ids, expected = hf_greedy(hf, text, images)
+        assert output.prompt_token_ids == prompt_ids
+        assert list(output.outputs[0].token_ids) == expected
+    assert outputs[2].num_cached_tokens > 0
+    assert _engine_state(engine)["encoder_cache_hits"] == 1
+    engine.shutdown()

@@ -1,7 +1,8 @@
 """Qwen2-VL's parts against transformers on a tiny random checkpoint, without an engine:
 image preprocessing (pixel_values and image_grid_thw exactly), M-RoPE positions
 (`get_rope_index`), the language model's three-row rotary, the runner's step positions,
-and the vision tower loaded from the directory (`get_model`)."""
+and the vision tower (Qwen2-VL's and Qwen2.5-VL's) loaded from the directory
+(`get_model`)."""
 
 from __future__ import annotations
 
@@ -162,14 +163,19 @@ def test_step_positions_take_the_table_then_the_delta() -> None:
                                                          [4, 5, 6, 3, 4]]
 
 
-def test_model_loads_and_its_vision_tower_equals_transformers(model_dir, hf) -> None:
+@pytest.mark.parametrize("version", ["2", "2.5"])
+def test_model_loads_and_its_vision_tower_equals_transformers(tmp_path, version) -> None:
+    """Qwen2.5-VL's tower attends within windows of 2 x 2 merge units in block 0: the
+    images below (2 x 3, 3 x 10 and 4 x 4 units) span several windows each."""
     from vllm.model_executor.model_loader.loader import get_model
     from vllm.v1.attention.backends import get_attn_backend
 
+    model_dir = make_tiny_qwen2_vl(str(tmp_path), version=version)
+    hf = load_reference(model_dir)
     config = EngineArgs(model=model_dir, dtype="float32", max_model_len=256
                         ).create_engine_config().model_config
     model = get_model(config, get_attn_backend(), torch.device("cpu"))
-    images = [random_image(4, (100, 300, 3)), random_image(5), random_image(6, (80, 60, 3))]
+    images = [random_image(4, (100, 300, 3)), random_image(5), random_image(6, (110, 120, 3))]
     pixels = [preprocess_dynamic(load_image(i), DynamicResolutionConfig.from_model_dir(
         model_dir)) for i in images]
     with torch.inference_mode():

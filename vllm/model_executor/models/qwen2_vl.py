@@ -1,6 +1,9 @@
-"""Qwen2-VL (`Qwen2VLForConditionalGeneration`): a vision transformer over each image's own
-grid of patches, with 2-D rotary attention and a patch merger, and a Qwen2 language model
-with M-RoPE (`multimodal.MultiModalLanguageModel`; its rotary is `MRotaryEmbedding`).
+"""Qwen2-VL (`Qwen2VLForConditionalGeneration`) and Qwen2.5-VL
+(`Qwen2_5_VLForConditionalGeneration`): a vision transformer over each image's own grid of
+patches, with 2-D rotary attention and a patch merger, and a Qwen2 language model with M-RoPE
+(`multimodal.MultiModalLanguageModel`; its rotary is `MRotaryEmbedding`). Qwen2.5-VL's tower
+has RMSNorms, a gated MLP and window attention (`Qwen2_5_VisionTransformer`); the rest is
+the same.
 
 An image [3, H, W] (`vllm/multimodal/qwen2_vl.py`: resized to multiples of 28) becomes
 
@@ -25,7 +28,8 @@ Not supported: videos; graph capture and the fused decoder (their position buffe
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +37,7 @@ from torch import nn
 
 from vllm.model_executor.models.clip import vision_activation
 from vllm.model_executor.models.interfaces import VllmModel
+from vllm.model_executor.models.llama import ACTIVATIONS
 from vllm.model_executor.models.multimodal import (
     MultiModalLanguageModel,
     load_module_exactly,
@@ -106,14 +111,28 @@ class VisionMlp(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
-class VisionBlock(nn.Module):
-    def __init__(self, config) -> None:
+class VisionGatedMlp(nn.Module):
+    """Qwen2.5-VL's: act(gate(x)) * up(x) -> down, each with a bias."""
+
+    def __init__(self, dim: int, hidden: int, act: str) -> None:
         super().__init__()
-        dim = config.embed_dim
-        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
-        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
-        self.attn = VisionAttention(dim, config.num_heads)
-        self.mlp = VisionMlp(dim, int(dim * config.mlp_ratio), config.hidden_act)
+        self.gate_proj = nn.Linear(dim, hidden)
+        self.up_proj = nn.Linear(dim, hidden)
+        self.down_proj = nn.Linear(hidden, dim)
+        self.act = ACTIVATIONS[act] if act in ACTIVATIONS else vision_activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, dim: int, num_heads: int, norm: Callable[..., nn.Module],
+                 mlp: nn.Module) -> None:
+        super().__init__()
+        self.norm1 = norm(dim, eps=1e-6)
+        self.norm2 = norm(dim, eps=1e-6)
+        self.attn = VisionAttention(dim, num_heads)
+        self.mlp = mlp
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 lens: list[int]) -> torch.Tensor:
@@ -123,13 +142,12 @@ class VisionBlock(nn.Module):
 
 class PatchEmbed(nn.Module):
     """A linear map of each flattened [3, T, P, P] patch (transformers' Conv3d with stride
-    equal to its kernel: the same weight, `proj.weight` [embed_dim, 3, T, P, P])."""
+    equal to its kernel: the same weight, `proj.weight` [dim, 3, T, P, P])."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, dim: int) -> None:
         super().__init__()
         p, t = config.patch_size, config.temporal_patch_size
-        self.proj = nn.Conv3d(config.in_channels, config.embed_dim, (t, p, p), (t, p, p),
-                              bias=False)
+        self.proj = nn.Conv3d(config.in_channels, dim, (t, p, p), (t, p, p), bias=False)
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         weight = self.proj.weight
@@ -137,10 +155,11 @@ class PatchEmbed(nn.Module):
 
 
 class PatchMerger(nn.Module):
-    def __init__(self, dim: int, context_dim: int, merge: int) -> None:
+    def __init__(self, dim: int, context_dim: int, merge: int,
+                 norm: Callable[..., nn.Module]) -> None:
         super().__init__()
         self.hidden = context_dim * merge**2
-        self.ln_q = nn.LayerNorm(context_dim, eps=1e-6)
+        self.ln_q = norm(context_dim, eps=1e-6)
         self.mlp = nn.Sequential(nn.Linear(self.hidden, self.hidden), nn.GELU(),
                                  nn.Linear(self.hidden, dim))
 
@@ -149,45 +168,116 @@ class PatchMerger(nn.Module):
 
 
 class Qwen2VisionTransformer(nn.Module):
-    """The vision tower; parameter names follow transformers' (`patch_embed.proj`,
-    `blocks.N.{norm1,attn.qkv,attn.proj,norm2,mlp.fc1,mlp.fc2}`, `merger.{ln_q,mlp.0,
-    mlp.2}`), so a checkpoint loads by name."""
+    """Qwen2-VL's vision tower: LayerNorms, a plain MLP, attention within each image.
+    Parameter names follow transformers' (`patch_embed.proj`, `blocks.N.{norm1,attn.qkv,
+    attn.proj,norm2,mlp.fc1,mlp.fc2}`, `merger.{ln_q,mlp.0,mlp.2}`), so a checkpoint loads
+    by name."""
+
+    norm: ClassVar[Callable[..., nn.Module]] = nn.LayerNorm
 
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
         self.merge = config.spatial_merge_size
-        self.patch_embed = PatchEmbed(config)
+        dim, out = self.widths(config)
+        self.patch_embed = PatchEmbed(config, dim)
         theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
-        self.rotary = VisionRotary(config.embed_dim // config.num_heads, theta)
-        self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
-        self.merger = PatchMerger(config.hidden_size, config.embed_dim, self.merge)
+        self.rotary = VisionRotary(dim // config.num_heads, theta)
+        self.blocks = nn.ModuleList(VisionBlock(dim, config.num_heads, self.norm,
+                                                self.make_mlp(config, dim))
+                                    for _ in range(config.depth))
+        self.merger = PatchMerger(out, dim, self.merge, self.norm)
+
+    @staticmethod
+    def widths(config) -> tuple[int, int]:
+        """(the tower's width, the rows' width: the language model's)."""
+        return config.embed_dim, config.hidden_size
+
+    @staticmethod
+    def make_mlp(config, dim: int) -> nn.Module:
+        return VisionMlp(dim, int(dim * config.mlp_ratio), config.hidden_act)
+
+    def layout(self, grids: list[tuple[int, int, int]]
+               ) -> tuple[torch.Tensor | None, list[list[int]]]:
+        """(an order of the patches, or None for theirs; each block's attention spans in
+        that order): here every block attends within each image."""
+        return None, [[t * h * w for t, h, w in grids]] * len(self.blocks)
 
     def forward(self, images: list[torch.Tensor]) -> list[torch.Tensor]:
         """Images [3, H, W] (H, W multiples of patch size x merge) -> each one's rows
-        [H * W / (patch size x merge)^2, hidden_size]; one batch, attention per image."""
+        [H * W / (patch size x merge)^2, out width]; one batch."""
         config = self.config
         pieces = [patchify(image, config.patch_size, config.temporal_patch_size, self.merge)
                   for image in images]
+        grids = [grid for _, grid in pieces]
         patches = torch.cat([p for p, _ in pieces])
-        rows_cols = torch.cat([patch_rows_cols(h, w, self.merge) for _, (_, h, w) in pieces])
-        lens = [p.shape[0] for p, _ in pieces]
-        cos_sin = self.rotary(rows_cols.to(patches.device))
+        rows_cols = torch.cat([patch_rows_cols(h, w, self.merge) for _, h, w in grids])
         x = self.patch_embed(patches)
-        for block in self.blocks:
+        order, spans = self.layout(grids)
+        if order is not None:  # whole merge units move: each unit's patches stay together
+            x, rows_cols = x[order], rows_cols[order]
+        cos_sin = self.rotary(rows_cols.to(x.device))
+        for block, lens in zip(self.blocks, spans, strict=True):
             x = block(x, cos_sin, lens)
-        return list(self.merger(x).split([n // self.merge**2 for n in lens]))
+        if order is not None:
+            x = x[torch.argsort(order)]
+        return list(self.merger(x).split([t * h * w // self.merge**2 for t, h, w in grids]))
+
+
+class Qwen2_5_VisionTransformer(Qwen2VisionTransformer):
+    """Qwen2.5-VL's vision tower: RMSNorms, a gated MLP, and window attention in every
+    block but `fullatt_block_indexes` (those attend within each image).
+
+    Windows tile each image's grid of merge units (2 x 2 patches) in squares of
+    `window_size / patch_size / merge` units, row by row, the last row and column of
+    windows cut short. Example: 4 x 6 units, windows of 2 x 2 -> six windows of 4 units
+    (16 patches) each; 5 x 5 units -> windows of 4, 4, 2, 4, 4, 2, 2, 2, 1 units.
+    """
+
+    norm = nn.RMSNorm
+
+    @staticmethod
+    def widths(config) -> tuple[int, int]:
+        return config.hidden_size, config.out_hidden_size
+
+    @staticmethod
+    def make_mlp(config, dim: int) -> nn.Module:
+        return VisionGatedMlp(dim, config.intermediate_size, config.hidden_act)
+
+    def layout(self, grids: list[tuple[int, int, int]]
+               ) -> tuple[torch.Tensor | None, list[list[int]]]:
+        config = self.config
+        side = config.window_size // self.merge // config.patch_size  # units per window side
+        unit = self.merge**2
+        order, windows, start = [], [], 0
+        for t, h, w in grids:
+            rows, cols = h // self.merge, w // self.merge
+            units = torch.arange(t * rows * cols).view(t, rows, cols)
+            for frame in units:
+                for top in range(0, rows, side):
+                    for left in range(0, cols, side):
+                        cells = frame[top:top + side, left:left + side].reshape(-1)
+                        order.append((start + cells[:, None] * unit
+                                      + torch.arange(unit)).reshape(-1))
+                        windows.append(cells.numel() * unit)
+            start += t * h * w
+        full = set(config.fullatt_block_indexes)
+        images = [t * h * w for t, h, w in grids]
+        return torch.cat(order), [images if i in full else windows
+                                  for i in range(len(self.blocks))]
 
 
 class Qwen2VLForConditionalGeneration(MultiModalLanguageModel):
     # The runner's graph buffers hold 1-D positions; M-RoPE steps run eagerly.
     supports_graph_capture = False
 
+    tower: type[Qwen2VisionTransformer] = Qwen2VisionTransformer
+
     def __init__(self, config, backend: type[AttentionBackend], max_model_len: int,
                  dtype: torch.dtype) -> None:
         super().__init__(config, backend, max_model_len, dtype)
         self.config = config
-        self.visual = Qwen2VisionTransformer(config.vision_config)
+        self.visual = self.tower(config.vision_config)
 
     def embed_media(self, modality: str, data: list[torch.Tensor]) -> list[torch.Tensor]:
         """Images [3, H, W] -> each one's rows [num_image_tokens, text hidden size]."""
@@ -212,3 +302,10 @@ class Qwen2VLForConditionalGeneration(MultiModalLanguageModel):
         loaded |= {f"language_model.{n}"
                    for n in language_model.load_weights(iter(language))}
         return loaded
+
+
+class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
+    """Qwen2.5-VL: Qwen2-VL with `Qwen2_5_VisionTransformer` (the same prompts, positions,
+    language model and checkpoint layout)."""
+
+    tower = Qwen2_5_VisionTransformer

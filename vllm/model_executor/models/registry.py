@@ -37,6 +37,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
     "Qwen2AudioForConditionalGeneration": ("qwen2_audio", "Qwen2AudioForConditionalGeneration"),
     "Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2VLForConditionalGeneration"),
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_vl", "Qwen2_5_VLForConditionalGeneration"),
 }
 
 # Architectures whose encoder input is audio -> log-mel frames per encoder position (the
@@ -52,6 +53,7 @@ _MULTIMODAL_MODELS: dict[str, tuple[str, ...]] = {
     "LlavaForConditionalGeneration": ("image",),
     "Qwen2AudioForConditionalGeneration": ("audio",),
     "Qwen2VLForConditionalGeneration": ("image",),
+    "Qwen2_5_VLForConditionalGeneration": ("image",),
 }
 
 if TYPE_CHECKING:  # the type checker holds every registered class to `ModelClass`
@@ -66,7 +68,10 @@ if TYPE_CHECKING:  # the type checker holds every registered class to `ModelClas
     from vllm.model_executor.models.phi3 import Phi3ForCausalLM
     from vllm.model_executor.models.qwen2_audio import Qwen2AudioForConditionalGeneration
     from vllm.model_executor.models.qwen2_moe import Qwen2MoeForCausalLM
-    from vllm.model_executor.models.qwen2_vl import Qwen2VLForConditionalGeneration
+    from vllm.model_executor.models.qwen2_vl import (
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLForConditionalGeneration,
+    )
     from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
     from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
     from vllm.model_executor.models.whisper import WhisperForConditionalGeneration
@@ -77,7 +82,7 @@ if TYPE_CHECKING:  # the type checker holds every registered class to `ModelClas
         Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, OlmoeForCausalLM,
         BartForConditionalGeneration, WhisperForConditionalGeneration,
         LlavaForConditionalGeneration, Qwen2AudioForConditionalGeneration,
-        Qwen2VLForConditionalGeneration]
+        Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration]
 
 
 def get_supported_archs() -> list[str]:
