@@ -1,7 +1,7 @@
 """Qwen2-VL end to end on a tiny random checkpoint: greedy tokens equal to transformers'
 `generate` (its image processor, its M-RoPE positions) with one and two images of their
-own resolutions, under chunked prefill, prefix hits, the encoder cache and preemption;
-`llm.chat` with image_url parts; refusals that leave the engine serving."""
+own resolutions, under chunked prefill, prefix hits, the encoder cache, preemption and
+compiled graphs; `llm.chat` with image_url parts; refusals that leave the engine serving."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from tests.llava_reference import MAX_TOKENS, chat_messages, random_image
 from tests.model_factory import make_tiny_qwen2_vl
 from tests.qwen2_vl_reference import IMAGE, hf_chat_greedy, hf_greedy, load_reference
 from vllm import LLM, SamplingParams
+from vllm.config import InputKind
 
 pytestmark = pytest.mark.slow
 
@@ -136,10 +137,11 @@ def test_bad_prompts_are_refused_and_the_engine_serves_on(llm, hf, prompt, messa
     assert list(output.outputs[0].token_ids) == hf_greedy(hf, PROMPT, [image])[1]
 
 
-def test_under_preemption_and_without_graphs(model_dir, hf) -> None:
-    """Preemption (12 blocks of 8 for prompts of 20 to 50 tokens and 24 more: a preempted request
-    recomputes its KV at its own M-RoPE positions), then an engine asked for graphs, which
-    runs this model eagerly; both equal to transformers."""
+def test_under_preemption_and_with_graphs(model_dir, hf) -> None:
+    """Preemption (12 blocks of 8 for prompts of 20 to 50 tokens and 24 more: a preempted
+    request recomputes its KV at its own M-RoPE positions), then compiled graphs fed [3, n]
+    positions (image rows through the embeds set, decode steps through the ids set; the
+    fused decoder refuses M-RoPE); both equal to transformers."""
     cases = [(PROMPT, [random_image(30 + i, SHAPES[i % 3])]) for i in range(4)]
     prompts = [{"prompt": text, "multi_modal_data": {"image": images}}
                for text, images in cases]
@@ -157,7 +159,9 @@ def test_under_preemption_and_without_graphs(model_dir, hf) -> None:
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected
     executor: Any = graphs.llm_engine.engine_core.model_executor  # uni: the runner in process
     runner = executor.model_runner
-    assert runner.graphs is None and runner.fused_decode is None
+    assert runner.fused_decode is None
+    assert {kind for kind, _ in runner.graphs.replays} == {InputKind.EMBEDS,
+                                                           InputKind.TOKEN_IDS}
     graphs.shutdown()
 
 

@@ -188,4 +188,3 @@ def test_model_loads_and_its_vision_tower_equals_transformers(tmp_path, version)
         torch.testing.assert_close(rows, want, rtol=0, atol=1e-4)
     reason = model.fused_decode_spec()  # type: ignore[attr-defined]
     assert isinstance(reason, str) and "M-RoPE" in reason
-    assert not model.supports_graph_capture  # type: ignore[attr-defined]

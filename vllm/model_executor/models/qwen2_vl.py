@@ -22,8 +22,9 @@ Checkpoint names (both layouts transformers writes):
     model.X / model.language_model.X              -> language_model.model.X
     lm_head.X                                     -> language_model.lm_head.X
 
-Not supported: videos; graph capture and the fused decoder (their position buffers are
-1-D, so the model declares no graph support and the language model refuses fused decode).
+Not supported: videos; CUDA graphs and the fused decoder (their position buffers are 1-D:
+the runner keeps CUDA graphs off for M-RoPE models, and the language model refuses fused
+decode by name). The CPU graphs keep [3, n] positions.
 """
 
 from __future__ import annotations
@@ -268,9 +269,6 @@ class Qwen2_5_VisionTransformer(Qwen2VisionTransformer):
 
 
 class Qwen2VLForConditionalGeneration(MultiModalLanguageModel):
-    # The runner's graph buffers hold 1-D positions; M-RoPE steps run eagerly.
-    supports_graph_capture = False
-
     tower: type[Qwen2VisionTransformer] = Qwen2VisionTransformer
 
     def __init__(self, config, backend: type[AttentionBackend], max_model_len: int,
