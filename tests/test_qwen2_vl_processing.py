@@ -163,6 +163,16 @@ def test_step_positions_take_the_table_then_the_delta() -> None:
                                                          [4, 5, 6, 3, 4]]
 
 
+def test_an_mrope_drafter_is_refused(model_dir) -> None:
+    from vllm.config import SpeculativeConfig
+    from vllm.v1.spec_decode.draft_model import draft_model_config
+
+    target = EngineArgs(model=model_dir, max_model_len=256).create_engine_config().model_config
+    spec = SpeculativeConfig("draft_model", 2, model=model_dir)
+    with pytest.raises(ValueError, match="uses M-RoPE .* the drafter must be a text model"):
+        draft_model_config(spec, target)
+
+
 @pytest.mark.parametrize("version", ["2", "2.5"])
 def test_model_loads_and_its_vision_tower_equals_transformers(tmp_path, version) -> None:
     """Qwen2.5-VL's tower attends within windows of 2 x 2 merge units in block 0: the
