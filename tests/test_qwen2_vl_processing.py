@@ -96,6 +96,24 @@ def test_pixels_and_grid_equal_transformers(hf, kind, shape, size) -> None:
     assert torch.equal(patches, expected["pixel_values"])
 
 
+def test_config_area_bounds_in_every_form() -> None:
+    """transformers 5's `size` edges, the top-level keys published Qwen2-VL files carry
+    (overriding `size`), and older files' `size.min_pixels`."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    forms = [{"size": {"shortest_edge": 100, "longest_edge": 9000}},
+             {"min_pixels": 100, "max_pixels": 9000,
+              "size": {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280}},
+             {"size": {"min_pixels": 100, "max_pixels": 9000}}]
+    for form in forms:
+        config = DynamicResolutionConfig.from_dict(form)
+        assert (config.min_pixels, config.max_pixels) == (100, 9000), form
+    hf_size = Qwen2VLImageProcessorPil(**forms[1]).size
+    assert (hf_size.shortest_edge, hf_size.longest_edge) == (100, 9000)
+
+
 def test_mrope_positions_equal_get_rope_index(hf) -> None:
     images = [random_image(1, (100, 300, 3)), random_image(2), random_image(3, (170, 90, 3))]
     for text, used in [(f"Look {IMAGE} here.", images[:1]),

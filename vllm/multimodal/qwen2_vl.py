@@ -65,11 +65,16 @@ class DynamicResolutionConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DynamicResolutionConfig:
+        """The area bounds: top-level `min_pixels` / `max_pixels` (they override `size`, as
+        in transformers), else `size`'s `shortest_edge` / `longest_edge` (older files:
+        `size.min_pixels` / `size.max_pixels`)."""
         size = d.get("size") or {}
         pixels = ImageProcessorConfig.from_dict({**d, "do_center_crop": False})
         return cls(
-            min_pixels=int(d.get("min_pixels") or size.get("shortest_edge") or 56 * 56),
-            max_pixels=int(d.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280),
+            min_pixels=int(d.get("min_pixels") or size.get("shortest_edge")
+                           or size.get("min_pixels") or 56 * 56),
+            max_pixels=int(d.get("max_pixels") or size.get("longest_edge")
+                           or size.get("max_pixels") or 28 * 28 * 1280),
             patch_size=int(d.get("patch_size", 14)),
             temporal_patch_size=int(d.get("temporal_patch_size", 2)),
             merge_size=int(d.get("merge_size", 2)),
