@@ -1,5 +1,6 @@
-"""Tiny LLaVA test helpers: images, data: URLs, chat messages, and transformers' own
-processor and model as the reference (greedy tokens with the KV cache)."""
+"""Tiny LLaVA test helpers: images, data: URLs, chat messages (offline and through a served
+model's openai client), and transformers' own processor and model as the reference (greedy
+tokens with the KV cache)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import io
 import threading
 from collections.abc import Iterator
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 import numpy as np
 import torch
@@ -70,6 +72,17 @@ def chat_messages(images: list[np.ndarray]) -> list[dict]:
     parts: list[dict] = [{"type": "text", "text": "Compare these."}]
     parts += [{"type": "image_url", "image_url": {"url": data_url(i)}} for i in images]
     return [{"role": "user", "content": parts}]
+
+
+def served_chat(server_url: str, model: str, images: list[np.ndarray]) -> Any:
+    """The openai client's greedy chat completion (`MAX_TOKENS`, EOS ignored) of
+    `chat_messages(images)`: the image parts as data: URLs."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server_url}/v1", api_key="none")
+    return client.chat.completions.create(
+        model=model, messages=chat_messages(images),  # type: ignore[arg-type]
+        max_tokens=MAX_TOKENS, temperature=0.0, extra_body={"ignore_eos": True})
 
 
 def hf_chat_greedy(hf, images: list[np.ndarray]) -> tuple[list[int], list[int]]:

@@ -417,3 +417,56 @@ def make_tiny_qwen2_audio(path: str, *, seed: int = 0) -> str:
     model.save_pretrained(path, safe_serialization=True)
     WhisperFeatureExtractor(feature_size=TINY_MEL_BINS).save_pretrained(path)
     return path
+
+
+QWEN2_VL_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+# Dynamic resolution of the tiny Qwen2-VL: 14-pixel patches merged 2 x 2, so an image is
+# resized to multiples of 28 pixels, between 4 and 36 merged patches (56 x 56 .. 168 x 168).
+QWEN2_VL_MIN_PIXELS = 56 * 56
+QWEN2_VL_MAX_PIXELS = 168 * 168
+
+
+def make_tiny_qwen2_vl(path: str, *, seed: int = 0, version: str = "2") -> str:
+    """Write a tiny random `Qwen2VLForConditionalGeneration` (`version` "2.5":
+    `Qwen2_5_VLForConditionalGeneration`) to ``path``: a 2-layer vision tower of width 32
+    with 2-D rotary attention and the 2 x 2 patch merger (2.5: RMSNorms, a gated MLP, block
+    0 attending within windows of 2 x 2 merge units, block 1 within the image), a tiny Qwen2
+    with M-RoPE sections [2, 3, 3] over its 16-channel heads, its tokenizer (plus the vision
+    tokens) and a Qwen2-VL image processor config (`QWEN2_VL_MIN_PIXELS` ..
+    `QWEN2_VL_MAX_PIXELS`). Returns ``path``."""
+    import transformers
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    make_tiny_tokenizer(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN2_VL_TOKENS})
+    tokenizer.save_pretrained(path)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN2_VL_TOKENS}
+    text = tiny_model_config("qwen2", len(tokenizer)).to_dict()
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0,
+                               "mrope_section": [2, 3, 3]}
+    vision: dict[str, Any] = {"depth": 2, "num_heads": 4, "patch_size": 14,
+                              "spatial_merge_size": 2, "temporal_patch_size": 2}
+    if version == "2":
+        vision |= {"embed_dim": 32, "hidden_size": text["hidden_size"], "mlp_ratio": 2}
+        config_cls, model_cls = (transformers.Qwen2VLConfig,
+                                 transformers.Qwen2VLForConditionalGeneration)
+    else:
+        vision |= {"hidden_size": 32, "out_hidden_size": text["hidden_size"],
+                   "intermediate_size": 48, "window_size": 56, "fullatt_block_indexes": [1]}
+        config_cls, model_cls = (transformers.Qwen2_5_VLConfig,
+                                 transformers.Qwen2_5_VLForConditionalGeneration)
+    config = config_cls(
+        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()  # float32
+    _randomize_parameters(model, seed, WEIGHT_INIT_STD)
+    model.save_pretrained(path, safe_serialization=True)
+    Qwen2VLImageProcessorPil(size={"shortest_edge": QWEN2_VL_MIN_PIXELS,
+                                   "longest_edge": QWEN2_VL_MAX_PIXELS}).save_pretrained(path)
+    return path

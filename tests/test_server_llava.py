@@ -22,6 +22,7 @@ from tests.llava_reference import (
     random_image,
     save_png,
     serve_directory,
+    served_chat,
 )
 from tests.model_factory import make_tiny_llava
 from tests.server_utils import SMALL_ENGINE_ARGS, RemoteServer
@@ -63,11 +64,8 @@ def _post(server, model: str, messages: list[dict]) -> httpx.Response:
 
 
 def test_image_url_reply_equals_transformers(server, llava_dir, hf) -> None:
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
     images = [random_image(21), random_image(22, (30, 60, 3))]
-    reply = client.chat.completions.create(
-        model=llava_dir, messages=chat_messages(images),  # type: ignore[arg-type]
-        max_tokens=MAX_TOKENS, temperature=0.0, extra_body={"ignore_eos": True})
+    reply = served_chat(server.url, llava_dir, images)
     prompt_ids, expected = hf_chat_greedy(hf, images)
     assert reply.usage is not None and reply.usage.prompt_tokens == len(prompt_ids)
     tokenizer = hf[0].tokenizer

@@ -155,6 +155,14 @@ class ModelConfig:
         return self.limit_mm_per_prompt.get(modality, DEFAULT_MM_LIMIT)
 
     @property
+    def uses_mrope(self) -> bool:
+        """The language model's rotary takes three positions per token (temporal, height,
+        width: Qwen2-VL's M-RoPE, `mrope_section` in its rope parameters)."""
+        from vllm.model_executor.layers.rotary_embedding import mrope_section_of
+
+        return mrope_section_of(self.hf_text_config) is not None
+
+    @property
     def uses_prompt_embeds(self) -> bool:
         """Steps may carry embeds rows (the runner's embeds graphs): user prompt embeds,
         or a multimodal model's media rows."""

@@ -250,16 +250,23 @@ class MediaPart(NamedTuple):
 def chat_placeholders(model_config: Any, tokenizer: Any) -> dict[str, str]:
     """Modality -> the text each of its items becomes in the rendered prompt (`{k}`: the
     item's number among its modality's, from 1), for the media the model takes: LLaVA's
-    image token ("<image>"), Qwen2-Audio's "Audio {k}: <|audio_bos|><|AUDIO|><|audio_eos|>"
-    (vLLM's). The engine's processor expands each placeholder token to its item's run."""
+    image token ("<image>"), Qwen2-VL's "<|vision_start|><|image_pad|><|vision_end|>",
+    Qwen2-Audio's "Audio {k}: <|audio_bos|><|AUDIO|><|audio_eos|>" (vLLM's). The engine's
+    processor expands each placeholder token to its item's run."""
     if tokenizer is None:
         return {}
     placeholders: dict[str, str] = {}
     if "image" in model_config.mm_modalities:
         from vllm.multimodal.processing import image_token_id
 
-        placeholders["image"] = tokenizer.convert_ids_to_tokens(
-            image_token_id(model_config.hf_config))
+        config = model_config.hf_config
+        image = tokenizer.convert_ids_to_tokens(image_token_id(config))
+        start, end = (getattr(config, f"vision_{edge}_token_id", None)
+                      for edge in ("start", "end"))
+        if start is not None and end is not None:  # Qwen2-VL: the image between markers
+            image = (tokenizer.convert_ids_to_tokens(start) + image
+                     + tokenizer.convert_ids_to_tokens(end))
+        placeholders["image"] = image
     if "audio" in model_config.mm_modalities:
         from vllm.multimodal.processing import audio_token_id
 

@@ -15,7 +15,7 @@ Example (Qwen2-Audio, a 1 s clip = 25 rows): "<|audio_bos|><|AUDIO|><|audio_eos|
 from __future__ import annotations
 
 import hashlib
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Union
 
 import numpy as np
 import torch
@@ -25,11 +25,16 @@ from vllm.multimodal.audio import AudioFeatureExtractor, num_audio_tokens
 from vllm.multimodal.image import ImageProcessorConfig, load_image, preprocess
 from vllm.v1.messages import MediaInput
 
+if TYPE_CHECKING:
+    from vllm.multimodal.qwen2_vl import Qwen2VLPromptProcessor
+
 
 class MediaPrompt(NamedTuple):
     token_ids: list[int]  # media positions hold the placeholder token id
     is_token: torch.Tensor  # bool [num_tokens]: False at media positions
     items: list[MediaInput]
+    # M-RoPE models (Qwen2-VL): [3, num_tokens] int64 rotary positions; None for the others
+    mrope_positions: torch.Tensor | None = None
 
 
 def expand_placeholders(token_ids: list[int], placeholder: int, items: list[MediaInput],
@@ -118,9 +123,9 @@ class ImagePromptProcessor:
 
     def process(self, token_ids: list[int], data: Any) -> MediaPrompt:
         """`token_ids`: the prompt, one image token per image; `data`: multi_modal_data."""
-        images = _items(data, "image", self.model_config.architecture)
+        images = media_items(data, "image", self.model_config.architecture)
         images = [item for image in images for item in _embeds_items(image)]
-        _check_limit(len(images), "image", self.limit)
+        check_limit(len(images), "image", self.limit)
         placeholder_starts(token_ids, self.image_token_id, len(images), "image")
         inputs = [self._image_input(k, image) for k, image in enumerate(images)]
         return expand_placeholders(token_ids, self.image_token_id, inputs, "image",
@@ -131,10 +136,10 @@ class ImagePromptProcessor:
         if is_image_embeds(image):
             embeds = self._check_embeds(k, image)
             return MediaInput("image", None, 0, self.num_image_tokens,
-                              _tensor_hash(b"E", embeds), embeds=embeds)
+                              tensor_hash(b"E", embeds), embeds=embeds)
         pixels = preprocess(load_image(image), self.image_config)
         return MediaInput("image", pixels, 0, self.num_image_tokens,
-                          _tensor_hash(b"P", pixels))
+                          tensor_hash(b"P", pixels))
 
     def _check_embeds(self, k: int, embeds: torch.Tensor) -> torch.Tensor:
         """image_embeds item k as [num_image_tokens, hidden_size] in the model's dtype."""
@@ -178,8 +183,8 @@ class AudioPromptProcessor:
 
     def process(self, token_ids: list[int], data: Any) -> MediaPrompt:
         """`token_ids`: the prompt, one audio token per clip; `data`: multi_modal_data."""
-        clips = _items(data, "audio", self.model_config.architecture)
-        _check_limit(len(clips), "audio clip", self.limit)
+        clips = media_items(data, "audio", self.model_config.architecture)
+        check_limit(len(clips), "audio clip", self.limit)
         placeholder_starts(token_ids, self.audio_token_id, len(clips), "audio clip")
         inputs = [self._clip_input(k, clip) for k, clip in enumerate(clips)]
         return expand_placeholders(token_ids, self.audio_token_id, inputs, "audio clip",
@@ -191,7 +196,7 @@ class AudioPromptProcessor:
         except ValueError as e:
             raise ValueError(f"Audio clip {k}: {e}") from None
         return MediaInput("audio", features, 0, num_audio_tokens(num_frames),
-                          _tensor_hash(b"A", features))
+                          tensor_hash(b"A", features))
 
 
 def audio_token_id(config: Any) -> int:
@@ -203,12 +208,17 @@ def audio_token_id(config: Any) -> int:
     return int(token)
 
 
-MediaPromptProcessor = ImagePromptProcessor | AudioPromptProcessor
+MediaPromptProcessor = Union[ImagePromptProcessor, AudioPromptProcessor,
+                             "Qwen2VLPromptProcessor"]
 
 
 def media_prompt_processor(model_config: ModelConfig) -> MediaPromptProcessor | None:
     """The processor of a multimodal model's prompts; None for a model of text."""
     modalities = model_config.mm_modalities
+    if model_config.uses_mrope:
+        from vllm.multimodal.qwen2_vl import Qwen2VLPromptProcessor
+
+        return Qwen2VLPromptProcessor(model_config)
     if modalities == ("image",):
         return ImagePromptProcessor(model_config)
     if modalities == ("audio",):
@@ -216,7 +226,7 @@ def media_prompt_processor(model_config: ModelConfig) -> MediaPromptProcessor | 
     return None
 
 
-def _items(data: Any, modality: str, architecture: str) -> list[Any]:
+def media_items(data: Any, modality: str, architecture: str) -> list[Any]:
     """The `modality` items of `multi_modal_data`: a list of items, or one item. For audio,
     a `(waveform, sample_rate)` pair is one clip."""
     if not isinstance(data, dict):
@@ -242,7 +252,7 @@ def _is_rate_pair(item: Any) -> bool:
             and not isinstance(item[1], bool) and isinstance(item[1], (int, float)))
 
 
-def _check_limit(count: int, what: str, limit: int) -> None:
+def check_limit(count: int, what: str, limit: int) -> None:
     if count > limit:
         raise ValueError(f"At most {limit} {what}(s) may be provided in one prompt, got "
                          f"{count} (limit_mm_per_prompt).")
@@ -264,7 +274,7 @@ def _embeds_items(item: Any) -> list[Any]:
     return [item]
 
 
-def _tensor_hash(tag: bytes, tensor: torch.Tensor) -> bytes:
+def tensor_hash(tag: bytes, tensor: torch.Tensor) -> bytes:
     """An image's key (tag P: preprocessed pixels, the encoder cache's key, so an image
     sent as a PIL image, an array or file bytes hashes alike when it decodes alike; E: the
     user's embeddings, never cached)."""

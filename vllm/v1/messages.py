@@ -137,6 +137,10 @@ class EngineCoreRequest:
     # Media whose rows the engine core computes: their placeholder positions are False in
     # `prompt_is_token_ids`, and `prompt_embeds` is None until the media stage fills it.
     mm_inputs: list[MediaInput] | None = None
+    # M-RoPE models (Qwen2-VL) with media: int64 [3, num_prompt_tokens], each prompt
+    # position's rotary positions; positions past the prompt are p + delta (see
+    # `vllm/multimodal/qwen2_vl.py`). None: the position itself, in all three rows.
+    mrope_positions: torch.Tensor | None = None
 
     @property
     def embeds_layout(self) -> EmbedsLayout | None:

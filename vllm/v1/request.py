@@ -71,6 +71,7 @@ class Request:
         prompt_is_token_ids: torch.Tensor | None = None,
         lora_request: LoRARequest | None = None,
         lora_fingerprint: bytes = b"",
+        mrope_positions: torch.Tensor | None = None,
     ) -> None:
         self.request_id = request_id
         # Its LoRA adapter: mixed into the first block's hash with its files' fingerprint
@@ -85,6 +86,8 @@ class Request:
         self.prompt_embeds = prompt_embeds
         # Mixed prompts: True at the positions holding real ids (see EngineCoreRequest).
         self.prompt_is_token_ids = prompt_is_token_ids
+        # M-RoPE models with media: [3, num_prompt_tokens] (see EngineCoreRequest).
+        self.mrope_positions = mrope_positions
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = arrival_time
@@ -134,7 +137,7 @@ class Request:
                    request.sampling_params, request.eos_token_id, request.arrival_time,
                    max_model_len, block_hasher, request.encoder_input, request.cache_salt,
                    request.prompt_is_token_ids, request.lora_request,
-                   request.lora_fingerprint)
+                   request.lora_fingerprint, request.mrope_positions)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -19,6 +19,10 @@ keys), and a prompt within `max_position_embeddings` (dynamic) / the original le
 rotates a longer prompt's earlier tokens with the whole prompt's frequencies.)
 
 `partial_rotary_factor` < 1 rotates only the first `rotary_dim` channels of each head.
+
+M-RoPE (Qwen2-VL, `mrope_section` in the rope parameters): each token has three positions
+(temporal, height, width; `vllm/multimodal/qwen2_vl.py`) and the channel pairs are cut into
+three sections, each rotated by its own position: `MRotaryEmbedding`.
 """
 
 from __future__ import annotations
@@ -181,6 +185,49 @@ class RotaryEmbedding(nn.Module):
         """cos and sin rows of the step's positions, [num_tokens, 1, rotary_dim];
         computed once per step and shared by every layer."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def mrope_section_of(config) -> list[int] | None:
+    """The M-RoPE sections (channel pairs rotated by the temporal, height and width
+    positions, in that order) of a config's rope parameters; None for a 1-D rotary."""
+    section = rope_parameters_of(config).get("mrope_section")
+    return list(section) if section else None
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """The same table, read with three positions per token: channel pair i of section s
+    (s = 0, 1, 2 cycling over `mrope_section`) takes its angle from position row s.
+
+    Example: section [2, 3, 3] over 16 channels (8 pairs): pairs 0-1 follow the temporal
+    row, 2-4 the height row, 5-7 the width row; channel c and c + 8 share pair c's angle.
+    """
+
+    section_rows: torch.Tensor  # [rotary_dim] int64: the position row of each channel
+
+    def __init__(self, config, head_dim: int, max_positions: int, dtype: torch.dtype,
+                 section: list[int]) -> None:
+        super().__init__(config, head_dim, max_positions, dtype)
+        if sum(section) != self.rotary_dim // 2:
+            raise ValueError(f"mrope_section {section} must add up to half the rotary "
+                             f"dimension ({self.rotary_dim // 2}).")
+        rows = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(section)])
+        self.register_buffer("section_rows", torch.cat((rows, rows)), persistent=False)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [3, num_tokens] -> cos and sin rows [num_tokens, 1, rotary_dim]."""
+        index = self.section_rows.view(1, 1, -1).expand(1, positions.shape[1], -1)
+        cos = self.cos[positions].gather(0, index)[0]
+        sin = self.sin[positions].gather(0, index)[0]
+        return cos.unsqueeze(1), sin.unsqueeze(1)
+
+
+def rotary_embedding(config, head_dim: int, max_positions: int,
+                     dtype: torch.dtype) -> RotaryEmbedding:
+    """The config's rotary: M-RoPE where its rope parameters have `mrope_section`."""
+    section = mrope_section_of(config)
+    if section is None:
+        return RotaryEmbedding(config, head_dim, max_positions, dtype)
+    return MRotaryEmbedding(config, head_dim, max_positions, dtype, section)
 
 
 def apply_rotary(cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor,

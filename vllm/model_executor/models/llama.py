@@ -28,7 +28,11 @@ from vllm.model_executor.layers.linear import (
     RowParallelLinear,
 )
 from vllm.model_executor.layers.quantization import gguf_blocks
-from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding, apply_rotary
+from vllm.model_executor.layers.rotary_embedding import (
+    MRotaryEmbedding,
+    apply_rotary,
+    rotary_embedding,
+)
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
@@ -162,7 +166,7 @@ class LlamaForCausalLM(nn.Module):
                  dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
-        self.rotary = RotaryEmbedding(config, head_dim_of(config), max_model_len, dtype)
+        self.rotary = rotary_embedding(config, head_dim_of(config), max_model_len, dtype)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(self.make_layer(config, i, backend)
                                     for i in range(config.num_hidden_layers))
@@ -224,6 +228,8 @@ class LlamaForCausalLM(nn.Module):
         if any(getattr(cls, name) is not getattr(LlamaForCausalLM, name)
                for name in ("forward", "prepare", "finish")):
             return f"{cls.__name__} is not a plain Llama-family decoder"
+        if isinstance(self.rotary, MRotaryEmbedding):
+            return "M-RoPE (three positions per token; the fused decoder takes one)"
         if type(self.norm) is not RMSNorm:
             return "final norm is not RMSNorm"
         for i, layer in enumerate(self.layers):

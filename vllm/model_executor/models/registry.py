@@ -36,6 +36,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "WhisperForConditionalGeneration": ("whisper", "WhisperForConditionalGeneration"),
     "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
     "Qwen2AudioForConditionalGeneration": ("qwen2_audio", "Qwen2AudioForConditionalGeneration"),
+    "Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2VLForConditionalGeneration"),
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_vl", "Qwen2_5_VLForConditionalGeneration"),
 }
 
 # Architectures whose encoder input is audio -> log-mel frames per encoder position (the
@@ -50,6 +52,8 @@ _AUDIO_MODELS: dict[str, int] = {
 _MULTIMODAL_MODELS: dict[str, tuple[str, ...]] = {
     "LlavaForConditionalGeneration": ("image",),
     "Qwen2AudioForConditionalGeneration": ("audio",),
+    "Qwen2VLForConditionalGeneration": ("image",),
+    "Qwen2_5_VLForConditionalGeneration": ("image",),
 }
 
 if TYPE_CHECKING:  # the type checker holds every registered class to `ModelClass`
@@ -64,6 +68,10 @@ if TYPE_CHECKING:  # the type checker holds every registered class to `ModelClas
     from vllm.model_executor.models.phi3 import Phi3ForCausalLM
     from vllm.model_executor.models.qwen2_audio import Qwen2AudioForConditionalGeneration
     from vllm.model_executor.models.qwen2_moe import Qwen2MoeForCausalLM
+    from vllm.model_executor.models.qwen2_vl import (
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLForConditionalGeneration,
+    )
     from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
     from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
     from vllm.model_executor.models.whisper import WhisperForConditionalGeneration
@@ -73,7 +81,8 @@ if TYPE_CHECKING:  # the type checker holds every registered class to `ModelClas
         Olmo2ForCausalLM, GraniteForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM,
         Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, OlmoeForCausalLM,
         BartForConditionalGeneration, WhisperForConditionalGeneration,
-        LlavaForConditionalGeneration, Qwen2AudioForConditionalGeneration]
+        LlavaForConditionalGeneration, Qwen2AudioForConditionalGeneration,
+        Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration]
 
 
 def get_supported_archs() -> list[str]:

@@ -88,11 +88,11 @@ class Processor:
             raise ValueError("return_hidden_states is set, but this engine does not keep "
                              "hidden states: create it with enable_return_hidden_states=True "
                              "(server: --enable-return-hidden-states).")
-        embeds = token_ids = is_token = media = None
+        embeds = token_ids = is_token = media = mrope_positions = None
         mm_data = (prompt.get("multi_modal_data")
                    if self.media_processor is not None and isinstance(prompt, dict) else None)
         if mm_data is not None:
-            token_ids, is_token, media = self._media_prompt(parsed, mm_data)
+            token_ids, is_token, media, mrope_positions = self._media_prompt(parsed, mm_data)
         elif parsed.prompt_segments is not None:
             token_ids, embeds, is_token = self._segments(parsed.prompt_segments,
                                                          parsed.add_special_tokens)
@@ -117,6 +117,7 @@ class Processor:
             prompt_is_token_ids=is_token,
             lora_request=lora_request,
             mm_inputs=media,
+            mrope_positions=mrope_positions,
         )
         if media is not None:  # the text, and the ids with each item's run
             return request, parsed._replace(prompt_token_ids=token_ids)
@@ -190,9 +191,11 @@ class Processor:
         return ids, embeds, mask
 
     def _media_prompt(self, parsed: ParsedPrompt, mm_data: Any
-                      ) -> tuple[list[int], torch.Tensor, list[MediaInput]]:
+                      ) -> tuple[list[int], torch.Tensor, list[MediaInput],
+                                 torch.Tensor | None]:
         """A prompt with media: its ids with each placeholder expanded to the item's run,
-        the is_token mask (False on media positions) and the preprocessed items."""
+        the is_token mask (False on media positions), the preprocessed items, and an M-RoPE
+        model's rotary positions."""
         assert self.media_processor is not None  # only multimodal models take this path
         if parsed.prompt_embeds is not None or parsed.prompt_segments is not None:
             raise ValueError("multi_modal_data goes with a text prompt or prompt_token_ids, "
@@ -200,7 +203,7 @@ class Processor:
         token_ids = self._tokenize(parsed)
         self._validate_token_ids(token_ids)
         prompt = self.media_processor.process(token_ids, mm_data)
-        return prompt.token_ids, prompt.is_token, prompt.items
+        return prompt.token_ids, prompt.is_token, prompt.items, prompt.mrope_positions
 
     def _leading_special_ids(self) -> list[int]:
         """The special tokens the tokenizer puts before a text prompt (BOS for Llama)."""

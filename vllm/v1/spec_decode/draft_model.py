@@ -43,6 +43,9 @@ def draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelCon
     if draft.is_encoder_decoder:
         raise ValueError(f"speculative_config model {spec.model!r} is an encoder/decoder "
                          "model; the drafter must be a decoder-only model.")
+    if draft.uses_mrope:  # the drafter's steps carry one position per token
+        raise ValueError(f"speculative_config model {spec.model!r} uses M-RoPE (three "
+                         "positions per token); the drafter must be a text model.")
     if draft.vocab_size != target.vocab_size:
         raise ValueError(f"speculative_config model {spec.model!r} has a vocabulary of "
                          f"{draft.vocab_size} tokens, the target {target.vocab_size}: the "

@@ -124,7 +124,8 @@ class CompiledGraphs:
 
     def __init__(self, model: GraphModel, sizes: list[int], with_embeds: bool,
                  hidden_size: int, dtype: torch.dtype, device: torch.device,
-                 max_num_tokens: int, lora_state: LoRAState | None = None) -> None:
+                 max_num_tokens: int, lora_state: LoRAState | None = None,
+                 mrope: bool = False) -> None:
         self.model = model
         # With LoRA, every (set, size) is compiled twice: with the adapters' product (its
         # row indices a graph input: any mix of adapters) and without, for steps that have
@@ -139,7 +140,9 @@ class CompiledGraphs:
         # A step holds at most `max_num_tokens` (the token budget): with a budget of 8 and
         # sizes [4], steps of 5-8 tokens run eagerly and no step would ever replay ANY.
         self.any_sizes = [ANY] if max_num_tokens > self.any_min else []
-        self.positions = torch.zeros(self.max_size, dtype=torch.int64, device=device)
+        # [max_size], or [3, max_size] for M-RoPE (three rotary positions per token).
+        self.positions = torch.zeros(*((3,) if mrope else ()), self.max_size,
+                                     dtype=torch.int64, device=device)
         # Each set's input buffer: ids, or embeds rows.
         self.inputs = {InputKind.TOKEN_IDS: torch.zeros(self.max_size, dtype=torch.int64,
                                                         device=device)}
@@ -198,13 +201,14 @@ class CompiledGraphs:
             n = self.any_min + 1
             buffer = self.inputs[kind]
             inputs = buffer.new_zeros(n, *buffer.shape[1:])
-            positions = torch.zeros(n, dtype=torch.int64, device=self.positions.device)
+            positions = self.positions.new_zeros(*self.positions.shape[:-1], n)
             run_dummy_step(n, functools.partial(self._run_pieces, kind, ANY, inputs,
                                                 positions))
             self.captured.add((kind, ANY))
 
     def _forward(self, kind: InputKind, size: int) -> torch.Tensor:
-        return self._run_pieces(kind, size, self.inputs[kind][:size], self.positions[:size])
+        return self._run_pieces(kind, size, self.inputs[kind][:size],
+                                self.positions[..., :size])
 
     def _run_pieces(self, kind: InputKind, size: int, inputs: torch.Tensor,
                     positions: torch.Tensor) -> torch.Tensor:
@@ -221,7 +225,7 @@ class CompiledGraphs:
         """The step's hidden states through a graph: the padded static size, or ANY past
         the largest; None when no graph fits (embeds without an embeds set). Any batch
         layout fits: attention is outside the compiled pieces."""
-        n = positions.shape[0]
+        n = positions.shape[-1]
         kind, inputs = _step_inputs(input_ids, inputs_embeds)
         size = self.padded_size(n)
         buffer = self.inputs.get(kind)
@@ -239,8 +243,8 @@ class CompiledGraphs:
                                         positions.to(torch.int64))
         if (kind, size) not in self.captured:
             return None
-        self.positions[:n].copy_(positions)
-        self.positions[n:size].zero_()
+        self.positions[..., :n].copy_(positions)
+        self.positions[..., n:size].zero_()
         buffer[:n].copy_(inputs)
         buffer[n:size].zero_()
         self.replays[(kind, size)] += 1

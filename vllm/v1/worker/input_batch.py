@@ -29,11 +29,17 @@ class CachedRequestState:
     # Which prompt positions read embeds rows (None: a prompt of token ids only).
     embeds_layout: EmbedsLayout | None = None
     lora_request: LoRARequest | None = None  # its adapter (None: the base model)
+    # M-RoPE models with media: int64 [3, num_prompt_tokens] each prompt position's rotary
+    # positions; later positions p take p + mrope_delta (None: p itself).
+    mrope_positions: np.ndarray | None = None
+    mrope_delta: int = 0
 
     def __post_init__(self) -> None:
         if self.embeds_layout is None:  # embeds without a layout: an embeds-only prompt
             self.embeds_layout = EmbedsLayout.of(len(self.prompt_token_ids),
                                                  self.prompt_embeds, None)
+        if self.mrope_positions is not None:  # the next position after the prompt's last
+            self.mrope_delta = int(self.mrope_positions.max()) + 1 - self.num_prompt_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -223,6 +223,9 @@ class ModelRunner:
             # Its graph buffers hold one block table and no window.
             logger.info("CUDA graphs are off for sliding-window models: eager.")
             return
+        if self.model_config.uses_mrope:  # its position buffer is 1-D
+            logger.info("CUDA graphs are off for M-RoPE models: eager.")
+            return
         model_config = self.model_config
         self.graphs = CudaGraphs(model, sizes, model_config.uses_prompt_embeds,
                                  model_config.hidden_size, self.dtype, self.device,
@@ -239,7 +242,8 @@ class ModelRunner:
         max_num_tokens = self.scheduler_config.max_num_batched_tokens
         self.graphs = CompiledGraphs(model, sizes, model_config.uses_prompt_embeds,
                                      model_config.hidden_size, self.dtype, self.device,
-                                     max_num_tokens, self._lora_state())
+                                     max_num_tokens, self._lora_state(),
+                                     mrope=model_config.uses_mrope)
         with torch.inference_mode():
             self.graphs.capture(self._dummy_step)
         self.fused_decode = FusedDecode.build(model, self.kv_caches, self.dtype,

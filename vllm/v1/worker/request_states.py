@@ -81,6 +81,8 @@ class RequestStates:
             embeds_layout=EmbedsLayout.of(len(new.prompt_token_ids), new.prompt_embeds,
                                           new.prompt_is_token_ids),
             lora_request=new.lora_request,
+            mrope_positions=(None if new.mrope_positions is None
+                             else new.mrope_positions.numpy()),
         )
         self.requests[new.req_id] = state
         return state

@@ -60,10 +60,33 @@ def compute_step_indices(num_scheduled: np.ndarray, num_computed: np.ndarray,
     return StepIndices(req_indices, positions, token_indices, query_start_loc, seq_lens)
 
 
+def mrope_step_positions(batch: InputBatch, idx: StepIndices) -> np.ndarray:
+    """[3, num_tokens] int64 M-RoPE positions of a step: a prompt position's from its
+    request's table, a later position p's p + the request's delta (all three rows), and a
+    request without a table (no media) p itself.
+
+    Example: a request whose prompt (9 tokens, an image of 2 x 3 rows at 2..7) has the
+    table t [0 1 2 2 2 2 2 2 5], h [0 1 2 2 2 3 3 3 5], w [0 1 2 3 4 2 3 4 5] (delta -3),
+    scheduled positions 7, 8, 9 -> t [2 5 6], h [3 5 6], w [4 5 6].
+    """
+    positions = np.repeat(idx.positions[None], 3, axis=0)
+    for row in np.unique(idx.req_indices):
+        state = batch.state(int(row))
+        table = state.mrope_positions
+        if table is None:
+            continue
+        tokens = np.flatnonzero(idx.req_indices == row)
+        p = idx.positions[tokens]
+        prompt = p < table.shape[1]
+        positions[:, tokens[prompt]] = table[:, p[prompt]]
+        positions[:, tokens[~prompt]] += state.mrope_delta
+    return positions
+
+
 class ModelInputs(NamedTuple):
     input_ids: torch.Tensor | None  # [num_tokens] int64; None when embeds are given
     inputs_embeds: torch.Tensor | None  # [num_tokens, hidden_size]
-    positions: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64; M-RoPE models: [3, num_tokens]
     attn_metadata: object  # KV cache group 0's (the only group of most models)
     # Models with several KV cache groups: each decoder layer's (its group's); else None.
     layer_attn_metadata: list | None
@@ -100,12 +123,16 @@ class StepInputsBuilder:
         self.is_encoder_decoder = model_config.is_encoder_decoder
         self.kv_cache_groups = model_config.kv_cache_groups
         self._layer_slots = layer_slots(self.kv_cache_groups)
+        # Three rotary positions per token, from each request's table (`mrope_positions`).
+        self.uses_mrope = model_config.uses_mrope
         # Decode-only steps' persistent inputs: one KV cache group without a window
-        # (`mask_out_of_window` is the general path's), decoder-only models.
+        # (`mask_out_of_window` is the general path's), decoder-only models with 1-D
+        # positions.
         self.decode_inputs = (DecodeInputs(batch, block_size)
                               if len(self.kv_cache_groups) == 1
                               and self.kv_cache_groups[0].sliding_window is None
-                              and not self.is_encoder_decoder else None)
+                              and not self.is_encoder_decoder and not self.uses_mrope
+                              else None)
         # Decode metadata that reads those arrays in place, per number of requests.
         self._decode_metadata: dict[int, object] = {}
 
@@ -163,10 +190,11 @@ class StepInputsBuilder:
             assert model is not None, "load_model() first"
             inputs_embeds = self._gather_inputs_embeds(model, input_ids, is_token_np, idx)
             input_ids = None
+        positions = mrope_step_positions(batch, idx) if self.uses_mrope else idx.positions
         return ModelInputs(
             input_ids=input_ids,
             inputs_embeds=inputs_embeds,
-            positions=torch.from_numpy(idx.positions).to(self.device),
+            positions=torch.from_numpy(positions).to(self.device),
             attn_metadata=attn_metadata[0],
             layer_attn_metadata=self.layer_metadata(attn_metadata),
             cross_attn_metadata=cross_attn_metadata,

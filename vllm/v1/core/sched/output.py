@@ -31,6 +31,8 @@ class NewRequestData:
     # Mixed prompts: bool [num_prompt_tokens], True at real ids (None: all one kind).
     prompt_is_token_ids: torch.Tensor | None = None
     lora_request: LoRARequest | None = None  # its adapter (None: the base model)
+    # M-RoPE models with media: int64 [3, num_prompt_tokens] rotary positions.
+    mrope_positions: torch.Tensor | None = None
 
     @classmethod
     def from_request(cls, request: Request, block_ids: list[int],
@@ -47,6 +49,7 @@ class NewRequestData:
             cross_block_ids=cross_block_ids or [],
             prompt_is_token_ids=request.prompt_is_token_ids,
             lora_request=request.lora_request,
+            mrope_positions=request.mrope_positions,
         )
 
 

@@ -1,0 +1,188 @@
+"""Qwen2-VL end to end on a tiny random checkpoint: greedy tokens equal to transformers'
+`generate` (its image processor, its M-RoPE positions) with one and two images of their
+own resolutions, under chunked prefill, prefix hits, the encoder cache, preemption and
+compiled graphs; `llm.chat` with image_url parts; refusals that leave the engine serving."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import pytest
+import torch
+from PIL import Image
+
+from tests.llava_reference import MAX_TOKENS, chat_messages, random_image
+from tests.model_factory import make_tiny_qwen2_vl
+from tests.qwen2_vl_reference import IMAGE, hf_chat_greedy, hf_greedy, load_reference
+from vllm import LLM, SamplingParams
+from vllm.config import InputKind
+
+pytestmark = pytest.mark.slow
+
+PROMPT = f"User: {IMAGE}What is this?\nAssistant:"
+TWO = f"User: {IMAGE} and {IMAGE}\nCompare them.\nAssistant:"
+# Shapes whose runs differ: 56 x 84 (6 rows), 84 x 280 (30 rows), 168 x 84 (18 rows).
+SHAPES = [(40, 52, 3), (100, 300, 3), (170, 90, 3)]
+
+
+def _greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return make_tiny_qwen2_vl(str(tmp_path_factory.mktemp("tiny_qwen2_vl")))
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    # 24-token steps: image runs (6 to 36 rows) are prefilled across chunks and blocks.
+    engine = LLM(model_dir, dtype="float32", max_model_len=256, enforce_eager=True,
+                 kv_cache_memory_bytes=16 * 1024**2, block_size=16,
+                 max_num_batched_tokens=24, enable_chunked_prefill=True,
+                 enable_prefix_caching=True, limit_mm_per_prompt={"image": 2})
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    return load_reference(model_dir)
+
+
+def _engine_state(llm: LLM) -> dict:
+    return llm.llm_engine.engine_core.get_state()
+
+
+def test_one_image_equals_transformers(llm, hf) -> None:
+    images = [random_image(i, shape) for i, shape in enumerate(SHAPES)]
+    prompts = [{"prompt": PROMPT, "multi_modal_data": {"image": image}} for image in images]
+    outputs = llm.generate(prompts, _greedy(), use_tqdm=False)
+    tokens = []
+    for output, image in zip(outputs, images, strict=True):
+        prompt_ids, expected = hf_greedy(hf, PROMPT, [image])
+        assert output.prompt_token_ids == prompt_ids
+        assert list(output.outputs[0].token_ids) == expected
+        tokens.append(expected)
+    assert len({len(o.prompt_token_ids) for o in outputs}) == 3  # three resolutions
+    assert len({tuple(t) for t in tokens}) > 1  # the images matter to the output
+
+
+def test_two_images_and_a_long_decode_equal_transformers(llm, hf) -> None:
+    """Two images in one prompt (text between them continues after the first one's
+    largest position), then 24 decoded tokens at position + delta."""
+    pairs = [(random_image(4, SHAPES[1]), random_image(5)),
+             (random_image(5), random_image(4, SHAPES[2]))]
+    prompts = [{"prompt": TWO, "multi_modal_data": {"image": list(pair)}} for pair in pairs]
+    outputs = llm.generate(prompts, _greedy(24), use_tqdm=False)
+    for output, pair in zip(outputs, pairs, strict=True):
+        prompt_ids, expected = hf_greedy(hf, TWO, list(pair), max_tokens=24)
+        assert output.prompt_token_ids == prompt_ids
+        assert list(output.outputs[0].token_ids) == expected
+
+
+def test_text_only_prompt_equals_transformers(llm, hf) -> None:
+    text = "User: Describe a robot.\nAssistant:"
+    output = llm.generate(text, _greedy(), use_tqdm=False)[0]
+    assert list(output.outputs[0].token_ids) == hf_greedy(hf, text, [])[1]
+
+
+def test_same_image_hits_prefix_and_encoder_caches(llm, hf) -> None:
+    image = random_image(6, (90, 140, 3))
+    png = io.BytesIO()
+    Image.fromarray(image).save(png, format="PNG")
+    before = _engine_state(llm)
+    first = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": image}}, _greedy(),
+                         use_tqdm=False)[0]
+    # The same picture as PNG bytes: the same pixels, the same cache entries.
+    again = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": png.getvalue()}},
+                         _greedy(), use_tqdm=False)[0]
+    after = _engine_state(llm)
+    assert first.num_cached_tokens == 0
+    assert again.num_cached_tokens == (first.num_prompt_tokens - 1) // 16 * 16 > 0
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert list(first.outputs[0].token_ids) == hf_greedy(hf, PROMPT, [image])[1]
+    assert after["encoder_cache_misses"] - before["encoder_cache_misses"] == 1
+    assert after["encoder_cache_hits"] - before["encoder_cache_hits"] == 1
+
+
+def test_chat_with_image_url_parts_equals_transformers(llm, hf) -> None:
+    images = [random_image(11), random_image(12, (50, 120, 3))]
+    output = llm.chat(chat_messages(images), _greedy(), use_tqdm=False)[0]
+    prompt_ids, expected = hf_chat_greedy(hf, images)
+    assert output.prompt_token_ids == prompt_ids
+    assert list(output.outputs[0].token_ids) == expected
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ({"prompt": PROMPT, "multi_modal_data": {"image": torch.zeros(6, 64)}},
+     "image_embeds are not supported for Qwen2VLForConditionalGeneration"),
+    ({"prompt": TWO, "multi_modal_data": {"image": random_image(1)}},
+     r"2 image placeholder\(s\) .* but 1 image\(s\) were given"),
+    ({"prompt": TWO, "multi_modal_data": {"image": [random_image(1)] * 3}},
+     r"At most 2 image\(s\) may be provided in one prompt, got 3"),
+    ({"prompt": PROMPT, "multi_modal_data": {"image": random_image(1, (10, 2100, 3))}},
+     "aspect ratio is over 200"),
+    ({"prompt": PROMPT, "multi_modal_data": {"image": b"not an image"}}, "not an image"),
+])
+def test_bad_prompts_are_refused_and_the_engine_serves_on(llm, hf, prompt, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompt, _greedy(), use_tqdm=False)
+    state = _engine_state(llm)
+    assert state["num_requests"] == 0 and state["num_runner_requests"] == 0
+    image = random_image(9)
+    output = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": image}},
+                          _greedy(), use_tqdm=False)[0]
+    assert list(output.outputs[0].token_ids) == hf_greedy(hf, PROMPT, [image])[1]
+
+
+def test_under_preemption_and_with_graphs(model_dir, hf) -> None:
+    """Preemption (12 blocks of 8 for prompts of 20 to 50 tokens and 24 more: a preempted
+    request recomputes its KV at its own M-RoPE positions), then compiled graphs fed [3, n]
+    positions (image rows through the embeds set, decode steps through the ids set; the
+    fused decoder refuses M-RoPE); both equal to transformers."""
+    cases = [(PROMPT, [random_image(30 + i, SHAPES[i % 3])]) for i in range(4)]
+    prompts = [{"prompt": text, "multi_modal_data": {"image": images}}
+               for text, images in cases]
+    expected = [hf_greedy(hf, text, images, max_tokens=24)[1] for text, images in cases]
+    small = LLM(model_dir, dtype="float32", max_model_len=80, enforce_eager=True,
+                num_gpu_blocks_override=12, block_size=8, enable_prefix_caching=False)
+    outputs = small.generate(prompts, _greedy(24), use_tqdm=False)
+    assert small.llm_engine.engine_core.scheduler.num_preemptions > 0
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+    small.shutdown()
+    graphs = LLM(model_dir, dtype="float32", max_model_len=96,
+                 kv_cache_memory_bytes=16 * 1024**2,
+                 compilation_config={"cudagraph_capture_sizes": [1, 4]})
+    outputs = graphs.generate(prompts, _greedy(24), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+    executor: Any = graphs.llm_engine.engine_core.model_executor  # uni: the runner in process
+    runner = executor.model_runner
+    assert runner.fused_decode is None
+    assert {kind for kind, _ in runner.graphs.replays} == {InputKind.EMBEDS,
+                                                           InputKind.TOKEN_IDS}
+    graphs.shutdown()
+
+
+def test_qwen2_5_vl_equals_transformers(tmp_path) -> None:
+    """Qwen2.5-VL (window attention in its tower): one image and two, prefilled in chunks,
+    then an image sent again (prefix and encoder cache hits)."""
+    model_dir = make_tiny_qwen2_vl(str(tmp_path), version="2.5")
+    hf = load_reference(model_dir)
+    engine = LLM(model_dir, dtype="float32", max_model_len=256, enforce_eager=True,
+                 kv_cache_memory_bytes=16 * 1024**2, block_size=16,
+                 max_num_batched_tokens=24, enable_chunked_prefill=True,
+                 enable_prefix_caching=True)
+    cases = [(PROMPT, [random_image(40, SHAPES[1])]), (TWO, [random_image(41, SHAPES[2]),
+                                                             random_image(42)]),
+             (PROMPT, [random_image(40, SHAPES[1])])]
+    outputs = [engine.generate({"prompt": text, "multi_modal_data": {"image": images}},
+                               _greedy(), use_tqdm=False)[0] for text, images in cases]
+    for output, (text, images) in zip(outputs, cases, strict=True):
+        prompt_ids, expected = hf_greedy(hf, text, images)
+        assert output.prompt_token_ids == prompt_ids
+        assert list(output.outputs[0].token_ids) == expected
+    assert outputs[2].num_cached_tokens > 0
+    assert _engine_state(engine)["encoder_cache_hits"] == 1
+    engine.shutdown()
