@@ -111,7 +111,7 @@ def test_fused_decode_matches_the_graphs_on_a_tiny_q4_1_llama(
             == f"{ENV_SWITCH}=0"
 
 
-@pytest.fixture(scope="module", params=["gemma3", "gemma2", "qwen3", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["gemma3", "gemma2", "qwen3", "qwen3_moe", "qwen2_moe"])
 def tiny_q4_k_m(request: pytest.FixtureRequest,
                 tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     """(GGUF path, tokenizer dir) of a tiny model of a family whose layers differ from
@@ -119,9 +119,10 @@ def tiny_q4_k_m(request: pytest.FixtureRequest,
     gguf_mm): Gemma 3 (four norms a layer with (1 + w) weights, q/k norms, tanh GELU,
     window layers on the local rotary table, each layer kind its own KV cache group),
     Gemma 2 (the attention soft-cap, one rotary table) and Qwen3 (q/k norms, Llama's
-    RMSNorm) and Qwen3-MoE (its experts' blocks, 8 experts top 2 renormalised, and a
-    float32 router, as llama.cpp's files keep it). Rows of whole super-blocks: hidden 256,
-    intermediate 512 (the experts' 256), heads of 64."""
+    RMSNorm), Qwen3-MoE (its experts' blocks, 8 experts top 2 renormalised, and a float32
+    router, as llama.cpp's files keep it) and Qwen2-MoE (q/k/v biases, routing weights not
+    renormalised, a shared expert behind its sigmoid gate). Rows of whole super-blocks:
+    hidden 256, intermediate 512 (the experts' 256, the shared expert's 512), heads of 64."""
     arch = request.param
     root = tmp_path_factory.mktemp(f"fused_{arch}")
     overrides: dict[str, Any] = {**FAMILIES[arch], "hidden_size": 256,
@@ -129,10 +130,11 @@ def tiny_q4_k_m(request: pytest.FixtureRequest,
                                  "num_key_value_heads": 2, "head_dim": 64}
     if arch.startswith("gemma"):
         overrides["query_pre_attn_scalar"] = 64
-    experts = arch == "qwen3_moe"
+    experts = arch.endswith("_moe")
     if experts:
-        overrides.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
-                         norm_topk_prob=True)
+        overrides.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256)
+    if arch == "qwen2_moe":
+        overrides["shared_expert_intermediate_size"] = 512
     model_dir = make_tiny_model(str(root / arch), arch, **overrides)
     path = str(root / f"{arch}-q4_k_m.gguf")
     _write_gguf(path, model_dir, arch, layer_qtype=q4_k_m_type,
@@ -144,10 +146,11 @@ def tiny_q4_k_m(request: pytest.FixtureRequest,
 def test_fused_decode_matches_the_graphs_on_other_families(
         tiny_q4_k_m: tuple[str, str]) -> None:
     """As on the Q4_1 Llama: float32, one engine, the fused decoder's steps against the
-    graphs'; tokens identical, logprobs within 1e-2 (Qwen3 5e-2 and Qwen3-MoE 8e-2, where
-    the graphs' own eager and compiled forms differ by 4.7e-2 and 7.4e-2: q/k norms sharpen
-    attention, so an int8 activation code one step apart moves a logprob further; a wrong
-    window, table, norm or routing moves them by tenths and changes the tokens). The
+    graphs'; tokens identical, logprobs within 1e-2 (Qwen3 5e-2, Qwen3-MoE 8e-2, Qwen2-MoE
+    5e-2, where the graphs' own eager and compiled forms differ by 4.7e-2, 7.4e-2 and
+    8.7e-2: q/k norms sharpen attention and routing multiplies, so an int8 activation code
+    one step apart moves a logprob further; a wrong window, table, norm, bias or routing
+    moves them by tenths and changes the tokens). The
     prompts run past the windows (5 positions) and across KV blocks, so window layers read
     their groups' masked tables."""
     path, model_dir = tiny_q4_k_m
@@ -159,7 +162,8 @@ def test_fused_decode_matches_the_graphs_on_other_families(
     expected = _generate(llm, _PROMPTS, None)
     got = _generate(llm, _PROMPTS, fused)
     assert fused.steps >= 2 * (_NEW_TOKENS - 1)
-    atol = {"qwen3": 5e-2, "qwen3_moe": 8e-2}.get(os.path.basename(model_dir), 1e-2)
+    atol = {"qwen3": 5e-2, "qwen3_moe": 8e-2, "qwen2_moe": 5e-2}.get(
+        os.path.basename(model_dir), 1e-2)
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, expected, strict=True):
         assert tokens == ref_tokens
         torch.testing.assert_close(logprobs, ref_logprobs, atol=atol, rtol=0)

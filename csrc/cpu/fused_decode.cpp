@@ -55,6 +55,7 @@
 #include <cstring>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -131,7 +132,7 @@ void add_residual(float* h, const float* y, int64_t count) {
 class FusedWeight {
  public:
   static FusedWeight quant_gemv(torch::Tensor codes, torch::Tensor d, torch::Tensor m,
-                                int64_t bits) {
+                                int64_t bits, std::optional<torch::Tensor> bias) {
     FusedWeight w;
     w.codes_ = codes.contiguous();
     w.d_ = d.contiguous();
@@ -144,10 +145,12 @@ class FusedWeight {
     w.n_ = w.codes_.size(0);
     w.k_ = w.d_.size(1) * 32;  // padded to whole half quads
     TORCH_CHECK(w.codes_.size(1) == w.k_ * bits / 8, "FusedWeight: not quant_gemv's layout");
+    w.set_bias(bias);
     return w;
   }
 
-  static FusedWeight gguf(std::vector<torch::Tensor> parts, std::vector<int64_t> types) {
+  static FusedWeight gguf(std::vector<torch::Tensor> parts, std::vector<int64_t> types,
+                          std::optional<torch::Tensor> bias) {
     TORCH_CHECK(!parts.empty() && parts.size() == types.size(),
                 "FusedWeight: one GGUF type per part");
     FusedWeight w;
@@ -165,6 +168,7 @@ class FusedWeight {
       w.parts_.push_back(parts[i].contiguous());
       w.types_.push_back(types[i]);
     }
+    w.set_bias(bias);
     return w;
   }
 
@@ -179,22 +183,29 @@ class FusedWeight {
   }
 
   // This thread's output rows [begin, end) of `rows` activation rows, quantized as this
-  // weight's kernel reads them (`qr` or `acts`), into out [rows, n].
+  // weight's kernel reads them (`qr` or `acts`), into out [rows, n]; with a bias,
+  // rnd(rnd(y) + bias) as the layer adds it to its output in T.
+  template <typename T>
   void rows_range(int64_t rows, const QuantizedRows& qr, const vllm_gguf::Activations& acts,
                   float* out, int64_t begin, int64_t end) const {
     if (!is_gguf()) {
       vllm_cpu::qgemv::gemv_range<float>(rows, bits_, codes_.data_ptr<uint8_t>(),
                                          d_.data_ptr<at::Half>(), m_.data_ptr<at::Half>(), qr,
                                          out, n_, begin, end);
-      return;
+    } else {
+      for (size_t i = 0; i < parts_.size(); ++i) {
+        const int64_t first = offsets_[i], last = first + parts_[i].size(0);
+        const int64_t b = std::max(begin, first), e = std::min(end, last);
+        if (b < e)
+          vllm_gguf::dispatch(types_[i], parts_[i].data_ptr<uint8_t>(), parts_[i].size(1),
+                              acts, 0, rows, out + first, n_, b - first, e - first);
+      }
     }
-    for (size_t i = 0; i < parts_.size(); ++i) {
-      const int64_t first = offsets_[i], last = first + parts_[i].size(0);
-      const int64_t b = std::max(begin, first), e = std::min(end, last);
-      if (b < e)
-        vllm_gguf::dispatch(types_[i], parts_[i].data_ptr<uint8_t>(), parts_[i].size(1), acts,
-                            0, rows, out + first, n_, b - first, e - first);
-    }
+    if (!bias_.defined()) return;
+    const float* bias = bias_.data_ptr<float>();
+    auto rnd = [](float v) { return static_cast<float>(static_cast<T>(v)); };
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = begin; j < end; ++j) out[r * n_ + j] = rnd(rnd(out[r * n_ + j]) + bias[j]);
   }
 
   // The activation rows x [rows, in] quantized as this weight's kernel reads them.
@@ -206,6 +217,14 @@ class FusedWeight {
   }
 
  private:
+  void set_bias(const std::optional<torch::Tensor>& bias) {
+    if (!bias.has_value()) return;
+    TORCH_CHECK(bias->numel() == n_, "FusedWeight: a bias of ", bias->numel(), " values for ",
+                n_, " rows");
+    bias_ = bias->to(torch::kFloat32).contiguous();  // T's values
+  }
+
+  torch::Tensor bias_;           // float32 [n], or undefined: none
   torch::Tensor codes_, d_, m_;  // quant_gemv's
   int64_t bits_ = 0;             // quant_gemv's 4 or 8; 0: GGUF blocks
   std::vector<torch::Tensor> parts_;  // GGUF's: each part's blocks, type and first row
@@ -265,10 +284,26 @@ class FusedMLP {
     return m;
   }
 
+  // The experts' block with a shared expert behind a sigmoid gate (Qwen2-MoE):
+  // out = experts + rnd(rnd(sigmoid(rnd(gate . x))) * shared(x)), in T as the block adds it.
+  FusedMLP with_shared(FusedWeight gate_up, FusedWeight down, torch::Tensor gate) const {
+    TORCH_CHECK(experts_, "FusedMLP: a shared expert belongs to an experts block");
+    TORCH_CHECK(gate.numel() == router_.size(1) && gate.scalar_type() == router_dtype_,
+                "FusedMLP: the shared expert's gate must be [1, hidden] in the model dtype");
+    FusedMLP m = *this;
+    m.gate_up_ = std::move(gate_up);
+    m.down_ = std::move(down);
+    m.shared_gate_ = gate.reshape({-1}).to(torch::kFloat32).contiguous();
+    return m;
+  }
+
   bool is_experts() const { return experts_; }
+  bool has_shared() const { return shared_gate_.defined(); }
+  int64_t shared_intermediate() const { return has_shared() ? gate_up_.n() / 2 : 0; }
   int64_t intermediate() const { return inter_; }
 
-  FusedWeight gate_up_, down_;  // the gated MLP's
+  FusedWeight gate_up_, down_;  // the gated MLP's, or the shared expert's
+  torch::Tensor shared_gate_;   // float32 [H] (T's values): the shared expert's gate
   bool experts_ = false;
   // the experts'
   torch::Tensor router_, w_[3];  // router float32 [E, H] (T's values); gate, up, down
@@ -361,6 +396,15 @@ class FusedDecoder {
                     "] in the model dtype");
         expert_rows = std::max(expert_rows, mlp.top_k_ * vllm_cpu::qgemv::kMaxChunkedRows);
         expert_inter = std::max(expert_inter, inter);
+        if (mlp.has_shared()) {
+          const int64_t shared = mlp.shared_intermediate();
+          TORCH_CHECK(shared % 32 == 0, "FusedDecoder: layer ", l, "'s shared expert width");
+          intermediate_ = std::max(intermediate_, shared);
+          ws.push_back(&mlp.gate_up_);
+          ws.push_back(&mlp.down_);
+          in.insert(in.end(), {hidden_, shared});
+          out.insert(out.end(), {2 * shared, hidden_});
+        }
       } else {
         ws.push_back(&mlp.gate_up_);
         ws.push_back(&mlp.down_);
@@ -537,7 +581,8 @@ class FusedDecoder {
         w.quantize(in, rows, k, &mine.quantized, &mine.activations);
         int64_t begin, end;
         share(w.n(), tid, nt, &begin, &end);
-        if (begin < end) w.rows_range(rows, mine.quantized, mine.activations, out_rows, begin, end);
+        if (begin < end)
+          w.rows_range<T>(rows, mine.quantized, mine.activations, out_rows, begin, end);
       };
       const float* down = y_down;  // the feed-forward block's output: shared, or this thread's
       for (int64_t l = 0; l < layers_; ++l) {
@@ -750,6 +795,45 @@ class FusedDecoder {
       }
       for (int64_t c = 0; c < H; c += 16) store16(o + c, round16<T>(load16(o + c)));
     }
+    if (m.has_shared()) shared_expert<T>(m, rows, x, tid, nt, mine);
+  }
+
+  // The shared expert of an experts block added to this thread's `moe` (see
+  // FusedMLP::with_shared): its gate's sigmoid per row (every thread), its gated MLP's
+  // projections split over the threads as a dense layer's, with a barrier after each.
+  template <typename T>
+  void shared_expert(const FusedMLP& m, int64_t rows, const float* x, int tid, int nt,
+                     Private& mine) {
+    const int64_t H = hidden_, I = m.shared_intermediate();
+    auto rnd = [](float v) { return static_cast<float>(static_cast<T>(v)); };
+    mine.probs.resize(rows);
+    const float* gate = m.shared_gate_.data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r) {
+      f32x16 acc = vllm_cpu::zero16();
+      for (int64_t j = 0; j < H; j += 16)
+        acc = vllm_cpu::fmadd16(load16(x + r * H + j), load16(gate + j), acc);
+      mine.probs[r] = rnd(1.f / (1.f + std::exp(-rnd(vllm_cpu::reduce_add16(acc)))));
+    }
+    auto project = [&](const FusedWeight& w, const float* in, int64_t k, float* out) {
+      w.quantize(in, rows, k, &mine.quantized, &mine.activations);
+      int64_t begin, end;
+      share(w.n(), tid, nt, &begin, &end);
+      if (begin < end)
+        w.rows_range<T>(rows, mine.quantized, mine.activations, out, begin, end);
+    };
+    float* gate_up = y_[2].data();
+    float* down = y_[3].data();
+    project(m.gate_up_, x, H, gate_up);
+#pragma omp barrier
+    mine.gathered.resize(std::max<int64_t>(mine.gathered.size(), rows * I));
+    act_mul<T>(gate_up, mine.gathered.data(), rows, I);
+    project(m.down_, mine.gathered.data(), I, down);
+#pragma omp barrier
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < H; ++c) {
+        float& o = mine.moe[r * H + c];
+        o = rnd(o + rnd(mine.probs[r] * rnd(down[r * H + c])));
+      }
   }
 
   // out = rnd(rnd(act(gate)) * up) for gate_up rows [gate | up] of width 2 * inter, each
@@ -807,8 +891,9 @@ void bind_fused_decoder(pybind11::module& m) {
   py::class_<FusedWeight>(m, "FusedWeight",
                           "One weight of the fused decoder: quant_gemv codes or GGUF blocks")
       .def_static("quant_gemv", &FusedWeight::quant_gemv, py::arg("codes"), py::arg("d"),
-                  py::arg("m"), py::arg("bits"))
-      .def_static("gguf", &FusedWeight::gguf, py::arg("parts"), py::arg("types"))
+                  py::arg("m"), py::arg("bits"), py::arg("bias") = py::none())
+      .def_static("gguf", &FusedWeight::gguf, py::arg("parts"), py::arg("types"),
+                  py::arg("bias") = py::none())
       .def_property_readonly("shape", [](const FusedWeight& w) {
         return py::make_tuple(w.n(), w.k());
       });
@@ -816,7 +901,9 @@ void bind_fused_decoder(pybind11::module& m) {
       .def_static("dense", &FusedMLP::dense, py::arg("gate_up"), py::arg("down"))
       .def_static("experts", &FusedMLP::experts, py::arg("router"), py::arg("w1"),
                   py::arg("w3"), py::arg("w2"), py::arg("types"), py::arg("top_k"),
-                  py::arg("renormalize"));
+                  py::arg("renormalize"))
+      .def("with_shared", &FusedMLP::with_shared, py::arg("gate_up"), py::arg("down"),
+           py::arg("gate"));
   py::class_<FusedDecoder>(m, "FusedDecoder",
                            "Whole decode steps of a decoder on GGUF weights")
       .def(py::init<std::vector<torch::Tensor>, int64_t, bool, std::vector<FusedWeight>,

@@ -212,13 +212,14 @@ class LinearBase(nn.Module):
 
     def fused_decode_weights(self) -> FusedWeights | None:
         """This layer's GGUF weight as the fused CPU decoder reads it (quant_gemv's codes
-        or `gguf_mm`'s blocks), on one rank and without a bias; else None."""
+        or `gguf_mm`'s blocks), on one rank; else None. The decoder adds `bias` as the
+        layer does."""
         from vllm.model_executor.layers.quantization.gguf_blocks import (
             GGUFBlockLinear,
             GGUFLinear,
         )
 
-        if self.bias is not None or self.tp_size != 1:
+        if self.tp_size != 1:
             return None
         if isinstance(self.kernel, GGUFLinear):
             return self.kernel.quant_gemv_weights()

@@ -84,6 +84,9 @@ class FusedExperts:
     types: tuple[int, int, int]  # their ggml block types
     top_k: int
     renormalize: bool
+    # A shared expert behind a sigmoid gate (Qwen2-MoE): its gate_up and down, and the
+    # gate [1, hidden] in the model dtype; None where the block has none
+    shared: tuple[FusedWeights, FusedWeights, torch.Tensor] | None = None
 
 
 @dataclass(slots=True)
@@ -95,8 +98,9 @@ class FusedDecodeLayer:
     # Pre-norm layers (Llama): [input, post-attention]; sandwich norms (Gemma): [input,
     # attention output, pre-feedforward, post-feedforward]
     norms: list[torch.Tensor]
-    # qkv, o, gate_up, down (qkv, o with `experts`): bias-free, this rank's whole
+    # qkv, o, gate_up, down (qkv, o with `experts`): this rank's whole weights
     projections: list[FusedWeights]
+    biases: list[torch.Tensor | None]  # each projection's (None: none)
     attention: FusedAttention  # its backend's declaration (`fused_decode_attention`)
     kv_cache_layer: int  # its index into the KV caches
     norm_eps: float  # its norms' epsilon

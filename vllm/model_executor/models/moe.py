@@ -13,7 +13,7 @@ from torch import nn
 from vllm.model_executor.layers.fused_moe import FusedMoE, NativeExpertKernel
 from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.models.interfaces import FusedExperts
-from vllm.model_executor.models.llama import LlamaMLP
+from vllm.model_executor.models.llama import ACTIVATIONS, LlamaMLP
 
 
 class SparseMoeBlock(nn.Module):
@@ -38,11 +38,20 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate.quantizable = False
 
     def fused_decode_experts(self) -> FusedExperts | str:
-        """This block as the fused CPU decoder computes it, or why it cannot: a shared
-        expert, a router that is not a dense bias-free weight, experts that are not GGUF
-        (or int8 Q8_0) blocks of one rank."""
-        if self.shared_expert is not None:
-            return "a shared expert"
+        """This block as the fused CPU decoder computes it, or why it cannot: a router (or
+        shared expert gate) that is not a dense bias-free weight, experts that are not GGUF
+        (or int8 Q8_0) blocks of one rank, a shared expert that is not bias-free SiLU on
+        GGUF weights."""
+        shared = None
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            mlp, shared_gate = self.shared_expert, self.shared_expert_gate
+            gate_up = mlp.gate_up_proj.fused_decode_weights()
+            down = mlp.down_proj.fused_decode_weights()
+            if (shared_gate.weight is None or shared_gate.bias is not None
+                    or mlp.act is not ACTIVATIONS["silu"] or gate_up is None or down is None
+                    or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None):
+                return "the shared expert is not a bias-free SiLU MLP on GGUF weights"
+            shared = (gate_up, down, shared_gate.weight.data)
         gate, experts = self.gate, self.experts
         if gate.weight is None or gate.bias is not None:
             return "the router is not a dense bias-free weight"
@@ -52,7 +61,8 @@ class SparseMoeBlock(nn.Module):
             return "the experts are not GGUF blocks on one rank"
         w1, w3, w2 = kernel.weights
         return FusedExperts(router=gate.weight.data, w1=w1, w3=w3, w2=w2, types=kernel.types,
-                            top_k=experts.top_k, renormalize=experts.renormalize)
+                            top_k=experts.top_k, renormalize=experts.renormalize,
+                            shared=shared)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, self.gate(x))

@@ -95,19 +95,24 @@ def unsupported_reason(model: VllmModel, kv_caches: list[torch.Tensor], dtype: t
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
-def _native_weight(ops: Any, weight: FusedWeights) -> Any:
+def _native_weight(ops: Any, weight: FusedWeights, bias: torch.Tensor | None = None) -> Any:
     if isinstance(weight, QuantGemvWeights):
-        return ops.FusedWeight.quant_gemv(weight.codes, weight.d, weight.m, weight.bits)
-    return ops.FusedWeight.gguf(weight.parts, weight.types)
+        return ops.FusedWeight.quant_gemv(weight.codes, weight.d, weight.m, weight.bits, bias)
+    return ops.FusedWeight.gguf(weight.parts, weight.types, bias)
 
 
 def _native_mlp(ops: Any, layer: FusedDecodeLayer) -> Any:
     e = layer.experts
     if e is None:
-        gate_up, down = (_native_weight(ops, w) for w in layer.projections[2:])
+        gate_up, down = (_native_weight(ops, w, b)
+                         for w, b in zip(layer.projections[2:], layer.biases[2:]))
         return ops.FusedMLP.dense(gate_up, down)
-    return ops.FusedMLP.experts(e.router, e.w1, e.w3, e.w2, list(e.types), e.top_k,
-                                e.renormalize)
+    mlp = ops.FusedMLP.experts(e.router, e.w1, e.w3, e.w2, list(e.types), e.top_k,
+                               e.renormalize)
+    if e.shared is not None:
+        gate_up, down, gate = e.shared
+        mlp = mlp.with_shared(_native_weight(ops, gate_up), _native_weight(ops, down), gate)
+    return mlp
 
 
 class FusedDecode:
@@ -144,7 +149,8 @@ class FusedDecode:
             decoder = ops.FusedDecoder(
                 [n for layer in layers for n in layer.norms] + [spec.final_norm],
                 len(layers[0].norms), spec.one_plus_norms,
-                [_native_weight(ops, w) for layer in layers for w in layer.projections[:2]],
+                [_native_weight(ops, w, b) for layer in layers
+                 for w, b in zip(layer.projections[:2], layer.biases[:2])],
                 [_native_mlp(ops, layer) for layer in layers],
                 [kv_caches[layer.kv_cache_layer] for layer in layers],
                 [groups.get(layer.kv_cache_layer, 0) for layer in layers],

@@ -332,9 +332,9 @@ class GGUFBlockLinear(nn.Module):
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
         return y if self.bias is None else y + self.bias
 
-    def fused_decode_weights(self) -> GGUFBlockWeights | None:
-        """The blocks, where the layer has no bias (the fused decoder adds none)."""
-        return GGUFBlockWeights(self.weights, self.types) if self.bias is None else None
+    def fused_decode_weights(self) -> GGUFBlockWeights:
+        """The blocks (the fused decoder adds the layer's bias itself)."""
+        return GGUFBlockWeights(self.weights, self.types)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
