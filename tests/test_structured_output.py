@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import threading
 
+import llguidance
 import numpy as np
 import pytest
 import torch
@@ -19,6 +20,7 @@ from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 from vllm.v1.structured_output.backend import GrammarError, StructuredOutputBackend, grammar_key
 from vllm.v1.structured_output.bitmask import apply_bitmask_torch, apply_grammar_bitmask
+from vllm.v1.structured_output.guidance import GuidanceBackend
 from vllm.v1.structured_output.manager import GrammarCompiler, StructuredOutputManager
 
 S = StructuredOutputsParams
@@ -210,6 +212,8 @@ def test_parallel_fill_equals_row_by_row(tokenizer):
         return out
 
     backend = compiler.backend
+    assert isinstance(backend, GuidanceBackend)
+    backend.executor = llguidance.LLExecutor(num_threads=2)  # whatever the machine's threads
     width = (compiler.vocab_size + 31) // 32
     no_drafts = [[] for _ in constraints]
     parallel = torch.full((len(constraints), width), 7, dtype=torch.int32)
