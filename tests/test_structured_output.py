@@ -7,16 +7,20 @@ from __future__ import annotations
 import json
 import threading
 
+import llguidance
+import numpy as np
 import pytest
 import torch
 from transformers import AutoTokenizer
 
 from tests.core_factories import make_request, make_runner_output, make_scheduler
+from vllm._custom_ops import cpu_ops
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
-from vllm.v1.structured_output.backend import GrammarError, grammar_key
-from vllm.v1.structured_output.bitmask import apply_grammar_bitmask
+from vllm.v1.structured_output.backend import GrammarError, StructuredOutputBackend, grammar_key
+from vllm.v1.structured_output.bitmask import apply_bitmask_torch, apply_grammar_bitmask
+from vllm.v1.structured_output.guidance import GuidanceBackend
 from vllm.v1.structured_output.manager import GrammarCompiler, StructuredOutputManager
 
 S = StructuredOutputsParams
@@ -135,6 +139,93 @@ def test_apply_grammar_bitmask_touches_only_constrained_rows():
     every = original[1:].clone()  # every sampling row constrained: masked in place
     apply_grammar_bitmask(every, ["b", "c"], ["b", "c"], bitmask)
     assert torch.equal(every, logits[1:])
+
+
+def unpacked_reference(logits, rows, bitmask):
+    """The former form: every word unpacked to one bool per token, then a masked fill."""
+    allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=logits.shape[1],
+                            bitorder="little")
+    out = logits.clone()
+    out[rows] = out[rows].masked_fill(torch.from_numpy(allowed) == 0, float("-inf"))
+    return out
+
+
+def random_bitmask(generator, num_rows, vocab):
+    """Random words, with whole words of ones (skipped by the kernel) and zeros among them."""
+    words = torch.randint(-2**31, 2**31 - 1, (num_rows, (vocab + 31) // 32), dtype=torch.int32,
+                          generator=generator)
+    words[:, 1::7] = -1
+    words[:, 2::5] = 0
+    return words
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [1000, 1024, 49152 + 5])  # last word 8, 32, 5 tokens
+@pytest.mark.parametrize("form", ["native", "torch"])
+def test_packed_bitmask_equals_unpacked_form(dtype, vocab, form):
+    """Rows in another order than the logits, a row left unconstrained, any last word."""
+    if form == "native" and cpu_ops() is None:
+        pytest.skip("native kernels unavailable")
+    generator = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, vocab, generator=generator).to(dtype)
+    bitmask = random_bitmask(generator, 4, vocab)
+    bitmask[3, -1] = -1  # the last word all ones: its bits past the vocabulary are ignored
+    sampling, constrained = ["a", "b", "c", "d", "e"], ["d", "a", "e", "b"]
+    expected = unpacked_reference(logits, [3, 0, 4, 1], bitmask)
+    every = logits[[3, 0, 4, 1]]  # the same rows as the whole batch, in bitmask order
+    if form == "native":
+        apply_grammar_bitmask(logits, sampling, constrained, bitmask)
+        apply_grammar_bitmask(every, constrained, constrained, bitmask)
+    else:
+        apply_bitmask_torch(logits, torch.tensor([3, 0, 4, 1]), bitmask)
+        apply_bitmask_torch(every, None, bitmask)
+    assert torch.equal(logits, expected)
+    assert torch.isfinite(logits[2]).all()  # "c" has no grammar
+    assert torch.equal(every, expected[[3, 0, 4, 1]])
+
+
+def test_packed_bitmask_checks_its_inputs():
+    ops = cpu_ops()
+    if ops is None:
+        pytest.skip("native kernels unavailable")
+    logits = torch.zeros(2, 40)
+    with pytest.raises(RuntimeError, match="bitmask has 1 words per row; logits of width 40"):
+        ops.apply_token_bitmask(logits, torch.zeros(1, 1, dtype=torch.int32), torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="row 2 is outside the logits' 2 rows"):
+        ops.apply_token_bitmask(logits, torch.zeros(1, 2, dtype=torch.int32), torch.tensor([2]))
+
+
+def test_parallel_fill_equals_row_by_row(tokenizer):
+    """llguidance's batched fill gives the bits the row-by-row fill gives, for grammars at
+    different points (fresh, mid-way, complete); with drafts the step fills row by row."""
+    compiler = GrammarCompiler(lambda: tokenizer, len(tokenizer) + 5)  # its own cache
+    schema = {"type": "object", "properties": {"n": {"type": "integer"},
+                                               "s": {"type": "string"}}}
+    constraints = [S(json=schema, disable_any_whitespace=True), S(json=schema),
+                   S(choice=["yes", "no"]), S(regex="[a-c]+x"), S(choice=["yes", "no"])]
+    prefixes = ['{"n":1', "", "yes", "ab", "n"]
+
+    def grammars():
+        out = [compiler.new_matcher(c) for c in constraints]
+        for grammar, text in zip(out, prefixes):
+            assert grammar.accept_tokens(tokenizer.encode(text, add_special_tokens=False))
+        return out
+
+    backend = compiler.backend
+    assert isinstance(backend, GuidanceBackend)
+    backend.executor = llguidance.LLExecutor(num_threads=2)  # whatever the machine's threads
+    width = (compiler.vocab_size + 31) // 32
+    no_drafts = [[] for _ in constraints]
+    parallel = torch.full((len(constraints), width), 7, dtype=torch.int32)
+    backend.fill_bitmasks(grammars(), no_drafts, parallel)
+    row_by_row = torch.full((len(constraints), width), 7, dtype=torch.int32)
+    StructuredOutputBackend.fill_bitmasks(backend, grammars(), no_drafts, row_by_row)
+    assert torch.equal(parallel, row_by_row)
+    assert len({tuple(row.tolist()) for row in parallel}) == len(constraints)  # all differ
+    drafts = [[], [], [], tokenizer.encode("c", add_special_tokens=False), []]
+    with_drafts = torch.full((len(constraints) + len(drafts[3]), width), 7, dtype=torch.int32)
+    backend.fill_bitmasks(grammars(), drafts, with_drafts)
+    assert torch.equal(with_drafts[:4], parallel[:4]) and torch.equal(with_drafts[-1], parallel[4])
 
 
 class GatedCompiler(GrammarCompiler):

@@ -16,6 +16,7 @@ bool encoder_attention(torch::Tensor query, torch::Tensor key, torch::Tensor val
 void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache,
               torch::Tensor slot_mapping);
 torch::Tensor argmax_rows(torch::Tensor logits);
+void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows);
 torch::Tensor pack_block_codes(torch::Tensor codes, int64_t bits);
 torch::Tensor quant_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m,
                          int64_t bits);
@@ -54,6 +55,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"));
   m.def("write_kv", &write_kv, "Stores a step's keys and values at their cache slots (CPU)");
   m.def("argmax_rows", &argmax_rows, "Row-wise argmax, as torch.argmax(dim=-1) (CPU)");
+  m.def("apply_token_bitmask", &apply_token_bitmask,
+        "-inf, in place, at each logits row's tokens its packed grammar bitmask forbids (CPU)",
+        py::arg("logits"), py::arg("bitmask"), py::arg("rows"));
   m.def("pack_block_codes", &pack_block_codes,
         "Block codes [N, Kp] uint8 -> quant_gemv's pair layout");
   m.def("quant_gemv_available", &quant_gemv_available,

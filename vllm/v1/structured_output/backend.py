@@ -215,3 +215,23 @@ class StructuredOutputBackend(ABC):
     @abstractmethod
     def new_matcher(self, compiled: object) -> StructuredOutputGrammar:
         """A fresh matcher of a compiled constraint, for one request."""
+
+    def fill_bitmasks(self, grammars: list[StructuredOutputGrammar], drafts: list[list[int]],
+                      bitmask: torch.Tensor) -> None:
+        """Writes the grammars' masks into consecutive rows of `bitmask`, one row per
+        grammar, or with drafts one per position: its mask after 0, 1, ..., k drafts (each
+        one it allows; the matcher is advanced over them, then rolled back). E.g. grammars
+        [a, b] with drafts [[7, 8], []] fill rows: a, a after 7, a after 7 8, b.
+
+        One row after another here; a backend may fill them in parallel, to the same bits.
+        """
+        row = 0
+        for grammar, tokens in zip(grammars, drafts, strict=True):
+            for j in range(len(tokens) + 1):
+                grammar.fill_bitmask(bitmask, row)
+                row += 1
+                if j < len(tokens):
+                    accepted = grammar.accept_tokens([tokens[j]])
+                    assert accepted  # the scheduler kept only the drafts it allows
+            if tokens:
+                grammar.rollback(len(tokens))

@@ -67,6 +67,11 @@ class GuidanceBackend(StructuredOutputBackend):
         special = getattr(tokenizer, "all_special_tokens", [])
         self.special_ids: dict[str, int] = {
             text: tokenizer.convert_tokens_to_ids(text) for text in special}
+        # Fills a step's masks, as many at once as the engine's intra-op threads (the step
+        # waits for them, so the cores the forward uses are free). Not on two threads or
+        # fewer: there the pool's hand-off costs about what it saves (docs/structured-outputs.md).
+        threads = torch.get_num_threads()
+        self.executor = llguidance.LLExecutor(num_threads=threads) if threads > 2 else None
 
     def compile(self, key: GrammarKey) -> llguidance.LLMatcher:
         grammar = _to_guidance(key, self.special_ids)
@@ -84,6 +89,21 @@ class GuidanceBackend(StructuredOutputBackend):
     def new_matcher(self, compiled: object) -> GuidanceGrammar:
         assert isinstance(compiled, llguidance.LLMatcher)
         return GuidanceGrammar(compiled.deep_copy(), self.ll_tokenizer.eos_token)
+
+    def fill_bitmasks(self, grammars: list[StructuredOutputGrammar], drafts: list[list[int]],
+                      bitmask: torch.Tensor) -> None:
+        """All rows at once on llguidance's thread pool (the GIL released), when there is
+        one and no grammar has drafts (the usual step); with drafts, row by row
+        (llguidance's batched form with drafts stops at a drafted EOS and leaves the rows
+        after it unwritten)."""
+        if self.executor is None or any(drafts):
+            super().fill_bitmasks(grammars, drafts, bitmask)
+            return
+        matchers = []
+        for row, grammar in enumerate(grammars):
+            assert isinstance(grammar, GuidanceGrammar)
+            matchers.append((grammar.matcher, row))
+        llguidance.torch.fill_next_token_bitmask_par(self.executor, matchers, bitmask)
 
 
 _NAMES = {"json": "JSON schema", "regex": "regex", "choice": "choice",

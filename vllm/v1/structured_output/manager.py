@@ -104,16 +104,7 @@ class StructuredOutputManager:
         drafts = drafts or [[] for _ in grammars]
         num_rows = sum(1 + len(d) for d in drafts)
         bitmask = torch.empty(num_rows, (self.vocab_size + 31) // 32, dtype=torch.int32)
-        row = 0
-        for grammar, tokens in zip(grammars, drafts):
-            for j in range(len(tokens) + 1):
-                grammar.fill_bitmask(bitmask, row)
-                row += 1
-                if j < len(tokens):
-                    accepted = grammar.accept_tokens([tokens[j]])
-                    assert accepted  # the scheduler kept only the drafts it allows
-            if tokens:
-                grammar.rollback(len(tokens))
+        self.compiler.backend.fill_bitmasks(grammars, drafts, bitmask)
         return bitmask
 
     def shutdown(self) -> None:
