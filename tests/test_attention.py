@@ -152,6 +152,7 @@ def test_native_decode_kernel_long_and_odd_lengths(dtype):
     (16, 2, 128),  # group 8, head 128: tiles of 2, 2 keys per reduction
     (6, 3, 32),    # group 2, head 32
     (4, 1, 16),    # one kv head, head 16
+    (4, 1, 256),   # Gemma 3 270M: head 256, group 4 in tiles of one head
     (4, 2, 80),    # a head size without an instantiation: the portable loop
 ])
 def test_native_decode_kernel_head_shapes(dtype, heads, kv_heads, head_size):

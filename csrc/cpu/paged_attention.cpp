@@ -397,7 +397,9 @@ PartitionFn<T> pick_tile(int64_t group) {
   if constexpr (3 * C <= 16) {
     if (group % 3 == 0) return attend_partition<T, 3, C>;
   }
-  if (group % 2 == 0) return attend_partition<T, 2, C>;
+  if constexpr (2 * C <= 16) {
+    if (group % 2 == 0) return attend_partition<T, 2, C>;
+  }
   return attend_partition<T, 1, C>;
 }
 
@@ -409,6 +411,7 @@ PartitionFn<T> pick_partition_fn(int64_t head_size, int64_t group) {
     case 32: return pick_tile<T, 2>(group);
     case 64: return pick_tile<T, 4>(group);
     case 128: return pick_tile<T, 8>(group);
+    case 256: return pick_tile<T, 16>(group);  // Gemma's heads: tiles of one head
     default: return nullptr;
   }
 }
