@@ -74,8 +74,9 @@ class GraphModel(VllmModel, Protocol):
 
 @dataclass(slots=True)
 class FusedExperts:
-    """A mixture-of-experts block as the fused decoder computes it: a dense router and GGUF
-    blocks of the experts (as `moe_experts` reads them); no shared expert."""
+    """A mixture-of-experts block as the fused decoder computes it: a dense router, GGUF
+    blocks of the experts (as `moe_experts` reads them) and, where the family has one, a
+    shared expert."""
 
     router: torch.Tensor  # [num_experts, hidden] in the model dtype
     w1: torch.Tensor  # gate [E, I, row bytes] uint8
@@ -126,12 +127,12 @@ class FusedDecodeSpec:
     num_kv_heads: int
     head_dim: int
     one_plus_norms: bool = False
-    activation: str = "silu"  # or "gelu_tanh"
+    activation: str = "silu"  # an `ACTIVATIONS` name: "silu" or "gelu_pytorch_tanh"
 
 
 class FusedDecodeModel(VllmModel, Protocol):
-    """A decoder the native fused decoder may run (the Llama family's plain layers, Qwen3's,
-    Gemma 2 / 3's)."""
+    """A decoder the native fused decoder may run (the Llama family's plain layers, Qwen2/3's
+    and their mixtures of experts, Gemma 2 / 3's)."""
 
     def fused_decode_spec(self) -> FusedDecodeSpec | str:
         """The description the fused decoder runs from, or why this model (as built and

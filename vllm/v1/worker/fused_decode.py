@@ -12,9 +12,10 @@ model that was ~170 us of a layer's ~250, against ~80 us of weight streaming.
 It applies where the fused code computes exactly what the layers would (`unsupported_reason`
 says why not, logged once): CPU, no LoRA, a float dtype, and a model that declares itself
 one the decoder computes (`FusedDecodeModel.fused_decode_spec`: the Llama family's plain
-layers, Qwen3's q/k norms, Gemma 2 / 3's sandwich norms, tanh GELU, window layers and
-soft-caps; bias-free one-rank GGUF projections, quant_gemv's codes or `gguf_mm`'s blocks;
-attention its backend lets the decoder compute, `AttentionImpl.fused_decode_attention`), its
+layers, Qwen2's q/k/v biases, Qwen3's q/k norms, Gemma 2 / 3's sandwich norms, tanh GELU,
+window layers and soft-caps, Qwen2/3-MoE's experts with a dense router (and a shared
+expert); one-rank GGUF projections, quant_gemv's codes or `gguf_mm`'s blocks; attention its
+backend lets the decoder compute, `AttentionImpl.fused_decode_attention`), its
 rotary tables full-width in the model dtype and its norms of one epsilon. Each layer reads
 the block table of its KV cache group (window layers' groups mask blocks before the
 window). Per step (`run`), where the step has at most `MAX_TOKENS` tokens (where the layers
