@@ -126,6 +126,23 @@ def test_json_schema_mask_walk(compiler, tokenizer):
     assert bad.accept_tokens(tokenizer.encode('{"n":1', add_special_tokens=False))
 
 
+def test_rollback_over_eos_after_the_grammar_stopped(compiler, tokenizer):
+    """A draft EOS right after a grammar that can only end (the matcher has stopped and does
+    not record the EOS): accepted, and rolling back over it and the tokens before leaves the
+    matcher where it began (the scheduler's draft check and the drafts' masks do this)."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    grammar = compiler.new_matcher(S(json=schema, disable_any_whitespace=True))
+    first = allowed_ids(compiler, grammar)
+    ids = tokenizer.encode('{"n":7}', add_special_tokens=False) + [tokenizer.eos_token_id]
+    assert all(grammar.accept_tokens([token]) for token in ids)
+    assert grammar.is_terminated()
+    grammar.rollback(len(ids))
+    assert not grammar.is_terminated()
+    assert allowed_ids(compiler, grammar) == first
+    assert all(grammar.accept_tokens([token]) for token in ids)  # the same walk again
+
+
 def test_apply_grammar_bitmask_touches_only_constrained_rows():
     logits = torch.arange(3 * 40, dtype=torch.float32).view(3, 40)
     original = logits.clone()

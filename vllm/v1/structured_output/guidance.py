@@ -31,6 +31,10 @@ class GuidanceGrammar(StructuredOutputGrammar):
     def __init__(self, matcher: llguidance.LLMatcher, eos_token_id: int) -> None:
         self.matcher = matcher
         self.eos_token_id = eos_token_id
+        # EOS accepted where the matcher had already stopped (a grammar that can only end:
+        # `{"a":1}` of an object schema): the matcher does not record it, so a rollback
+        # over it must not count it. Always the last tokens accepted.
+        self._unrecorded_eos = 0
 
     def accept_tokens(self, token_ids: list[int]) -> bool:
         num_taken = self.matcher.try_consume_tokens(token_ids)
@@ -38,6 +42,9 @@ class GuidanceGrammar(StructuredOutputGrammar):
             return True
         # EOS where the grammar may end is accepted, though try_consume_tokens stops at it.
         if token_ids[num_taken:] == [self.eos_token_id] and self.matcher.is_accepting():
+            if self.matcher.is_stopped():
+                self._unrecorded_eos += 1
+                return True
             return self.matcher.consume_token(self.eos_token_id)
         self.matcher.rollback(num_taken)
         return False
@@ -49,9 +56,13 @@ class GuidanceGrammar(StructuredOutputGrammar):
         return self.matcher.is_stopped()
 
     def rollback(self, num_tokens: int) -> None:
-        self.matcher.rollback(num_tokens)
+        unrecorded = min(num_tokens, self._unrecorded_eos)
+        self._unrecorded_eos -= unrecorded
+        if num_tokens > unrecorded:
+            self.matcher.rollback(num_tokens - unrecorded)
 
     def reset(self) -> None:
+        self._unrecorded_eos = 0
         self.matcher.reset()
 
 
