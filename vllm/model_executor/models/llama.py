@@ -243,7 +243,7 @@ class LlamaForCausalLM(nn.Module):
         """This model as the fused CPU decoder runs it, where that computes exactly what
         the layers would: the plain forward (a family overriding `forward`, `prepare` or
         `finish` changes it), RMSNorms, plain `LlamaDecoderLayer`s (q/k norms per head
-        included, as Qwen3's; a mixture of experts without a shared expert, as Qwen3-MoE's)
+        included, as Qwen3's; q/k/v biases, as Qwen2's; a mixture of experts, as Qwen2/3-MoE's)
         on GGUF weights (see `fused_decode_layer`)."""
         from vllm.model_executor.models.moe import SparseMoeBlock  # (it imports this module)
 
