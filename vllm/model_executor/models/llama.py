@@ -221,9 +221,11 @@ class LlamaForCausalLM(nn.Module):
         overrides `forward`, `prepare` or `finish`, another norm or layer), else None. The
         loader asks before the weights are processed: such a model's GGUF Q4_0 / Q4_1 /
         Q8_0 layers are kept in the layout that decoder reads."""
-        return self._fused_shape_reason((LlamaMLP,))
+        return self._fused_shape_reason(experts=False)
 
-    def _fused_shape_reason(self, mlp_types: tuple[type[nn.Module], ...]) -> str | None:
+    def _fused_shape_reason(self, experts: bool) -> str | None:
+        """As `fused_decode_shape_reason`; with `experts`, a layer's feed-forward block may
+        also be one that describes itself to the fused decoder (`fused_decode_experts`)."""
         cls = type(self)
         if any(getattr(cls, name) is not getattr(LlamaForCausalLM, name)
                for name in ("forward", "prepare", "finish")):
@@ -235,7 +237,8 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             if (type(layer) is not LlamaDecoderLayer
                     or type(layer.self_attn) is not LlamaAttention
-                    or type(layer.mlp) not in mlp_types):
+                    or not (type(layer.mlp) is LlamaMLP or experts and callable(
+                        getattr(layer.mlp, "fused_decode_experts", None)))):
                 return f"layer {i} is not a plain Llama layer"
         return None
 
@@ -245,9 +248,7 @@ class LlamaForCausalLM(nn.Module):
         `finish` changes it), RMSNorms, plain `LlamaDecoderLayer`s (q/k norms per head
         included, as Qwen3's; q/k/v biases, as Qwen2's; a mixture of experts, as Qwen2/3-MoE's)
         on GGUF weights (see `fused_decode_layer`)."""
-        from vllm.model_executor.models.moe import SparseMoeBlock  # (it imports this module)
-
-        reason = self._fused_shape_reason((LlamaMLP, SparseMoeBlock))
+        reason = self._fused_shape_reason(experts=True)
         if reason is not None:
             return reason
         layers = []
