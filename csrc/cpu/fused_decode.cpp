@@ -532,6 +532,24 @@ class FusedDecoder {
     *end = std::min(n, *begin + chunk);
   }
 
+  // This thread's share of weight w's output rows for the inputs `in` [rows, k], which it
+  // quantizes itself (every thread the same values), into out [rows, n].
+  template <typename T, typename X>
+  void project_share(const FusedWeight& w, const X* in, int64_t rows, int64_t k, float* out,
+                     int tid, int nt, Private& mine) const {
+    w.quantize(in, rows, k, &mine.quantized, &mine.activations);
+    int64_t begin, end;
+    share(w.n(), tid, nt, &begin, &end);
+    if (begin < end) w.rows_range<T>(rows, mine.quantized, mine.activations, out, begin, end);
+  }
+
+  // x [n] . w [n] in float32 (n a multiple of 16).
+  static float dot(const float* x, const float* w, int64_t n) {
+    f32x16 acc = vllm_cpu::zero16();
+    for (int64_t j = 0; j < n; j += 16) acc = vllm_cpu::fmadd16(load16(x + j), load16(w + j), acc);
+    return vllm_cpu::reduce_add16(acc);
+  }
+
   const float* norm(int64_t layer, int i) const {
     return norms_[norms_per_layer_ * layer + i].data_ptr<float>();
   }
@@ -576,13 +594,8 @@ class FusedDecoder {
       Private& mine = private_[tid];
       float* h = mine.h.data();
       float* x = mine.x.data();
-      // This thread's rows of weight w of the inputs `in` [rows, k].
       auto project = [&](const FusedWeight& w, const auto* in, int64_t k, float* out_rows) {
-        w.quantize(in, rows, k, &mine.quantized, &mine.activations);
-        int64_t begin, end;
-        share(w.n(), tid, nt, &begin, &end);
-        if (begin < end)
-          w.rows_range<T>(rows, mine.quantized, mine.activations, out_rows, begin, end);
+        project_share<T>(w, in, rows, k, out_rows, tid, nt, mine);
       };
       const float* down = y_down;  // the feed-forward block's output: shared, or this thread's
       for (int64_t l = 0; l < layers_; ++l) {
@@ -706,10 +719,7 @@ class FusedDecoder {
       float* p = mine.probs.data();
       float top = -INFINITY;
       for (int64_t e = 0; e < E; ++e) {  // the logits, in T
-        f32x16 acc = vllm_cpu::zero16();
-        for (int64_t j = 0; j < H; j += 16)
-          acc = vllm_cpu::fmadd16(load16(x + r * H + j), load16(router + e * H + j), acc);
-        p[e] = static_cast<float>(static_cast<T>(vllm_cpu::reduce_add16(acc)));
+        p[e] = static_cast<float>(static_cast<T>(dot(x + r * H, router + e * H, H)));
         top = std::max(top, p[e]);
       }
       float sum = 0.f;
@@ -808,18 +818,10 @@ class FusedDecoder {
     auto rnd = [](float v) { return static_cast<float>(static_cast<T>(v)); };
     mine.probs.resize(rows);
     const float* gate = m.shared_gate_.data_ptr<float>();
-    for (int64_t r = 0; r < rows; ++r) {
-      f32x16 acc = vllm_cpu::zero16();
-      for (int64_t j = 0; j < H; j += 16)
-        acc = vllm_cpu::fmadd16(load16(x + r * H + j), load16(gate + j), acc);
-      mine.probs[r] = rnd(1.f / (1.f + std::exp(-rnd(vllm_cpu::reduce_add16(acc)))));
-    }
+    for (int64_t r = 0; r < rows; ++r)
+      mine.probs[r] = rnd(1.f / (1.f + std::exp(-rnd(dot(x + r * H, gate, H)))));
     auto project = [&](const FusedWeight& w, const float* in, int64_t k, float* out) {
-      w.quantize(in, rows, k, &mine.quantized, &mine.activations);
-      int64_t begin, end;
-      share(w.n(), tid, nt, &begin, &end);
-      if (begin < end)
-        w.rows_range<T>(rows, mine.quantized, mine.activations, out, begin, end);
+      project_share<T>(w, in, rows, k, out, tid, nt, mine);
     };
     float* gate_up = y_[2].data();
     float* down = y_[3].data();
