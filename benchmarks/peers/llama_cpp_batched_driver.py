@@ -48,7 +48,7 @@ class Batched:
 
     def __init__(self, model_path: str, threads: int, n_batch: int, n_ubatch: int,
                  flash_attn: str) -> None:
-        import llama_cpp
+        import llama_cpp  # pyright: ignore[reportMissingImports]  (the peer's venv)
 
         logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # llama.cpp's log
         self.lib = llama_cpp
@@ -140,7 +140,7 @@ class Batched:
 def check(engine: Batched, args: argparse.Namespace, prompts: list[list[int]],
           output_len: int) -> int:
     """The batching against one request at a time (see the module's docstring)."""
-    from llama_cpp import Llama
+    from llama_cpp import Llama  # pyright: ignore[reportMissingImports]
 
     def report(name: str, seq: int, got: list[int], want: list[int]) -> bool:
         diff = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
