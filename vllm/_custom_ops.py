@@ -3,6 +3,11 @@
 The CPU kernels are built with torch's C++ extension machinery the first time they are
 needed (about a minute), then loaded from the cache. Setting `VLLM_DISABLE_NATIVE=1`, or a
 machine without a compiler, falls back to the pure-torch paths.
+
+They are built for this processor (`-march=native`): each kernel picks its instruction-set
+form when it is compiled. `VLLM_CPU_MARCH=haswell` builds them for another target instead,
+so that an AVX-512 machine runs the forms an AVX2-only one does (with
+`ATEN_CPU_CAPABILITY=avx2` for torch's own kernels; docs/testing.md).
 """
 
 from __future__ import annotations
@@ -19,18 +24,23 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 
 
-def _build_signature(sources: list[Path]) -> str:
-    """Short hash of the CPU's feature flags, the sources (headers included) and their
-    paths: the kernels are built with -march=native, so a cached build must never be
-    loaded on a CPU with other instructions, nor shared by two checkouts (the build
-    records the sources' absolute paths, so two checkouts sharing one entry would keep
-    rebuilding it for each other)."""
+def _march() -> str:
+    """The `-march` target of the build: this processor unless `VLLM_CPU_MARCH` names one."""
+    return os.environ.get("VLLM_CPU_MARCH") or "native"
+
+
+def _build_signature(sources: list[Path], march: str) -> str:
+    """Short hash of the CPU's feature flags, the `-march` target, the sources (headers
+    included) and their paths: a build for this processor must never be loaded on a CPU with
+    other instructions, nor a build for one target taken for another, nor one entry shared
+    by two checkouts (the build records the sources' absolute paths, so two checkouts
+    sharing one entry would keep rebuilding it for each other)."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), "")
     except OSError:
         flags = ""
-    key = flags.encode()
+    key = flags.encode() + march.encode()
     for source in sources:
         key += source.read_bytes() + str(source.resolve()).encode()
     return hashlib.sha256(key).hexdigest()[:10]
@@ -47,9 +57,10 @@ def cpu_ops() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
-        module = load(name=f"vllm_cpu_ops_{_build_signature(sources + headers)}",
+        march = _march()
+        module = load(name=f"vllm_cpu_ops_{_build_signature(sources + headers, march)}",
                       sources=[str(s) for s in sources],
-                      extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math",
+                      extra_cflags=["-O3", f"-march={march}", "-fopenmp", "-ffast-math",
                                     "-fno-finite-math-only"],
                       extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no ninja, ...: the torch path still works
