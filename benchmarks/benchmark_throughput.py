@@ -169,7 +169,8 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct GGUF")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--quantization", default=None, choices=["int8", "gguf"])
+    parser.add_argument("--quantization", default=None, choices=["int8", "gguf", "none"],
+                        help="default: the engine's (a .gguf file keeps its blocks on CPU)")
     parser.add_argument("--enforce-eager", action="store_true", help="no captured graphs")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--min-input-len", type=int, default=32)

@@ -63,7 +63,7 @@ if __name__ == "__main__":
     from vllm.transformers_utils.default_model import default_model_path
 
     path = default_model_path()
-    reference = greedy_runs(path, 32, dtype="float32")
+    reference = greedy_runs(path, 32, dtype="float32", quantization="none")
     for label, kwargs in [("bfloat16", {"dtype": "bfloat16"}),
                           ("int8 (float32 activations)", {"dtype": "float32",
                                                           "quantization": "int8"}),

@@ -166,8 +166,8 @@ def test_gguf_quantization_needs_a_gguf_file(tiny_llama_dir) -> None:
 def test_gguf_drift_on_the_default_model_is_bounded(default_model_path) -> None:
     """One request at a time (every step takes the block kernel) against the dequantized
     bfloat16 model; bounds in the README ('Quantized weights')."""
-    reference = greedy_runs(default_model_path, 16, dtype="bfloat16", enforce_eager=True,
-                            max_num_seqs=1)
+    reference = greedy_runs(default_model_path, 16, dtype="bfloat16", quantization="none",
+                            enforce_eager=True, max_num_seqs=1)
     candidate = greedy_runs(default_model_path, 16, dtype="bfloat16", quantization="gguf",
                             enforce_eager=True, max_num_seqs=1)
     drift = measure_drift(reference, candidate, first_n=4)

@@ -225,7 +225,7 @@ def test_a_q4_k_m_file_keeps_its_blocks_and_matches_its_dequantized_weights(tmp_
     # Against the same file dequantized at load. Layer by layer: each kernel is exactly the
     # dequantized weight times int8-rounded activations (the loader kept every part, in its
     # type, in the order and row permutation of the dense weight).
-    reference = LLM(path, **kwargs)
+    reference = LLM(path, quantization="none", **kwargs)
     dense = dict(cast(Any, reference.llm_engine.engine_core.model_executor)
                  .model_runner.model.named_modules())
     gen = torch.Generator().manual_seed(0)

@@ -260,8 +260,9 @@ def test_default_model_with_an_adapter(default_model_path: str, tmp_path) -> Non
     path = make_adapter(default_model_path, str(tmp_path / "smol"), rank=8,
                         targets=("q_proj", "v_proj", "down_proj"), std=0.05)
     lora = LoRARequest("smol", 1, path)
-    llm = LLM(default_model_path, dtype="float32", enable_lora=True, max_lora_rank=8,
-              enforce_eager=True, max_model_len=128, kv_cache_memory_bytes=32 * 2**20)
+    llm = LLM(default_model_path, dtype="float32", quantization="none", enable_lora=True,
+              max_lora_rank=8, enforce_eager=True, max_model_len=128,
+              kv_cache_memory_bytes=32 * 2**20)
     tokenizer = llm.get_tokenizer()
     ids = tokenizer("The capital of France is")["input_ids"]
     params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=1)

@@ -244,7 +244,7 @@ def test_a_gguf_moe_file_keeps_its_experts_blocks_and_generates(tmp_path) -> Non
     file_bytes = sum(t.data.nbytes for t in GGUFFile(path).tensors if "_exps" in t.name)
     assert held == file_bytes
 
-    reference = LLM(path, **kwargs)
+    reference = LLM(path, quantization="none", **kwargs)  # the file widened to float32
     prompts = ["Hello world, this is", "What is the capital of France? The capital is",
                "1, 2, 3, 4, 5,", "The quick brown fox"]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)

@@ -124,7 +124,7 @@ def default_prompts(default_model_path):
 
 
 def test_default_model_float32_identical(default_model_path, default_prompts):
-    llm = LLM(default_model_path, dtype="float32", max_model_len=1024,
+    llm = LLM(default_model_path, dtype="float32", quantization="none", max_model_len=1024,
               kv_cache_memory_bytes=64 * 1024**2, max_num_batched_tokens=48)
     outputs = llm.generate(default_prompts, _greedy(max_tokens=16), use_tqdm=False)
     refs = _references(default_model_path, [o.prompt_token_ids for o in outputs], 16)
@@ -133,7 +133,7 @@ def test_default_model_float32_identical(default_model_path, default_prompts):
 
 def test_default_model_bfloat16_close(default_model_path, default_prompts):
     # One prefill step (ANY graphs), then decode steps of the 4 rows: the one static size.
-    llm = LLM(default_model_path, dtype="bfloat16", max_model_len=1024,
+    llm = LLM(default_model_path, dtype="bfloat16", quantization="none", max_model_len=1024,
               kv_cache_memory_bytes=64 * 1024**2,
               compilation_config={"cudagraph_capture_sizes": [4]})
     outputs = llm.generate(default_prompts, _greedy(max_tokens=16, logprobs=5), use_tqdm=False)

@@ -258,8 +258,8 @@ def test_finished_request_leaves_no_embeds_behind(llm, tiny_llama_dir):
 def test_default_model_embeds_match(default_model_path):
     # Graphs for its two rows only (a decode step of 2; prefills run the ANY graphs): the
     # default model's ids and embeds sets, without compiling sizes no step here takes.
-    llm = LLM(default_model_path, dtype="float32", max_model_len=512, enable_prompt_embeds=True,
-              kv_cache_memory_bytes=32 * 1024**2,
+    llm = LLM(default_model_path, dtype="float32", quantization="none", max_model_len=512,
+              enable_prompt_embeds=True, kv_cache_memory_bytes=32 * 1024**2,
               compilation_config={"cudagraph_capture_sizes": [2]})
     tok = llm.get_tokenizer()
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,

@@ -116,6 +116,22 @@ def test_engine_args_check_quantization(tiny_llama_dir) -> None:
     assert config.model_config.quantization == "int8"
 
 
+def test_a_gguf_file_keeps_its_blocks_unless_told_otherwise(default_model_path) -> None:
+    """As llama.cpp and Ollama run it: a .gguf file's own block types by default on CPU;
+    `"none"` widens every tensor to dtype; on another device (no block kernels) None."""
+    def resolved(**kwargs) -> str | None:
+        config = EngineArgs(default_model_path, **kwargs).create_engine_config()
+        return config.model_config.quantization
+
+    assert resolved() == "gguf"
+    assert resolved(quantization="gguf") == "gguf"
+    assert resolved(quantization="none") is None
+    assert resolved(quantization="int8") == "int8"
+    assert EngineArgs._resolve_quantization(None, "cuda", default_model_path) is None
+    with pytest.raises(ValueError, match="choose one of int8, gguf, none"):
+        resolved(quantization="q4")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("form", FORMS)
 def test_int8_drift_on_the_default_model_is_bounded(default_model_path, form,
@@ -126,7 +142,7 @@ def test_int8_drift_on_the_default_model_is_bounded(default_model_path, form,
     rounding: 12 prompts gave a mean prefix of 4.83 (logprob diff mean 0.105, max 0.53) on
     an AVX2-only CPU, more on the AVX-512 one; the logprob bounds are the tighter check."""
     monkeypatch.setenv(FORM_ENV, form)
-    reference = greedy_runs(default_model_path, 16, dtype="float32")
+    reference = greedy_runs(default_model_path, 16, dtype="float32", quantization="none")
     candidate = greedy_runs(default_model_path, 16, dtype="float32", quantization="int8")
     drift = measure_drift(reference, candidate, first_n=4)
     assert drift.agreement >= 0.5

@@ -98,7 +98,8 @@ class ModelConfig:
     enable_return_hidden_states: bool = False
     served_model_name: str | None = None
     skip_tokenizer_init: bool = False
-    quantization: str | None = None  # "int8": int8 linear layers (CPU)
+    # "int8": int8 linear layers; "gguf": a GGUF file's blocks kept (CPU); None: dtype
+    quantization: str | None = None
     enforce_eager: bool = False  # no captured graphs
     # A registered attention backend (`vllm.v1.attention.backends`); None: the default, or
     # the environment's `VLLM_ATTENTION_BACKEND`.

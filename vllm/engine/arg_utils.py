@@ -23,7 +23,7 @@ from vllm.config import (
     default_device,
     resolve_dtype,
 )
-from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+from vllm.model_executor.layers.quantization import NO_QUANTIZATION, QUANTIZATION_METHODS
 from vllm.multimodal import MODALITIES
 from vllm.transformers_utils.config import (
     get_config,
@@ -129,21 +129,30 @@ class EngineArgs:
                              f"['upload.wikimedia.org']; got {domains!r}.")
         return [d.lower() for d in domains]
 
-    def _check_quantization(self, device: str, model: str) -> None:
-        self._check_quantization_of(self.quantization, device, model)
+    def _quantization(self, device: str, model: str) -> str | None:
+        return self._resolve_quantization(self.quantization, device, model)
 
     @staticmethod
-    def _check_quantization_of(quantization: str | None, device: str, model: str) -> None:
+    def _resolve_quantization(quantization: str | None, device: str, model: str
+                              ) -> str | None:
+        """The weights' form: a GGUF file keeps its own block types on CPU unless asked
+        otherwise (as llama.cpp and Ollama run it); `"none"` widens every tensor to `dtype`
+        at load. An unknown method, one the device cannot run, or `"gguf"` for another kind
+        of checkpoint is an error naming it."""
+        is_gguf = model.endswith(".gguf")
         if quantization is None:
-            return
+            return "gguf" if is_gguf and device == "cpu" else None
+        if quantization == NO_QUANTIZATION:
+            return None
         if quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"Unknown quantization {quantization!r}; choose one of "
-                             f"{', '.join(QUANTIZATION_METHODS)}.")
+                             f"{', '.join((*QUANTIZATION_METHODS, NO_QUANTIZATION))}.")
         if device != "cpu":
             raise ValueError(f"quantization={quantization!r} runs on CPU only.")
-        if quantization == "gguf" and not model.endswith(".gguf"):
+        if quantization == "gguf" and not is_gguf:
             raise ValueError("quantization='gguf' keeps a GGUF file's quantized tensors; "
                              f"{model!r} is not a .gguf file.")
+        return quantization
 
     def _lora_config(self, model_config: ModelConfig) -> LoRAConfig | None:
         if not self.enable_lora:
@@ -232,7 +241,7 @@ class EngineArgs:
             raise ValueError(f"max_model_len={max_model_len} is larger than the model's "
                              f"maximum number of (decoder) positions, {max_pos}.")
         self._check_knobs()
-        self._check_quantization(device, model)
+        quantization = self._quantization(device, model)
         parallel_config = self._parallel_config(text_config, device)
         from vllm.v1.attention.backends import get_attn_backend
 
@@ -253,7 +262,7 @@ class EngineArgs:
             enable_return_hidden_states=self.enable_return_hidden_states,
             served_model_name=self.served_model_name,
             skip_tokenizer_init=self.skip_tokenizer_init,
-            quantization=self.quantization,
+            quantization=quantization,
             enforce_eager=self.enforce_eager,
             attention_backend=self.attention_backend,
             generation_defaults=get_generation_defaults(
@@ -310,7 +319,8 @@ class EngineArgs:
             if parallel_config.tensor_parallel_size > 1:
                 raise ValueError("speculative_config method 'draft_model' runs with "
                                  "tensor_parallel_size=1 only; 'ngram' works with any.")
-            self._check_quantization_of(spec.quantization, device, spec.model or "")
+            spec.quantization = self._resolve_quantization(spec.quantization, device,
+                                                           spec.model or "")
             spec.draft_model_config = draft_model_config(spec, model_config)
         return spec
 

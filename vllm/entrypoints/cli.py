@@ -26,7 +26,8 @@ def _generate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--quantization", "-q", default=None, choices=["int8", "gguf"])
+    parser.add_argument("--quantization", "-q", default=None,
+                        choices=["int8", "gguf", "none"])
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="default: the model's maximum (decoder) length, at most 2048")
     parser.add_argument("--chat", action="store_true",

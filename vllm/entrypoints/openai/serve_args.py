@@ -83,8 +83,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--dtype", default="auto",
                         help="auto (on CPU: bfloat16 where the processor multiplies it "
                         "natively, else float32), float32, bfloat16, float16")
-    engine.add_argument("--quantization", "-q", default=None, choices=["int8", "gguf"],
-                        help="int8: int8 weights per channel, activations per token (CPU)")
+    engine.add_argument("--quantization", "-q", default=None, choices=["int8", "gguf", "none"],
+                        help="int8: int8 weights per channel, activations per token (CPU); "
+                        "gguf (the default for a .gguf file on CPU): the file's own block "
+                        "types; none: every tensor widened to --dtype at load")
     engine.add_argument("--max-model-len", type=int, default=None,
                         help="context length (default: the model's max_position_embeddings)")
     engine.add_argument("--max-num-seqs", type=int, default=256,

@@ -43,6 +43,9 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 QUANTIZATION_METHODS = ("int8", "gguf")
+# `quantization="none"`: every tensor widened to the model dtype at load (a GGUF file's
+# blocks included, which otherwise stay in their types).
+NO_QUANTIZATION = "none"
 
 # "q8_0" or "int_mm": the int8 kernel regardless of the processor (`int8_kernel`).
 FORM_ENV = "VLLM_CPU_INT8_FORM"
