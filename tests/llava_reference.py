@@ -32,8 +32,9 @@ def data_url(array: np.ndarray) -> str:
     return "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
 
 
-def load_reference(path: str, strategy: str = "default"):
-    """(LlavaProcessor, LlavaForConditionalGeneration) of a tiny LLaVA directory."""
+def load_reference(path: str, strategy: str = "default", class_token: bool = True):
+    """(LlavaProcessor, LlavaForConditionalGeneration) of a tiny LLaVA directory (a SigLIP
+    tower: `class_token=False`)."""
     from transformers import (
         AutoTokenizer,
         CLIPImageProcessorPil,
@@ -45,7 +46,7 @@ def load_reference(path: str, strategy: str = "default"):
         image_processor=CLIPImageProcessorPil.from_pretrained(path),
         tokenizer=AutoTokenizer.from_pretrained(path), patch_size=TINY_PATCH_SIZE,
         vision_feature_select_strategy=strategy, image_token="<image>",
-        num_additional_image_tokens=1)
+        num_additional_image_tokens=int(class_token))
     model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
     return processor, model.eval()
 

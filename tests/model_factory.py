@@ -360,10 +360,12 @@ TINY_IMAGE_SIZE = 28  # 4 x 4 patches of 7 px: 16 image positions per image ("de
 TINY_PATCH_SIZE = 7
 
 
-def make_tiny_llava(path: str, *, seed: int = 0, **config_overrides: Any) -> str:
-    """Write a tiny random `LlavaForConditionalGeneration` (a 3-layer CLIP vision tower, the
-    projector, a tiny Llama) with its tokenizer (plus `<image>`) and a CLIP image processor
-    config (shortest edge 32, center crop 28) to ``path``. Returns ``path``."""
+def make_tiny_llava(path: str, *, seed: int = 0, tower: str = "clip",
+                    **config_overrides: Any) -> str:
+    """Write a tiny random `LlavaForConditionalGeneration` (a 3-layer CLIP vision tower, or
+    SigLIP's with `tower="siglip"`, the projector, a tiny Llama) with its tokenizer (plus
+    `<image>`) and a CLIP image processor config (shortest edge 32, center crop 28) to
+    ``path``. Returns ``path``."""
     import transformers
     from transformers import AutoTokenizer, CLIPImageProcessorPil
 
@@ -372,9 +374,11 @@ def make_tiny_llava(path: str, *, seed: int = 0, **config_overrides: Any) -> str
     tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
     tokenizer.save_pretrained(path)
     image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
-    vision = transformers.CLIPVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        image_size=TINY_IMAGE_SIZE, patch_size=TINY_PATCH_SIZE, projection_dim=16)
+    sizes: dict[str, Any] = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                  num_attention_heads=4, image_size=TINY_IMAGE_SIZE,
+                                  patch_size=TINY_PATCH_SIZE)
+    vision = (transformers.CLIPVisionConfig(**sizes, projection_dim=16) if tower == "clip"
+              else transformers.SiglipVisionConfig(**sizes))
     text = tiny_model_config("llama", len(tokenizer))
     config = transformers.LlavaConfig(vision_config=vision, text_config=text,
                                       image_token_index=image_token_id, **config_overrides)

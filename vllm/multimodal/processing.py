@@ -79,20 +79,27 @@ def placeholder_starts(token_ids: list[int], placeholder: int, count: int,
     return starts
 
 
+# LLaVA's vision towers -> whether the tower puts a class token before the patches.
+LLAVA_TOWERS = {"clip_vision_model": True, "siglip_vision_model": False}
+
+
 def num_image_tokens(config: Any) -> int:
-    """Rows one image becomes in a LLaVA config: its patches, plus the class token under the
-    `full` strategy. Example: 336 px, patch 14 -> 24 * 24 = 576 (`default`)."""
+    """Rows one image becomes in a LLaVA config: the tower's positions (its patches, and
+    CLIP's class token), less the first under the `default` strategy. Example: CLIP, 336 px,
+    patch 14 -> 24 * 24 = 576 (`default`), 577 (`full`); SigLIP 384 px, patch 14 -> 729
+    (`full`), 728 (`default`)."""
     vision = config.vision_config
-    patches = (vision.image_size // vision.patch_size) ** 2
-    return patches + (1 if config.vision_feature_select_strategy == "full" else 0)
+    positions = (vision.image_size // vision.patch_size) ** 2
+    positions += int(LLAVA_TOWERS[vision.model_type])
+    return positions - (1 if config.vision_feature_select_strategy == "default" else 0)
 
 
 def check_vision_tower(config: Any) -> None:
-    """LLaVA's tower must be CLIP's (SigLIP and others: not yet)."""
+    """LLaVA's tower must be CLIP's or SigLIP's."""
     kind = getattr(config.vision_config, "model_type", None)
-    if kind != "clip_vision_model":
-        raise ValueError(f"LLaVA with a {kind!r} vision tower is not supported yet (CLIP "
-                         "only).")
+    if kind not in LLAVA_TOWERS:
+        raise ValueError(f"LLaVA with a {kind!r} vision tower is not supported "
+                         f"({', '.join(LLAVA_TOWERS)}).")
 
 
 def image_token_id(config: Any) -> int:

@@ -1,5 +1,6 @@
-"""LLaVA (`LlavaForConditionalGeneration`): a CLIP vision tower, a two-layer projector, and
-any registered decoder as the language model (`multimodal.MultiModalLanguageModel`).
+"""LLaVA (`LlavaForConditionalGeneration`): a CLIP or SigLIP vision tower (`clip.py`), a
+two-layer projector, and any registered decoder as the language model
+(`multimodal.MultiModalLanguageModel`).
 
 An image becomes `num_image_tokens` rows (`vllm.multimodal.processing`) in the language
 model's embedding space (`embed_media`); the engine core puts them at the prompt's image
@@ -8,7 +9,8 @@ language model's forward is the plain decoder's: image positions reach it as emb
 
 Features: `vision_feature_layer` picks the tower's hidden state(s) (an index into
 transformers' `hidden_states`, or a list of them, concatenated); the `default` strategy drops
-the class token, `full` keeps it. Checkpoint names: `multimodal.split_checkpoint_name`, and
+the first position (CLIP's class token; SigLIP has none, and loses its first patch, as in
+transformers), `full` keeps it. Checkpoint names: `multimodal.split_checkpoint_name`, and
 `vision_tower.vision_model.X` -> `vision_tower.X`.
 """
 
@@ -19,7 +21,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from vllm.model_executor.models.clip import CLIPVisionModel, vision_activation
+from vllm.model_executor.models.clip import vision_activation, vision_tower
 from vllm.model_executor.models.interfaces import VllmModel
 from vllm.model_executor.models.multimodal import (
     MultiModalLanguageModel,
@@ -53,7 +55,7 @@ class LlavaForConditionalGeneration(MultiModalLanguageModel):
         self.config = config
         layer = config.vision_feature_layer
         self.feature_layers: list[int] = list(layer) if isinstance(layer, list) else [layer]
-        self.vision_tower = CLIPVisionModel(config.vision_config)
+        self.vision_tower = vision_tower(config.vision_config)
         self.multi_modal_projector = LlavaMultiModalProjector(
             config.vision_config.hidden_size * len(self.feature_layers),
             config.text_config.hidden_size, config.projector_hidden_act,
@@ -73,7 +75,7 @@ class LlavaForConditionalGeneration(MultiModalLanguageModel):
         states = self.vision_tower.hidden_states(pixel_values.to(dtype), self.feature_layers)
         features = torch.cat(states, dim=-1)
         if self.config.vision_feature_select_strategy == "default":
-            features = features[:, 1:]  # the class token is not an image row
+            features = features[:, 1:]  # CLIP's class token is not an image row
         return self.multi_modal_projector(features)
 
     # ---- loading --------------------------------------------------------------------
