@@ -474,3 +474,47 @@ def make_tiny_qwen2_vl(path: str, *, seed: int = 0, version: str = "2") -> str:
     Qwen2VLImageProcessorPil(size={"shortest_edge": QWEN2_VL_MIN_PIXELS,
                                    "longest_edge": QWEN2_VL_MAX_PIXELS}).save_pretrained(path)
     return path
+
+
+GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>",
+                 "eoi_token": "<end_of_image>"}
+# The tiny Gemma 3: 56-pixel images of 8 x 8 patches of 7 px, pooled 2 x 2 to 16 rows each.
+GEMMA3_IMAGE_SIZE = 56
+GEMMA3_IMAGE_TOKENS = 16
+
+
+def make_tiny_gemma3(path: str, *, seed: int = 0) -> str:
+    """Write a tiny random `Gemma3ForConditionalGeneration` to ``path``: a 2-layer SigLIP
+    tower of width 32 over `GEMMA3_IMAGE_SIZE`-pixel images, the projector pooling its
+    8 x 8 patches to `GEMMA3_IMAGE_TOKENS` rows, a tiny Gemma 3 text model (a window layer
+    of 8 positions, then a global one), its tokenizer (plus boi, the soft token and eoi, as
+    `GEMMA3_TOKENS`) and a Gemma 3 image processor config. Returns ``path``."""
+    import transformers
+    from transformers import AutoTokenizer
+    from transformers.models.gemma3.image_processing_pil_gemma3 import (
+        Gemma3ImageProcessorPil,
+    )
+
+    make_tiny_tokenizer(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(GEMMA3_TOKENS.values())})
+    tokenizer.save_pretrained(path)
+    ids = {k: tokenizer.convert_tokens_to_ids(t) for k, t in GEMMA3_TOKENS.items()}
+    text = tiny_model_config("gemma3", len(tokenizer), sliding_window=8,
+                             layer_types=["sliding_attention", "full_attention"],
+                             head_dim=16, query_pre_attn_scalar=16)
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        image_size=GEMMA3_IMAGE_SIZE, patch_size=7, vision_use_head=False)
+    config = transformers.Gemma3Config(
+        text_config=text.to_dict(), vision_config=vision.to_dict(),
+        mm_tokens_per_image=GEMMA3_IMAGE_TOKENS, boi_token_index=ids["boi_token"],
+        eoi_token_index=ids["eoi_token"], image_token_index=ids["image_token"],
+        tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()  # float32
+    _randomize_parameters(model, seed, WEIGHT_INIT_STD)
+    model.save_pretrained(path, safe_serialization=True)
+    Gemma3ImageProcessorPil(size={"height": GEMMA3_IMAGE_SIZE, "width": GEMMA3_IMAGE_SIZE}
+                            ).save_pretrained(path)
+    return path

@@ -22,11 +22,9 @@ import torch
 from torch import nn
 
 from vllm.model_executor.models.clip import vision_activation, vision_tower
-from vllm.model_executor.models.interfaces import VllmModel
 from vllm.model_executor.models.multimodal import (
     MultiModalLanguageModel,
-    load_module_exactly,
-    split_checkpoint_name,
+    load_vision_language_weights,
 )
 from vllm.multimodal.processing import check_vision_tower
 from vllm.v1.attention.backends.abstract import AttentionBackend
@@ -82,18 +80,4 @@ class LlavaForConditionalGeneration(MultiModalLanguageModel):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Routes each checkpoint tensor to its part (see the module's name table)."""
-        parts: dict[str, list[tuple[str, torch.Tensor]]] = {
-            "vision_tower": [], "multi_modal_projector": [], "language_model": []}
-        for name, tensor in weights:
-            part, rest = split_checkpoint_name(name, ("vision_tower", "multi_modal_projector"),
-                                               "LLaVA")
-            parts[part].append((rest.removeprefix("vision_model.") if part == "vision_tower"
-                                else rest, tensor))
-        loaded = {f"vision_tower.{n}" for n in self.vision_tower.load_weights(
-            parts["vision_tower"])}
-        loaded |= load_module_exactly(self.multi_modal_projector,
-                                      parts["multi_modal_projector"], "multi_modal_projector")
-        language_model: VllmModel = self.language_model
-        loaded |= {f"language_model.{n}"
-                   for n in language_model.load_weights(iter(parts["language_model"]))}
-        return loaded
+        return load_vision_language_weights(self, weights, "LLaVA")
