@@ -32,6 +32,15 @@ def load_gemma3_reference(path: str):
     return processor, model.eval()
 
 
+def chat_text(hf, num_images: int) -> str:
+    """transformers' rendering of `llava_reference.chat_messages` for Gemma 3: the text and
+    each image part as boi, joined by newlines (as the engine renders the parts)."""
+    boi = GEMMA3_TOKENS["boi_token"]
+    return hf[0].tokenizer.apply_chat_template(
+        [{"role": "user", "content": "\n".join(["Compare these."] + [boi] * num_images)}],
+        tokenize=False, add_generation_prompt=True)
+
+
 @torch.inference_mode()
 def gemma3_generate(hf, text: str, images: list[np.ndarray], add_special_tokens: bool = True,
                     max_tokens: int = MAX_TOKENS, bidirectional: bool = True

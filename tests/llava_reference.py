@@ -69,6 +69,20 @@ def hf_greedy(hf, text: str, images: list[np.ndarray], add_special_tokens: bool 
     return inputs["input_ids"][0].tolist(), tokens
 
 
+@contextlib.contextmanager
+def serve_media_model(model_dir: str, *args: str) -> Iterator[Any]:
+    """`vllm serve` of a tiny multimodal model (the small engine's args, two images a
+    prompt, then `args`), stopped on exit: the served tests' one setup."""
+    from tests.server_utils import SMALL_ENGINE_ARGS, RemoteServer
+
+    server = RemoteServer(model_dir, [*SMALL_ENGINE_ARGS, "--limit-mm-per-prompt",
+                                      '{"image": 2}', *args])
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 def chat_messages(images: list[np.ndarray]) -> list[dict]:
     parts: list[dict] = [{"type": "text", "text": "Compare these."}]
     parts += [{"type": "image_url", "image_url": {"url": data_url(i)}} for i in images]

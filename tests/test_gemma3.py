@@ -10,10 +10,17 @@ the parity tests fail on an engine that attends causally over the images.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
-from tests.gemma3_reference import blocky_image, gemma3_generate, load_gemma3_reference
+from tests.gemma3_reference import (
+    blocky_image,
+    chat_text,
+    gemma3_generate,
+    load_gemma3_reference,
+)
 from tests.llava_reference import MAX_TOKENS, chat_messages, random_image
 from tests.model_factory import GEMMA3_IMAGE_TOKENS, make_tiny_gemma3
 from vllm import LLM, SamplingParams
@@ -62,19 +69,12 @@ def _generate(llm: LLM, text: str, images: list[np.ndarray]):
                         use_tqdm=False)[0]
 
 
-def _chat_text(hf, num_images: int) -> str:
-    """transformers' rendering of `chat_messages` (each image part as boi)."""
-    return hf[0].tokenizer.apply_chat_template(
-        [{"role": "user", "content": "\n".join(["Compare these."] + [BOI] * num_images)}],
-        tokenize=False, add_generation_prompt=True)
-
-
 def test_the_bidirectional_mask_matters(hf) -> None:
     """transformers with the image positions attending causally (no token_type_ids) gives
     other tokens for the parity tests' cases: an engine attending causally over the images
     fails them."""
     cases = [(PROMPT, [ONE_IMAGE], True), (TWO, TWO_IMAGES, True),
-             (_chat_text(hf, 2), CHAT_IMAGES, False)]
+             (chat_text(hf, 2), CHAT_IMAGES, False)]
     for text, images, special in cases:
         _, both_ways = gemma3_generate(hf, text, images, add_special_tokens=special)
         _, causal = gemma3_generate(hf, text, images, add_special_tokens=special,
@@ -149,7 +149,7 @@ def test_prefix_hit_ending_inside_an_image_is_rounded_down(llm, hf) -> None:
 
 def test_chat_with_image_url_parts_equals_transformers(llm, hf) -> None:
     output = llm.chat(chat_messages(CHAT_IMAGES), _greedy(), use_tqdm=False)[0]
-    prompt_ids, expected = gemma3_generate(hf, _chat_text(hf, 2), CHAT_IMAGES,
+    prompt_ids, expected = gemma3_generate(hf, chat_text(hf, 2), CHAT_IMAGES,
                                            add_special_tokens=False)
     assert output.prompt_token_ids == prompt_ids
     assert list(output.outputs[0].token_ids) == expected
@@ -160,3 +160,32 @@ def test_an_image_run_longer_than_the_budget_is_refused(gemma3_dir) -> None:
         LLM(gemma3_dir, dtype="float32", max_model_len=256, enforce_eager=True,
             kv_cache_memory_bytes=16 * 1024**2, max_num_batched_tokens=12,
             enable_chunked_prefill=True)
+
+
+def test_under_preemption_and_with_graphs(gemma3_dir, hf) -> None:
+    """Preemption (20 blocks of 8 for both KV groups, four prompts of 36 to 55 tokens: a
+    preempted request recomputes its images' runs whole), then compiled graphs (the
+    attention op reads each step's key ends from its metadata), both equal to transformers'
+    generate."""
+    cases = [(PROMPT, [ONE_IMAGE]), (TWO, TWO_IMAGES), (PROMPT, [random_image(13)]),
+             (TWO, [blocky_image(13), blocky_image(14)])]
+    prompts = [{"prompt": text, "multi_modal_data": {"image": images}}
+               for text, images in cases]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    expected = [gemma3_generate(hf, text, images, max_tokens=16)[1] for text, images in cases]
+    small = LLM(gemma3_dir, dtype="float32", max_model_len=96, enforce_eager=True,
+                num_gpu_blocks_override=20, block_size=8, enable_prefix_caching=False,
+                max_num_batched_tokens=BUDGET, enable_chunked_prefill=True)
+    outputs = small.generate(prompts, params, use_tqdm=False)
+    assert small.llm_engine.engine_core.scheduler.num_preemptions > 0
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+    small.shutdown()
+    graphs = LLM(gemma3_dir, dtype="float32", max_model_len=96,
+                 kv_cache_memory_bytes=16 * 1024**2, max_num_batched_tokens=BUDGET,
+                 enable_chunked_prefill=True,
+                 compilation_config={"cudagraph_capture_sizes": [1, 4]})
+    outputs = graphs.generate(prompts, params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+    executor: Any = graphs.llm_engine.engine_core.model_executor  # uni: the runner in process
+    assert executor.model_runner.graphs.replays  # steps ran through the compiled graphs
+    graphs.shutdown()
