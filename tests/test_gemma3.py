@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from tests.gemma3_reference import (
     blocky_image,
@@ -189,3 +190,18 @@ def test_under_preemption_and_with_graphs(gemma3_dir, hf) -> None:
     executor: Any = graphs.llm_engine.engine_core.model_executor  # uni: the runner in process
     assert executor.model_runner.graphs.replays  # steps ran through the compiled graphs
     graphs.shutdown()
+
+
+@torch.inference_mode()
+def test_image_embeds_equal_transformers(gemma3_dir, hf) -> None:
+    """Each image's rows from transformers' tower and projector, sent as image embeddings
+    (enable_mm_embeds): the same tokens as the images themselves."""
+    processor, model = hf
+    pixels = processor.image_processor(images=TWO_IMAGES, return_tensors="pt")["pixel_values"]
+    rows = model.get_image_features(pixel_values=pixels).pooler_output
+    assert rows.shape == (2, GEMMA3_IMAGE_TOKENS, model.config.text_config.hidden_size)
+    engine = LLM(gemma3_dir, dtype="float32", max_model_len=256, enforce_eager=True,
+                 kv_cache_memory_bytes=16 * 1024**2, enable_mm_embeds=True)
+    output = _generate(engine, TWO, [rows])  # [num_images, feature_size, hidden_size]
+    engine.shutdown()
+    assert list(output.outputs[0].token_ids) == gemma3_generate(hf, TWO, TWO_IMAGES)[1]
