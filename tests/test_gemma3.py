@@ -205,3 +205,11 @@ def test_image_embeds_equal_transformers(gemma3_dir, hf) -> None:
     output = _generate(engine, TWO, [rows])  # [num_images, feature_size, hidden_size]
     engine.shutdown()
     assert list(output.outputs[0].token_ids) == gemma3_generate(hf, TWO, TWO_IMAGES)[1]
+
+
+def test_text_only_prompt_equals_transformers(llm, hf) -> None:
+    text = "Describe a robot in one line."
+    output = llm.generate(text, _greedy(), use_tqdm=False)[0]
+    prompt_ids, expected = gemma3_generate(hf, text, [])
+    assert output.prompt_token_ids == prompt_ids
+    assert list(output.outputs[0].token_ids) == expected
