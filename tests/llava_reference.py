@@ -32,8 +32,9 @@ def data_url(array: np.ndarray) -> str:
     return "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
 
 
-def load_reference(path: str, strategy: str = "default"):
-    """(LlavaProcessor, LlavaForConditionalGeneration) of a tiny LLaVA directory."""
+def load_reference(path: str, strategy: str = "default", class_token: bool = True):
+    """(LlavaProcessor, LlavaForConditionalGeneration) of a tiny LLaVA directory (a SigLIP
+    tower: `class_token=False`)."""
     from transformers import (
         AutoTokenizer,
         CLIPImageProcessorPil,
@@ -45,7 +46,7 @@ def load_reference(path: str, strategy: str = "default"):
         image_processor=CLIPImageProcessorPil.from_pretrained(path),
         tokenizer=AutoTokenizer.from_pretrained(path), patch_size=TINY_PATCH_SIZE,
         vision_feature_select_strategy=strategy, image_token="<image>",
-        num_additional_image_tokens=1)
+        num_additional_image_tokens=int(class_token))
     model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
     return processor, model.eval()
 
@@ -66,6 +67,20 @@ def hf_greedy(hf, text: str, images: list[np.ndarray], add_special_tokens: bool 
         out = model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values,
                     use_cache=True)
     return inputs["input_ids"][0].tolist(), tokens
+
+
+@contextlib.contextmanager
+def serve_media_model(model_dir: str, *args: str) -> Iterator[Any]:
+    """`vllm serve` of a tiny multimodal model (the small engine's args, two images a
+    prompt, then `args`), stopped on exit: the served tests' one setup."""
+    from tests.server_utils import SMALL_ENGINE_ARGS, RemoteServer
+
+    server = RemoteServer(model_dir, [*SMALL_ENGINE_ARGS, "--limit-mm-per-prompt",
+                                      '{"image": 2}', *args])
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def chat_messages(images: list[np.ndarray]) -> list[dict]:

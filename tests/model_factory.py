@@ -360,10 +360,12 @@ TINY_IMAGE_SIZE = 28  # 4 x 4 patches of 7 px: 16 image positions per image ("de
 TINY_PATCH_SIZE = 7
 
 
-def make_tiny_llava(path: str, *, seed: int = 0, **config_overrides: Any) -> str:
-    """Write a tiny random `LlavaForConditionalGeneration` (a 3-layer CLIP vision tower, the
-    projector, a tiny Llama) with its tokenizer (plus `<image>`) and a CLIP image processor
-    config (shortest edge 32, center crop 28) to ``path``. Returns ``path``."""
+def make_tiny_llava(path: str, *, seed: int = 0, tower: str = "clip",
+                    **config_overrides: Any) -> str:
+    """Write a tiny random `LlavaForConditionalGeneration` (a 3-layer CLIP vision tower, or
+    SigLIP's with `tower="siglip"`, the projector, a tiny Llama) with its tokenizer (plus
+    `<image>`) and a CLIP image processor config (shortest edge 32, center crop 28) to
+    ``path``. Returns ``path``."""
     import transformers
     from transformers import AutoTokenizer, CLIPImageProcessorPil
 
@@ -372,9 +374,11 @@ def make_tiny_llava(path: str, *, seed: int = 0, **config_overrides: Any) -> str
     tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
     tokenizer.save_pretrained(path)
     image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
-    vision = transformers.CLIPVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        image_size=TINY_IMAGE_SIZE, patch_size=TINY_PATCH_SIZE, projection_dim=16)
+    sizes: dict[str, Any] = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                  num_attention_heads=4, image_size=TINY_IMAGE_SIZE,
+                                  patch_size=TINY_PATCH_SIZE)
+    vision = (transformers.CLIPVisionConfig(**sizes, projection_dim=16) if tower == "clip"
+              else transformers.SiglipVisionConfig(**sizes))
     text = tiny_model_config("llama", len(tokenizer))
     config = transformers.LlavaConfig(vision_config=vision, text_config=text,
                                       image_token_index=image_token_id, **config_overrides)
@@ -469,4 +473,48 @@ def make_tiny_qwen2_vl(path: str, *, seed: int = 0, version: str = "2") -> str:
     model.save_pretrained(path, safe_serialization=True)
     Qwen2VLImageProcessorPil(size={"shortest_edge": QWEN2_VL_MIN_PIXELS,
                                    "longest_edge": QWEN2_VL_MAX_PIXELS}).save_pretrained(path)
+    return path
+
+
+GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>",
+                 "eoi_token": "<end_of_image>"}
+# The tiny Gemma 3: 56-pixel images of 8 x 8 patches of 7 px, pooled 2 x 2 to 16 rows each.
+GEMMA3_IMAGE_SIZE = 56
+GEMMA3_IMAGE_TOKENS = 16
+
+
+def make_tiny_gemma3(path: str, *, seed: int = 0) -> str:
+    """Write a tiny random `Gemma3ForConditionalGeneration` to ``path``: a 2-layer SigLIP
+    tower of width 32 over `GEMMA3_IMAGE_SIZE`-pixel images, the projector pooling its
+    8 x 8 patches to `GEMMA3_IMAGE_TOKENS` rows, a tiny Gemma 3 text model (a window layer
+    of 8 positions, then a global one), its tokenizer (plus boi, the soft token and eoi, as
+    `GEMMA3_TOKENS`) and a Gemma 3 image processor config. Returns ``path``."""
+    import transformers
+    from transformers import AutoTokenizer
+    from transformers.models.gemma3.image_processing_pil_gemma3 import (
+        Gemma3ImageProcessorPil,
+    )
+
+    make_tiny_tokenizer(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(GEMMA3_TOKENS.values())})
+    tokenizer.save_pretrained(path)
+    ids = {k: tokenizer.convert_tokens_to_ids(t) for k, t in GEMMA3_TOKENS.items()}
+    text = tiny_model_config("gemma3", len(tokenizer), sliding_window=8,
+                             layer_types=["sliding_attention", "full_attention"],
+                             head_dim=16, query_pre_attn_scalar=16)
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        image_size=GEMMA3_IMAGE_SIZE, patch_size=7, vision_use_head=False)
+    config = transformers.Gemma3Config(
+        text_config=text.to_dict(), vision_config=vision.to_dict(),
+        mm_tokens_per_image=GEMMA3_IMAGE_TOKENS, boi_token_index=ids["boi_token"],
+        eoi_token_index=ids["eoi_token"], image_token_index=ids["image_token"],
+        tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()  # float32
+    _randomize_parameters(model, seed, WEIGHT_INIT_STD)
+    model.save_pretrained(path, safe_serialization=True)
+    Gemma3ImageProcessorPil(size={"height": GEMMA3_IMAGE_SIZE, "width": GEMMA3_IMAGE_SIZE}
+                            ).save_pretrained(path)
     return path

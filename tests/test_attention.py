@@ -189,7 +189,7 @@ def _cpu_has(flag: str) -> bool:
 
 
 def _check_prefill(path, dtype, plan, heads, kv_heads, head_size, block, causal=True,
-                   window=0, soft_cap=0.0):
+                   window=0, soft_cap=0.0, spans=None):
     """`plan`: (queries, keys) per chunk, the queries being the last of the keys' positions.
     `path`: "native" calls the prefill kernel (AVX-512 only: it declines elsewhere);
     "portable" runs the backend with that kernel declining, as on CPUs without AVX-512:
@@ -198,7 +198,9 @@ def _check_prefill(path, dtype, plan, heads, kv_heads, head_size, block, causal=
     Either against a dense softmax in float64, with q a strided view of a fused qkv
     output, blocks shuffled, and (native) rows outside the chunks left as they were.
     `window`: blocks before the chunk's first window are the null block (native: NaN,
-    never read; portable: large values the torch paths gather and must mask)."""
+    never read; portable: large values the torch paths gather and must mask).
+    `spans`: per chunk, bidirectional spans [start, end) of its positions (inside its
+    queries): a query in one sees keys up to the span's end (`key_ends`)."""
     ops = torch_sdpa._native_ops(torch.device("cpu"))
     if path == "native" and ops is None:
         pytest.skip("no compiler for the native kernel")
@@ -223,6 +225,14 @@ def _check_prefill(path, dtype, plan, heads, kv_heads, head_size, block, causal=
     out = torch.full((total, heads, head_size), 7.0, dtype=dtype)
     scale = head_size ** -0.5
     kernel_table = table.clone()
+    # Each query row's key end: position + 1, or its span's end.
+    key_ends = torch.zeros(total, dtype=torch.int32)
+    for i, (n, keys) in enumerate(plan):
+        positions = torch.arange(keys - n, keys)
+        ends = positions + 1
+        for start, end in (spans or [[]] * len(plan))[i]:
+            ends[(positions >= start) & (positions < end)] = end
+        key_ends[starts[i]:starts[i] + n] = ends.int()
     if window:
         kv[:, 0] = float("nan") if path == "native" else 1e4
         for i, (n, keys) in enumerate(plan):
@@ -232,7 +242,7 @@ def _check_prefill(path, dtype, plan, heads, kv_heads, head_size, block, causal=
             q, kv, kernel_table, torch.tensor(starts, dtype=torch.int32),
             torch.tensor(lens, dtype=torch.int32),
             torch.tensor([keys for _, keys in plan], dtype=torch.int32), out, scale, causal,
-            window, soft_cap)
+            window, soft_cap, key_ends if spans else torch.empty(0, dtype=torch.int32))
         if not ran:  # the kernel is AVX-512 only; elsewhere the backend takes torch SDPA
             assert not _cpu_has("avx512f")
             pytest.skip("no AVX-512 (avx512f): the native prefill kernel declines; "
@@ -240,7 +250,7 @@ def _check_prefill(path, dtype, plan, heads, kv_heads, head_size, block, causal=
     else:
         out[2:-1] = _prefill_through_backend(q[2:-1], kv, kernel_table, plan, heads,
                                              kv_heads, head_size, block, causal, window,
-                                             soft_cap)
+                                             soft_cap, key_ends[2:-1].numpy() if spans else None)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for i, (n, keys) in enumerate(plan):
         ids = table[i, :-(-keys // block)].long()
@@ -253,7 +263,7 @@ def _check_prefill(path, dtype, plan, heads, kv_heads, head_size, block, causal=
         if causal:
             q_pos = torch.arange(keys - n, keys)[:, None]
             k_pos = torch.arange(keys)[None, :]
-            hidden = k_pos > q_pos
+            hidden = k_pos >= key_ends[starts[i]:starts[i] + n, None]
             if window:
                 hidden |= k_pos <= q_pos - window
             scores = scores.masked_fill(hidden, float("-inf"))
@@ -266,7 +276,7 @@ def _check_prefill(path, dtype, plan, heads, kv_heads, head_size, block, causal=
 
 
 def _prefill_through_backend(q, kv, table, plan, heads, kv_heads, head_size, block, causal,
-                             window, soft_cap):
+                             window, soft_cap, key_ends=None):
     """The backend's forward over `plan`'s chunks (q [tokens, heads, d]) with the native
     prefill kernel declining. A causal layer writes each chunk's keys and values (here the
     cache's own, so the cache is unchanged); a cross-attention layer reads the cache only.
@@ -281,7 +291,7 @@ def _prefill_through_backend(q, kv, table, plan, heads, kv_heads, head_size, blo
     slots = (table_np[req, positions // block].astype(np.int64) * block + positions % block)
     common = CommonAttentionMetadata(
         np.concatenate([[0], np.cumsum(n)]).astype(np.int32), keys.astype(np.int32),
-        computed.astype(np.int32), table_np, slots, int(n.sum()))
+        computed.astype(np.int32), table_np, slots, int(n.sum()), key_ends=key_ends)
     metadata = TorchSDPABackend.build_metadata(common, block, torch.device("cpu"), causal)
     attn_type = AttentionType.DECODER if causal else AttentionType.ENCODER_DECODER
     impl = TorchSDPABackend.make_impl(heads, head_size, kv_heads, head_size ** -0.5,
@@ -325,6 +335,19 @@ def test_prefill_paths(path, dtype, heads, kv_heads, head_size, block):
 @pytest.mark.parametrize("path", PREFILL_PATHS)
 def test_prefill_paths_float16(path):
     _check_prefill(path, torch.float16, [(7, 7), (40, 40), (5, 30)], 9, 3, 64, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 6])
+@pytest.mark.parametrize("path", PREFILL_PATHS)
+def test_prefill_paths_with_bidirectional_spans(path, dtype, window):
+    """Media spans whose positions see each other both ways (Gemma 3's images): a fresh
+    prompt with two spans (one across a tile of 16 queries), a chunk continuing a cache
+    whose span ends at its last query, a chunk without one; with a window, a query in a
+    span still sees nothing before its own window."""
+    plan = [(40, 40), (12, 30), (5, 5)]
+    spans = [[(3, 9), (12, 33)], [(20, 30)], []]
+    _check_prefill(path, dtype, plan, 8, 2, 64, 16, window=window, spans=spans)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

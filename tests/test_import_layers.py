@@ -38,6 +38,9 @@ CYCLE_BREAKS = {
     ("vllm.multimodal.processing", "vllm.multimodal.qwen2_vl"):
         "media_prompt_processor picks an M-RoPE model's prompt processor; Qwen2-VL's builds "
         "on processing's shared helpers.",
+    ("vllm.multimodal.processing", "vllm.multimodal.gemma3"):
+        "media_prompt_processor picks Gemma 3's prompt processor, a subclass of processing's "
+        "ImagePromptProcessor.",
 }
 
 # Who may import the server package (vllm.entrypoints.openai) from outside it.

@@ -294,13 +294,16 @@ def test_under_preemption_and_with_graphs(llava_dir, hf) -> None:
     graphs.shutdown()
 
 
-@pytest.mark.parametrize("overrides", [
-    {"vision_feature_layer": [-3, -1], "vision_feature_select_strategy": "default"},
-    {"vision_feature_layer": 1, "vision_feature_select_strategy": "full"},
+@pytest.mark.parametrize("tower, overrides", [
+    ("clip", {"vision_feature_layer": [-3, -1], "vision_feature_select_strategy": "default"}),
+    ("clip", {"vision_feature_layer": 1, "vision_feature_select_strategy": "full"}),
+    ("siglip", {"vision_feature_layer": -1, "vision_feature_select_strategy": "full"}),
+    ("siglip", {"vision_feature_layer": [0, -2], "vision_feature_select_strategy": "default"}),
 ])
-def test_feature_layers_and_strategies_equal_transformers(tmp_path, overrides) -> None:
-    path = make_tiny_llava(str(tmp_path), seed=1, **overrides)
-    reference = load_reference(path, overrides["vision_feature_select_strategy"])
+def test_feature_layers_and_strategies_equal_transformers(tmp_path, tower, overrides) -> None:
+    path = make_tiny_llava(str(tmp_path), seed=1, tower=tower, **overrides)
+    reference = load_reference(path, overrides["vision_feature_select_strategy"],
+                               class_token=tower == "clip")
     llm = LLM(path, dtype="float32", max_model_len=128, enforce_eager=True,
               kv_cache_memory_bytes=8 * 1024**2)
     cases = _cases(2)

@@ -84,13 +84,23 @@ def test_bad_image_prompts(tmp_path, ids, data, message) -> None:
         _processor(tmp_path, limit=2).process(ids, data)
 
 
-def test_siglip_tower_is_refused(tmp_path) -> None:
+def test_siglip_tower_counts_patches_only() -> None:
     from transformers import LlavaConfig, SiglipVisionConfig
 
-    config = LlavaConfig(vision_config=SiglipVisionConfig(), image_token_index=IMAGE)
+    vision = SiglipVisionConfig(image_size=14, patch_size=7)
+    assert num_image_tokens(LlavaConfig(vision_config=vision, image_token_index=IMAGE,
+                                        vision_feature_select_strategy="full")) == 4
+    # `default` drops the first position, a patch here (as transformers does)
+    assert num_image_tokens(LlavaConfig(vision_config=vision, image_token_index=IMAGE)) == 3
+
+
+def test_other_vision_tower_is_refused(tmp_path) -> None:
+    from transformers import Dinov2Config, LlavaConfig
+
+    config = LlavaConfig(vision_config=Dinov2Config(), image_token_index=IMAGE)
     model_config = ModelConfig(model=str(tmp_path), tokenizer=str(tmp_path),
                                hf_config=config, dtype=torch.float32, max_model_len=64)
-    with pytest.raises(ValueError, match="'siglip_vision_model' vision tower is not supported"):
+    with pytest.raises(ValueError, match="'dinov2' vision tower is not supported"):
         ImagePromptProcessor(model_config)
 
 

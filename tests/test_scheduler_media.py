@@ -12,7 +12,13 @@ import hashlib
 
 import torch
 
-from tests.core_factories import HIDDEN, make_params, make_runner_output, make_scheduler
+from tests.core_factories import (
+    HIDDEN,
+    make_params,
+    make_request,
+    make_runner_output,
+    make_scheduler,
+)
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreRequest, FinishReason
@@ -182,3 +188,63 @@ def test_aborted_and_failed_image_requests() -> None:
     assert [(o.request_id, o.finish_reason) for o in result.outputs] == [
         ("b", FinishReason.ERROR)]
     assert media.pending == [] and "b" not in s.requests
+
+
+# ---- media attending bidirectionally (Gemma 3): spans never split -------------------------
+
+
+def spans_request(request_id: str, prompt: list[int], spans: list[tuple[int, int]],
+                  **params) -> EngineCoreRequest:
+    request = make_request(request_id, prompt, **params)
+    request.bidirectional_spans = spans
+    return request
+
+
+def test_a_chunk_never_ends_inside_a_bidirectional_span() -> None:
+    """Budget 8, a 20-token prompt with the span [3, 9): the first chunk ends before the
+    span (3), the next takes it whole (8: 3..11), then 8 and 1; the same prompt without
+    the span is cut 8, 8, 4."""
+    s = make_scheduler(max_num_batched_tokens=8)
+    s.add_request(spans_request("a", list(range(10, 30)), [(3, 9)], max_tokens=2))
+    s.add_request(make_request("b", list(range(40, 60)), max_tokens=2))
+    counts = []
+    for _ in range(6):
+        out = step(s)
+        counts.append(dict(out.num_scheduled_tokens))
+    assert counts[:3] == [{"a": 3, "b": 5}, {"a": 8}, {"a": 8}]
+    assert counts[3] == {"a": 1, "b": 7}  # a's last prompt token, b on from 5
+
+
+def test_a_span_waits_for_a_step_with_room_for_it_whole() -> None:
+    """A running request's prompt chunk leaves 3 of the budget of 8; the waiting request's
+    prompt starts with a span of 6 positions: it is not scheduled (not even its first 3),
+    and takes the span whole in the next step."""
+    s = make_scheduler(max_num_batched_tokens=8)
+    s.add_request(make_request("a", list(range(10, 23)), max_tokens=1))
+    s.add_request(spans_request("b", list(range(40, 50)), [(0, 6)], max_tokens=1))
+    out = step(s)
+    assert out.num_scheduled_tokens == {"a": 8}
+    out = step(s)
+    assert out.num_scheduled_tokens == {"a": 5}  # b's 6 do not fit the 3 left
+    out = step(s)
+    assert out.num_scheduled_tokens == {"b": 8}
+
+
+def test_a_prefix_hit_never_ends_inside_a_bidirectional_span() -> None:
+    """Block size 4: b shares a's first 12 tokens, which a computed; the hit of 3 blocks
+    would end at 12, inside the span [6, 14): it is rounded down to the block before the
+    span (4 tokens). Without the span, b hits all 12."""
+    prompt = list(range(10, 27))
+    for spans, expected_hit in (([(6, 14)], 4), ([], 12)):
+        s = make_scheduler(max_num_batched_tokens=64)
+        s.add_request(spans_request("a", prompt, spans, max_tokens=1))
+        step(s)
+        step(s)
+        assert not s.has_unfinished_requests()
+        s.add_request(spans_request("b", prompt[:12] + [90, 91, 92, 93, 94], spans,
+                                    max_tokens=1))
+        out = step(s)
+        [new] = out.scheduled_new_reqs
+        assert new.num_computed_tokens == expected_hit
+        assert out.num_scheduled_tokens == {"b": 17 - expected_hit}
+        assert new.bidirectional_spans == spans

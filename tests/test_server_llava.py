@@ -22,10 +22,10 @@ from tests.llava_reference import (
     random_image,
     save_png,
     serve_directory,
+    serve_media_model,
     served_chat,
 )
 from tests.model_factory import make_tiny_llava
-from tests.server_utils import SMALL_ENGINE_ARGS, RemoteServer
 
 pytestmark = pytest.mark.slow
 
@@ -42,14 +42,9 @@ def media_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def server(llava_dir, media_dir):
-    srv = RemoteServer(llava_dir, [*SMALL_ENGINE_ARGS, "--limit-mm-per-prompt",
-                                   '{"image": 2}', "--enable-mm-embeds",
-                                   "--allowed-local-media-path", media_dir,
-                                   "--allowed-media-domains", "127.0.0.1"])
-    try:
+    with serve_media_model(llava_dir, "--enable-mm-embeds", "--allowed-local-media-path",
+                           media_dir, "--allowed-media-domains", "127.0.0.1") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -149,6 +149,14 @@ class ModelConfig:
         """The model takes images (`multi_modal_data={"image": ...}`) into its prompt."""
         return "image" in self.mm_modalities
 
+    @property
+    def bidirectional_media(self) -> bool:
+        """The positions of one media item attend to each other both ways (Gemma 3's
+        images); the rest of the prompt is causal."""
+        from vllm.model_executor.models.registry import bidirectional_media
+
+        return bidirectional_media(self.architecture)
+
     def mm_limit(self, modality: str) -> int:
         """The most items of `modality` one prompt may carry."""
         from vllm.multimodal import DEFAULT_MM_LIMIT

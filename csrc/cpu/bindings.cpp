@@ -10,7 +10,8 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
 bool paged_prefill_attention(torch::Tensor query, torch::Tensor kv_cache,
                              torch::Tensor block_table, torch::Tensor query_start,
                              torch::Tensor query_len, torch::Tensor seq_lens, torch::Tensor out,
-                             double scale, bool causal, int64_t window, double soft_cap);
+                             double scale, bool causal, int64_t window, double soft_cap,
+                             torch::Tensor key_end);
 bool encoder_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value,
                        const std::vector<int64_t>& starts, torch::Tensor out, double scale);
 void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache,
@@ -47,7 +48,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Paged prefill attention of every prompt chunk of a step (CPU); false if unsupported",
         py::arg("query"), py::arg("kv_cache"), py::arg("block_table"), py::arg("query_start"),
         py::arg("query_len"), py::arg("seq_lens"), py::arg("out"), py::arg("scale"),
-        py::arg("causal"), py::arg("window") = 0, py::arg("soft_cap") = 0.0);
+        py::arg("causal"), py::arg("window") = 0, py::arg("soft_cap") = 0.0,
+        py::arg("key_end") = torch::empty({0}, torch::kInt32));
   m.def("encoder_attention", &encoder_attention,
         "Bidirectional bfloat16 attention within each encoder input (CPU, AVX512-BF16); "
         "false if unsupported",

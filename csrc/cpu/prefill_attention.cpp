@@ -12,6 +12,10 @@
 //                non-causal (cross-attention) queries see all seq_lens[s] keys
 //   window       causal only: the query at p sees keys (p - window, p] (0: all); chunks of
 //                keys wholly before a tile's first window are skipped
+//   key_end      causal only, [num_tokens] int32 or empty: the query token t sees keys up to
+//                key_end[t] - 1 instead of its own position (a bidirectional media span:
+//                the span's end; everyone else p + 1), the window's lower bound unchanged;
+//                it must not pass its span's seq_len
 //   soft_cap     scores become soft_cap * tanh(score / soft_cap) before the softmax (0: off)
 //   out          [num_tokens, num_heads, head_size] contiguous; only the spans' rows are
 //                written
@@ -70,8 +74,8 @@ template <typename T, int RV>
 void attend_tile(const T* query, int64_t q_stride, const T* k_cache, const T* v_cache,
                  const int32_t* blocks, int64_t block_size, int64_t num_kv_heads,
                  int64_t head_size, int64_t kv_head, int64_t q_token, int64_t nq,
-                 int64_t pos0, int64_t keys, bool causal, float scale, int64_t window,
-                 float soft_cap, T* out, Scratch& w) {
+                 int64_t pos0, int64_t keys, bool causal, const int32_t* key_end, float scale,
+                 int64_t window, float soft_cap, T* out, Scratch& w) {
   constexpr int64_t R = 16 * RV;
   constexpr int64_t group = RV;
   const int64_t D = head_size;
@@ -89,14 +93,17 @@ void attend_tile(const T* query, int64_t q_stride, const T* k_cache, const T* v_
       const int64_t r = i * group + g;
       for (int64_t d = 0; d < D; ++d) qt[d * R + r] = static_cast<float>(src[d]) * scale;
     }
-  // Each lane's query position; lanes past the tile see every key (their rows are zero
-  // and never written out), so no lane's running max stays -inf.
+  // Each lane's last key: its query position, or its span's last with `key_end`; lanes
+  // past the tile see every key (their rows are zero and never written out), so no
+  // lane's running max stays -inf.
   __m512i pos[RV];
   for (int v = 0; v < RV; ++v) {
     alignas(64) int32_t p[16];
     for (int l = 0; l < 16; ++l) {
       const int64_t i = (16 * v + l) / group;
-      p[l] = i < nq ? static_cast<int32_t>(pos0 + i) : std::numeric_limits<int32_t>::max();
+      p[l] = i >= nq ? std::numeric_limits<int32_t>::max()
+                     : (key_end != nullptr ? key_end[q_token + i] - 1
+                                           : static_cast<int32_t>(pos0 + i));
     }
     pos[v] = _mm512_load_si512(p);
   }
@@ -224,7 +231,7 @@ void attend_tile(const T* query, int64_t q_stride, const T* k_cache, const T* v_
 template <typename T>
 using TileFn = void (*)(const T*, int64_t, const T*, const T*, const int32_t*, int64_t,
                         int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool,
-                        float, int64_t, float, T*, Scratch&);
+                        const int32_t*, float, int64_t, float, T*, Scratch&);
 
 template <typename T>
 TileFn<T> pick_tile_fn(int64_t group) {
@@ -246,7 +253,8 @@ bool prefill_attention(const torch::Tensor& query, const torch::Tensor& kv_cache
                        const int32_t* block_table, int64_t max_blocks,
                        const int32_t* query_start, const int32_t* query_len,
                        const int32_t* seq_lens, int64_t num_spans, torch::Tensor& out,
-                       float scale, bool causal, int64_t window, float soft_cap) {
+                       float scale, bool causal, const int32_t* key_end, int64_t window,
+                       float soft_cap) {
   const int64_t num_heads = query.size(1), head_size = query.size(2);
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
   const int64_t num_kv_heads = kv_cache.size(3);
@@ -258,7 +266,10 @@ bool prefill_attention(const torch::Tensor& query, const torch::Tensor& kv_cache
   for (int64_t s = 0; s < num_spans; ++s) {
     const int64_t n = query_len[s], past = seq_lens[s] - query_len[s];
     for (int64_t first = 0; first < n; first += kTile) {
-      const int64_t keys = causal ? past + std::min(first + kTile, n) : seq_lens[s];
+      int64_t keys = causal ? past + std::min(first + kTile, n) : seq_lens[s];
+      if (key_end != nullptr)  // a bidirectional span reaches past the tile's last query
+        for (int64_t i = first; i < std::min(first + kTile, n); ++i)
+          keys = std::max<int64_t>(keys, key_end[query_start[s] + i]);
       for (int64_t h = 0; h < num_kv_heads; ++h) tiles.push_back({s, h, first, keys});
     }
   }
@@ -278,7 +289,7 @@ bool prefill_attention(const torch::Tensor& query, const torch::Tensor& kv_cache
         const int64_t pos0 = seq_lens[t.span] - query_len[t.span] + t.first;
         attend(q, q_stride, k_cache, v_cache, block_table + t.span * max_blocks, block_size,
                num_kv_heads, head_size, t.kv_head, query_start[t.span] + t.first, nq, pos0,
-               t.keys, causal, scale, window, soft_cap, o, w);
+               t.keys, causal, key_end, scale, window, soft_cap, o, w);
       });
   return true;
 }
@@ -292,7 +303,8 @@ bool prefill_attention(const torch::Tensor& query, const torch::Tensor& kv_cache
 bool paged_prefill_attention(torch::Tensor query, torch::Tensor kv_cache,
                              torch::Tensor block_table, torch::Tensor query_start,
                              torch::Tensor query_len, torch::Tensor seq_lens, torch::Tensor out,
-                             double scale, bool causal, int64_t window, double soft_cap) {
+                             double scale, bool causal, int64_t window, double soft_cap,
+                             torch::Tensor key_end) {
   TORCH_CHECK(window >= 0 && soft_cap >= 0.0, "window and soft_cap must be >= 0");
   TORCH_CHECK(window == 0 || causal, "a sliding window needs causal attention");
   TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && out.dim() == 3, "bad ranks");
@@ -314,11 +326,23 @@ bool paged_prefill_attention(torch::Tensor query, torch::Tensor kv_cache,
   const int32_t* ql = query_len.data_ptr<int32_t>();
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
   const int64_t max_blocks = block_table.size(1), block_size = kv_cache.size(2);
+  const int32_t* ke = nullptr;
+  if (key_end.numel() > 0) {
+    TORCH_CHECK(causal, "key_end is for causal attention");
+    TORCH_CHECK(key_end.scalar_type() == torch::kInt32 && key_end.is_contiguous() &&
+                    key_end.dim() == 1, "key_end must be [num_tokens] int32");
+    ke = key_end.data_ptr<int32_t>();
+  }
   for (int64_t s = 0; s < num_spans; ++s) {
     TORCH_CHECK(ql[s] >= 1 && sl[s] >= (causal ? ql[s] : 1) && qs[s] >= 0 &&
                     qs[s] + ql[s] <= query.size(0), "span ", s, " out of range");
     TORCH_CHECK((sl[s] + block_size - 1) / block_size <= max_blocks, "span ", s,
                 " has more keys than its block table row holds");
+    TORCH_CHECK(ke == nullptr || qs[s] + ql[s] <= key_end.size(0), "span ", s,
+                " has queries past key_end");
+    for (int64_t i = 0; ke != nullptr && i < ql[s]; ++i)
+      TORCH_CHECK(ke[qs[s] + i] > sl[s] - ql[s] + i && ke[qs[s] + i] <= sl[s],
+                  "key_end of span ", s, " query ", i, " out of range");
   }
 #if defined(__AVX512F__)
   const float sc = static_cast<float>(scale), cap = static_cast<float>(soft_cap);
@@ -326,13 +350,13 @@ bool paged_prefill_attention(torch::Tensor query, torch::Tensor kv_cache,
   switch (query.scalar_type()) {
     case torch::kFloat32:
       return prefill_attention<float>(query, kv_cache, table, max_blocks, qs, ql, sl,
-                                      num_spans, out, sc, causal, window, cap);
+                                      num_spans, out, sc, causal, ke, window, cap);
     case torch::kBFloat16:
       return prefill_attention<at::BFloat16>(query, kv_cache, table, max_blocks, qs, ql, sl,
-                                             num_spans, out, sc, causal, window, cap);
+                                             num_spans, out, sc, causal, ke, window, cap);
     case torch::kFloat16:
       return prefill_attention<at::Half>(query, kv_cache, table, max_blocks, qs, ql, sl,
-                                         num_spans, out, sc, causal, window, cap);
+                                         num_spans, out, sc, causal, ke, window, cap);
     default:
       return false;
   }

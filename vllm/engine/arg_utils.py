@@ -247,6 +247,7 @@ class EngineArgs:
 
         get_attn_backend(self.attention_backend)  # an unknown name (or env value) fails here
         max_batched = self._max_num_batched_tokens(max_model_len)
+        _check_media_runs_fit(hf_config, max_batched)
         model_config = ModelConfig(
             model=model,
             tokenizer=self.tokenizer or model,
@@ -343,3 +344,16 @@ def max_decoder_positions(hf_config) -> int:
     if rope["rope_type"] == "yarn" and factor:
         return int(rope.get("original_max_position_embeddings", positions) * factor)
     return positions
+
+
+def _check_media_runs_fit(hf_config: Any, max_batched: int) -> None:
+    """A model whose images attend bidirectionally computes each image's run in one step:
+    the run must fit the token budget."""
+    from vllm.model_executor.models.registry import bidirectional_media
+
+    archs = getattr(hf_config, "architectures", None) or [""]
+    run = getattr(hf_config, "mm_tokens_per_image", None)
+    if bidirectional_media(archs[0]) and run is not None and run > max_batched:
+        raise ValueError(f"max_num_batched_tokens={max_batched} is smaller than one image's "
+                         f"run of {run} positions, which {archs[0]} computes in one step "
+                         "(its positions attend to each other both ways).")

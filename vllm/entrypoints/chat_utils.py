@@ -251,6 +251,7 @@ def chat_placeholders(model_config: Any, tokenizer: Any) -> dict[str, str]:
     """Modality -> the text each of its items becomes in the rendered prompt (`{k}`: the
     item's number among its modality's, from 1), for the media the model takes: LLaVA's
     image token ("<image>"), Qwen2-VL's "<|vision_start|><|image_pad|><|vision_end|>",
+    Gemma 3's "\\n\\n<start_of_image>" + its run of "<image_soft_token>" + "<end_of_image>\\n\\n",
     Qwen2-Audio's "Audio {k}: <|audio_bos|><|AUDIO|><|audio_eos|>" (vLLM's). The engine's
     processor expands each placeholder token to its item's run."""
     if tokenizer is None:
@@ -266,6 +267,11 @@ def chat_placeholders(model_config: Any, tokenizer: Any) -> dict[str, str]:
         if start is not None and end is not None:  # Qwen2-VL: the image between markers
             image = (tokenizer.convert_ids_to_tokens(start) + image
                      + tokenizer.convert_ids_to_tokens(end))
+        boi = getattr(config, "boi_token_index", None)
+        if boi is not None:  # Gemma 3: the whole sequence, as its processor writes it
+            image = (f"\n\n{tokenizer.convert_ids_to_tokens(boi)}"
+                     f"{image * config.mm_tokens_per_image}"
+                     f"{tokenizer.convert_ids_to_tokens(config.eoi_token_index)}\n\n")
         placeholders["image"] = image
     if "audio" in model_config.mm_modalities:
         from vllm.multimodal.processing import audio_token_id

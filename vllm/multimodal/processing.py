@@ -26,6 +26,7 @@ from vllm.multimodal.image import ImageProcessorConfig, load_image, preprocess
 from vllm.v1.messages import MediaInput
 
 if TYPE_CHECKING:
+    from vllm.multimodal.gemma3 import Gemma3PromptProcessor
     from vllm.multimodal.qwen2_vl import Qwen2VLPromptProcessor
 
 
@@ -79,20 +80,27 @@ def placeholder_starts(token_ids: list[int], placeholder: int, count: int,
     return starts
 
 
+# LLaVA's vision towers -> whether the tower puts a class token before the patches.
+LLAVA_TOWERS = {"clip_vision_model": True, "siglip_vision_model": False}
+
+
 def num_image_tokens(config: Any) -> int:
-    """Rows one image becomes in a LLaVA config: its patches, plus the class token under the
-    `full` strategy. Example: 336 px, patch 14 -> 24 * 24 = 576 (`default`)."""
+    """Rows one image becomes in a LLaVA config: the tower's positions (its patches, and
+    CLIP's class token), less the first under the `default` strategy. Example: CLIP, 336 px,
+    patch 14 -> 24 * 24 = 576 (`default`), 577 (`full`); SigLIP 384 px, patch 14 -> 729
+    (`full`), 728 (`default`)."""
     vision = config.vision_config
-    patches = (vision.image_size // vision.patch_size) ** 2
-    return patches + (1 if config.vision_feature_select_strategy == "full" else 0)
+    positions = (vision.image_size // vision.patch_size) ** 2
+    positions += int(LLAVA_TOWERS[vision.model_type])
+    return positions - (1 if config.vision_feature_select_strategy == "default" else 0)
 
 
 def check_vision_tower(config: Any) -> None:
-    """LLaVA's tower must be CLIP's (SigLIP and others: not yet)."""
+    """LLaVA's tower must be CLIP's or SigLIP's."""
     kind = getattr(config.vision_config, "model_type", None)
-    if kind != "clip_vision_model":
-        raise ValueError(f"LLaVA with a {kind!r} vision tower is not supported yet (CLIP "
-                         "only).")
+    if kind not in LLAVA_TOWERS:
+        raise ValueError(f"LLaVA with a {kind!r} vision tower is not supported "
+                         f"({', '.join(LLAVA_TOWERS)}).")
 
 
 def image_token_id(config: Any) -> int:
@@ -121,10 +129,14 @@ class ImagePromptProcessor:
                              f"images, but the vision tower takes {side}x{side}.")
         self.limit = model_config.mm_limit("image")
 
+    def expand_text(self, text: str) -> str:
+        """A text prompt before tokenization: LLaVA's placeholders stay as written."""
+        return text
+
     def process(self, token_ids: list[int], data: Any) -> MediaPrompt:
         """`token_ids`: the prompt, one image token per image; `data`: multi_modal_data."""
         images = media_items(data, "image", self.model_config.architecture)
-        images = [item for image in images for item in _embeds_items(image)]
+        images = [item for image in images for item in split_image_embeds(image)]
         check_limit(len(images), "image", self.limit)
         placeholder_starts(token_ids, self.image_token_id, len(images), "image")
         inputs = [self._image_input(k, image) for k, image in enumerate(images)]
@@ -181,6 +193,10 @@ class AudioPromptProcessor:
                                                2 * audio.max_source_positions)
         self.limit = model_config.mm_limit("audio")
 
+    def expand_text(self, text: str) -> str:
+        """A text prompt before tokenization: placeholders stay as written."""
+        return text
+
     def process(self, token_ids: list[int], data: Any) -> MediaPrompt:
         """`token_ids`: the prompt, one audio token per clip; `data`: multi_modal_data."""
         clips = media_items(data, "audio", self.model_config.architecture)
@@ -209,16 +225,21 @@ def audio_token_id(config: Any) -> int:
 
 
 MediaPromptProcessor = Union[ImagePromptProcessor, AudioPromptProcessor,
-                             "Qwen2VLPromptProcessor"]
+                             "Qwen2VLPromptProcessor", "Gemma3PromptProcessor"]
 
 
-def media_prompt_processor(model_config: ModelConfig) -> MediaPromptProcessor | None:
+def media_prompt_processor(model_config: ModelConfig, tokenizer: Any = None
+                           ) -> MediaPromptProcessor | None:
     """The processor of a multimodal model's prompts; None for a model of text."""
     modalities = model_config.mm_modalities
     if model_config.uses_mrope:
         from vllm.multimodal.qwen2_vl import Qwen2VLPromptProcessor
 
         return Qwen2VLPromptProcessor(model_config)
+    if modalities and getattr(model_config.hf_config, "model_type", None) == "gemma3":
+        from vllm.multimodal.gemma3 import Gemma3PromptProcessor
+
+        return Gemma3PromptProcessor(model_config, tokenizer)
     if modalities == ("image",):
         return ImagePromptProcessor(model_config)
     if modalities == ("audio",):
@@ -263,7 +284,7 @@ def is_image_embeds(item: Any) -> bool:
     return isinstance(item, torch.Tensor) and item.is_floating_point()
 
 
-def _embeds_items(item: Any) -> list[Any]:
+def split_image_embeds(item: Any) -> list[Any]:
     """One `multi_modal_data` image entry as images: embeddings [num_images, feature_size,
     hidden_size] are num_images of them (vLLM's form), anything else is one."""
     if is_image_embeds(item) and item.dim() == 3:

@@ -180,6 +180,10 @@ class Qwen2VLPromptProcessor:
                              f", {vision.temporal_patch_size}).")
         self.limit = model_config.mm_limit("image")
 
+    def expand_text(self, text: str) -> str:
+        """A text prompt before tokenization: placeholders stay as written."""
+        return text
+
     def process(self, token_ids: list[int], data: Any) -> MediaPrompt:
         """`token_ids`: the prompt, one image token per image; `data`: multi_modal_data."""
         images = media_items(data, "image", self.model_config.architecture)

@@ -141,6 +141,9 @@ class EngineCoreRequest:
     # position's rotary positions; positions past the prompt are p + delta (see
     # `vllm/multimodal/qwen2_vl.py`). None: the position itself, in all three rows.
     mrope_positions: torch.Tensor | None = None
+    # Models whose media attend bidirectionally (Gemma 3): each item's run [start, end) of
+    # prompt positions, in order; its positions see each other both ways. None: causal.
+    bidirectional_spans: list[tuple[int, int]] | None = None
 
     @property
     def embeds_layout(self) -> EmbedsLayout | None:

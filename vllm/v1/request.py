@@ -72,6 +72,7 @@ class Request:
         lora_request: LoRARequest | None = None,
         lora_fingerprint: bytes = b"",
         mrope_positions: torch.Tensor | None = None,
+        bidirectional_spans: list[tuple[int, int]] | None = None,
     ) -> None:
         self.request_id = request_id
         # Its LoRA adapter: mixed into the first block's hash with its files' fingerprint
@@ -88,6 +89,8 @@ class Request:
         self.prompt_is_token_ids = prompt_is_token_ids
         # M-RoPE models with media: [3, num_prompt_tokens] (see EngineCoreRequest).
         self.mrope_positions = mrope_positions
+        # Media runs attending bidirectionally (see EngineCoreRequest): never split.
+        self.bidirectional_spans = [(int(s), int(e)) for s, e in bidirectional_spans or ()]
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = arrival_time
@@ -137,7 +140,23 @@ class Request:
                    request.sampling_params, request.eos_token_id, request.arrival_time,
                    max_model_len, block_hasher, request.encoder_input, request.cache_salt,
                    request.prompt_is_token_ids, request.lora_request,
-                   request.lora_fingerprint, request.mrope_positions)
+                   request.lora_fingerprint, request.mrope_positions,
+                   request.bidirectional_spans)
+
+    def splits_span(self, position: int) -> bool:
+        """Whether a cut before `position` falls inside a bidirectional span (the span's
+        positions must be computed in one step, all of them seeing each other)."""
+        return any(start < position < end for start, end in self.bidirectional_spans)
+
+    def chunk_end(self, begin: int, end: int) -> int:
+        """The end of a chunk [begin, end), cut back where it would split a bidirectional
+        span: to the span's start (the span waits for a step that takes it whole).
+        Example: spans [(4, 20)], begin 0: end 12 -> 4, end 20 -> 20, end 25 -> 25;
+        begin 4: end 12 -> 4 (nothing this step)."""
+        for start, stop in self.bidirectional_spans:
+            if begin <= start < end < stop:
+                return start
+        return end
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -1,5 +1,6 @@
-"""LLaVA (`LlavaForConditionalGeneration`): a CLIP vision tower, a two-layer projector, and
-any registered decoder as the language model (`multimodal.MultiModalLanguageModel`).
+"""LLaVA (`LlavaForConditionalGeneration`): a CLIP or SigLIP vision tower (`clip.py`), a
+two-layer projector, and any registered decoder as the language model
+(`multimodal.MultiModalLanguageModel`).
 
 An image becomes `num_image_tokens` rows (`vllm.multimodal.processing`) in the language
 model's embedding space (`embed_media`); the engine core puts them at the prompt's image
@@ -8,7 +9,8 @@ language model's forward is the plain decoder's: image positions reach it as emb
 
 Features: `vision_feature_layer` picks the tower's hidden state(s) (an index into
 transformers' `hidden_states`, or a list of them, concatenated); the `default` strategy drops
-the class token, `full` keeps it. Checkpoint names: `multimodal.split_checkpoint_name`, and
+the first position (CLIP's class token; SigLIP has none, and loses its first patch, as in
+transformers), `full` keeps it. Checkpoint names: `multimodal.split_checkpoint_name`, and
 `vision_tower.vision_model.X` -> `vision_tower.X`.
 """
 
@@ -19,12 +21,10 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from vllm.model_executor.models.clip import CLIPVisionModel, vision_activation
-from vllm.model_executor.models.interfaces import VllmModel
+from vllm.model_executor.models.clip import vision_activation, vision_tower
 from vllm.model_executor.models.multimodal import (
     MultiModalLanguageModel,
-    load_module_exactly,
-    split_checkpoint_name,
+    load_vision_language_weights,
 )
 from vllm.multimodal.processing import check_vision_tower
 from vllm.v1.attention.backends.abstract import AttentionBackend
@@ -53,7 +53,7 @@ class LlavaForConditionalGeneration(MultiModalLanguageModel):
         self.config = config
         layer = config.vision_feature_layer
         self.feature_layers: list[int] = list(layer) if isinstance(layer, list) else [layer]
-        self.vision_tower = CLIPVisionModel(config.vision_config)
+        self.vision_tower = vision_tower(config.vision_config)
         self.multi_modal_projector = LlavaMultiModalProjector(
             config.vision_config.hidden_size * len(self.feature_layers),
             config.text_config.hidden_size, config.projector_hidden_act,
@@ -73,25 +73,11 @@ class LlavaForConditionalGeneration(MultiModalLanguageModel):
         states = self.vision_tower.hidden_states(pixel_values.to(dtype), self.feature_layers)
         features = torch.cat(states, dim=-1)
         if self.config.vision_feature_select_strategy == "default":
-            features = features[:, 1:]  # the class token is not an image row
+            features = features[:, 1:]  # CLIP's class token is not an image row
         return self.multi_modal_projector(features)
 
     # ---- loading --------------------------------------------------------------------
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Routes each checkpoint tensor to its part (see the module's name table)."""
-        parts: dict[str, list[tuple[str, torch.Tensor]]] = {
-            "vision_tower": [], "multi_modal_projector": [], "language_model": []}
-        for name, tensor in weights:
-            part, rest = split_checkpoint_name(name, ("vision_tower", "multi_modal_projector"),
-                                               "LLaVA")
-            parts[part].append((rest.removeprefix("vision_model.") if part == "vision_tower"
-                                else rest, tensor))
-        loaded = {f"vision_tower.{n}" for n in self.vision_tower.load_weights(
-            parts["vision_tower"])}
-        loaded |= load_module_exactly(self.multi_modal_projector,
-                                      parts["multi_modal_projector"], "multi_modal_projector")
-        language_model: VllmModel = self.language_model
-        loaded |= {f"language_model.{n}"
-                   for n in language_model.load_weights(iter(parts["language_model"]))}
-        return loaded
+        return load_vision_language_weights(self, weights, "LLaVA")

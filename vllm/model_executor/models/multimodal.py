@@ -11,13 +11,14 @@ the parts. Both layouts transformers writes:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from vllm.model_executor.model_loader.weight_utils import PackedModulesMapping
-from vllm.model_executor.models.interfaces import FusedDecodeSpec
+from vllm.model_executor.models.interfaces import FusedDecodeSpec, VllmModel
 from vllm.v1.attention.backends.abstract import AttentionBackend
 
 # The language model's class, from its `model_type` (a text_config carries no architecture).
@@ -32,6 +33,7 @@ TEXT_ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
     "granite": "GraniteForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 
@@ -127,4 +129,25 @@ def load_module_exactly(module: nn.Module, weights: list[tuple[str, torch.Tensor
         with torch.no_grad():
             params[name].copy_(tensor)
         loaded.add(f"{where}.{name}")
+    return loaded
+
+
+def load_vision_language_weights(model: Any, weights: Iterable[tuple[str, torch.Tensor]],
+                                 what: str) -> set[str]:
+    """The loader of a model of `vision_tower`, `multi_modal_projector` and
+    `language_model` (LLaVA, Gemma 3): each tensor routed by `split_checkpoint_name`, and
+    `vision_tower.vision_model.X` -> `vision_tower.X`; `what` names the model in errors."""
+    parts: dict[str, list[tuple[str, torch.Tensor]]] = {
+        "vision_tower": [], "multi_modal_projector": [], "language_model": []}
+    for name, tensor in weights:
+        part, rest = split_checkpoint_name(name, ("vision_tower", "multi_modal_projector"), what)
+        parts[part].append((rest.removeprefix("vision_model.") if part == "vision_tower"
+                            else rest, tensor))
+    loaded = {f"vision_tower.{n}" for n in model.vision_tower.load_weights(
+        parts["vision_tower"])}
+    loaded |= load_module_exactly(model.multi_modal_projector,
+                                  parts["multi_modal_projector"], "multi_modal_projector")
+    language_model: VllmModel = model.language_model
+    loaded |= {f"language_model.{n}"
+               for n in language_model.load_weights(iter(parts["language_model"]))}
     return loaded

@@ -35,6 +35,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "BartForConditionalGeneration": ("bart", "BartForConditionalGeneration"),
     "WhisperForConditionalGeneration": ("whisper", "WhisperForConditionalGeneration"),
     "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
+    "Gemma3ForConditionalGeneration": ("gemma3_mm", "Gemma3ForConditionalGeneration"),
     "Qwen2AudioForConditionalGeneration": ("qwen2_audio", "Qwen2AudioForConditionalGeneration"),
     "Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2VLForConditionalGeneration"),
     "Qwen2_5_VLForConditionalGeneration": ("qwen2_vl", "Qwen2_5_VLForConditionalGeneration"),
@@ -51,14 +52,22 @@ _AUDIO_MODELS: dict[str, int] = {
 # modalities, read by the front end without importing the model.
 _MULTIMODAL_MODELS: dict[str, tuple[str, ...]] = {
     "LlavaForConditionalGeneration": ("image",),
+    "Gemma3ForConditionalGeneration": ("image",),
     "Qwen2AudioForConditionalGeneration": ("audio",),
     "Qwen2VLForConditionalGeneration": ("image",),
     "Qwen2_5_VLForConditionalGeneration": ("image",),
 }
 
+# Multimodal architectures whose media attend bidirectionally: the positions of one item (an
+# image's run) see each other both ways, everything else stays causal. The front end gives
+# such requests their items' spans; the scheduler never splits a span across steps nor
+# ends a prefix hit inside one; the attention backend widens the causal mask over them.
+_BIDIRECTIONAL_MEDIA: tuple[str, ...] = ("Gemma3ForConditionalGeneration",)
+
 if TYPE_CHECKING:  # the type checker holds every registered class to `ModelClass`
     from vllm.model_executor.models.bart import BartForConditionalGeneration
     from vllm.model_executor.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+    from vllm.model_executor.models.gemma3_mm import Gemma3ForConditionalGeneration
     from vllm.model_executor.models.granite import GraniteForCausalLM
     from vllm.model_executor.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
     from vllm.model_executor.models.llava import LlavaForConditionalGeneration
@@ -82,7 +91,8 @@ if TYPE_CHECKING:  # the type checker holds every registered class to `ModelClas
         Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, OlmoeForCausalLM,
         BartForConditionalGeneration, WhisperForConditionalGeneration,
         LlavaForConditionalGeneration, Qwen2AudioForConditionalGeneration,
-        Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration]
+        Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration,
+        Gemma3ForConditionalGeneration]
 
 
 def get_supported_archs() -> list[str]:
@@ -97,6 +107,11 @@ def audio_frames_per_encoder_token(architecture: str) -> int | None:
 def input_modalities(architecture: str) -> tuple[str, ...]:
     """The media a model's prompts take ("image", "audio"); () for a model of text."""
     return _MULTIMODAL_MODELS.get(architecture, ())
+
+
+def bidirectional_media(architecture: str) -> bool:
+    """Whether the positions of one media item attend to each other both ways."""
+    return architecture in _BIDIRECTIONAL_MEDIA
 
 
 def resolve_model_cls(architecture: str) -> type[nn.Module]:

@@ -68,7 +68,9 @@ class KVCacheManager:
         """The longest cached prefix of `request`, in whole blocks (interleaved by group;
         null blocks where a window group needs none).
 
-        At least the last token is always left to compute, since its logits are needed.
+        At least the last token is always left to compute, since its logits are needed. A
+        hit that would end inside a bidirectional span of the request ends before the span's
+        block (e.g. block size 4, span [6, 14), 3 blocks cached: 1 block, 4 tokens).
 
         Returns:
             (hit blocks, number of tokens they cover)
@@ -81,8 +83,9 @@ class KVCacheManager:
                    for h in request.block_hashes[:max_hit_blocks]]
                   for g in range(self.num_groups)]
         num_hit = max_hit_blocks
-        while num_hit > 0 and not all(self._group_hit(g, cached[g], num_hit)
-                                      for g in range(self.num_groups)):
+        # A hit never ends inside a bidirectional span: the span is computed whole.
+        while num_hit > 0 and (request.splits_span(num_hit * self.block_size) or not all(
+                self._group_hit(g, cached[g], num_hit) for g in range(self.num_groups))):
             num_hit -= 1
         blocks = []
         for i in range(num_hit):

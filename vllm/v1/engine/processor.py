@@ -59,7 +59,7 @@ class Processor:
             load_feature_extractor(model_config.model, model_config.hf_config.num_mel_bins)
             if self.is_audio_model else None)
         # Images or audio in prompts (LLaVA, Qwen2-Audio): placeholder runs and encoder inputs.
-        self.media_processor = media_prompt_processor(model_config)
+        self.media_processor = media_prompt_processor(model_config, tokenizer)
 
     def process_inputs(self, request_id: str, prompt: Any, params: SamplingParams,
                        arrival_time: float | None = None,
@@ -118,6 +118,9 @@ class Processor:
             lora_request=lora_request,
             mm_inputs=media,
             mrope_positions=mrope_positions,
+            bidirectional_spans=([(item.offset, item.offset + item.num_tokens)
+                                  for item in media]
+                                 if media and self.model_config.bidirectional_media else None),
         )
         if media is not None:  # the text, and the ids with each item's run
             return request, parsed._replace(prompt_token_ids=token_ids)
@@ -200,6 +203,9 @@ class Processor:
         if parsed.prompt_embeds is not None or parsed.prompt_segments is not None:
             raise ValueError("multi_modal_data goes with a text prompt or prompt_token_ids, "
                              "not with prompt_embeds or prompt_segments.")
+        if parsed.prompt_token_ids is None and parsed.prompt is not None:
+            # Gemma 3 expands its images as text, as transformers' processor does
+            parsed = parsed._replace(prompt=self.media_processor.expand_text(parsed.prompt))
         token_ids = self._tokenize(parsed)
         self._validate_token_ids(token_ids)
         prompt = self.media_processor.process(token_ids, mm_data)

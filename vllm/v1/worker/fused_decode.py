@@ -190,8 +190,8 @@ class FusedDecode:
         request's block-table row of each group (`group_commons`, one per group)."""
         n = positions.shape[0]
         common = group_commons[0]
-        if not self.takes(n) or common.num_actual_tokens != n:
-            return None
+        if not self.takes(n) or common.num_actual_tokens != n or common.key_ends is not None:
+            return None  # (it attends causally: bidirectional media spans are not its)
         if attn_metadata is None:
             tables = [self._token_rows(c) for c in group_commons]
             block_tables = [table for table, _ in tables]

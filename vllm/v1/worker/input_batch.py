@@ -33,6 +33,8 @@ class CachedRequestState:
     # positions; later positions p take p + mrope_delta (None: p itself).
     mrope_positions: np.ndarray | None = None
     mrope_delta: int = 0
+    # Media runs [start, end) whose positions attend to each other both ways (Gemma 3).
+    bidirectional_spans: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.embeds_layout is None:  # embeds without a layout: an embeds-only prompt

@@ -83,6 +83,7 @@ class RequestStates:
             lora_request=new.lora_request,
             mrope_positions=(None if new.mrope_positions is None
                              else new.mrope_positions.numpy()),
+            bidirectional_spans=list(new.bidirectional_spans),
         )
         self.requests[new.req_id] = state
         return state

@@ -83,6 +83,30 @@ def mrope_step_positions(batch: InputBatch, idx: StepIndices) -> np.ndarray:
     return positions
 
 
+def bidirectional_key_ends(batch: InputBatch, idx: StepIndices) -> np.ndarray | None:
+    """[num_tokens] int32: the end (exclusive) of the keys each scheduled query sees, its
+    bidirectional span's end where it lies in one, else its position + 1; None when no
+    scheduled position lies in a span (the scheduler never splits one across steps).
+
+    Example: one request with the span [2, 6), positions 0..7 scheduled ->
+    [1, 2, 6, 6, 6, 6, 7, 8].
+    """
+    key_ends = None
+    for row in range(batch.num_reqs):
+        spans = batch.state(row).bidirectional_spans
+        if not spans:
+            continue
+        tokens = np.flatnonzero(idx.req_indices == row)
+        p = idx.positions[tokens]
+        for start, end in spans:
+            inside = tokens[(p >= start) & (p < end)]
+            if inside.size:
+                if key_ends is None:
+                    key_ends = (idx.positions + 1).astype(np.int32)
+                key_ends[inside] = end
+    return key_ends
+
+
 class ModelInputs(NamedTuple):
     input_ids: torch.Tensor | None  # [num_tokens] int64; None when embeds are given
     inputs_embeds: torch.Tensor | None  # [num_tokens, hidden_size]
@@ -125,6 +149,8 @@ class StepInputsBuilder:
         self._layer_slots = layer_slots(self.kv_cache_groups)
         # Three rotary positions per token, from each request's table (`mrope_positions`).
         self.uses_mrope = model_config.uses_mrope
+        # Media spans attending bidirectionally (`bidirectional_key_ends`).
+        self.bidirectional = model_config.bidirectional_media
         # Decode-only steps' persistent inputs: one KV cache group without a window
         # (`mask_out_of_window` is the general path's), decoder-only models with 1-D
         # positions.
@@ -177,8 +203,11 @@ class StepInputsBuilder:
         input_ids_np = batch.token_ids_cpu.reshape(-1)[idx.token_indices]
         is_token_np = batch.is_token_ids.reshape(-1)[idx.token_indices]
         num_tokens = int(idx.query_start_loc[-1])
-        fused = num_tokens <= fused_max_tokens
-        attn_metadata, commons = self._group_metadata(idx, backend, build=not fused)
+        key_ends = bidirectional_key_ends(batch, idx) if self.bidirectional else None
+        # The fused decoder attends causally: a step with a bidirectional span is not its.
+        fused = num_tokens <= fused_max_tokens and key_ends is None
+        attn_metadata, commons = self._group_metadata(idx, backend, build=not fused,
+                                                      key_ends=key_ends)
         common = commons[0]
         cross_attn_metadata = (self._cross_attn_metadata(common, backend)
                                if self.is_encoder_decoder else None)
@@ -225,7 +254,8 @@ class StepInputsBuilder:
         return sampling_rows, logits_indices, draft_layout
 
     def _group_metadata(self, idx: StepIndices, backend: type[AttentionBackend],
-                        build: bool) -> tuple[list, list[CommonAttentionMetadata]]:
+                        build: bool, key_ends: np.ndarray | None = None
+                        ) -> tuple[list, list[CommonAttentionMetadata]]:
         """Each KV cache group's backend metadata (None each where not `build`) and common
         layout."""
         batch = self.batch
@@ -241,6 +271,7 @@ class StepInputsBuilder:
                 slot_mapping=batch.block_table.compute_slot_mapping(
                     idx.req_indices, idx.positions, g),
                 num_actual_tokens=int(idx.query_start_loc[-1]),
+                key_ends=key_ends,
             )
             commons.append(group_common)
             metadata.append(backend.build_metadata(group_common, self.block_size, self.device)

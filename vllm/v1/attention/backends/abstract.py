@@ -60,6 +60,10 @@ class CommonAttentionMetadata:
     # Every request one query token, the arrays views of the runner's persistent decode
     # buffers (`DecodeInputs`), refilled in place each step (`build_decode_metadata`).
     uniform_decode: bool = False
+    # [num_tokens] int32 or None: where a step holds positions of bidirectional media spans
+    # (`bidirectional_key_ends`), the end (exclusive) of the keys each query sees: its
+    # span's end, else position + 1. Backends honour it in prefill attention or refuse.
+    key_ends: np.ndarray | None = None
 
     @classmethod
     def padding_decodes(cls, num_tokens: int) -> CommonAttentionMetadata:

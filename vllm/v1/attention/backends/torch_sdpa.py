@@ -13,6 +13,10 @@ every key from the cache (the step's own keys are written first); otherwise one 
 at a time by torch SDPA, where a chunk with nothing computed before it attends to its own
 keys with a causal mask and never reads the cache.
 
+Media positions attending bidirectionally (Gemma 3's images; `key_ends` in the common
+metadata) widen a prefill query's causal limit to the end of its span: the native kernel takes
+each query's key end, the torch path builds its mask from them. Decode rows stay causal.
+
 Encoder/decoder models add two kinds (`AttentionType`): ENCODER attention is bidirectional
 within each encoder input and touches no cache; ENCODER_DECODER (cross) attention is built
 with `causal=False`: its "sequence" is the request's cross-attention blocks, which every
@@ -57,6 +61,9 @@ class PrefillSpan:
     block_ids_tensor: torch.Tensor | None = None
     # [query_len, keys] bool, True = attend, per sliding window (None: causal only).
     window_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    # [query_len]: each query's key end (exclusive) where the chunk holds a bidirectional
+    # span (`CommonAttentionMetadata.key_ends`); None: causal, position + 1.
+    key_ends: np.ndarray | None = None
 
 
 @dataclass(slots=True)
@@ -68,6 +75,8 @@ class NativePrefill:
     query_start: torch.Tensor  # [num_chunks] int32
     query_len: torch.Tensor  # [num_chunks] int32
     seq_lens: torch.Tensor  # [num_chunks] int32
+    # [num_tokens] int32 key end of each query (bidirectional spans); empty: causal.
+    key_ends: torch.Tensor
 
 
 @dataclass(slots=True)
@@ -146,8 +155,10 @@ class TorchSDPABackend(AttentionBackend):
             computed, seq_len = int(common.num_computed_tokens[i]), int(seq_lens[i])
             block_ids = (common.block_table[i, :cdiv(seq_len, block_size)].copy()
                          if computed > 0 or not causal else None)
-            prefills.append(PrefillSpan(int(starts[i]), int(starts[i + 1]), computed, seq_len,
-                                        block_ids))
+            span = PrefillSpan(int(starts[i]), int(starts[i + 1]), computed, seq_len, block_ids)
+            if common.key_ends is not None and causal:
+                span.key_ends = common.key_ends[span.start:span.end]
+            prefills.append(span)
         prefill_native = None
         if prefill_rows.size and _native_ops(device) is not None:
             max_blocks = cdiv(int(seq_lens[prefill_rows].max()), block_size)
@@ -156,7 +167,9 @@ class TorchSDPABackend(AttentionBackend):
                     common.block_table[prefill_rows, :max_blocks], dtype=np.int32)),
                 torch.from_numpy(starts[prefill_rows].astype(np.int32)),
                 torch.from_numpy(query_lens[prefill_rows].astype(np.int32)),
-                torch.from_numpy(seq_lens[prefill_rows].astype(np.int32)))
+                torch.from_numpy(seq_lens[prefill_rows].astype(np.int32)),
+                torch.from_numpy(common.key_ends) if common.key_ends is not None and causal
+                else torch.empty(0, dtype=torch.int32))
         slot_mapping = torch.from_numpy(common.slot_mapping).to(device)
         return TorchSDPAMetadata(slot_mapping, common.num_actual_tokens, decode_idx,
                                  decode_table, decode_mask, decode_seq_lens, decode_table_i32,
@@ -327,7 +340,7 @@ class TorchSDPAImpl(AttentionImpl):
         return native.paged_prefill_attention(
             query, kv_cache, spans.block_table, spans.query_start, spans.query_len,
             spans.seq_lens, out, self.scale, self.attn_type == AttentionType.DECODER,
-            self.sliding_window or 0, self.logits_soft_cap or 0.0)
+            self.sliding_window or 0, self.logits_soft_cap or 0.0, spans.key_ends)
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: TorchSDPAMetadata) -> torch.Tensor:
@@ -435,7 +448,7 @@ class TorchSDPAImpl(AttentionImpl):
                  span: PrefillSpan) -> torch.Tensor:
         # 4-D [1, heads, len, d] inputs: the 3-D form takes a slower kernel on CPU.
         q = query[span.start:span.end].transpose(0, 1)[None]
-        if span.block_ids is None and self.plain:
+        if span.block_ids is None and self.plain and span.key_ends is None:
             # A causal chunk with nothing before it: its own keys (cross-attention spans,
             # which have no keys of their own, always read blocks).
             assert key is not None and value is not None
@@ -445,7 +458,8 @@ class TorchSDPAImpl(AttentionImpl):
                                                enable_gqa=self.group > 1)
             return o[0].transpose(0, 1)
         if span.block_ids is None:
-            # Windowed or soft-capped, nothing before it: its own keys, masked.
+            # Windowed, soft-capped or with bidirectional spans, nothing before it: its own
+            # keys, masked.
             assert key is not None and value is not None
             k = key[span.start:span.end].transpose(0, 1)[None]
             v = value[span.start:span.end].transpose(0, 1)[None]
@@ -463,12 +477,15 @@ class TorchSDPAImpl(AttentionImpl):
             mask = span.window_masks.get(self.sliding_window)
             if mask is None:
                 # Query row r sits at position computed + r and sees keys
-                # (computed + r - window, computed + r]; keys start at position
-                # seq_len - k_len (0 when read from blocks, `computed` for its own keys).
-                # e.g. computed 4, 2 queries, window 3, blocks: rows keys 2..4, 3..5.
+                # (computed + r - window, key_end), key_end = computed + r + 1 unless it is
+                # in a bidirectional span; keys start at position seq_len - k_len (0 when
+                # read from blocks, `computed` for its own keys).
+                # e.g. computed 4, 2 queries, window 3, blocks: rows keys 2..4, 3..5; with
+                # the two in the span [4, 6): keys 2..5, 3..5.
                 q_pos = span.computed + np.arange(span.end - span.start)[:, None]
                 k_pos = span.seq_len - k.shape[2] + np.arange(k.shape[2])[None, :]
-                allowed = k_pos <= q_pos
+                key_ends = q_pos + 1 if span.key_ends is None else span.key_ends[:, None]
+                allowed = k_pos < key_ends
                 if self.sliding_window is not None:
                     allowed &= k_pos > q_pos - self.sliding_window
                 mask = torch.from_numpy(allowed).to(query.device)

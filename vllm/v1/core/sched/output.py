@@ -33,6 +33,8 @@ class NewRequestData:
     lora_request: LoRARequest | None = None  # its adapter (None: the base model)
     # M-RoPE models with media: int64 [3, num_prompt_tokens] rotary positions.
     mrope_positions: torch.Tensor | None = None
+    # Media runs [start, end) attending bidirectionally (empty: all causal).
+    bidirectional_spans: list[tuple[int, int]] = field(default_factory=list)
 
     @classmethod
     def from_request(cls, request: Request, block_ids: list[int],
@@ -50,6 +52,7 @@ class NewRequestData:
             prompt_is_token_ids=request.prompt_is_token_ids,
             lora_request=request.lora_request,
             mrope_positions=request.mrope_positions,
+            bidirectional_spans=request.bidirectional_spans,
         )
 
 

@@ -75,6 +75,10 @@ class Scheduler:
     re-schedules them after a preemption), unless their cross-attention blocks are still
     cached; encoder inputs are never split and count against their own per-step budget.
 
+    A model whose media attend bidirectionally (Gemma 3's images) gives its requests the
+    media runs' spans: a chunk never ends inside one (it ends before the run, which a later
+    step takes whole) and neither does a prefix hit (`Request.chunk_end`, `splits_span`).
+
     Requests with images or audio wait in the media stage (`MediaRows`) until their items
     fit that same budget (`_encode_media`: items in the encoder cache, or already encoded
     this step, cost nothing); their rows are then computed in one encoder batch per
@@ -393,7 +397,9 @@ class Scheduler:
             num_new = request.num_tokens - num_hit
             if not self.config.enable_chunked_prefill and num_new > step.budget:
                 break
-            num_new = min(num_new, step.budget)
+            num_new = request.chunk_end(num_hit, num_hit + min(num_new, step.budget)) - num_hit
+            if num_new == 0:  # its next image run does not fit what is left of the budget
+                break
             cross_hits = self.kv_cache_manager.get_cached_cross_blocks(request)
             encoder_cost = request.num_encoder_tokens if cross_hits is None else 0
             if encoder_cost > step.encoder_budget:
@@ -420,9 +426,11 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
-        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        computed = request.num_computed_tokens
+        num_new = min(request.num_tokens - computed, budget)
         # The token at position max_model_len - 1 is the last that needs a KV slot.
-        return max(0, min(num_new, self.max_model_len - request.num_computed_tokens))
+        num_new = max(0, min(num_new, self.max_model_len - computed))
+        return request.chunk_end(computed, computed + num_new) - computed
 
     def _drafts_to_verify(self, request: Request, num_new: int, budget: int) -> list[int]:
         """A decoding request's drafts that this step verifies with its last token: as
