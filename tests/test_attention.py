@@ -183,9 +183,10 @@ def test_native_write_kv_matches_index_copy(dtype):
         ops.write_kv(key, value, cache, torch.tensor([64]))
 
 
-def _cpu_has(flag: str) -> bool:
-    with open("/proc/cpuinfo") as f:
-        return flag in next((line for line in f if line.startswith("flags")), "").split()
+def _build_has(ops, flag: str) -> bool:
+    """Whether the native build was compiled with `flag` (its target's, not necessarily this
+    processor's: `VLLM_CPU_MARCH`)."""
+    return flag in ops.isa()
 
 
 def _check_prefill(path, dtype, plan, heads, kv_heads, head_size, block, causal=True,
@@ -244,7 +245,7 @@ def _check_prefill(path, dtype, plan, heads, kv_heads, head_size, block, causal=
             torch.tensor([keys for _, keys in plan], dtype=torch.int32), out, scale, causal,
             window, soft_cap, key_ends if spans else torch.empty(0, dtype=torch.int32))
         if not ran:  # the kernel is AVX-512 only; elsewhere the backend takes torch SDPA
-            assert not _cpu_has("avx512f")
+            assert not _build_has(ops, "avx512f")
             pytest.skip("no AVX-512 (avx512f): the native prefill kernel declines; "
                         "[portable] checks the path the backend takes")
     else:
@@ -504,7 +505,7 @@ def test_encoder_attention(path, head_size):
             return
     out = torch.full((starts[-1], heads * head_size), 7.0, dtype=torch.bfloat16)
     if not native.encoder_attention(q, k, v, starts, out, scale):
-        assert not _cpu_has("avx512_bf16")
+        assert not _build_has(native, "avx512_bf16")
         pytest.skip("no AVX512-BF16 (avx512_bf16): the encoder kernel declines; [portable] "
                     "checks the SDPA path the backend takes")
     assert torch.equal(impl.forward(q, k, v, None, metadata), out)

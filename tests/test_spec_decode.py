@@ -566,7 +566,8 @@ def test_default_model_copy_prompt_identical(default_model_path):
                "It stands thirty-two metres tall and was automated in 1989. ")
     prompt = [{"role": "user", "content": f"{passage}\nRepeat the text above exactly."}]
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=1)
-    spec = LLM(default_model_path, dtype="float32", enforce_eager=True, max_model_len=256,
+    spec = LLM(default_model_path, dtype="float32", quantization="none", enforce_eager=True,
+               max_model_len=256,
                speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                    "prompt_lookup_min": 2, "prompt_lookup_max": 4})
     runner = spec.llm_engine.engine_core.model_executor.model_runner  # type: ignore[attr-defined]

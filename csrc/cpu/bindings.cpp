@@ -37,6 +37,38 @@ torch::Tensor lora_delta(torch::Tensor x, torch::Tensor indices, torch::Tensor r
 bool lora_kernel_available();
 void bind_fused_decoder(pybind11::module& m);  // the FusedDecoder class (fused_decode.cpp)
 
+// The instruction-set extensions this build was compiled for (`-march`), in /proc/cpuinfo's
+// names: what its kernels can run, which a test asks rather than the processor (a build
+// for another target, VLLM_CPU_MARCH, runs the forms of that target).
+std::vector<std::string> isa() {
+  std::vector<std::string> flags;
+#if defined(__AVX2__)
+  flags.push_back("avx2");
+#endif
+#if defined(__FMA__)
+  flags.push_back("fma");
+#endif
+#if defined(__F16C__)
+  flags.push_back("f16c");
+#endif
+#if defined(__AVX512F__)
+  flags.push_back("avx512f");
+#endif
+#if defined(__AVX512BW__)
+  flags.push_back("avx512bw");
+#endif
+#if defined(__AVX512VL__)
+  flags.push_back("avx512vl");
+#endif
+#if defined(__AVX512VNNI__)
+  flags.push_back("avx512_vnni");
+#endif
+#if defined(__AVX512BF16__)
+  flags.push_back("avx512_bf16");
+#endif
+  return flags;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -63,7 +95,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_block_codes", &pack_block_codes,
         "Block codes [N, Kp] uint8 -> quant_gemv's pair layout");
   m.def("quant_gemv_available", &quant_gemv_available,
-        "Whether quant_gemv was built (AVX-512 VNNI)");
+        "Whether quant_gemv was built (AVX-512 VNNI, or AVX2 with FMA and F16C)");
   m.def("gguf_mm_available", &gguf_mm_available,
         "Whether gguf_mm was built (AVX2 with FMA and F16C)");
   m.def("gguf_mm_form", &gguf_mm_form,
@@ -74,6 +106,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Sum of the local ranks' tensors through a shared-memory segment (CPU)");
   m.def("lora_kernel_available", &lora_kernel_available,
         "Whether lora_delta was built (AVX-512)");
+  m.def("isa", &isa, "The instruction-set extensions this build was compiled for");
   bind_fused_decoder(m);
 }
 
