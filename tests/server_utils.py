@@ -29,10 +29,14 @@ SMALL_ENGINE_ARGS = [*GRAPHS_ENGINE_ARGS, "--enforce-eager"]
 # modules (chat tools, Responses, LangChain / instructor) share it (conftest's `tool_server`).
 TOOL_MODEL = "smollm2"
 HERMES_TEMPLATE = Path(__file__).parent.parent / "examples" / "tool_chat_template_hermes.jinja"
+# Float weights (`--quantization none`): the Responses and Messages tests compare their
+# answers with chat completions' to the same request, whose prompt the second request finds
+# in the prefix cache. With the file's blocks kept, a prefill of up to 16 tokens takes int8
+# activations and a longer one the dense weight, so a prefix hit would move near-ties.
 TOOL_SERVER_ARGS = ["--served-model-name", TOOL_MODEL, "--chat-template", str(HERMES_TEMPLATE),
                     "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                     "--enable-prompt-embeds", *SMALL_ENGINE_ARGS, "--max-model-len", "1024",
-                    "--kv-cache-memory-bytes", "128MiB"]
+                    "--kv-cache-memory-bytes", "128MiB", "--quantization", "none"]
 STARTUP_TIMEOUT_S = 180.0
 
 
