@@ -128,6 +128,15 @@ def test_a_gguf_file_keeps_its_blocks_unless_told_otherwise(default_model_path) 
     assert resolved(quantization="none") is None
     assert resolved(quantization="int8") == "int8"
     assert EngineArgs._resolve_quantization(None, "cuda", default_model_path) is None
+    # A draft model's file resolves the same way; the user's config keeps "none".
+    for asked, resolved_to in ((None, "gguf"), ("none", None)):
+        spec = {"method": "draft_model", "model": default_model_path,
+                "num_speculative_tokens": 2, "quantization": asked}
+        config = EngineArgs(default_model_path, speculative_config=spec).create_engine_config()
+        assert config.speculative_config is not None
+        draft = config.speculative_config.draft_model_config
+        assert draft is not None and draft.quantization == resolved_to
+        assert spec["quantization"] == asked
     with pytest.raises(ValueError, match="choose one of int8, gguf, none"):
         resolved(quantization="q4")
 

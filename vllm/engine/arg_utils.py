@@ -320,8 +320,9 @@ class EngineArgs:
             if parallel_config.tensor_parallel_size > 1:
                 raise ValueError("speculative_config method 'draft_model' runs with "
                                  "tensor_parallel_size=1 only; 'ngram' works with any.")
-            spec.quantization = self._resolve_quantization(spec.quantization, device,
-                                                           spec.model or "")
+            # A copy: the user's config keeps what they asked for ("none" stays "none").
+            spec = dataclasses.replace(spec, quantization=self._resolve_quantization(
+                spec.quantization, device, spec.model or ""))
             spec.draft_model_config = draft_model_config(spec, model_config)
         return spec
 
