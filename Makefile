@@ -49,8 +49,9 @@ espeak:
 		$$sudo apt-get update -qq && $$sudo apt-get install -y -qq espeak-ng; }
 
 # In file order; `make test-random` runs it in random orders (pytest-randomly), one per seed.
+# The 25 slowest tests are listed at the end, so every CI log says where the time went.
 test: install espeak
-	$(BIN)/python -m pytest -p no:randomly -q tests
+	$(BIN)/python -m pytest -p no:randomly -q --durations=25 tests
 
 # The unit layer (tests not marked `slow`: no engine, server or real model), under 5 minutes:
 # the loop between two changes.
