@@ -19,8 +19,9 @@ import torch
 from PIL import Image
 
 from tests import qwen2_audio_reference as audio
-from tests.llava_reference import MAX_TOKENS, data_url, hf_greedy, load_reference, random_image
+from tests.llava_reference import data_url, hf_greedy, load_reference, random_image
 from tests.model_factory import make_tiny_llava, make_tiny_qwen2_audio
+from tests.multimodal_family import MAX_TOKENS
 from vllm import LLM, SamplingParams
 from vllm.multimodal.audio import MAX_AUDIO_BYTES
 from vllm.multimodal.image import MAX_IMAGE_BYTES
