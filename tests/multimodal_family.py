@@ -83,7 +83,8 @@ def check_preemption_and_graphs(model_dir: str, prompts: list[dict],
                                 max_model_len: int = 96, **engine_args: Any) -> Any:
     """`prompts` give `expected` greedy tokens (as many as each list holds) on an engine of
     `num_blocks` KV blocks of 8 (prefix cache off), where requests are preempted, then on an
-    engine with compiled graphs (batch sizes 1 and 4); `engine_args` go to both. Returns
+    engine with compiled graphs (one static size, 4: decode steps of fewer rows pad to it);
+    `engine_args` go to both. Returns
     the graphs engine's runner, for the family's checks of what its graphs replayed."""
     params = greedy(len(expected[0]))
     assert all(len(tokens) == len(expected[0]) for tokens in expected)
@@ -96,7 +97,7 @@ def check_preemption_and_graphs(model_dir: str, prompts: list[dict],
     small.shutdown()
     graphs = LLM(model_dir, dtype="float32", max_model_len=96,
                  kv_cache_memory_bytes=16 * 1024**2,
-                 compilation_config={"cudagraph_capture_sizes": [1, 4]}, **engine_args)
+                 compilation_config={"cudagraph_capture_sizes": [4]}, **engine_args)
     outputs = graphs.generate(prompts, params, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected
     executor: Any = graphs.llm_engine.engine_core.model_executor  # uni: the runner in process
