@@ -333,3 +333,17 @@ def test_two_starved_runs_take_turns_and_no_decode_waits_two_steps() -> None:
     ]
     for before, after in zip(counts, counts[1:]):
         assert all(name in before or name in after for name in names)
+
+
+def test_a_reservation_its_request_cannot_use_goes_back_to_the_decodes() -> None:
+    """Five blocks of 4 (one the null block): c is blocked in step 2 and reserved for in
+    step 3, but its run needs two blocks and one is free: c waits, and d3, left out by the
+    reservation, decodes in the same step."""
+    s = make_scheduler(max_num_batched_tokens=8, max_num_seqs=4, num_blocks=5)
+    decoders(s, 3)
+    step(s)
+    s.add_request(spans_request("c", list(range(10, 18)), [(0, 6)], max_tokens=4))
+    assert dict(step(s).num_scheduled_tokens) == {"d1": 1, "d2": 1, "d3": 1}
+    assert s.span_reservation.req_id == "c"
+    assert dict(step(s).num_scheduled_tokens) == {"d1": 1, "d2": 1, "d3": 1}
+    assert s.requests["c"].status == RequestStatus.WAITING
