@@ -317,7 +317,7 @@ class Scheduler:
             self._schedule_waiting(step, kind)
         if step.reserve:  # its request could not be admitted (no seat, no blocks)
             step.reserve = 0
-            self._schedule_running(step, kind)
+            self._schedule_running(step, kind, may_preempt=False)
         while not step.num_scheduled and self._preempt_parked_beam(step):
             self._schedule_waiting(step, kind)
         if step.suspect is not None and not step.num_scheduled:
@@ -370,8 +370,11 @@ class Scheduler:
             EngineCoreOutput(r.request_id, [], finish_reason=FinishReason.ERROR)
             for r in failed]
 
-    def _schedule_running(self, step: _Step, kind: InputKind | None) -> None:
-        """Running requests, oldest first; a request short of blocks preempts the newest."""
+    def _schedule_running(self, step: _Step, kind: InputKind | None,
+                          may_preempt: bool = True) -> None:
+        """Running requests, oldest first; a request short of blocks preempts the newest
+        (unless `may_preempt` is False: a second pass, where the newest may already be in
+        this step, skips it)."""
         index = 0
         while (index < len(self.running) and step.budget > 0
                and len(step.num_scheduled) < self.config.max_num_seqs):
@@ -389,6 +392,8 @@ class Scheduler:
                 continue
             while (new_blocks := self.kv_cache_manager.allocate_slots(
                     request, num_new + self._lookahead(request, num_new))) is None:
+                if not may_preempt:
+                    break
                 victim = self.running.pop()
                 self._preempt(victim)
                 step.preempted.append(victim)
@@ -396,6 +401,9 @@ class Scheduler:
                     step.reserve = 0
                 if victim is request:
                     return
+            if new_blocks is None:
+                index += 1
+                continue
             if request.resend_in_full:  # a beam whose tokens the runner does not know
                 request.resend_in_full = False
                 step.new_reqs.append(request)
