@@ -6,7 +6,7 @@ and with compiled graphs.
 
 A family's module declares its fixtures in one line:
 
-    model_dir, hf, llm = family_fixtures(make_tiny_llava, load_reference,
+    model_dir, hf, llm = family_fixtures("tiny_llava_dir", load_reference,
                                          max_model_len=256, max_num_batched_tokens=24)
 """
 
@@ -52,16 +52,16 @@ def engine_state(llm: LLM) -> dict:
     return llm.llm_engine.engine_core.get_state()
 
 
-def family_fixtures(make_model: Callable[[str], str], load_reference: Callable[[str], Any],
+def family_fixtures(checkpoint: str, load_reference: Callable[[str], Any],
                     **engine_args: Any) -> tuple[Any, Any, Any]:
-    """Module fixtures `model_dir` (`make_model` into a temporary directory), `hf`
-    (`load_reference(model_dir)`) and `llm` (an engine on it: `ENGINE_DEFAULTS`, then
-    `engine_args`, a `FromFixture` one read from that fixture), each built once a module;
-    assign them to those three names."""
+    """Module fixtures `model_dir` (the session's tiny checkpoint, the fixture named
+    `checkpoint` in conftest.py), `hf` (`load_reference(model_dir)`) and `llm` (an engine on
+    it: `ENGINE_DEFAULTS`, then `engine_args`, a `FromFixture` one read from that fixture),
+    the last two built once a module; assign them to those three names."""
 
     @pytest.fixture(scope="module", name="model_dir")
-    def model_dir_fixture(tmp_path_factory) -> str:
-        return make_model(str(tmp_path_factory.mktemp(make_model.__name__)))
+    def model_dir_fixture(request: pytest.FixtureRequest) -> str:
+        return request.getfixturevalue(checkpoint)
 
     @pytest.fixture(scope="module", name="hf")
     def hf_fixture(model_dir: str) -> Any:

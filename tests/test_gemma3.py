@@ -21,7 +21,7 @@ from tests.gemma3_reference import (
     load_gemma3_reference,
 )
 from tests.llava_reference import chat_messages, random_image
-from tests.model_factory import GEMMA3_IMAGE_TOKENS, make_tiny_gemma3
+from tests.model_factory import GEMMA3_IMAGE_TOKENS
 from tests.multimodal_family import check_preemption_and_graphs, family_fixtures, greedy
 from vllm import LLM
 
@@ -42,7 +42,7 @@ CHAT_IMAGES = [random_image(11), random_image(12)]
 
 
 model_dir, hf, llm = family_fixtures(
-    make_tiny_gemma3, load_gemma3_reference, max_model_len=256,
+    "tiny_gemma3_dir", load_gemma3_reference, max_model_len=256,
     max_num_batched_tokens=BUDGET, limit_mm_per_prompt={"image": 2}, enable_mm_embeds=True)
 
 

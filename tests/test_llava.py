@@ -49,7 +49,7 @@ def media_dir(tmp_path_factory) -> str:
 # 24-token steps: a prompt with two images (32 image positions) is prefilled in chunks, and
 # image runs cross chunk and block boundaries; three images encoded per step.
 model_dir, hf, llm = family_fixtures(
-    make_tiny_llava, load_reference, max_model_len=256, max_num_batched_tokens=24,
+    "tiny_llava_dir", load_reference, max_model_len=256, max_num_batched_tokens=24,
     max_num_encoder_input_tokens=3 * IMAGE_TOKENS, limit_mm_per_prompt={"image": 2},
     enable_mm_embeds=True, allowed_local_media_path=FromFixture("media_dir"),
     allowed_media_domains=["127.0.0.1"])

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import soxr
 
-from tests.model_factory import make_tiny_model, make_tiny_qwen2_audio
+from tests.model_factory import make_tiny_model
 from tests.multimodal_family import (
     check_preemption_and_graphs,
     engine_state,
@@ -37,7 +37,7 @@ pytestmark = pytest.mark.slow
 
 # 24-token steps: a 1 s clip is 25 positions, so clip runs are prefilled in chunks and cross
 # chunk and block boundaries.
-model_dir, hf, llm = family_fixtures(make_tiny_qwen2_audio, load_reference, max_model_len=512,
+model_dir, hf, llm = family_fixtures("tiny_qwen2_audio_dir", load_reference, max_model_len=512,
                                      max_num_batched_tokens=24,
                                      limit_mm_per_prompt={"audio": 2})
 

@@ -32,7 +32,7 @@ SHAPES = [(40, 52, 3), (100, 300, 3), (170, 90, 3)]
 
 
 # 24-token steps: image runs (6 to 36 rows) are prefilled across chunks and blocks.
-model_dir, hf, llm = family_fixtures(make_tiny_qwen2_vl, load_reference, max_model_len=256,
+model_dir, hf, llm = family_fixtures("tiny_qwen2_vl_dir", load_reference, max_model_len=256,
                                      max_num_batched_tokens=24,
                                      limit_mm_per_prompt={"image": 2})
 
