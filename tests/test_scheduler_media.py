@@ -347,3 +347,15 @@ def test_a_reservation_its_request_cannot_use_goes_back_to_the_decodes() -> None
     assert s.span_reservation.req_id == "c"
     assert dict(step(s).num_scheduled_tokens) == {"d1": 1, "d2": 1, "d3": 1}
     assert s.requests["c"].status == RequestStatus.WAITING
+
+
+def test_a_starved_request_aborted_leaves_no_reservation() -> None:
+    """c is blocked in step 2, then aborted: step 3 reserves nothing, the three decode."""
+    s = make_scheduler(max_num_batched_tokens=8, max_num_seqs=4)
+    decoders(s, 3)
+    s.add_request(spans_request("c", list(range(10, 20)), [(2, 8)], max_tokens=4))
+    step(s)
+    assert dict(step(s).num_scheduled_tokens) == {"d1": 1, "d2": 1, "d3": 1}
+    s.finish_requests(["c"], RequestStatus.FINISHED_ABORTED)
+    assert dict(step(s).num_scheduled_tokens) == {"d1": 1, "d2": 1, "d3": 1}
+    assert s.span_reservation.req_id is None
