@@ -9,7 +9,15 @@ import torch
 import torch._dynamo.config
 import torch._inductor.config
 
-from tests.model_factory import make_tiny_bart, make_tiny_model, make_tiny_whisper
+from tests.model_factory import (
+    make_tiny_bart,
+    make_tiny_gemma3,
+    make_tiny_llava,
+    make_tiny_model,
+    make_tiny_qwen2_audio,
+    make_tiny_qwen2_vl,
+    make_tiny_whisper,
+)
 from vllm.transformers_utils.default_model import default_model_path as _default_model_path
 
 
@@ -83,6 +91,29 @@ def tiny_bart_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 def tiny_whisper_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Directory of a tiny random WhisperForConditionalGeneration with the tiny.en tokenizer."""
     return make_tiny_whisper(str(tmp_path_factory.mktemp("tiny_whisper")))
+
+
+# The multimodal families' tiny random checkpoints (`model_factory`), read by their offline
+# and served test modules alike (`multimodal_family.family_fixtures`); tests never write
+# into them.
+@pytest.fixture(scope="session")
+def tiny_llava_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_llava(str(tmp_path_factory.mktemp("tiny_llava")))
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_gemma3(str(tmp_path_factory.mktemp("tiny_gemma3")))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_audio_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_qwen2_audio(str(tmp_path_factory.mktemp("tiny_qwen2_audio")))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_qwen2_vl(str(tmp_path_factory.mktemp("tiny_qwen2_vl")))
 
 
 @pytest.fixture(scope="session")

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tests.llava_reference import MAX_TOKENS
 from tests.model_factory import GEMMA3_IMAGE_TOKENS, GEMMA3_TOKENS
+from tests.multimodal_family import MAX_TOKENS, hf_generate
 
 
 def blocky_image(seed: int, cells: int = 4, size: int = 56) -> np.ndarray:
@@ -41,7 +41,6 @@ def chat_text(hf, num_images: int) -> str:
         tokenize=False, add_generation_prompt=True)
 
 
-@torch.inference_mode()
 def gemma3_generate(hf, text: str, images: list[np.ndarray], add_special_tokens: bool = True,
                     max_tokens: int = MAX_TOKENS, bidirectional: bool = True
                     ) -> tuple[list[int], list[int]]:
@@ -52,7 +51,4 @@ def gemma3_generate(hf, text: str, images: list[np.ndarray], add_special_tokens:
                        add_special_tokens=add_special_tokens)
     if not bidirectional:
         inputs.pop("token_type_ids", None)
-    out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False,
-                         min_new_tokens=max_tokens)
-    prompt = inputs["input_ids"][0].tolist()
-    return prompt, out[0, len(prompt):].tolist()
+    return hf_generate(model, inputs, max_tokens)

@@ -18,8 +18,7 @@ import torch
 from PIL import Image
 
 from tests.model_factory import TINY_PATCH_SIZE
-
-MAX_TOKENS = 8
+from tests.multimodal_family import MAX_TOKENS
 
 
 def random_image(seed: int, shape: tuple[int, int, int] = (40, 52, 3)) -> np.ndarray:

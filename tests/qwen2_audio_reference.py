@@ -9,7 +9,8 @@ import io
 import numpy as np
 import torch
 
-MAX_TOKENS = 8
+from tests.multimodal_family import MAX_TOKENS, hf_generate
+
 RATE = 16_000
 PROMPT = "<|audio_bos|><|AUDIO|><|audio_eos|>What is this sound?"
 TWO = "<|audio_bos|><|AUDIO|><|audio_eos|> then <|audio_bos|><|AUDIO|><|audio_eos|>Compare."
@@ -57,7 +58,6 @@ def load_reference(path: str):
     return processor, model.eval()
 
 
-@torch.inference_mode()
 def hf_greedy(hf, text: str, clips: list[np.ndarray], max_tokens: int = MAX_TOKENS,
               add_special_tokens: bool = True) -> tuple[list[int], list[int]]:
     """(prompt ids, greedy tokens) from transformers: its processor expands the
@@ -66,10 +66,7 @@ def hf_greedy(hf, text: str, clips: list[np.ndarray], max_tokens: int = MAX_TOKE
     processor, model = hf
     inputs = processor(text=text, audio=clips or None, sampling_rate=RATE,
                        return_tensors="pt", add_special_tokens=add_special_tokens)
-    out = model.generate(**inputs, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                         do_sample=False)
-    prompt_ids = inputs["input_ids"][0].tolist()
-    return prompt_ids, out[0, len(prompt_ids):].tolist()
+    return hf_generate(model, inputs, max_tokens)
 
 
 def hf_chat_greedy(hf, clips: list[np.ndarray], text: str = "Describe these."

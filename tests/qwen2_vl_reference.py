@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from tests.llava_reference import MAX_TOKENS
+from tests.multimodal_family import MAX_TOKENS, hf_generate
 
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
@@ -56,16 +56,11 @@ def hf_inputs(hf: Reference, text: str, images: list[np.ndarray],
     return inputs
 
 
-@torch.inference_mode()
 def hf_greedy(hf: Reference, text: str, images: list[np.ndarray],
               add_special_tokens: bool = True, max_tokens: int = MAX_TOKENS
               ) -> tuple[list[int], list[int]]:
     """(prompt ids, greedy tokens) of transformers' `generate`."""
-    inputs = hf_inputs(hf, text, images, add_special_tokens)
-    out = hf.model.generate(**inputs, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                            do_sample=False)
-    prompt = inputs["input_ids"][0].tolist()
-    return prompt, out[0, len(prompt):].tolist()
+    return hf_generate(hf.model, hf_inputs(hf, text, images, add_special_tokens), max_tokens)
 
 
 def hf_chat_greedy(hf: Reference, images: list[np.ndarray]) -> tuple[list[int], list[int]]:

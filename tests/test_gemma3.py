@@ -10,8 +10,6 @@ the parity tests fail on an engine that attends causally over the images.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import pytest
 import torch
@@ -22,18 +20,20 @@ from tests.gemma3_reference import (
     gemma3_generate,
     load_gemma3_reference,
 )
-from tests.llava_reference import MAX_TOKENS, chat_messages, random_image
-from tests.model_factory import GEMMA3_IMAGE_TOKENS, make_tiny_gemma3
-from vllm import LLM, SamplingParams
+from tests.llava_reference import chat_messages, random_image
+from tests.model_factory import GEMMA3_IMAGE_TOKENS
+from tests.multimodal_family import check_preemption_and_graphs, family_fixtures, greedy
+from vllm import LLM
 
 pytestmark = pytest.mark.slow
 
 BOI = "<start_of_image>"
 PROMPT = f"Describe {BOI} now."
 TWO = f"Compare {BOI} and {BOI} please."
-# 20-token steps: PROMPT's image run is positions 12..27, so the first chunk (0..20) would
-# cut it; it ends at 12 and the next step takes the run whole.
-BUDGET = 20
+# Steps of one image's run (16 tokens): PROMPT's image run is positions 12..27, so the first
+# chunk (0..16) would cut it; it ends at 12 and a later step takes the run whole, alone: while
+# other requests decode, only a step reserved for it can (`SpanReservation`).
+BUDGET = GEMMA3_IMAGE_TOKENS
 # Cases of the parity tests whose transformers tokens change when the images attend
 # causally (`test_the_bidirectional_mask_matters`).
 ONE_IMAGE = random_image(1)
@@ -41,32 +41,13 @@ TWO_IMAGES = [blocky_image(4), blocky_image(5)]
 CHAT_IMAGES = [random_image(11), random_image(12)]
 
 
-def _greedy() -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def gemma3_dir(tmp_path_factory) -> str:
-    return make_tiny_gemma3(str(tmp_path_factory.mktemp("tiny_gemma3")))
-
-
-@pytest.fixture(scope="module")
-def hf(gemma3_dir):
-    return load_gemma3_reference(gemma3_dir)
-
-
-@pytest.fixture(scope="module")
-def llm(gemma3_dir):
-    engine = LLM(gemma3_dir, dtype="float32", max_model_len=256, enforce_eager=True,
-                 kv_cache_memory_bytes=16 * 1024**2, block_size=16,
-                 max_num_batched_tokens=BUDGET, enable_chunked_prefill=True,
-                 enable_prefix_caching=True, limit_mm_per_prompt={"image": 2})
-    yield engine
-    engine.shutdown()
+model_dir, hf, llm = family_fixtures(
+    "tiny_gemma3_dir", load_gemma3_reference, max_model_len=256,
+    max_num_batched_tokens=BUDGET, limit_mm_per_prompt={"image": 2}, enable_mm_embeds=True)
 
 
 def _generate(llm: LLM, text: str, images: list[np.ndarray]):
-    return llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, _greedy(),
+    return llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, greedy(),
                         use_tqdm=False)[0]
 
 
@@ -86,7 +67,7 @@ def test_the_bidirectional_mask_matters(hf) -> None:
 def test_one_image_equals_transformers(llm, hf) -> None:
     images = [ONE_IMAGE, random_image(2, (64, 30, 3)), blocky_image(3, size=40)]
     outputs = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": image}}
-                            for image in images], _greedy(), use_tqdm=False)
+                            for image in images], greedy(), use_tqdm=False)
     tokens = []
     for output, image in zip(outputs, images, strict=True):
         prompt_ids, expected = gemma3_generate(hf, PROMPT, [image])
@@ -113,7 +94,7 @@ def test_prompt_token_ids_with_a_bare_boi_expand_as_the_text_does(llm, hf) -> No
     bare = tokenizer(PROMPT)["input_ids"]
     assert len(bare) < len(prompt_ids)
     output = llm.generate({"prompt_token_ids": bare, "multi_modal_data": {"image": image}},
-                          _greedy(), use_tqdm=False)[0]
+                          greedy(), use_tqdm=False)[0]
     assert output.prompt_token_ids == prompt_ids
     assert list(output.outputs[0].token_ids) == expected
 
@@ -149,21 +130,21 @@ def test_prefix_hit_ending_inside_an_image_is_rounded_down(llm, hf) -> None:
 
 
 def test_chat_with_image_url_parts_equals_transformers(llm, hf) -> None:
-    output = llm.chat(chat_messages(CHAT_IMAGES), _greedy(), use_tqdm=False)[0]
+    output = llm.chat(chat_messages(CHAT_IMAGES), greedy(), use_tqdm=False)[0]
     prompt_ids, expected = gemma3_generate(hf, chat_text(hf, 2), CHAT_IMAGES,
                                            add_special_tokens=False)
     assert output.prompt_token_ids == prompt_ids
     assert list(output.outputs[0].token_ids) == expected
 
 
-def test_an_image_run_longer_than_the_budget_is_refused(gemma3_dir) -> None:
+def test_an_image_run_longer_than_the_budget_is_refused(model_dir) -> None:
     with pytest.raises(ValueError, match="smaller than one image's run of 16 positions"):
-        LLM(gemma3_dir, dtype="float32", max_model_len=256, enforce_eager=True,
+        LLM(model_dir, dtype="float32", max_model_len=256, enforce_eager=True,
             kv_cache_memory_bytes=16 * 1024**2, max_num_batched_tokens=12,
             enable_chunked_prefill=True)
 
 
-def test_under_preemption_and_with_graphs(gemma3_dir, hf) -> None:
+def test_under_preemption_and_with_graphs(model_dir, hf) -> None:
     """Preemption (20 blocks of 8 for both KV groups, four prompts of 36 to 55 tokens: a
     preempted request recomputes its images' runs whole), then compiled graphs (the
     attention op reads each step's key ends from its metadata), both equal to transformers'
@@ -172,44 +153,28 @@ def test_under_preemption_and_with_graphs(gemma3_dir, hf) -> None:
              (TWO, [blocky_image(13), blocky_image(14)])]
     prompts = [{"prompt": text, "multi_modal_data": {"image": images}}
                for text, images in cases]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    expected = [gemma3_generate(hf, text, images, max_tokens=16)[1] for text, images in cases]
-    small = LLM(gemma3_dir, dtype="float32", max_model_len=96, enforce_eager=True,
-                num_gpu_blocks_override=20, block_size=8, enable_prefix_caching=False,
-                max_num_batched_tokens=BUDGET, enable_chunked_prefill=True)
-    outputs = small.generate(prompts, params, use_tqdm=False)
-    assert small.llm_engine.engine_core.scheduler.num_preemptions > 0
-    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
-    small.shutdown()
-    graphs = LLM(gemma3_dir, dtype="float32", max_model_len=96,
-                 kv_cache_memory_bytes=16 * 1024**2, max_num_batched_tokens=BUDGET,
-                 enable_chunked_prefill=True,
-                 compilation_config={"cudagraph_capture_sizes": [1, 4]})
-    outputs = graphs.generate(prompts, params, use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
-    executor: Any = graphs.llm_engine.engine_core.model_executor  # uni: the runner in process
-    assert executor.model_runner.graphs.replays  # steps ran through the compiled graphs
-    graphs.shutdown()
+    expected = [gemma3_generate(hf, text, images, max_tokens=12)[1] for text, images in cases]
+    runner = check_preemption_and_graphs(model_dir, prompts, expected, num_blocks=20,
+                                         max_num_batched_tokens=BUDGET,
+                                         enable_chunked_prefill=True)
+    assert runner.graphs.replays  # steps ran through the compiled graphs
 
 
 @torch.inference_mode()
-def test_image_embeds_equal_transformers(gemma3_dir, hf) -> None:
+def test_image_embeds_equal_transformers(llm, hf) -> None:
     """Each image's rows from transformers' tower and projector, sent as image embeddings
     (enable_mm_embeds): the same tokens as the images themselves."""
     processor, model = hf
     pixels = processor.image_processor(images=TWO_IMAGES, return_tensors="pt")["pixel_values"]
     rows = model.get_image_features(pixel_values=pixels).pooler_output
     assert rows.shape == (2, GEMMA3_IMAGE_TOKENS, model.config.text_config.hidden_size)
-    engine = LLM(gemma3_dir, dtype="float32", max_model_len=256, enforce_eager=True,
-                 kv_cache_memory_bytes=16 * 1024**2, enable_mm_embeds=True)
-    output = _generate(engine, TWO, [rows])  # [num_images, feature_size, hidden_size]
-    engine.shutdown()
+    output = _generate(llm, TWO, [rows])  # [num_images, feature_size, hidden_size]
     assert list(output.outputs[0].token_ids) == gemma3_generate(hf, TWO, TWO_IMAGES)[1]
 
 
 def test_text_only_prompt_equals_transformers(llm, hf) -> None:
     text = "Describe a robot in one line."
-    output = llm.generate(text, _greedy(), use_tqdm=False)[0]
+    output = llm.generate(text, greedy(), use_tqdm=False)[0]
     prompt_ids, expected = gemma3_generate(hf, text, [])
     assert output.prompt_token_ids == prompt_ids
     assert list(output.outputs[0].token_ids) == expected

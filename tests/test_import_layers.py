@@ -35,12 +35,6 @@ CYCLE_BREAKS = {
     ("vllm.v1.executor.abstract", "vllm.v1.executor.ray_executor"):
         "Executor.get_class picks a subclass by name; the subclasses import their base "
         "(and ray stays optional).",
-    ("vllm.multimodal.processing", "vllm.multimodal.qwen2_vl"):
-        "media_prompt_processor picks an M-RoPE model's prompt processor; Qwen2-VL's builds "
-        "on processing's shared helpers.",
-    ("vllm.multimodal.processing", "vllm.multimodal.gemma3"):
-        "media_prompt_processor picks Gemma 3's prompt processor, a subclass of processing's "
-        "ImagePromptProcessor.",
 }
 
 # Who may import the server package (vllm.entrypoints.openai) from outside it.

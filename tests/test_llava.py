@@ -5,7 +5,6 @@ and prefix hits; the encoder cache; refusals that leave the engine serving."""
 from __future__ import annotations
 
 import io
-from typing import Any
 
 import numpy as np
 import pytest
@@ -13,7 +12,6 @@ import torch
 from PIL import Image
 
 from tests.llava_reference import (
-    MAX_TOKENS,
     chat_messages,
     embeds_part,
     hf_chat_greedy,
@@ -25,7 +23,14 @@ from tests.llava_reference import (
     serve_directory,
 )
 from tests.model_factory import TINY_IMAGE_SIZE, TINY_PATCH_SIZE, make_tiny_llava
-from vllm import LLM, SamplingParams
+from tests.multimodal_family import (
+    FromFixture,
+    check_preemption_and_graphs,
+    engine_state,
+    family_fixtures,
+    greedy,
+)
+from vllm import LLM
 from vllm.config import InputKind
 
 pytestmark = pytest.mark.slow
@@ -35,49 +40,25 @@ TWO = "USER: <image> and <image>\nCompare them.\nASSISTANT:"
 IMAGE_TOKENS = (TINY_IMAGE_SIZE // TINY_PATCH_SIZE) ** 2
 
 
-def _greedy() -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def llava_dir(tmp_path_factory) -> str:
-    return make_tiny_llava(str(tmp_path_factory.mktemp("tiny_llava")))
-
-
 @pytest.fixture(scope="module")
 def media_dir(tmp_path_factory) -> str:
     """Images `file:` URLs may name (and the local HTTP server serves)."""
     return str(tmp_path_factory.mktemp("llava_media"))
 
 
-@pytest.fixture(scope="module")
-def llm(llava_dir, media_dir):
-    # 24-token steps: a prompt with two images (32 image positions) is prefilled in chunks,
-    # and image runs cross chunk and block boundaries; three images encoded per step.
-    engine = LLM(llava_dir, dtype="float32", max_model_len=256, enforce_eager=True,
-                 kv_cache_memory_bytes=16 * 1024**2, block_size=16,
-                 max_num_batched_tokens=24, enable_chunked_prefill=True,
-                 max_num_encoder_input_tokens=3 * IMAGE_TOKENS,
-                 enable_prefix_caching=True, limit_mm_per_prompt={"image": 2},
-                 enable_mm_embeds=True, allowed_local_media_path=media_dir,
-                 allowed_media_domains=["127.0.0.1"])
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def hf(llava_dir):
-    return load_reference(llava_dir)
-
-
-def _engine_state(llm: LLM) -> dict:
-    return llm.llm_engine.engine_core.get_state()
+# 24-token steps: a prompt with two images (32 image positions) is prefilled in chunks, and
+# image runs cross chunk and block boundaries; three images encoded per step.
+model_dir, hf, llm = family_fixtures(
+    "tiny_llava_dir", load_reference, max_model_len=256, max_num_batched_tokens=24,
+    max_num_encoder_input_tokens=3 * IMAGE_TOKENS, limit_mm_per_prompt={"image": 2},
+    enable_mm_embeds=True, allowed_local_media_path=FromFixture("media_dir"),
+    allowed_media_domains=["127.0.0.1"])
 
 
 def test_one_image_equals_transformers(llm, hf) -> None:
     images = [random_image(1), random_image(2, (64, 30, 3)), random_image(3, (33, 33, 4))]
     prompts = [{"prompt": PROMPT, "multi_modal_data": {"image": image}} for image in images]
-    outputs = llm.generate(prompts, _greedy(), use_tqdm=False)
+    outputs = llm.generate(prompts, greedy(), use_tqdm=False)
     tokens = []
     for output, image in zip(outputs, images, strict=True):
         prompt_ids, expected = hf_greedy(hf, PROMPT, [image])
@@ -90,7 +71,7 @@ def test_one_image_equals_transformers(llm, hf) -> None:
 def test_two_images_equal_transformers(llm, hf) -> None:
     pairs = [(random_image(4), random_image(5)), (random_image(5), random_image(4))]
     prompts = [{"prompt": TWO, "multi_modal_data": {"image": list(pair)}} for pair in pairs]
-    outputs = llm.generate(prompts, _greedy(), use_tqdm=False)
+    outputs = llm.generate(prompts, greedy(), use_tqdm=False)
     for output, pair in zip(outputs, pairs, strict=True):
         prompt_ids, expected = hf_greedy(hf, TWO, list(pair))
         assert output.prompt_token_ids == prompt_ids
@@ -100,7 +81,7 @@ def test_two_images_equal_transformers(llm, hf) -> None:
 
 def test_text_only_prompt_equals_transformers(llm, hf) -> None:
     text = "USER: Describe a robot.\nASSISTANT:"
-    output = llm.generate(text, _greedy(), use_tqdm=False)[0]
+    output = llm.generate(text, greedy(), use_tqdm=False)[0]
     assert list(output.outputs[0].token_ids) == hf_greedy(hf, text, [])[1]
 
 
@@ -108,13 +89,13 @@ def test_same_image_hits_prefix_and_encoder_caches(llm, hf) -> None:
     image = random_image(6, (90, 70, 3))
     png = io.BytesIO()
     Image.fromarray(image).save(png, format="PNG")
-    before = _engine_state(llm)
-    first = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": image}}, _greedy(),
+    before = engine_state(llm)
+    first = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": image}}, greedy(),
                          use_tqdm=False)[0]
     # The same picture as PNG bytes: the same pixels, the same cache entries.
     again = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": png.getvalue()}},
-                         _greedy(), use_tqdm=False)[0]
-    after = _engine_state(llm)
+                         greedy(), use_tqdm=False)[0]
+    after = engine_state(llm)
     assert first.num_cached_tokens == 0
     assert again.num_cached_tokens == (first.num_prompt_tokens - 1) // 16 * 16
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
@@ -124,10 +105,10 @@ def test_same_image_hits_prefix_and_encoder_caches(llm, hf) -> None:
 
 
 def test_same_text_other_image_is_no_prefix_hit(llm, hf) -> None:
-    llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": random_image(7)}}, _greedy(),
+    llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": random_image(7)}}, greedy(),
                  use_tqdm=False)
     other = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": random_image(8)}},
-                         _greedy(), use_tqdm=False)[0]
+                         greedy(), use_tqdm=False)[0]
     # Only the text block before the image may be shared (the prompt starts with 4 text
     # tokens: no full block), never the image's rows.
     assert other.num_cached_tokens == 0
@@ -150,12 +131,12 @@ def test_same_text_other_image_is_no_prefix_hit(llm, hf) -> None:
 def test_bad_image_prompts_are_refused_and_the_engine_serves_on(llm, hf, prompt,
                                                                message) -> None:
     with pytest.raises(ValueError, match=message):
-        llm.generate(prompt, _greedy(), use_tqdm=False)
-    state = _engine_state(llm)
+        llm.generate(prompt, greedy(), use_tqdm=False)
+    state = engine_state(llm)
     assert state["num_requests"] == 0 and state["num_runner_requests"] == 0
     image = random_image(9)
     output = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": image}},
-                          _greedy(), use_tqdm=False)[0]
+                          greedy(), use_tqdm=False)[0]
     assert list(output.outputs[0].token_ids) == hf_greedy(hf, PROMPT, [image])[1]
 
 
@@ -164,13 +145,13 @@ def test_truncated_image_bytes_are_refused(llm) -> None:
     Image.fromarray(random_image(10, (64, 64, 3))).save(png, format="PNG")
     data = png.getvalue()[:200]
     with pytest.raises(ValueError, match="truncated or corrupt"):
-        llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": data}}, _greedy(),
+        llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": data}}, greedy(),
                      use_tqdm=False)
 
 
 def test_chat_with_image_url_parts_equals_transformers(llm, hf) -> None:
     images = [random_image(11), random_image(12, (50, 20, 3))]
-    output = llm.chat(chat_messages(images), _greedy(), use_tqdm=False)[0]
+    output = llm.chat(chat_messages(images), greedy(), use_tqdm=False)[0]
     prompt_ids, expected = hf_chat_greedy(hf, images)
     assert output.prompt_token_ids == prompt_ids
     assert list(output.outputs[0].token_ids) == expected
@@ -192,7 +173,7 @@ def test_chat_refuses_bad_image_urls(llm, media_dir, url, message) -> None:
         messages = [{"role": "user", "content": [
             {"type": "text", "text": "Hi"}, {"type": "image_url", "image_url": {"url": url}}]}]
         with pytest.raises(ValueError, match=message):
-            llm.chat(messages, _greedy(), use_tqdm=False)
+            llm.chat(messages, greedy(), use_tqdm=False)
 
 
 def test_chat_reads_allowed_files_and_fetches_allowed_hosts(llm, hf, media_dir) -> None:
@@ -204,7 +185,7 @@ def test_chat_reads_allowed_files_and_fetches_allowed_hosts(llm, hf, media_dir) 
         messages[0]["content"] += [
             {"type": "image_url", "image_url": {"url": f"file://{media_dir}/first.png"}},
             {"type": "image_url", "image_url": {"url": f"{server}/second.png"}}]
-        output = llm.chat(messages, _greedy(), use_tqdm=False)[0]
+        output = llm.chat(messages, greedy(), use_tqdm=False)[0]
     prompt_ids, expected = hf_chat_greedy(hf, images)
     assert output.prompt_token_ids == prompt_ids
     assert list(output.outputs[0].token_ids) == expected
@@ -219,14 +200,14 @@ def test_image_embeds_equal_transformers(llm, hf) -> None:
     prompt_ids, expected = hf_greedy(hf, TWO, images)
     outputs = llm.generate([{"prompt": TWO, "multi_modal_data": {"image": rows}},
                             {"prompt": TWO, "multi_modal_data": {"image": list(rows)}}],
-                           _greedy(), use_tqdm=False)
+                           greedy(), use_tqdm=False)
     for output in outputs:
         assert output.prompt_token_ids == prompt_ids
         assert list(output.outputs[0].token_ids) == expected
     messages = chat_messages([])
     messages[0]["content"] += [{"type": "image_embeds", "image_embeds": rows[0]},
                                embeds_part(rows[1])]
-    chat = llm.chat(messages, _greedy(), use_tqdm=False)[0]
+    chat = llm.chat(messages, greedy(), use_tqdm=False)[0]
     chat_ids, chat_expected = hf_chat_greedy(hf, images)
     assert chat.prompt_token_ids == chat_ids
     assert list(chat.outputs[0].token_ids) == chat_expected
@@ -235,7 +216,7 @@ def test_image_embeds_equal_transformers(llm, hf) -> None:
     text = hf[0].tokenizer.apply_chat_template(
         [{"role": "user", "content": "Compare these.\n<image><image>"}], tokenize=False,
         add_generation_prompt=True)
-    joint = llm.chat(messages, _greedy(), use_tqdm=False)[0]
+    joint = llm.chat(messages, greedy(), use_tqdm=False)[0]
     assert (joint.prompt_token_ids, list(joint.outputs[0].token_ids)) \
         == hf_greedy(hf, text, images, add_special_tokens=False)
 
@@ -254,10 +235,10 @@ def test_bad_image_embeds_are_refused_and_the_engine_serves_on(llm, hf, value,
     messages = chat_messages([])
     messages[0]["content"].append({"type": "image_embeds", "image_embeds": value})
     with pytest.raises(ValueError, match=message):
-        llm.chat(messages, _greedy(), use_tqdm=False)
-    assert _engine_state(llm)["num_requests"] == 0
+        llm.chat(messages, greedy(), use_tqdm=False)
+    assert engine_state(llm)["num_requests"] == 0
     image = random_image(17)
-    output = llm.chat(chat_messages([image]), _greedy(), use_tqdm=False)[0]
+    output = llm.chat(chat_messages([image]), greedy(), use_tqdm=False)[0]
     assert list(output.outputs[0].token_ids) == hf_chat_greedy(hf, [image])[1]
 
 
@@ -268,30 +249,16 @@ def _cases(n: int) -> list[tuple[str, list]]:
             (PROMPT, [random_image(30 + i)]) for i in range(n)]
 
 
-def test_under_preemption_and_with_graphs(llava_dir, hf) -> None:
+def test_under_preemption_and_with_graphs(model_dir, hf) -> None:
     """Preemption (16 blocks of 8 for prompts of 41 and 61 tokens: a preempted request
     keeps its rows and recomputes its KV), then compiled graphs (the embeds set, captured
     for an image model without enable_prompt_embeds), both equal to transformers."""
     cases = _cases(4)
     prompts = [{"prompt": text, "multi_modal_data": {"image": images}}
                for text, images in cases]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    expected = [hf_greedy(hf, text, images, max_tokens=24)[1] for text, images in cases]
-    small = LLM(llava_dir, dtype="float32", max_model_len=96, enforce_eager=True,
-                num_gpu_blocks_override=16, block_size=8, enable_prefix_caching=False)
-    outputs = small.generate(prompts, params, use_tqdm=False)
-    assert small.llm_engine.engine_core.scheduler.num_preemptions > 0
-    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
-    small.shutdown()
-    graphs = LLM(llava_dir, dtype="float32", max_model_len=96,
-                 kv_cache_memory_bytes=16 * 1024**2,
-                 compilation_config={"cudagraph_capture_sizes": [1, 4]})
-    outputs = graphs.generate(prompts, params, use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
-    executor: Any = graphs.llm_engine.engine_core.model_executor  # uni: the runner in process
-    replays = executor.model_runner.graphs.replays
-    assert any(kind == InputKind.EMBEDS for kind, _ in replays)  # image rows in a graph
-    graphs.shutdown()
+    expected = [hf_greedy(hf, text, images, max_tokens=12)[1] for text, images in cases]
+    runner = check_preemption_and_graphs(model_dir, prompts, expected, num_blocks=16)
+    assert any(kind == InputKind.EMBEDS for kind, _ in runner.graphs.replays)  # image rows
 
 
 @pytest.mark.parametrize("tower, overrides", [
@@ -308,7 +275,7 @@ def test_feature_layers_and_strategies_equal_transformers(tmp_path, tower, overr
               kv_cache_memory_bytes=8 * 1024**2)
     cases = _cases(2)
     outputs = llm.generate([{"prompt": text, "multi_modal_data": {"image": images}}
-                            for text, images in cases], _greedy(), use_tqdm=False)
+                            for text, images in cases], greedy(), use_tqdm=False)
     for output, (text, images) in zip(outputs, cases, strict=True):
         prompt_ids, expected = hf_greedy(reference, text, images)
         assert output.prompt_token_ids == prompt_ids
@@ -328,7 +295,7 @@ def test_images_arriving_together_share_one_encoder_call(llm, hf, monkeypatch) -
     monkeypatch.setattr(stage, "embed", counted)
     images = [random_image(60 + i) for i in range(3)]
     outputs = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": image}}
-                            for image in images], _greedy(), use_tqdm=False)
+                            for image in images], greedy(), use_tqdm=False)
     assert calls == [3]
     for output, image in zip(outputs, images, strict=True):
         assert list(output.outputs[0].token_ids) == hf_greedy(hf, PROMPT, [image])[1]
@@ -353,7 +320,7 @@ def test_a_burst_under_a_small_encoder_budget_equals_transformers(llm, hf,
     cases = [(PROMPT, [random_image(70)]), (TWO, [random_image(71), random_image(72)]),
              (PROMPT, [random_image(73)]), (PROMPT, [random_image(74)])]
     outputs = llm.generate([{"prompt": text, "multi_modal_data": {"image": images}}
-                            for text, images in cases], _greedy(), use_tqdm=False)
+                            for text, images in cases], greedy(), use_tqdm=False)
     assert calls == [1, 2, 1, 1]
     for output, (text, images) in zip(outputs, cases, strict=True):
         assert list(output.outputs[0].token_ids) == hf_greedy(hf, text, images)[1]
@@ -378,12 +345,12 @@ def test_encoder_failure_fails_only_its_request(llm, hf, monkeypatch) -> None:
     monkeypatch.setattr(stage, "embed", broken)
     good = random_image(51)
     outputs = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": image}}
-                            for image in (good, bad)], _greedy(), use_tqdm=False)
+                            for image in (good, bad)], greedy(), use_tqdm=False)
     assert outputs[1].outputs[0].finish_reason == "error"
     assert list(outputs[0].outputs[0].token_ids) == hf_greedy(hf, PROMPT, [good])[1]
     assert not llm.llm_engine.has_unfinished_requests()
-    assert _engine_state(llm)["num_requests"] == 0
+    assert engine_state(llm)["num_requests"] == 0
     monkeypatch.undo()
     output = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": bad}},
-                          _greedy(), use_tqdm=False)[0]
+                          greedy(), use_tqdm=False)[0]
     assert list(output.outputs[0].token_ids) == hf_greedy(hf, PROMPT, [bad])[1]

@@ -19,8 +19,8 @@ import torch
 from PIL import Image
 
 from tests import qwen2_audio_reference as audio
-from tests.llava_reference import MAX_TOKENS, data_url, hf_greedy, load_reference, random_image
-from tests.model_factory import make_tiny_llava, make_tiny_qwen2_audio
+from tests.llava_reference import data_url, hf_greedy, load_reference, random_image
+from tests.multimodal_family import MAX_TOKENS
 from vllm import LLM, SamplingParams
 from vllm.multimodal.audio import MAX_AUDIO_BYTES
 from vllm.multimodal.image import MAX_IMAGE_BYTES
@@ -115,8 +115,9 @@ def _soak(llm: LLM, cases: list[tuple[str, Callable[[int], Any], str]],
     assert state["encoder_cache_misses"] == 0  # nothing hostile reached the encoder
 
 
-def test_a_thousand_hostile_inputs_leave_memory_flat_and_the_engine_serving(tmp_path) -> None:
-    path = make_tiny_llava(str(tmp_path))
+def test_a_thousand_hostile_inputs_leave_memory_flat_and_the_engine_serving(
+        tiny_llava_dir) -> None:
+    path = tiny_llava_dir
     llm = LLM(path, dtype="float32", max_model_len=128, enforce_eager=True,
               kv_cache_memory_bytes=8 * 1024**2, limit_mm_per_prompt={"image": 2},
               enable_mm_embeds=True)
@@ -179,8 +180,8 @@ def _hostile_audio() -> list[tuple[str, Callable[[int], Any], str]]:
     ]
 
 
-def test_a_thousand_hostile_audio_inputs_leave_memory_flat(tmp_path) -> None:
-    path = make_tiny_qwen2_audio(str(tmp_path))
+def test_a_thousand_hostile_audio_inputs_leave_memory_flat(tiny_qwen2_audio_dir) -> None:
+    path = tiny_qwen2_audio_dir
     llm = LLM(path, dtype="float32", max_model_len=256, enforce_eager=True,
               kv_cache_memory_bytes=8 * 1024**2, limit_mm_per_prompt={"audio": 2})
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -5,15 +5,18 @@ parts; refusals that leave the engine serving."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import pytest
 import soxr
 
-from tests.model_factory import make_tiny_model, make_tiny_qwen2_audio
+from tests.model_factory import make_tiny_model
+from tests.multimodal_family import (
+    check_preemption_and_graphs,
+    engine_state,
+    family_fixtures,
+    greedy,
+)
 from tests.qwen2_audio_reference import (
-    MAX_TOKENS,
     PROMPT,
     RATE,
     TWO,
@@ -26,46 +29,23 @@ from tests.qwen2_audio_reference import (
     load_reference,
     wav_bytes,
 )
-from vllm import LLM, SamplingParams
+from vllm import LLM
 from vllm.config import InputKind
 
 pytestmark = pytest.mark.slow
 
 
-def _greedy() -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def audio_dir(tmp_path_factory) -> str:
-    return make_tiny_qwen2_audio(str(tmp_path_factory.mktemp("tiny_qwen2_audio")))
-
-
-@pytest.fixture(scope="module")
-def llm(audio_dir):
-    # 24-token steps: a 1 s clip is 25 positions, so clip runs are prefilled in chunks and
-    # cross chunk and block boundaries.
-    engine = LLM(audio_dir, dtype="float32", max_model_len=512, enforce_eager=True,
-                 kv_cache_memory_bytes=16 * 1024**2, block_size=16,
-                 max_num_batched_tokens=24, enable_chunked_prefill=True,
-                 enable_prefix_caching=True, limit_mm_per_prompt={"audio": 2})
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def hf(audio_dir):
-    return load_reference(audio_dir)
-
-
-def _state(llm: LLM) -> dict:
-    return llm.llm_engine.engine_core.get_state()
+# 24-token steps: a 1 s clip is 25 positions, so clip runs are prefilled in chunks and cross
+# chunk and block boundaries.
+model_dir, hf, llm = family_fixtures("tiny_qwen2_audio_dir", load_reference, max_model_len=512,
+                                     max_num_batched_tokens=24,
+                                     limit_mm_per_prompt={"audio": 2})
 
 
 def test_one_clip_equals_transformers(llm, hf) -> None:
     clips = [clip(1), clip(2, 0.4), clip(3, 2.3)]
     prompts = [{"prompt": PROMPT, "multi_modal_data": {"audio": (c, RATE)}} for c in clips]
-    outputs = llm.generate(prompts, _greedy(), use_tqdm=False)
+    outputs = llm.generate(prompts, greedy(), use_tqdm=False)
     tokens = []
     for output, waveform in zip(outputs, clips, strict=True):
         prompt_ids, expected = hf_greedy(hf, PROMPT, [waveform])
@@ -78,7 +58,7 @@ def test_one_clip_equals_transformers(llm, hf) -> None:
 def test_other_sample_rate_is_resampled(llm, hf) -> None:
     low = clip(4, rate=8000)
     output = llm.generate({"prompt": PROMPT, "multi_modal_data": {"audio": (low, 8000)}},
-                          _greedy(), use_tqdm=False)[0]
+                          greedy(), use_tqdm=False)[0]
     prompt_ids, expected = hf_greedy(hf, PROMPT, [soxr.resample(low, 8000, RATE)])
     assert output.prompt_token_ids == prompt_ids
     assert list(output.outputs[0].token_ids) == expected
@@ -88,7 +68,7 @@ def test_two_clips_equal_transformers(llm, hf) -> None:
     pairs = [(clip(5), clip(6, 0.7)), (clip(6, 0.7), clip(5))]
     prompts = [{"prompt": TWO, "multi_modal_data": {"audio": [(c, RATE) for c in pair]}}
                for pair in pairs]
-    outputs = llm.generate(prompts, _greedy(), use_tqdm=False)
+    outputs = llm.generate(prompts, greedy(), use_tqdm=False)
     for output, pair in zip(outputs, pairs, strict=True):
         prompt_ids, expected = hf_greedy(hf, TWO, list(pair))
         assert output.prompt_token_ids == prompt_ids
@@ -98,19 +78,19 @@ def test_two_clips_equal_transformers(llm, hf) -> None:
 
 def test_text_only_prompt_equals_transformers(llm, hf) -> None:
     text = "Describe a bird song."
-    output = llm.generate(text, _greedy(), use_tqdm=False)[0]
+    output = llm.generate(text, greedy(), use_tqdm=False)[0]
     assert list(output.outputs[0].token_ids) == hf_greedy(hf, text, [])[1]
 
 
 def test_same_clip_hits_prefix_and_encoder_caches(llm, hf) -> None:
     waveform = clip(7, 1.5)
-    before = _state(llm)
+    before = engine_state(llm)
     first = llm.generate({"prompt": PROMPT, "multi_modal_data": {"audio": (waveform, RATE)}},
-                         _greedy(), use_tqdm=False)[0]
+                         greedy(), use_tqdm=False)[0]
     # The same clip as a 32-bit float WAV file: the same samples, the same cache entries.
     again = llm.generate({"prompt": PROMPT, "multi_modal_data": {"audio": wav_bytes(waveform)}},
-                         _greedy(), use_tqdm=False)[0]
-    after = _state(llm)
+                         greedy(), use_tqdm=False)[0]
+    after = engine_state(llm)
     assert first.num_cached_tokens == 0
     assert again.num_cached_tokens == (first.num_prompt_tokens - 1) // 16 * 16
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
@@ -125,11 +105,11 @@ def test_encoder_cache_hit_without_prefix_hit_equals_the_miss(llm, hf) -> None:
     waveform = clip(8)
     text = "Listen: " + PROMPT
     llm.generate({"prompt": PROMPT, "multi_modal_data": {"audio": (waveform, RATE)}},
-                 _greedy(), use_tqdm=False)
-    hits = _state(llm)["encoder_cache_hits"]
+                 greedy(), use_tqdm=False)
+    hits = engine_state(llm)["encoder_cache_hits"]
     output = llm.generate({"prompt": text, "multi_modal_data": {"audio": (waveform, RATE)}},
-                          _greedy(), use_tqdm=False)[0]
-    assert _state(llm)["encoder_cache_hits"] == hits + 1
+                          greedy(), use_tqdm=False)[0]
+    assert engine_state(llm)["encoder_cache_hits"] == hits + 1
     assert output.num_cached_tokens == 0
     assert list(output.outputs[0].token_ids) == hf_greedy(hf, text, [waveform])[1]
 
@@ -138,7 +118,7 @@ def test_chat_audio_parts_equal_transformers(llm, hf) -> None:
     clips = [clip(9), clip(10, 0.6)]
     messages = chat_messages([input_audio_part(wav_bytes(clips[0])),
                               audio_url_part(wav_bytes(clips[1]))])
-    output = llm.chat(messages, _greedy(), use_tqdm=False)[0]
+    output = llm.chat(messages, greedy(), use_tqdm=False)[0]
     prompt_ids, expected = hf_chat_greedy(hf, clips)
     assert output.prompt_token_ids == prompt_ids
     assert list(output.outputs[0].token_ids) == expected
@@ -159,11 +139,11 @@ def test_chat_audio_parts_equal_transformers(llm, hf) -> None:
 def test_bad_audio_prompts_are_refused_and_the_engine_serves_on(llm, hf, prompt,
                                                                  message) -> None:
     with pytest.raises(ValueError, match=message):
-        llm.generate(prompt, _greedy(), use_tqdm=False)
+        llm.generate(prompt, greedy(), use_tqdm=False)
     output = llm.generate({"prompt": PROMPT, "multi_modal_data": {"audio": (clip(1), RATE)}},
-                          _greedy(), use_tqdm=False)[0]
+                          greedy(), use_tqdm=False)[0]
     assert list(output.outputs[0].token_ids) == hf_greedy(hf, PROMPT, [clip(1)])[1]
-    assert _state(llm)["num_requests"] == 0
+    assert engine_state(llm)["num_requests"] == 0
 
 
 @pytest.mark.parametrize("part, message", [
@@ -174,9 +154,9 @@ def test_bad_audio_prompts_are_refused_and_the_engine_serves_on(llm, hf, prompt,
 ])
 def test_bad_chat_audio_is_refused_and_the_engine_serves_on(llm, hf, part, message) -> None:
     with pytest.raises(ValueError, match=message):
-        llm.chat(chat_messages([part]), _greedy(), use_tqdm=False)
+        llm.chat(chat_messages([part]), greedy(), use_tqdm=False)
     clips = [clip(11)]
-    output = llm.chat(chat_messages([input_audio_part(wav_bytes(clips[0]))]), _greedy(),
+    output = llm.chat(chat_messages([input_audio_part(wav_bytes(clips[0]))]), greedy(),
                       use_tqdm=False)[0]
     assert list(output.outputs[0].token_ids) == hf_chat_greedy(hf, clips)[1]
 
@@ -186,21 +166,21 @@ def test_a_model_without_audio_refuses_it(tmp_path) -> None:
               enforce_eager=True, kv_cache_memory_bytes=4 * 1024**2)
     try:
         with pytest.raises(ValueError, match="this model takes no audio"):
-            llm.chat(chat_messages([input_audio_part(wav_bytes(clip(1)))]), _greedy(),
+            llm.chat(chat_messages([input_audio_part(wav_bytes(clip(1)))]), greedy(),
                      use_tqdm=False)
         with pytest.raises(ValueError, match="decoder-only model: it takes one prompt and "
                                              "no media"):
             llm.generate({"prompt": "hi", "multi_modal_data": {"audio": (clip(1), RATE)}},
-                         _greedy(), use_tqdm=False)
-        assert llm.generate("hi", _greedy(), use_tqdm=False)[0].outputs[0].token_ids
+                         greedy(), use_tqdm=False)
+        assert llm.generate("hi", greedy(), use_tqdm=False)[0].outputs[0].token_ids
     finally:
         llm.shutdown()
 
 
 # ---- engines of their own ----------------------------------------------------------------
 
-def test_under_preemption_and_with_graphs(audio_dir, hf) -> None:
-    """Preemption (16 blocks of 8 for prompts of about 40 tokens and 24 more each: a
+def test_under_preemption_and_with_graphs(model_dir, hf) -> None:
+    """Preemption (16 blocks of 8 for prompts of about 40 tokens and 12 more each: a
     preempted request keeps its rows and recomputes its KV), then compiled graphs (the
     embeds set, captured for an audio model without enable_prompt_embeds), both equal to
     transformers."""
@@ -208,33 +188,19 @@ def test_under_preemption_and_with_graphs(audio_dir, hf) -> None:
              for i in range(4)]
     prompts = [{"prompt": text, "multi_modal_data": {"audio": [(c, RATE) for c in clips]}}
                for text, clips in cases]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    expected = [hf_greedy(hf, text, clips, max_tokens=24)[1] for text, clips in cases]
-    small = LLM(audio_dir, dtype="float32", max_model_len=96, enforce_eager=True,
-                num_gpu_blocks_override=16, block_size=8, enable_prefix_caching=False)
-    outputs = small.generate(prompts, params, use_tqdm=False)
-    assert small.llm_engine.engine_core.scheduler.num_preemptions > 0
-    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
-    small.shutdown()
-    graphs = LLM(audio_dir, dtype="float32", max_model_len=96,
-                 kv_cache_memory_bytes=16 * 1024**2,
-                 compilation_config={"cudagraph_capture_sizes": [1, 4]})
-    outputs = graphs.generate(prompts, params, use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
-    executor: Any = graphs.llm_engine.engine_core.model_executor  # uni: the runner in process
-    replays = executor.model_runner.graphs.replays
-    assert any(kind == InputKind.EMBEDS for kind, _ in replays)  # audio rows in a graph
-    graphs.shutdown()
+    expected = [hf_greedy(hf, text, clips, max_tokens=12)[1] for text, clips in cases]
+    runner = check_preemption_and_graphs(model_dir, prompts, expected, num_blocks=16)
+    assert any(kind == InputKind.EMBEDS for kind, _ in runner.graphs.replays)  # audio rows
 
 
-def test_full_window_clips_equal_transformers(audio_dir, hf) -> None:
+def test_full_window_clips_equal_transformers(model_dir, hf) -> None:
     """Clips that fill the 30 s window (750 positions): the stem's reads past the clip are
     the window's own zero padding."""
-    llm = LLM(audio_dir, dtype="float32", max_model_len=1024, enforce_eager=True,
+    llm = LLM(model_dir, dtype="float32", max_model_len=1024, enforce_eager=True,
               kv_cache_memory_bytes=16 * 1024**2)
     clips = [clip(50, 30.0), clip(51, 29.995)]
     outputs = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"audio": (c, RATE)}}
-                            for c in clips], _greedy(), use_tqdm=False)
+                            for c in clips], greedy(), use_tqdm=False)
     for output, waveform in zip(outputs, clips, strict=True):
         prompt_ids, expected = hf_greedy(hf, PROMPT, [waveform])
         assert output.prompt_token_ids == prompt_ids
@@ -243,7 +209,7 @@ def test_full_window_clips_equal_transformers(audio_dir, hf) -> None:
     llm.shutdown()
 
 
-def test_checkpoint_in_the_newer_layout_loads(audio_dir, hf, tmp_path) -> None:
+def test_checkpoint_in_the_newer_layout_loads(model_dir, hf, tmp_path) -> None:
     """The same weights under the names transformers' model classes use
     (model.audio_tower.X, model.language_model.X, lm_head.X) give the same tokens."""
     import shutil
@@ -259,14 +225,14 @@ def test_checkpoint_in_the_newer_layout_loads(audio_dir, hf, tmp_path) -> None:
 
     for file in ("config.json", "preprocessor_config.json", "tokenizer.json",
                  "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(f"{audio_dir}/{file}", tmp_path / file)
-    weights = load_file(f"{audio_dir}/model.safetensors")
+        shutil.copy(f"{model_dir}/{file}", tmp_path / file)
+    weights = load_file(f"{model_dir}/model.safetensors")
     assert any(name.startswith("language_model.model.") for name in weights)
     save_file({newer(k): v for k, v in weights.items()}, str(tmp_path / "model.safetensors"))
     llm = LLM(str(tmp_path), dtype="float32", max_model_len=256, enforce_eager=True,
               kv_cache_memory_bytes=8 * 1024**2)
     waveform = clip(52)
     output = llm.generate({"prompt": PROMPT, "multi_modal_data": {"audio": (waveform, RATE)}},
-                          _greedy(), use_tqdm=False)[0]
+                          greedy(), use_tqdm=False)[0]
     assert list(output.outputs[0].token_ids) == hf_greedy(hf, PROMPT, [waveform])[1]
     llm.shutdown()

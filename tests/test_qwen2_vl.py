@@ -6,16 +6,21 @@ compiled graphs; `llm.chat` with image_url parts; refusals that leave the engine
 from __future__ import annotations
 
 import io
-from typing import Any
 
 import pytest
 import torch
 from PIL import Image
 
-from tests.llava_reference import MAX_TOKENS, chat_messages, random_image
+from tests.llava_reference import chat_messages, random_image
 from tests.model_factory import make_tiny_qwen2_vl
+from tests.multimodal_family import (
+    check_preemption_and_graphs,
+    engine_state,
+    family_fixtures,
+    greedy,
+)
 from tests.qwen2_vl_reference import IMAGE, hf_chat_greedy, hf_greedy, load_reference
-from vllm import LLM, SamplingParams
+from vllm import LLM
 from vllm.config import InputKind
 
 pytestmark = pytest.mark.slow
@@ -26,39 +31,16 @@ TWO = f"User: {IMAGE} and {IMAGE}\nCompare them.\nAssistant:"
 SHAPES = [(40, 52, 3), (100, 300, 3), (170, 90, 3)]
 
 
-def _greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return make_tiny_qwen2_vl(str(tmp_path_factory.mktemp("tiny_qwen2_vl")))
-
-
-@pytest.fixture(scope="module")
-def llm(model_dir):
-    # 24-token steps: image runs (6 to 36 rows) are prefilled across chunks and blocks.
-    engine = LLM(model_dir, dtype="float32", max_model_len=256, enforce_eager=True,
-                 kv_cache_memory_bytes=16 * 1024**2, block_size=16,
-                 max_num_batched_tokens=24, enable_chunked_prefill=True,
-                 enable_prefix_caching=True, limit_mm_per_prompt={"image": 2})
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir):
-    return load_reference(model_dir)
-
-
-def _engine_state(llm: LLM) -> dict:
-    return llm.llm_engine.engine_core.get_state()
+# 24-token steps: image runs (6 to 36 rows) are prefilled across chunks and blocks.
+model_dir, hf, llm = family_fixtures("tiny_qwen2_vl_dir", load_reference, max_model_len=256,
+                                     max_num_batched_tokens=24,
+                                     limit_mm_per_prompt={"image": 2})
 
 
 def test_one_image_equals_transformers(llm, hf) -> None:
     images = [random_image(i, shape) for i, shape in enumerate(SHAPES)]
     prompts = [{"prompt": PROMPT, "multi_modal_data": {"image": image}} for image in images]
-    outputs = llm.generate(prompts, _greedy(), use_tqdm=False)
+    outputs = llm.generate(prompts, greedy(), use_tqdm=False)
     tokens = []
     for output, image in zip(outputs, images, strict=True):
         prompt_ids, expected = hf_greedy(hf, PROMPT, [image])
@@ -75,7 +57,7 @@ def test_two_images_and_a_long_decode_equal_transformers(llm, hf) -> None:
     pairs = [(random_image(4, SHAPES[1]), random_image(5)),
              (random_image(5), random_image(4, SHAPES[2]))]
     prompts = [{"prompt": TWO, "multi_modal_data": {"image": list(pair)}} for pair in pairs]
-    outputs = llm.generate(prompts, _greedy(24), use_tqdm=False)
+    outputs = llm.generate(prompts, greedy(24), use_tqdm=False)
     for output, pair in zip(outputs, pairs, strict=True):
         prompt_ids, expected = hf_greedy(hf, TWO, list(pair), max_tokens=24)
         assert output.prompt_token_ids == prompt_ids
@@ -84,7 +66,7 @@ def test_two_images_and_a_long_decode_equal_transformers(llm, hf) -> None:
 
 def test_text_only_prompt_equals_transformers(llm, hf) -> None:
     text = "User: Describe a robot.\nAssistant:"
-    output = llm.generate(text, _greedy(), use_tqdm=False)[0]
+    output = llm.generate(text, greedy(), use_tqdm=False)[0]
     assert list(output.outputs[0].token_ids) == hf_greedy(hf, text, [])[1]
 
 
@@ -92,13 +74,13 @@ def test_same_image_hits_prefix_and_encoder_caches(llm, hf) -> None:
     image = random_image(6, (90, 140, 3))
     png = io.BytesIO()
     Image.fromarray(image).save(png, format="PNG")
-    before = _engine_state(llm)
-    first = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": image}}, _greedy(),
+    before = engine_state(llm)
+    first = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": image}}, greedy(),
                          use_tqdm=False)[0]
     # The same picture as PNG bytes: the same pixels, the same cache entries.
     again = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": png.getvalue()}},
-                         _greedy(), use_tqdm=False)[0]
-    after = _engine_state(llm)
+                         greedy(), use_tqdm=False)[0]
+    after = engine_state(llm)
     assert first.num_cached_tokens == 0
     assert again.num_cached_tokens == (first.num_prompt_tokens - 1) // 16 * 16 > 0
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
@@ -109,7 +91,7 @@ def test_same_image_hits_prefix_and_encoder_caches(llm, hf) -> None:
 
 def test_chat_with_image_url_parts_equals_transformers(llm, hf) -> None:
     images = [random_image(11), random_image(12, (50, 120, 3))]
-    output = llm.chat(chat_messages(images), _greedy(), use_tqdm=False)[0]
+    output = llm.chat(chat_messages(images), greedy(), use_tqdm=False)[0]
     prompt_ids, expected = hf_chat_greedy(hf, images)
     assert output.prompt_token_ids == prompt_ids
     assert list(output.outputs[0].token_ids) == expected
@@ -128,41 +110,29 @@ def test_chat_with_image_url_parts_equals_transformers(llm, hf) -> None:
 ])
 def test_bad_prompts_are_refused_and_the_engine_serves_on(llm, hf, prompt, message) -> None:
     with pytest.raises(ValueError, match=message):
-        llm.generate(prompt, _greedy(), use_tqdm=False)
-    state = _engine_state(llm)
+        llm.generate(prompt, greedy(), use_tqdm=False)
+    state = engine_state(llm)
     assert state["num_requests"] == 0 and state["num_runner_requests"] == 0
     image = random_image(9)
     output = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": image}},
-                          _greedy(), use_tqdm=False)[0]
+                          greedy(), use_tqdm=False)[0]
     assert list(output.outputs[0].token_ids) == hf_greedy(hf, PROMPT, [image])[1]
 
 
 def test_under_preemption_and_with_graphs(model_dir, hf) -> None:
-    """Preemption (12 blocks of 8 for prompts of 20 to 50 tokens and 24 more: a preempted
+    """Preemption (12 blocks of 8 for prompts of 20 to 50 tokens and 12 more: a preempted
     request recomputes its KV at its own M-RoPE positions), then compiled graphs fed [3, n]
     positions (image rows through the embeds set, decode steps through the ids set; the
     fused decoder refuses M-RoPE); both equal to transformers."""
     cases = [(PROMPT, [random_image(30 + i, SHAPES[i % 3])]) for i in range(4)]
     prompts = [{"prompt": text, "multi_modal_data": {"image": images}}
                for text, images in cases]
-    expected = [hf_greedy(hf, text, images, max_tokens=24)[1] for text, images in cases]
-    small = LLM(model_dir, dtype="float32", max_model_len=80, enforce_eager=True,
-                num_gpu_blocks_override=12, block_size=8, enable_prefix_caching=False)
-    outputs = small.generate(prompts, _greedy(24), use_tqdm=False)
-    assert small.llm_engine.engine_core.scheduler.num_preemptions > 0
-    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
-    small.shutdown()
-    graphs = LLM(model_dir, dtype="float32", max_model_len=96,
-                 kv_cache_memory_bytes=16 * 1024**2,
-                 compilation_config={"cudagraph_capture_sizes": [1, 4]})
-    outputs = graphs.generate(prompts, _greedy(24), use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
-    executor: Any = graphs.llm_engine.engine_core.model_executor  # uni: the runner in process
-    runner = executor.model_runner
+    expected = [hf_greedy(hf, text, images, max_tokens=12)[1] for text, images in cases]
+    runner = check_preemption_and_graphs(model_dir, prompts, expected, num_blocks=12,
+                                         max_model_len=80)
     assert runner.fused_decode is None
     assert {kind for kind, _ in runner.graphs.replays} == {InputKind.EMBEDS,
                                                            InputKind.TOKEN_IDS}
-    graphs.shutdown()
 
 
 def test_qwen2_5_vl_equals_transformers(tmp_path) -> None:
@@ -178,11 +148,11 @@ def test_qwen2_5_vl_equals_transformers(tmp_path) -> None:
                                                              random_image(42)]),
              (PROMPT, [random_image(40, SHAPES[1])])]
     outputs = [engine.generate({"prompt": text, "multi_modal_data": {"image": images}},
-                               _greedy(), use_tqdm=False)[0] for text, images in cases]
+                               greedy(), use_tqdm=False)[0] for text, images in cases]
     for output, (text, images) in zip(outputs, cases, strict=True):
         prompt_ids, expected = hf_greedy(hf, text, images)
         assert output.prompt_token_ids == prompt_ids
         assert list(output.outputs[0].token_ids) == expected
     assert outputs[2].num_cached_tokens > 0
-    assert _engine_state(engine)["encoder_cache_hits"] == 1
+    assert engine_state(engine)["encoder_cache_hits"] == 1
     engine.shutdown()

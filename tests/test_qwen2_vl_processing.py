@@ -32,8 +32,8 @@ from vllm.v1.worker.step_inputs import compute_step_indices, mrope_step_position
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return make_tiny_qwen2_vl(str(tmp_path_factory.mktemp("tiny_qwen2_vl_parts")))
+def model_dir(tiny_qwen2_vl_dir) -> str:
+    return tiny_qwen2_vl_dir
 
 
 @pytest.fixture(scope="module")

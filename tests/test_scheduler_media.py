@@ -248,3 +248,114 @@ def test_a_prefix_hit_never_ends_inside_a_bidirectional_span() -> None:
         assert new.num_computed_tokens == expected_hit
         assert out.num_scheduled_tokens == {"b": 17 - expected_hit}
         assert new.bidirectional_spans == spans
+
+
+# ---- a starved run: budget reserved for it ----------------------------------------------
+
+
+def decoders(s: Scheduler, n: int) -> list[str]:
+    """`n` requests of 2 prompt tokens, each then decoding one token a step."""
+    names = [f"d{i}" for i in range(1, n + 1)]
+    for name in names:
+        s.add_request(make_request(name, [3, 4], max_tokens=30))
+    return names
+
+
+def test_a_run_starved_by_decodes_gets_the_budget_reserved() -> None:
+    """Budget 8, max_num_seqs 4: three requests decode while c's prompt of 10 holds the
+    run [2, 8). Step 1 prefills everyone (c up to the run); in step 2 the decodes leave 5
+    of 8, c is blocked (before the fix it stayed blocked as long as they decoded); step 3
+    reserves its 6: d1 and d2 decode, c takes its run, d3 waits that one step; step 4
+    takes the three decodes and c's last 2 tokens (its first sampled token)."""
+    s = make_scheduler(max_num_batched_tokens=8, max_num_seqs=4)
+    decoders(s, 3)
+    s.add_request(spans_request("c", list(range(10, 20)), [(2, 8)], max_tokens=4))
+    counts = [dict(step(s).num_scheduled_tokens) for _ in range(5)]
+    assert counts == [
+        {"d1": 2, "d2": 2, "d3": 2, "c": 2},
+        {"d1": 1, "d2": 1, "d3": 1},
+        {"d1": 1, "d2": 1, "c": 6},
+        {"d1": 1, "d2": 1, "d3": 1, "c": 2},
+        {"d1": 1, "d2": 1, "d3": 1, "c": 1},
+    ]
+    assert s.requests["c"].output_token_ids == [5, 5]
+
+
+def test_a_waiting_run_is_admitted_ahead_of_newer_work() -> None:
+    """Budget 8: c's prompt starts with a run of 6, behind three decodes (5 left); e, newer,
+    would fit. Step 2 finds c blocked (e waits behind it); step 3 reserves 6: d3 and e
+    wait, c is admitted with its run; step 4: the decodes, c's last 2 tokens, e."""
+    s = make_scheduler(max_num_batched_tokens=8, max_num_seqs=5)
+    decoders(s, 3)
+    step(s)
+    s.add_request(spans_request("c", list(range(10, 18)), [(0, 6)], max_tokens=4))
+    s.add_request(make_request("e", [7, 7], max_tokens=4))
+    counts = [dict(step(s).num_scheduled_tokens) for _ in range(3)]
+    assert counts == [
+        {"d1": 1, "d2": 1, "d3": 1},
+        {"d1": 1, "d2": 1, "c": 6},
+        {"d1": 1, "d2": 1, "d3": 1, "c": 2, "e": 2},
+    ]
+
+
+def test_a_run_as_long_as_the_budget_is_served() -> None:
+    """A run of 8 positions with a budget of 8 fits only a step with nothing else: the
+    reserved step holds back both decodes (one step), then they go on."""
+    s = make_scheduler(max_num_batched_tokens=8, max_num_seqs=3)
+    decoders(s, 2)
+    s.add_request(spans_request("c", list(range(10, 20)), [(1, 9)], max_tokens=4))
+    counts = [dict(step(s).num_scheduled_tokens) for _ in range(4)]
+    assert counts == [
+        {"d1": 2, "d2": 2, "c": 1},
+        {"d1": 1, "d2": 1},
+        {"c": 8},
+        {"d1": 1, "d2": 1, "c": 1},
+    ]
+
+
+def test_two_starved_runs_take_turns_and_no_decode_waits_two_steps() -> None:
+    """Budget 8, two decodes, b and c each with a run of 7 after one text token: at most
+    every other step is reserved, so b's run is taken in step 3, c's in step 5, and a
+    decode left out of a step always runs in the next one."""
+    s = make_scheduler(max_num_batched_tokens=8, max_num_seqs=4)
+    names = decoders(s, 2)
+    s.add_request(spans_request("b", list(range(10, 19)), [(1, 8)], max_tokens=20))
+    s.add_request(spans_request("c", list(range(30, 39)), [(1, 8)], max_tokens=20))
+    counts = [dict(step(s).num_scheduled_tokens) for _ in range(7)]
+    assert counts == [
+        {"d1": 2, "d2": 2, "b": 1, "c": 1},
+        {"d1": 1, "d2": 1},
+        {"d1": 1, "b": 7},
+        {"d1": 1, "d2": 1, "b": 1},
+        {"c": 7, "d1": 1},
+        {"d1": 1, "d2": 1, "b": 1, "c": 1},
+        {"d1": 1, "d2": 1, "b": 1, "c": 1},
+    ]
+    for before, after in zip(counts, counts[1:]):
+        assert all(name in before or name in after for name in names)
+
+
+def test_a_reservation_its_request_cannot_use_goes_back_to_the_decodes() -> None:
+    """Five blocks of 4 (one the null block): c is blocked in step 2 and reserved for in
+    step 3, but its run needs two blocks and one is free: c waits, and d3, left out by the
+    reservation, decodes in the same step."""
+    s = make_scheduler(max_num_batched_tokens=8, max_num_seqs=4, num_blocks=5)
+    decoders(s, 3)
+    step(s)
+    s.add_request(spans_request("c", list(range(10, 18)), [(0, 6)], max_tokens=4))
+    assert dict(step(s).num_scheduled_tokens) == {"d1": 1, "d2": 1, "d3": 1}
+    assert s.span_reservation.req_id == "c"
+    assert dict(step(s).num_scheduled_tokens) == {"d1": 1, "d2": 1, "d3": 1}
+    assert s.requests["c"].status == RequestStatus.WAITING
+
+
+def test_a_starved_request_aborted_leaves_no_reservation() -> None:
+    """c is blocked in step 2, then aborted: step 3 reserves nothing, the three decode."""
+    s = make_scheduler(max_num_batched_tokens=8, max_num_seqs=4)
+    decoders(s, 3)
+    s.add_request(spans_request("c", list(range(10, 20)), [(2, 8)], max_tokens=4))
+    step(s)
+    assert dict(step(s).num_scheduled_tokens) == {"d1": 1, "d2": 1, "d3": 1}
+    s.finish_requests(["c"], RequestStatus.FINISHED_ABORTED)
+    assert dict(step(s).num_scheduled_tokens) == {"d1": 1, "d2": 1, "d3": 1}
+    assert s.span_reservation.req_id is None

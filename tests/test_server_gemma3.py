@@ -13,23 +13,17 @@ from tests.gemma3_reference import (
     load_gemma3_reference,
 )
 from tests.llava_reference import random_image, serve_media_model, served_chat
-from tests.model_factory import make_tiny_gemma3
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def gemma3_dir(tmp_path_factory) -> str:
-    return make_tiny_gemma3(str(tmp_path_factory.mktemp("tiny_gemma3_served")))
-
-
-def test_image_url_reply_equals_transformers(gemma3_dir) -> None:
-    hf = load_gemma3_reference(gemma3_dir)
+def test_image_url_reply_equals_transformers(tiny_gemma3_dir) -> None:
+    hf = load_gemma3_reference(tiny_gemma3_dir)
     tokenizer = hf[0].tokenizer
-    with serve_media_model(gemma3_dir, "--max-num-batched-tokens", "20",
+    with serve_media_model(tiny_gemma3_dir, "--max-num-batched-tokens", "20",
                            "--enable-chunked-prefill") as server:
         for images in ([random_image(11), random_image(12)], [blocky_image(31)]):
-            reply = served_chat(server.url, gemma3_dir, images)
+            reply = served_chat(server.url, tiny_gemma3_dir, images)
             prompt_ids, expected = gemma3_generate(hf, chat_text(hf, len(images)), images,
                                                    add_special_tokens=False)
             assert reply.usage is not None and reply.usage.prompt_tokens == len(prompt_ids)

@@ -25,14 +25,8 @@ from tests.llava_reference import (
     serve_media_model,
     served_chat,
 )
-from tests.model_factory import make_tiny_llava
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def llava_dir(tmp_path_factory) -> str:
-    return make_tiny_llava(str(tmp_path_factory.mktemp("tiny_llava_served")))
 
 
 @pytest.fixture(scope="module")
@@ -41,15 +35,15 @@ def media_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(llava_dir, media_dir):
-    with serve_media_model(llava_dir, "--enable-mm-embeds", "--allowed-local-media-path",
+def server(tiny_llava_dir, media_dir):
+    with serve_media_model(tiny_llava_dir, "--enable-mm-embeds", "--allowed-local-media-path",
                            media_dir, "--allowed-media-domains", "127.0.0.1") as srv:
         yield srv
 
 
 @pytest.fixture(scope="module")
-def hf(llava_dir):
-    return load_reference(llava_dir)
+def hf(tiny_llava_dir):
+    return load_reference(tiny_llava_dir)
 
 
 def _post(server, model: str, messages: list[dict]) -> httpx.Response:
@@ -58,9 +52,9 @@ def _post(server, model: str, messages: list[dict]) -> httpx.Response:
         "ignore_eos": True, "messages": messages})
 
 
-def test_image_url_reply_equals_transformers(server, llava_dir, hf) -> None:
+def test_image_url_reply_equals_transformers(server, tiny_llava_dir, hf) -> None:
     images = [random_image(21), random_image(22, (30, 60, 3))]
-    reply = served_chat(server.url, llava_dir, images)
+    reply = served_chat(server.url, tiny_llava_dir, images)
     prompt_ids, expected = hf_chat_greedy(hf, images)
     assert reply.usage is not None and reply.usage.prompt_tokens == len(prompt_ids)
     tokenizer = hf[0].tokenizer
@@ -68,7 +62,7 @@ def test_image_url_reply_equals_transformers(server, llava_dir, hf) -> None:
                                                                 skip_special_tokens=True)
 
 
-def test_files_urls_and_embeds_equal_transformers(server, llava_dir, media_dir, hf) -> None:
+def test_files_urls_and_embeds_equal_transformers(server, tiny_llava_dir, media_dir, hf) -> None:
     """One image as a file under the allowed path, one fetched from an allowed host, then
     the same two as transformers' own rows in image_embeds parts: one reply."""
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
@@ -85,12 +79,12 @@ def test_files_urls_and_embeds_equal_transformers(server, llava_dir, media_dir, 
             messages = chat_messages([])
             messages[0]["content"] += parts
             reply = client.chat.completions.create(
-                model=llava_dir, messages=messages,  # type: ignore[arg-type]
+                model=tiny_llava_dir, messages=messages,  # type: ignore[arg-type]
                 max_tokens=MAX_TOKENS, temperature=0.0, extra_body={"ignore_eos": True})
             assert reply.choices[0].message.content == text
 
 
-def test_bad_images_are_400s_and_the_server_answers_on(server, llava_dir, media_dir) -> None:
+def test_bad_images_are_400s_and_the_server_answers_on(server, tiny_llava_dir, media_dir) -> None:
     def part(url: str) -> dict:
         return {"type": "image_url", "image_url": {"url": url}}
 
@@ -118,8 +112,8 @@ def test_bad_images_are_400s_and_the_server_answers_on(server, llava_dir, media_
                 [text, {**part(data_url(random_image(1))), "uuid": "cat"}],
         }
         for message, content in bad.items():
-            r = _post(server, llava_dir, [{"role": "user", "content": content}])
+            r = _post(server, tiny_llava_dir, [{"role": "user", "content": content}])
             assert r.status_code == 400, (message, r.text)
             assert message in r.json()["error"]["message"], (message, r.text)
-    ok = _post(server, llava_dir, chat_messages([random_image(23)]))
+    ok = _post(server, tiny_llava_dir, chat_messages([random_image(23)]))
     assert ok.status_code == 200, ok.text

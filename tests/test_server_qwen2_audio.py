@@ -15,7 +15,6 @@ import pytest
 import soundfile
 
 from tests.llava_reference import serve_directory
-from tests.model_factory import make_tiny_qwen2_audio
 from tests.qwen2_audio_reference import (
     MAX_TOKENS,
     audio_url_part,
@@ -32,20 +31,15 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def audio_dir(tmp_path_factory) -> str:
-    return make_tiny_qwen2_audio(str(tmp_path_factory.mktemp("tiny_qwen2_audio_served")))
-
-
-@pytest.fixture(scope="module")
 def media_dir(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("served_audio"))
 
 
 @pytest.fixture(scope="module")
-def server(audio_dir, media_dir):
-    srv = RemoteServer(audio_dir, [*SMALL_ENGINE_ARGS, "--limit-mm-per-prompt",
-                                   '{"audio": 2}', "--allowed-local-media-path", media_dir,
-                                   "--allowed-media-domains", "127.0.0.1"])
+def server(tiny_qwen2_audio_dir, media_dir):
+    srv = RemoteServer(tiny_qwen2_audio_dir, [
+        *SMALL_ENGINE_ARGS, "--limit-mm-per-prompt", '{"audio": 2}',
+        "--allowed-local-media-path", media_dir, "--allowed-media-domains", "127.0.0.1"])
     try:
         yield srv
     finally:
@@ -53,8 +47,8 @@ def server(audio_dir, media_dir):
 
 
 @pytest.fixture(scope="module")
-def hf(audio_dir):
-    return load_reference(audio_dir)
+def hf(tiny_qwen2_audio_dir):
+    return load_reference(tiny_qwen2_audio_dir)
 
 
 def _post(server, model: str, messages: list[dict]) -> httpx.Response:
@@ -63,12 +57,12 @@ def _post(server, model: str, messages: list[dict]) -> httpx.Response:
         "ignore_eos": True, "messages": messages})
 
 
-def test_input_audio_reply_equals_transformers(server, audio_dir, hf) -> None:
+def test_input_audio_reply_equals_transformers(server, tiny_qwen2_audio_dir, hf) -> None:
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
     clips = [clip(21), clip(22, 0.8)]
     messages = chat_messages([input_audio_part(wav_bytes(c)) for c in clips])
     reply = client.chat.completions.create(
-        model=audio_dir, messages=messages,  # type: ignore[arg-type]
+        model=tiny_qwen2_audio_dir, messages=messages,  # type: ignore[arg-type]
         max_tokens=MAX_TOKENS, temperature=0.0, extra_body={"ignore_eos": True})
     prompt_ids, expected = hf_chat_greedy(hf, clips)
     assert reply.usage is not None and reply.usage.prompt_tokens == len(prompt_ids)
@@ -77,21 +71,22 @@ def test_input_audio_reply_equals_transformers(server, audio_dir, hf) -> None:
                                                                 skip_special_tokens=True)
     # The same clips as audio_url data: URLs (vLLM's form): the same reply, the encoder
     # cache and the prefix cache hit.
-    again = _post(server, audio_dir, chat_messages([audio_url_part(wav_bytes(c))
+    again = _post(server, tiny_qwen2_audio_dir, chat_messages([audio_url_part(wav_bytes(c))
                                                     for c in clips]))
     assert again.status_code == 200, again.text
     assert again.json()["choices"][0]["message"]["content"] == reply.choices[0].message.content
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
-def test_audio_files_and_urls_equal_transformers(server, audio_dir, media_dir, hf) -> None:
+def test_audio_files_and_urls_equal_transformers(server, tiny_qwen2_audio_dir, media_dir,
+                                                  hf) -> None:
     """One clip as a file under the allowed path, one fetched from an allowed host."""
     clips = [clip(23), clip(24, 1.2)]
     for name, waveform in zip(("a.wav", "b.flac"), clips, strict=True):
         with open(f"{media_dir}/{name}", "wb") as f:
             f.write(wav_bytes(waveform) if name.endswith(".wav") else _flac(waveform))
     with serve_directory(media_dir) as host:
-        r = _post(server, audio_dir, chat_messages([
+        r = _post(server, tiny_qwen2_audio_dir, chat_messages([
             {"type": "audio_url", "audio_url": {"url": f"file://{media_dir}/a.wav"}},
             {"type": "audio_url", "audio_url": {"url": f"{host}/b.flac"}}]))
     assert r.status_code == 200, r.text
@@ -110,7 +105,7 @@ def _flac(waveform) -> bytes:
     return buffer.getvalue()
 
 
-def test_bad_audio_is_400_and_the_server_answers_on(server, audio_dir) -> None:
+def test_bad_audio_is_400_and_the_server_answers_on(server, tiny_qwen2_audio_dir) -> None:
     text = {"type": "text", "text": "Hi"}
     wav = wav_bytes(clip(1))
     bad = {
@@ -127,8 +122,8 @@ def test_bad_audio_is_400_and_the_server_answers_on(server, audio_dir) -> None:
             "url": "data:image/png;base64," + base64.b64encode(b"x").decode()}}],
     }
     for message, content in bad.items():
-        r = _post(server, audio_dir, [{"role": "user", "content": content}])
+        r = _post(server, tiny_qwen2_audio_dir, [{"role": "user", "content": content}])
         assert r.status_code == 400, (message, r.text)
         assert message in r.json()["error"]["message"], (message, r.text)
-    ok = _post(server, audio_dir, chat_messages([input_audio_part(wav)]))
+    ok = _post(server, tiny_qwen2_audio_dir, chat_messages([input_audio_part(wav)]))
     assert ok.status_code == 200, ok.text

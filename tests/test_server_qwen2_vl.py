@@ -15,7 +15,6 @@ from tests.llava_reference import (
     random_image,
     served_chat,
 )
-from tests.model_factory import make_tiny_qwen2_vl
 from tests.qwen2_vl_reference import hf_chat_greedy, load_reference
 from tests.server_utils import SMALL_ENGINE_ARGS, RemoteServer
 
@@ -23,33 +22,28 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return make_tiny_qwen2_vl(str(tmp_path_factory.mktemp("tiny_qwen2_vl_served")))
-
-
-@pytest.fixture(scope="module")
-def server(model_dir):
-    srv = RemoteServer(model_dir, [*SMALL_ENGINE_ARGS, "--enable-mm-embeds"])
+def server(tiny_qwen2_vl_dir):
+    srv = RemoteServer(tiny_qwen2_vl_dir, [*SMALL_ENGINE_ARGS, "--enable-mm-embeds"])
     try:
         yield srv
     finally:
         srv.stop()
 
 
-def test_image_url_reply_equals_transformers(server, model_dir) -> None:
-    hf = load_reference(model_dir)
+def test_image_url_reply_equals_transformers(server, tiny_qwen2_vl_dir) -> None:
+    hf = load_reference(tiny_qwen2_vl_dir)
     images = [random_image(21, (100, 300, 3)), random_image(22, (30, 60, 3))]
-    reply = served_chat(server.url, model_dir, images)
+    reply = served_chat(server.url, tiny_qwen2_vl_dir, images)
     prompt_ids, expected = hf_chat_greedy(hf, images)
     assert reply.usage is not None and reply.usage.prompt_tokens == len(prompt_ids)
     assert reply.choices[0].message.content == hf.tokenizer.decode(expected,
                                                                    skip_special_tokens=True)
 
 
-def test_image_embeds_are_a_400_and_the_server_answers_on(server, model_dir) -> None:
+def test_image_embeds_are_a_400_and_the_server_answers_on(server, tiny_qwen2_vl_dir) -> None:
     def post(content: list[dict]) -> httpx.Response:
         return httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
-            "model": model_dir, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "model": tiny_qwen2_vl_dir, "max_tokens": MAX_TOKENS, "temperature": 0,
             "messages": [{"role": "user", "content": content}]})
 
     bad = post([{"type": "text", "text": "Hi"}, embeds_part(torch.zeros(6, 64))])

@@ -41,27 +41,26 @@ class Gemma3PromptProcessor(ImagePromptProcessor):
     """Gemma 3's `ImagePromptProcessor`: the placeholder is boi, the run the soft tokens
     inside the sequence above; image embeddings and limits as LLaVA's."""
 
-    def __init__(self, model_config: ModelConfig, tokenizer: Any) -> None:
-        config = model_config.hf_config
+    def __init__(self, model_config: ModelConfig, tokenizer: Any = None) -> None:
         if tokenizer is None:
             raise ValueError("Gemma 3's image prompts need its tokenizer (skip_tokenizer_init "
                              "is set).")
-        self.model_config = model_config
-        self.image_token_id = int(config.image_token_index)  # the soft token
+        super().__init__(model_config)
+        config = model_config.hf_config
         self.boi_token_id = int(config.boi_token_index)
         self.eoi_token_id = int(config.eoi_token_index)
-        self.num_image_tokens = int(config.mm_tokens_per_image)
         self.newline_ids = list(tokenizer.encode("\n\n", add_special_tokens=False))
         boi, soft, eoi = tokenizer.convert_ids_to_tokens(
             [self.boi_token_id, self.image_token_id, self.eoi_token_id])
         self.boi_text = boi
         self.image_text = f"\n\n{boi}{soft * self.num_image_tokens}{eoi}\n\n"
-        self.image_config = _image_config(model_config.model)
-        side = config.vision_config.image_size
-        if self.image_config.output_size != (side, side):
-            raise ValueError(f"The image processor gives {self.image_config.output_size} "
-                             f"images, but the vision tower takes {side}x{side}.")
-        self.limit = model_config.mm_limit("image")
+
+    def image_run(self, config: Any) -> tuple[int, int]:
+        """The soft token and `mm_tokens_per_image`."""
+        return int(config.image_token_index), int(config.mm_tokens_per_image)
+
+    def load_image_config(self, path: str) -> ImageProcessorConfig:
+        return _image_config(path)
 
     def expand_text(self, text: str) -> str:
         """Each boi of a text prompt replaced by an image's whole sequence (transformers'

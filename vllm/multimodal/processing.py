@@ -15,19 +15,16 @@ Example (Qwen2-Audio, a 1 s clip = 25 rows): "<|audio_bos|><|AUDIO|><|audio_eos|
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, Any, NamedTuple, Union
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
 
 from vllm.config import ModelConfig
+from vllm.model_executor.models.registry import resolve_prompt_processor_cls
 from vllm.multimodal.audio import AudioFeatureExtractor, num_audio_tokens
 from vllm.multimodal.image import ImageProcessorConfig, load_image, preprocess
 from vllm.v1.messages import MediaInput
-
-if TYPE_CHECKING:
-    from vllm.multimodal.gemma3 import Gemma3PromptProcessor
-    from vllm.multimodal.qwen2_vl import Qwen2VLPromptProcessor
 
 
 class MediaPrompt(NamedTuple):
@@ -112,22 +109,45 @@ def image_token_id(config: Any) -> int:
     return int(token)
 
 
+class MediaPromptProcessor(Protocol):
+    """A multimodal model's prompt processor, declared in the model registry
+    (`registry.resolve_prompt_processor_cls`) and built with (model_config, tokenizer)."""
+
+    def expand_text(self, text: str) -> str:
+        """A text prompt before tokenization (placeholders the model writes as text)."""
+        ...
+
+    def process(self, token_ids: list[int], data: Any) -> MediaPrompt:
+        """`token_ids`: the tokenized prompt; `data`: its multi_modal_data."""
+        ...
+
+
 class ImagePromptProcessor:
     """Turns `{"prompt" | "prompt_token_ids", "multi_modal_data": {"image": ...}}` into an
-    `MediaPrompt`, with the model's own image processor settings and the engine's limits."""
+    `MediaPrompt`, with the model's own image processor settings and the engine's limits.
+    LLaVA's; a model whose placeholder, run or image settings differ overrides
+    `image_run` and `load_image_config` (Gemma 3)."""
 
-    def __init__(self, model_config: ModelConfig) -> None:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any = None) -> None:
+        """`tokenizer`: unused (LLaVA's placeholder is one token, written as the user did)."""
         config = model_config.hf_config
-        check_vision_tower(config)
         self.model_config = model_config
-        self.image_token_id = image_token_id(config)
-        self.num_image_tokens = num_image_tokens(config)
-        self.image_config = ImageProcessorConfig.from_model_dir(model_config.model)
+        self.image_token_id, self.num_image_tokens = self.image_run(config)
+        self.image_config = self.load_image_config(model_config.model)
         side = config.vision_config.image_size
         if self.image_config.output_size != (side, side):
             raise ValueError(f"The image processor gives {self.image_config.output_size} "
                              f"images, but the vision tower takes {side}x{side}.")
         self.limit = model_config.mm_limit("image")
+
+    def image_run(self, config: Any) -> tuple[int, int]:
+        """(the placeholder token id of an image's run, the run's length)."""
+        check_vision_tower(config)
+        return image_token_id(config), num_image_tokens(config)
+
+    def load_image_config(self, path: str) -> ImageProcessorConfig:
+        """The image processor's settings from the model's directory."""
+        return ImageProcessorConfig.from_model_dir(path)
 
     def expand_text(self, text: str) -> str:
         """A text prompt before tokenization: LLaVA's placeholders stay as written."""
@@ -184,7 +204,8 @@ class AudioPromptProcessor:
     with the model's own feature extractor settings and the engine's limits. A clip is
     `(waveform, sample_rate)`, a waveform at the extractor's rate, or audio file bytes."""
 
-    def __init__(self, model_config: ModelConfig) -> None:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any = None) -> None:
+        """`tokenizer`: unused (the placeholder is one token, written as the user did)."""
         config = model_config.hf_config
         audio = config.audio_config
         self.model_config = model_config
@@ -224,27 +245,12 @@ def audio_token_id(config: Any) -> int:
     return int(token)
 
 
-MediaPromptProcessor = Union[ImagePromptProcessor, AudioPromptProcessor,
-                             "Qwen2VLPromptProcessor", "Gemma3PromptProcessor"]
-
-
 def media_prompt_processor(model_config: ModelConfig, tokenizer: Any = None
                            ) -> MediaPromptProcessor | None:
-    """The processor of a multimodal model's prompts; None for a model of text."""
-    modalities = model_config.mm_modalities
-    if model_config.uses_mrope:
-        from vllm.multimodal.qwen2_vl import Qwen2VLPromptProcessor
-
-        return Qwen2VLPromptProcessor(model_config)
-    if modalities and getattr(model_config.hf_config, "model_type", None) == "gemma3":
-        from vllm.multimodal.gemma3 import Gemma3PromptProcessor
-
-        return Gemma3PromptProcessor(model_config, tokenizer)
-    if modalities == ("image",):
-        return ImagePromptProcessor(model_config)
-    if modalities == ("audio",):
-        return AudioPromptProcessor(model_config)
-    return None
+    """The processor of a multimodal model's prompts (the one its registry entry names);
+    None for a model of text."""
+    cls = resolve_prompt_processor_cls(model_config.architecture)
+    return None if cls is None else cls(model_config, tokenizer)
 
 
 def media_items(data: Any, modality: str, architecture: str) -> list[Any]:

@@ -164,7 +164,8 @@ class Qwen2VLPromptProcessor:
     `<|vision_end|>`, as the chat template does) becomes its image's run of rows, and the
     prompt's M-RoPE positions come with it."""
 
-    def __init__(self, model_config: ModelConfig) -> None:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any = None) -> None:
+        """`tokenizer`: unused (the placeholder is one token, written as the user did)."""
         config = model_config.hf_config
         self.model_config = model_config
         self.image_token_id = image_token_id(config)

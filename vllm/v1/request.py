@@ -158,6 +158,13 @@ class Request:
                 return start
         return end
 
+    def span_at(self, position: int) -> int:
+        """The length of the bidirectional span that starts at `position` (0: none)."""
+        for start, stop in self.bidirectional_spans:
+            if start == position:
+                return stop - start
+        return 0
+
     @property
     def all_token_ids(self) -> list[int]:
         return self._all_token_ids

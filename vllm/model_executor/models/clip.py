@@ -141,9 +141,12 @@ class VisionTransformer(nn.Module):
         return [states[i] for i in indices]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copies the tower's tensors, named as in the tower or as transformers nests them
+        in a vision-language checkpoint (`vision_model.X`); returns the names loaded."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
+            name = name.removeprefix("vision_model.")
             if name.startswith(self.skipped) or name.endswith("position_ids"):
                 continue
             if name not in params:

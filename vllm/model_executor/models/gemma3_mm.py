@@ -34,7 +34,7 @@ from vllm.model_executor.models.clip import SiglipVisionModel
 from vllm.model_executor.models.gemma import GemmaRMSNorm
 from vllm.model_executor.models.multimodal import (
     MultiModalLanguageModel,
-    load_vision_language_weights,
+    load_multimodal_weights,
 )
 from vllm.v1.attention.backends.abstract import AttentionBackend
 
@@ -87,4 +87,5 @@ class Gemma3ForConditionalGeneration(MultiModalLanguageModel):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Routes each checkpoint tensor to its part (see the module's name table)."""
-        return load_vision_language_weights(self, weights, "Gemma 3")
+        return load_multimodal_weights(self, weights, "vision_tower",
+                                       self.vision_tower.load_weights, "Gemma 3")

@@ -24,7 +24,7 @@ from torch import nn
 from vllm.model_executor.models.clip import vision_activation, vision_tower
 from vllm.model_executor.models.multimodal import (
     MultiModalLanguageModel,
-    load_vision_language_weights,
+    load_multimodal_weights,
 )
 from vllm.multimodal.processing import check_vision_tower
 from vllm.v1.attention.backends.abstract import AttentionBackend
@@ -80,4 +80,5 @@ class LlavaForConditionalGeneration(MultiModalLanguageModel):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Routes each checkpoint tensor to its part (see the module's name table)."""
-        return load_vision_language_weights(self, weights, "LLaVA")
+        return load_multimodal_weights(self, weights, "vision_tower",
+                                       self.vision_tower.load_weights, "LLaVA")

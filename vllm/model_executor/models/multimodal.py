@@ -11,7 +11,7 @@ the parts. Both layouts transformers writes:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -132,19 +132,23 @@ def load_module_exactly(module: nn.Module, weights: list[tuple[str, torch.Tensor
     return loaded
 
 
-def load_vision_language_weights(model: Any, weights: Iterable[tuple[str, torch.Tensor]],
-                                 what: str) -> set[str]:
-    """The loader of a model of `vision_tower`, `multi_modal_projector` and
-    `language_model` (LLaVA, Gemma 3): each tensor routed by `split_checkpoint_name`, and
-    `vision_tower.vision_model.X` -> `vision_tower.X`; `what` names the model in errors."""
+# An encoder's loader: its tensors (names inside it) -> the names it loaded.
+EncoderLoader = Callable[[list[tuple[str, torch.Tensor]]], Iterable[str]]
+
+
+def load_multimodal_weights(model: Any, weights: Iterable[tuple[str, torch.Tensor]],
+                            encoder: str, load_encoder: EncoderLoader, what: str) -> set[str]:
+    """The loader of a model of an encoder (the attribute `encoder`: "vision_tower",
+    "audio_tower"), `multi_modal_projector` and `language_model` (LLaVA, Gemma 3,
+    Qwen2-Audio): each tensor routed by `split_checkpoint_name`, the encoder's loaded by
+    `load_encoder`, the projector's exactly, the language model's by its own loader; `what`
+    names the model in errors. Returns the names loaded, each under its part."""
     parts: dict[str, list[tuple[str, torch.Tensor]]] = {
-        "vision_tower": [], "multi_modal_projector": [], "language_model": []}
+        encoder: [], "multi_modal_projector": [], "language_model": []}
     for name, tensor in weights:
-        part, rest = split_checkpoint_name(name, ("vision_tower", "multi_modal_projector"), what)
-        parts[part].append((rest.removeprefix("vision_model.") if part == "vision_tower"
-                            else rest, tensor))
-    loaded = {f"vision_tower.{n}" for n in model.vision_tower.load_weights(
-        parts["vision_tower"])}
+        part, rest = split_checkpoint_name(name, (encoder, "multi_modal_projector"), what)
+        parts[part].append((rest, tensor))
+    loaded = {f"{encoder}.{n}" for n in load_encoder(parts[encoder])}
     loaded |= load_module_exactly(model.multi_modal_projector,
                                   parts["multi_modal_projector"], "multi_modal_projector")
     language_model: VllmModel = model.language_model

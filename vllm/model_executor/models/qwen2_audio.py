@@ -33,11 +33,9 @@ from torch import nn
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.model_loader.weight_utils import load_weights
 from vllm.model_executor.models.encoder_decoder import PACKED_MODULES_MAPPING
-from vllm.model_executor.models.interfaces import VllmModel
 from vllm.model_executor.models.multimodal import (
     MultiModalLanguageModel,
-    load_module_exactly,
-    split_checkpoint_name,
+    load_multimodal_weights,
 )
 from vllm.model_executor.models.whisper import WhisperEncoder
 from vllm.multimodal.audio import STEM_EXTRA_FRAMES, encoder_positions
@@ -72,6 +70,10 @@ class Qwen2AudioEncoder(WhisperEncoder):
             rows.append(self.layer_norm(pooled))
         return rows
 
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Whisper's encoder tensors under Whisper's names; q/k/v fuse as Whisper's do."""
+        return load_weights(self, weights, PACKED_MODULES_MAPPING)
+
 
 class Qwen2AudioMultiModalProjector(nn.Module):
     def __init__(self, audio_size: int, text_size: int) -> None:
@@ -103,17 +105,5 @@ class Qwen2AudioForConditionalGeneration(MultiModalLanguageModel):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Routes each checkpoint tensor to its part (`multimodal.split_checkpoint_name`);
         the audio tower's q/k/v fuse as Whisper's do (no k bias: it stays zero)."""
-        parts: dict[str, list[tuple[str, torch.Tensor]]] = {
-            "audio_tower": [], "multi_modal_projector": [], "language_model": []}
-        for name, tensor in weights:
-            part, rest = split_checkpoint_name(name, ("audio_tower", "multi_modal_projector"),
-                                               "Qwen2-Audio")
-            parts[part].append((rest, tensor))
-        loaded = {f"audio_tower.{n}" for n in load_weights(
-            self.audio_tower, parts["audio_tower"], PACKED_MODULES_MAPPING)}
-        loaded |= load_module_exactly(self.multi_modal_projector,
-                                      parts["multi_modal_projector"], "multi_modal_projector")
-        language_model: VllmModel = self.language_model
-        loaded |= {f"language_model.{n}"
-                   for n in language_model.load_weights(iter(parts["language_model"]))}
-        return loaded
+        return load_multimodal_weights(self, weights, "audio_tower",
+                                       self.audio_tower.load_weights, "Qwen2-Audio")

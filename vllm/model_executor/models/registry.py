@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
@@ -48,14 +48,29 @@ _AUDIO_MODELS: dict[str, int] = {
     "WhisperForConditionalGeneration": 2,
 }
 
-# Architectures whose prompts take media (`multi_modal_data={"image": ...}`) -> the
-# modalities, read by the front end without importing the model.
-_MULTIMODAL_MODELS: dict[str, tuple[str, ...]] = {
-    "LlavaForConditionalGeneration": ("image",),
-    "Gemma3ForConditionalGeneration": ("image",),
-    "Qwen2AudioForConditionalGeneration": ("audio",),
-    "Qwen2VLForConditionalGeneration": ("image",),
-    "Qwen2_5_VLForConditionalGeneration": ("image",),
+
+class MediaPrompts(NamedTuple):
+    """What a multimodal architecture's prompts take, for the front end."""
+
+    modalities: tuple[str, ...]  # "image", "audio"
+    # Its prompt processor (placeholders to runs, media to `MediaInput`s): (module under
+    # vllm.multimodal, class name), built with (model_config, tokenizer).
+    processor: tuple[str, str]
+
+
+# Architectures whose prompts take media (`multi_modal_data={"image": ...}`), read by the
+# front end without importing the model.
+_MULTIMODAL_MODELS: dict[str, MediaPrompts] = {
+    "LlavaForConditionalGeneration": MediaPrompts(("image",),
+                                                  ("processing", "ImagePromptProcessor")),
+    "Gemma3ForConditionalGeneration": MediaPrompts(("image",),
+                                                   ("gemma3", "Gemma3PromptProcessor")),
+    "Qwen2AudioForConditionalGeneration": MediaPrompts(("audio",),
+                                                       ("processing", "AudioPromptProcessor")),
+    "Qwen2VLForConditionalGeneration": MediaPrompts(("image",),
+                                                    ("qwen2_vl", "Qwen2VLPromptProcessor")),
+    "Qwen2_5_VLForConditionalGeneration": MediaPrompts(("image",),
+                                                       ("qwen2_vl", "Qwen2VLPromptProcessor")),
 }
 
 # Multimodal architectures whose media attend bidirectionally: the positions of one item (an
@@ -106,7 +121,18 @@ def audio_frames_per_encoder_token(architecture: str) -> int | None:
 
 def input_modalities(architecture: str) -> tuple[str, ...]:
     """The media a model's prompts take ("image", "audio"); () for a model of text."""
-    return _MULTIMODAL_MODELS.get(architecture, ())
+    media = _MULTIMODAL_MODELS.get(architecture)
+    return () if media is None else media.modalities
+
+
+def resolve_prompt_processor_cls(architecture: str) -> type | None:
+    """A multimodal model's prompt processor class (imported on first use); None for a
+    model of text."""
+    media = _MULTIMODAL_MODELS.get(architecture)
+    if media is None:
+        return None
+    module, name = media.processor
+    return getattr(importlib.import_module(f"vllm.multimodal.{module}"), name)
 
 
 def bidirectional_media(architecture: str) -> bool:

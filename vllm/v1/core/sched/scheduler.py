@@ -24,6 +24,7 @@ from vllm.v1.core.sched.output import (
     RowsToGather,
     SchedulerOutput,
 )
+from vllm.v1.core.sched.span_reservation import SpanReservation
 from vllm.v1.core.sched.structured_output import StructuredOutputTracker
 from vllm.v1.core.sched.utils import append_until_stop
 from vllm.v1.messages import (
@@ -58,6 +59,23 @@ class _Step:
     preempted: list[Request] = field(default_factory=list)
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)  # drafts verified
     suspect: str | None = None  # a request suspected of failing a step, run alone
+    # A starved media run's request (`SpanReservation`) and the budget only it may use
+    # until it is scheduled.
+    reserved_for: str | None = None
+    reserve: int = 0
+
+    def budget_for(self, request: Request) -> int:
+        """What is left of the budget for `request`: all of it for the reserved request,
+        less the reservation for any other."""
+        if request.request_id == self.reserved_for:
+            return self.budget
+        return max(0, self.budget - self.reserve)
+
+    def take(self, request: Request, num_new: int) -> None:
+        self.num_scheduled[request.request_id] = num_new
+        self.budget -= num_new
+        if request.request_id == self.reserved_for:
+            self.reserve = 0
 
 
 class Scheduler:
@@ -78,6 +96,7 @@ class Scheduler:
     A model whose media attend bidirectionally (Gemma 3's images) gives its requests the
     media runs' spans: a chunk never ends inside one (it ends before the run, which a later
     step takes whole) and neither does a prefix hit (`Request.chunk_end`, `splits_span`).
+    A run that finds too little budget left gets it reserved (`SpanReservation`).
 
     Requests with images or audio wait in the media stage (`MediaRows`) until their items
     fit that same budget (`_encode_media`: items in the encoder cache, or already encoded
@@ -127,6 +146,7 @@ class Scheduler:
                                                  self.block_hasher)
         # Speculative decoding: drafts per request and step (k; 0: off).
         self.num_spec_tokens = scheduler_config.num_spec_tokens
+        self.span_reservation = SpanReservation(scheduler_config.max_num_batched_tokens)
 
     # ---- requests in and out -------------------------------------------------------
 
@@ -290,9 +310,14 @@ class Scheduler:
         self._resolve_grammars()
         self._encode_media(step)
         kind = None if step.suspect is not None else self._step_kind()
+        step.reserved_for, step.reserve = self.span_reservation.take(self.requests, kind,
+                                                                     step.suspect)
         self._schedule_running(step, kind)
         if not step.preempted:
             self._schedule_waiting(step, kind)
+        if step.reserve:  # its request could not be admitted (no seat, no blocks)
+            step.reserve = 0
+            self._schedule_running(step, kind, may_preempt=False)
         while not step.num_scheduled and self._preempt_parked_beam(step):
             self._schedule_waiting(step, kind)
         if step.suspect is not None and not step.num_scheduled:
@@ -345,37 +370,50 @@ class Scheduler:
             EngineCoreOutput(r.request_id, [], finish_reason=FinishReason.ERROR)
             for r in failed]
 
-    def _schedule_running(self, step: _Step, kind: InputKind | None) -> None:
-        """Running requests, oldest first; a request short of blocks preempts the newest."""
+    def _schedule_running(self, step: _Step, kind: InputKind | None,
+                          may_preempt: bool = True) -> None:
+        """Running requests, oldest first; a request short of blocks preempts the newest
+        (unless `may_preempt` is False: a second pass, where the newest may already be in
+        this step, skips it)."""
         index = 0
         while (index < len(self.running) and step.budget > 0
                and len(step.num_scheduled) < self.config.max_num_seqs):
             request = self.running[index]
-            num_new = self._num_new_tokens(request, step.budget)
-            drafts = self._drafts_to_verify(request, num_new, step.budget)
+            budget = step.budget_for(request)
+            num_new = self._num_new_tokens(request, budget)
+            drafts = self._drafts_to_verify(request, num_new, budget)
             num_new += len(drafts)
             if ((kind is not None and request.prompt_kind is not kind) or num_new == 0
                     or request.request_id in step.num_scheduled
                     or (step.suspect is not None and request.request_id != step.suspect)):
+                if num_new == 0 and budget > 0 and request.request_id not in step.num_scheduled:
+                    self.span_reservation.blocked(request, request.num_computed_tokens)
                 index += 1
                 continue
             while (new_blocks := self.kv_cache_manager.allocate_slots(
                     request, num_new + self._lookahead(request, num_new))) is None:
+                if not may_preempt:
+                    break
                 victim = self.running.pop()
                 self._preempt(victim)
                 step.preempted.append(victim)
+                if victim.request_id == step.reserved_for:
+                    step.reserve = 0
                 if victim is request:
                     return
+            if new_blocks is None:
+                index += 1
+                continue
             if request.resend_in_full:  # a beam whose tokens the runner does not know
                 request.resend_in_full = False
                 step.new_reqs.append(request)
             else:
                 step.cached_reqs.append(request)
             step.new_block_ids[request.request_id] = [block.block_id for block in new_blocks]
-            step.num_scheduled[request.request_id] = num_new
+            step.take(request, num_new)
+            self.span_reservation.served(request.request_id)
             if drafts:
                 step.spec_tokens[request.request_id] = drafts
-            step.budget -= num_new
             index += 1
 
     def _schedule_waiting(self, step: _Step, kind: InputKind | None) -> None:
@@ -393,12 +431,17 @@ class Scheduler:
                     or not loras.admits(request)):
                 skipped.append(self.waiting.popleft())
                 continue
+            budget = step.budget_for(request)
+            if budget == 0:  # what is left is reserved for a request behind it
+                skipped.append(self.waiting.popleft())
+                continue
             hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
-            if not self.config.enable_chunked_prefill and num_new > step.budget:
+            if not self.config.enable_chunked_prefill and num_new > budget:
                 break
-            num_new = request.chunk_end(num_hit, num_hit + min(num_new, step.budget)) - num_hit
+            num_new = request.chunk_end(num_hit, num_hit + min(num_new, budget)) - num_hit
             if num_new == 0:  # its next image run does not fit what is left of the budget
+                self.span_reservation.blocked(request, num_hit)
                 break
             cross_hits = self.kv_cache_manager.get_cached_cross_blocks(request)
             encoder_cost = request.num_encoder_tokens if cross_hits is None else 0
@@ -421,8 +464,8 @@ class Scheduler:
             self.running.append(request)
             loras.add(request)
             step.new_reqs.append(request)
-            step.num_scheduled[request.request_id] = num_new
-            step.budget -= num_new
+            step.take(request, num_new)
+            self.span_reservation.served(request.request_id)
         self.waiting.extendleft(reversed(skipped))
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
