@@ -192,8 +192,8 @@ def _build_has(ops, flag: str) -> bool:
 def _check_prefill(path, dtype, plan, heads, kv_heads, head_size, block, causal=True,
                    window=0, soft_cap=0.0, spans=None):
     """`plan`: (queries, keys) per chunk, the queries being the last of the keys' positions.
-    `path`: "native" calls the prefill kernel (AVX-512 only: it declines elsewhere);
-    "portable" runs the backend with that kernel declining, as on CPUs without AVX-512:
+    `path`: "native" calls the prefill kernel (AVX-512, or AVX2 with FMA and F16C: it
+    declines elsewhere); "portable" runs the backend with that kernel declining:
     torch SDPA per chunk (a causal layer's one-token chunks and cross-attention chunks of
     up to 16 queries take the paged decode path, as the backend sends them).
     Either against a dense softmax in float64, with q a strided view of a fused qkv
@@ -244,9 +244,9 @@ def _check_prefill(path, dtype, plan, heads, kv_heads, head_size, block, causal=
             torch.tensor(lens, dtype=torch.int32),
             torch.tensor([keys for _, keys in plan], dtype=torch.int32), out, scale, causal,
             window, soft_cap, key_ends if spans else torch.empty(0, dtype=torch.int32))
-        if not ran:  # the kernel is AVX-512 only; elsewhere the backend takes torch SDPA
-            assert not _build_has(ops, "avx512f")
-            pytest.skip("no AVX-512 (avx512f): the native prefill kernel declines; "
+        if not ran:  # a build without AVX2: the backend takes torch SDPA
+            assert not _build_has(ops, "avx2")
+            pytest.skip("no AVX2 (avx2): the native prefill kernel declines; "
                         "[portable] checks the path the backend takes")
     else:
         out[2:-1] = _prefill_through_backend(q[2:-1], kv, kernel_table, plan, heads,

@@ -29,6 +29,11 @@
 //   output  O^T[d][rows] += sum_key P^T[key][rows] * V[key][d]
 // all in float32. Tiles run longest first (`run_tasks`), since a causal tile near a
 // prompt's end reads many more keys than one near its start.
+//
+// Written in vec.h's 16-lane vectors: one AVX-512 register, or two AVX2 halves where the
+// CPU has AVX2, FMA and F16C but not AVX-512 (the same operations lane by lane, so both
+// forms give the same bits). Positions are compared as floats (exact below 2^24: longer
+// sequences are declined).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -42,9 +47,8 @@
 
 namespace {
 
-#if defined(__AVX512F__)
-using vllm_cpu::exp16;
-using vllm_cpu::load16;
+#if defined(VLLM_VEC16)
+using namespace vllm_cpu;
 
 constexpr int64_t kTile = 16;   // query tokens per task
 constexpr int64_t kChunk = 16;  // keys per step
@@ -52,7 +56,7 @@ constexpr int64_t kChunk = 16;  // keys per step
 // n (a multiple of 16) values of the cache's dtype -> float32.
 template <typename T>
 inline void load_row_f32(const T* src, float* dst, int64_t n) {
-  for (int64_t d = 0; d < n; d += 16) _mm512_storeu_ps(dst + d, load16(src + d));
+  for (int64_t d = 0; d < n; d += 16) store16(dst + d, load16(src + d));
 }
 
 struct Tile {
@@ -96,39 +100,39 @@ void attend_tile(const T* query, int64_t q_stride, const T* k_cache, const T* v_
   // Each lane's last key: its query position, or its span's last with `key_end`; lanes
   // past the tile see every key (their rows are zero and never written out), so no
   // lane's running max stays -inf.
-  __m512i pos[RV];
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  f32x16 pos[RV];
   for (int v = 0; v < RV; ++v) {
-    alignas(64) int32_t p[16];
+    alignas(64) float p[16];
     for (int l = 0; l < 16; ++l) {
       const int64_t i = (16 * v + l) / group;
-      p[l] = i >= nq ? std::numeric_limits<int32_t>::max()
-                     : (key_end != nullptr ? key_end[q_token + i] - 1
-                                           : static_cast<int32_t>(pos0 + i));
+      p[l] = i >= nq ? kInf
+                     : static_cast<float>(key_end != nullptr ? key_end[q_token + i] - 1
+                                                             : pos0 + i);
     }
-    pos[v] = _mm512_load_si512(p);
+    pos[v] = load16(p);
   }
   // With a window, lane query at p sees keys from p - window + 1 (lanes past the tile:
   // every key); chunks wholly before the tile's first window are skipped.
-  __m512i lo[RV];
+  f32x16 lo[RV];
   for (int v = 0; v < RV; ++v) {
-    alignas(64) int32_t p[16];
+    alignas(64) float p[16];
     for (int l = 0; l < 16; ++l) {
       const int64_t i = (16 * v + l) / group;
-      p[l] = i < nq && window > 0 ? static_cast<int32_t>(pos0 + i - window + 1)
-                                  : std::numeric_limits<int32_t>::min();
+      p[l] = i < nq && window > 0 ? static_cast<float>(pos0 + i - window + 1) : -kInf;
     }
-    lo[v] = _mm512_load_si512(p);
+    lo[v] = load16(p);
   }
   const int64_t first_key =
       window > 0 ? std::max<int64_t>(0, pos0 - window + 1) / kChunk * kChunk : 0;
   const bool cap = soft_cap > 0.0f;
-  const __m512 cap_in = _mm512_set1_ps(cap ? 1.0f / soft_cap : 1.0f);
-  const __m512 cap_out = _mm512_set1_ps(soft_cap);
-  const __m512 one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f);
-  __m512 m[RV], l[RV];
+  const f32x16 cap_in = set16(cap ? 1.0f / soft_cap : 1.0f);
+  const f32x16 cap_out = set16(soft_cap);
+  const f32x16 one = set16(1.0f), two = set16(2.0f);
+  f32x16 m[RV], l[RV];
   for (int v = 0; v < RV; ++v) {
-    m[v] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    l[v] = _mm512_setzero_ps();
+    m[v] = set16(-kInf);
+    l[v] = zero16();
   }
   float* ot = w.o.data();
   std::fill(w.o.begin(), w.o.end(), 0.0f);
@@ -149,76 +153,72 @@ void attend_tile(const T* query, int64_t q_stride, const T* k_cache, const T* v_
 
     // Scores, KU keys at a time.
     for (int64_t j0 = 0; j0 < kChunk; j0 += KU) {
-      __m512 acc[KU][RV];
+      f32x16 acc[KU][RV];
       for (int u = 0; u < KU; ++u)
-        for (int v = 0; v < RV; ++v) acc[u][v] = _mm512_setzero_ps();
+        for (int v = 0; v < RV; ++v) acc[u][v] = zero16();
       for (int64_t d = 0; d < D; ++d) {
-        __m512 qv[RV];
-        for (int v = 0; v < RV; ++v) qv[v] = _mm512_loadu_ps(qt + d * R + 16 * v);
+        f32x16 qv[RV];
+        for (int v = 0; v < RV; ++v) qv[v] = load16(qt + d * R + 16 * v);
         for (int u = 0; u < KU; ++u) {
-          const __m512 kb = _mm512_set1_ps(kf[(j0 + u) * D + d]);
-          for (int v = 0; v < RV; ++v) acc[u][v] = _mm512_fmadd_ps(kb, qv[v], acc[u][v]);
+          const f32x16 kb = set16(kf[(j0 + u) * D + d]);
+          for (int v = 0; v < RV; ++v) acc[u][v] = fmadd16(kb, qv[v], acc[u][v]);
         }
       }
       if (cap)  // cap * tanh(s / cap), tanh(x) = 1 - 2 / (e^(2x) + 1)
         for (int u = 0; u < KU; ++u)
           for (int v = 0; v < RV; ++v) {
-            const __m512 x = _mm512_mul_ps(acc[u][v], cap_in);
-            const __m512 e = exp16(_mm512_add_ps(x, x));
-            acc[u][v] = _mm512_mul_ps(
-                cap_out, _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(e, one))));
+            const f32x16 x = mul16(acc[u][v], cap_in);
+            const f32x16 e = exp16(add16(x, x));
+            acc[u][v] = mul16(cap_out, sub16(one, div16(two, add16(e, one))));
           }
       for (int u = 0; u < KU; ++u)
-        for (int v = 0; v < RV; ++v) _mm512_storeu_ps(st + (j0 + u) * R + 16 * v, acc[u][v]);
+        for (int v = 0; v < RV; ++v) store16(st + (j0 + u) * R + 16 * v, acc[u][v]);
     }
 
     // Online softmax per lane; P^T overwrites S^T (masked keys get exact zeros).
-    __m512 corr[RV];
+    f32x16 corr[RV];
     for (int v = 0; v < RV; ++v) {
-      __mmask16 valid[kChunk];
-      __m512 cmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      mask16 valid[kChunk];
+      f32x16 cmax = set16(-kInf);
       for (int64_t j = 0; j < nk; ++j) {
-        const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(c0 + j));
-        valid[j] = (causal ? _mm512_cmpge_epi32_mask(pos[v], key)
-                           : static_cast<__mmask16>(0xFFFF)) &
-                   _mm512_cmple_epi32_mask(lo[v], key);
-        cmax = _mm512_mask_max_ps(cmax, valid[j], cmax, _mm512_loadu_ps(st + j * R + 16 * v));
+        const f32x16 key = set16(static_cast<float>(c0 + j));
+        valid[j] = causal ? and16(le16(key, pos[v]), le16(lo[v], key)) : le16(lo[v], key);
+        cmax = select16(valid[j], max16(cmax, load16(st + j * R + 16 * v)), cmax);
       }
-      const __m512 m_new = _mm512_max_ps(m[v], cmax);
-      corr[v] = exp16(_mm512_sub_ps(m[v], m_new));
-      __m512 sum = _mm512_setzero_ps();
+      const f32x16 m_new = max16(m[v], cmax);
+      corr[v] = exp16(sub16(m[v], m_new));
+      f32x16 sum = zero16();
       for (int64_t j = 0; j < nk; ++j) {
-        const __m512 p = _mm512_maskz_mov_ps(
-            valid[j], exp16(_mm512_sub_ps(_mm512_loadu_ps(st + j * R + 16 * v), m_new)));
-        _mm512_storeu_ps(st + j * R + 16 * v, p);
-        sum = _mm512_add_ps(sum, p);
+        const f32x16 p = select16(valid[j], exp16(sub16(load16(st + j * R + 16 * v), m_new)),
+                                  zero16());
+        store16(st + j * R + 16 * v, p);
+        sum = add16(sum, p);
       }
-      l[v] = _mm512_fmadd_ps(l[v], corr[v], sum);
+      l[v] = fmadd16(l[v], corr[v], sum);
       m[v] = m_new;
     }
 
     // O^T = O^T * corr + P^T V, DB head dims at a time.
     for (int64_t d0 = 0; d0 < D; d0 += DB) {
-      __m512 acc[DB][RV];
+      f32x16 acc[DB][RV];
       for (int e = 0; e < DB; ++e)
         for (int v = 0; v < RV; ++v)
-          acc[e][v] = _mm512_mul_ps(_mm512_loadu_ps(ot + (d0 + e) * R + 16 * v), corr[v]);
+          acc[e][v] = mul16(load16(ot + (d0 + e) * R + 16 * v), corr[v]);
       for (int64_t j = 0; j < nk; ++j) {
-        __m512 p[RV];
-        for (int v = 0; v < RV; ++v) p[v] = _mm512_loadu_ps(st + j * R + 16 * v);
+        f32x16 p[RV];
+        for (int v = 0; v < RV; ++v) p[v] = load16(st + j * R + 16 * v);
         for (int e = 0; e < DB; ++e) {
-          const __m512 vb = _mm512_set1_ps(vf[j * D + d0 + e]);
-          for (int v = 0; v < RV; ++v) acc[e][v] = _mm512_fmadd_ps(p[v], vb, acc[e][v]);
+          const f32x16 vb = set16(vf[j * D + d0 + e]);
+          for (int v = 0; v < RV; ++v) acc[e][v] = fmadd16(p[v], vb, acc[e][v]);
         }
       }
       for (int e = 0; e < DB; ++e)
-        for (int v = 0; v < RV; ++v) _mm512_storeu_ps(ot + (d0 + e) * R + 16 * v, acc[e][v]);
+        for (int v = 0; v < RV; ++v) store16(ot + (d0 + e) * R + 16 * v, acc[e][v]);
     }
   }
 
   alignas(64) float inv[R];
-  for (int v = 0; v < RV; ++v)
-    _mm512_store_ps(inv + 16 * v, _mm512_div_ps(_mm512_set1_ps(1.0f), l[v]));
+  for (int v = 0; v < RV; ++v) store16(inv + 16 * v, div16(set16(1.0f), l[v]));
   const int64_t num_heads = num_kv_heads * group;
   for (int64_t i = 0; i < nq; ++i)
     for (int64_t g = 0; g < group; ++g) {
@@ -298,8 +298,9 @@ bool prefill_attention(const torch::Tensor& query, const torch::Tensor& kv_cache
 }  // namespace
 
 // Writes the spans' rows of `out`; returns false (nothing written) where the kernel has no
-// instantiation (no AVX-512, a head size not a multiple of 16, more than 8 query heads per
-// kv head): the caller then takes its portable path.
+// instantiation (neither AVX-512 nor AVX2 with FMA and F16C, a head size not a multiple of
+// 16, more than 8 query heads per kv head, a sequence past 2^24 positions): the caller then
+// takes its portable path.
 bool paged_prefill_attention(torch::Tensor query, torch::Tensor kv_cache,
                              torch::Tensor block_table, torch::Tensor query_start,
                              torch::Tensor query_len, torch::Tensor seq_lens, torch::Tensor out,
@@ -344,7 +345,9 @@ bool paged_prefill_attention(torch::Tensor query, torch::Tensor kv_cache,
       TORCH_CHECK(ke[qs[s] + i] > sl[s] - ql[s] + i && ke[qs[s] + i] <= sl[s],
                   "key_end of span ", s, " query ", i, " out of range");
   }
-#if defined(__AVX512F__)
+#if defined(VLLM_VEC16)
+  for (int64_t s = 0; s < num_spans; ++s)
+    if (sl[s] > (1 << 24)) return false;  // positions compare as floats (exact below 2^24)
   const float sc = static_cast<float>(scale), cap = static_cast<float>(soft_cap);
   const int32_t* table = block_table.data_ptr<int32_t>();
   switch (query.scalar_type()) {

@@ -70,6 +70,14 @@ inline __m512 div16(__m512 a, __m512 b) { return _mm512_div_ps(a, b); }
 inline __m512 fmadd16(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
 inline __m512 fnmadd16(__m512 a, __m512 b, __m512 c) { return _mm512_fnmadd_ps(a, b, c); }
 inline float reduce_add16(__m512 a) { return _mm512_reduce_add_ps(a); }
+inline __m512 max16(__m512 a, __m512 b) { return _mm512_max_ps(a, b); }
+
+// Lane masks: le16(a, b) is a <= b per lane (false where either is NaN); select16(m, a, b)
+// takes a where m holds, else b.
+using mask16 = __mmask16;
+inline mask16 le16(__m512 a, __m512 b) { return _mm512_cmp_ps_mask(a, b, _CMP_LE_OQ); }
+inline mask16 and16(mask16 a, mask16 b) { return a & b; }
+inline __m512 select16(mask16 m, __m512 a, __m512 b) { return _mm512_mask_blend_ps(m, b, a); }
 
 #else  // AVX2, FMA, F16C: two 8-float halves
 
@@ -159,6 +167,22 @@ inline float reduce_add8(__m256 a) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 inline float reduce_add16(f32x16 a) { return reduce_add8(_mm256_add_ps(a.lo, a.hi)); }
+inline f32x16 max16(f32x16 a, f32x16 b) {
+  return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)};
+}
+
+struct mask16 {  // all-ones or all-zero lanes
+  __m256 lo, hi;
+};
+inline mask16 le16(f32x16 a, f32x16 b) {
+  return {_mm256_cmp_ps(a.lo, b.lo, _CMP_LE_OQ), _mm256_cmp_ps(a.hi, b.hi, _CMP_LE_OQ)};
+}
+inline mask16 and16(mask16 a, mask16 b) {
+  return {_mm256_and_ps(a.lo, b.lo), _mm256_and_ps(a.hi, b.hi)};
+}
+inline f32x16 select16(mask16 m, f32x16 a, f32x16 b) {
+  return {_mm256_blendv_ps(b.lo, a.lo, m.lo), _mm256_blendv_ps(b.hi, a.hi, m.hi)};
+}
 #endif
 
 }  // namespace vllm_cpu
