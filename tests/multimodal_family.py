@@ -84,8 +84,8 @@ def check_preemption_and_graphs(model_dir: str, prompts: list[dict],
     """`prompts` give `expected` greedy tokens (as many as each list holds) on an engine of
     `num_blocks` KV blocks of 8 (prefix cache off), where requests are preempted, then on an
     engine with compiled graphs (one static size, 4: decode steps of fewer rows pad to it);
-    `engine_args` go to both. Returns
-    the graphs engine's runner, for the family's checks of what its graphs replayed."""
+    both of `max_model_len`, `engine_args` go to both. Returns the graphs engine's runner,
+    for the family's checks of what its graphs replayed."""
     params = greedy(len(expected[0]))
     assert all(len(tokens) == len(expected[0]) for tokens in expected)
     small = LLM(model_dir, dtype="float32", max_model_len=max_model_len, enforce_eager=True,
@@ -95,7 +95,7 @@ def check_preemption_and_graphs(model_dir: str, prompts: list[dict],
     assert small.llm_engine.engine_core.scheduler.num_preemptions > 0
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected
     small.shutdown()
-    graphs = LLM(model_dir, dtype="float32", max_model_len=96,
+    graphs = LLM(model_dir, dtype="float32", max_model_len=max_model_len,
                  kv_cache_memory_bytes=16 * 1024**2,
                  compilation_config={"cudagraph_capture_sizes": [4]}, **engine_args)
     outputs = graphs.generate(prompts, params, use_tqdm=False)
