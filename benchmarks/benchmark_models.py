@@ -12,6 +12,7 @@ tokens, in one `LLM.generate` call; then the same prompts through transformers `
     python benchmarks/benchmark_models.py --num-prompts 16 --output-len 32 --layers 4
     python benchmarks/benchmark_models.py --families qwen3_moe \
         --vllm-cpu-python /work/peers/vllm-venv/bin/python      # also vLLM's CPU build
+    python benchmarks/benchmark_models.py --families qwen3_moe --quantization int8  # ours int8
 
 Sections: `FAMILIES` maps a family name to its `Family` (the tests' model factory arch, the
 base geometry and the config overrides that make it ~100M+); add a family by adding an
@@ -144,8 +145,9 @@ class FamilyResult:
 
 def run_family(path: str, args: argparse.Namespace) -> FamilyResult:
     max_model_len = args.max_len + args.output_len + 8
-    llm = LLM(path, dtype=args.dtype, max_model_len=max_model_len,
-              max_num_seqs=args.num_prompts, enforce_eager=args.enforce_eager)
+    llm = LLM(path, dtype=args.dtype, quantization=args.quantization,
+              max_model_len=max_model_len, max_num_seqs=args.num_prompts,
+              enforce_eager=args.enforce_eager)
     dtype = llm.llm_engine.vllm_config.model_config.dtype
     executor = llm.llm_engine.engine_core.model_executor
     assert isinstance(executor, UniProcExecutor)
@@ -375,6 +377,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None,
                         help="override the configs' layer count (smaller, faster runs)")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default=None, choices=["int8"],
+                        help="this engine's weights (`int8`: per-channel int8, or Q8_0 "
+                             "blocks on processors without VNNI); vLLM's CPU build runs the "
+                             "activation dtype this engine chose, unquantized")
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--skip-hf", action="store_true")

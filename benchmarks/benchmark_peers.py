@@ -180,7 +180,7 @@ def main() -> None:
                         help="one request at a time against llama.cpp (see above)")
     parser.add_argument("--single-settings", default="gguf,int8,bfloat16",
                         help="--single: this engine's settings, of gguf, gguf-graphs (gguf "
-                             "without the fused decode steps), int8, bfloat16")
+                             "without the fused decode steps), int8, bfloat16, float32")
     parser.add_argument("--batched", action="store_true",
                         help="this engine on the GGUF file against llama.cpp's batched "
                              "driver at each concurrency (see above)")
@@ -362,7 +362,9 @@ def run_single(args: argparse.Namespace) -> None:
         # the same without the fused decode steps (the compiled graphs run every step)
         "gguf-graphs": (gguf, {"quantization": "gguf"}, {"VLLM_CPU_FUSED_DECODE": "0"}),
         "int8": (args.hf_dir, {"quantization": "int8"}, {}),
-        "bfloat16": (args.hf_dir, {"dtype": "bfloat16"}, {})}
+        "bfloat16": (args.hf_dir, {"dtype": "bfloat16"}, {}),
+        # the dense reference int8 is held against (AVX2: `auto` is float32)
+        "float32": (args.hf_dir, {"dtype": "float32"}, {})}
     chosen = args.single_settings.split(",")
     unknown = sorted(set(chosen) - set(settings))
     if unknown:

@@ -54,15 +54,16 @@ def tiny_q4_1(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     return path, model_dir
 
 
-def _generate(llm: LLM, prompts: list[list[int]], fused: Any
+def _generate(llm: LLM, prompts: list[list[int]], fused: Any,
+              runner_ups: list[list[dict[int, float]]] | None = None
               ) -> list[tuple[list[int], torch.Tensor]]:
     """Greedy tokens and their logprobs with the runner's fused decoder set to `fused`
     (None: the compiled graphs' path), from an empty prefix cache: the prompts together
     (their decode steps share rows), then the first prompt again (a prefix hit on its whole
-    prompt)."""
+    prompt). `runner_ups`, if given, gets each output's top two {token: logprob} a step."""
     _runner(llm).fused_decode = fused
     assert llm.llm_engine.reset_prefix_cache()
-    params = SamplingParams(temperature=0, max_tokens=_NEW_TOKENS, ignore_eos=True, logprobs=1)
+    params = SamplingParams(temperature=0, max_tokens=_NEW_TOKENS, ignore_eos=True, logprobs=2)
     results = []
     for batch in (prompts, prompts[:1]):
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params,
@@ -72,7 +73,27 @@ def _generate(llm: LLM, prompts: list[list[int]], fused: Any
             assert completion.logprobs is not None
             results.append((list(completion.token_ids), torch.tensor(
                 [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)])))
+            if runner_ups is not None:
+                runner_ups.append([{t: lp.logprob for t, lp in step.items()}
+                                   for step in completion.logprobs])
     return results
+
+
+def _common_until_a_near_tie(got: tuple[list[int], torch.Tensor], got_tops: list[dict],
+                             ref: tuple[list[int], torch.Tensor], ref_tops: list[dict],
+                             margin: float) -> int:
+    """How many leading tokens two greedy runs share. Where they part, each run's own token
+    and the other's must be its top two within `margin` (a near tie, which a difference
+    of one int8 activation code may tip); anything else fails."""
+    tokens, ref_tokens = got[0], ref[0]
+    n = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), len(tokens))
+    if n < len(tokens):
+        a, b = tokens[n], ref_tokens[n]
+        for tops, own, other in ((got_tops[n], a, b), (ref_tops[n], b, a)):
+            assert other in tops and tops[own] - tops[other] <= margin, (
+                f"the runs part at token {n} ({a} against {b}) where it is no near tie: "
+                f"{tops}")
+    return n
 
 
 @pytest.mark.slow
@@ -145,7 +166,8 @@ def tiny_q4_k_m(request: pytest.FixtureRequest,
 def test_fused_decode_matches_the_graphs_on_other_families(
         tiny_q4_k_m: tuple[str, str]) -> None:
     """As on the Q4_1 Llama: float32, one engine, the fused decoder's steps against the
-    graphs'. Tokens identical; logprobs within 1e-2 on average and 0.15 each. The two paths
+    graphs'. Tokens identical up to a near tie (top two within 0.15 in both runs), at least
+    90% of them; logprobs within 1e-2 on average and 0.15 each until then. The two paths
     share the block kernels; the float arithmetic around them differs (the fused SiLU and
     GELU's exp polynomial against torch's, a norm's sum): a last-bit
     difference there sometimes lands an int8 activation code one step apart, and in these
@@ -162,13 +184,21 @@ def test_fused_decode_matches_the_graphs_on_other_families(
               kv_cache_memory_bytes=8 * 1024**2)
     fused = _runner(llm).fused_decode
     assert fused is not None
-    expected = _generate(llm, _PROMPTS, None)
-    got = _generate(llm, _PROMPTS, fused)
+    ref_tops: list[list[dict[int, float]]] = []
+    got_tops: list[list[dict[int, float]]] = []
+    expected = _generate(llm, _PROMPTS, None, ref_tops)
+    got = _generate(llm, _PROMPTS, fused, got_tops)
     assert fused.steps >= 2 * (_NEW_TOKENS - 1)
-    gaps = []
-    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, expected, strict=True):
-        assert tokens == ref_tokens
-        gaps.append((logprobs - ref_logprobs).abs())
+    gaps, common = [], []
+    for i, ((tokens, logprobs), (ref_tokens, ref_logprobs)) in enumerate(
+            zip(got, expected, strict=True)):
+        n = _common_until_a_near_tie((tokens, logprobs), got_tops[i],
+                                     (ref_tokens, ref_logprobs), ref_tops[i], margin=0.15)
+        common.append(n)
+        gaps.append((logprobs[:n] - ref_logprobs[:n]).abs())
+    # Seen: every token identical on AVX-512; on a Zen 3 (AVX2) Qwen3's first output parted
+    # at its last token (of 24) at a near tie. A wrong window or table parts them early.
+    assert sum(common) >= 0.9 * _NEW_TOKENS * len(got), common
     gap = torch.cat(gaps)
     assert gap.max().item() <= 0.15, gaps
     assert gap.mean().item() <= 1e-2, gaps

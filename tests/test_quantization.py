@@ -58,18 +58,44 @@ def test_int8_linear_is_close_to_the_float_linear_and_batch_independent() -> Non
 def test_int8_form_follows_the_processor(monkeypatch) -> None:
     monkeypatch.delenv(FORM_ENV, raising=False)
     avx2 = frozenset({"avx2", "fma", "f16c"})
-    assert int8_form(576, False, avx2) == "q8_0"  # torch's int8 GEMM: a reference loop
+    assert int8_form(576, avx2) == "q8_0"  # torch's int8 GEMM: a reference loop
     for dot in ("avx512_vnni", "avx_vnni", "amx_int8"):
-        assert int8_form(576, False, avx2 | {dot}) == "int_mm"
-    assert int8_form(576, True, avx2) == "int_mm"  # a row-parallel shard
-    assert int8_form(48, False, avx2) == "int_mm"  # not whole blocks of 32
+        assert int8_form(576, avx2 | {dot}) == "int_mm"
+    assert int8_form(48, avx2) == "int_mm"  # not whole blocks of 32
     monkeypatch.setenv(FORM_ENV, "int_mm")
-    assert int8_form(576, False, avx2) == "int_mm"
+    assert int8_form(576, avx2) == "int_mm"
     monkeypatch.setenv(FORM_ENV, "q8_0")
-    assert int8_form(576, False, avx2 | {"avx512_vnni"}) == "q8_0"
+    assert int8_form(576, avx2 | {"avx512_vnni"}) == "q8_0"
     monkeypatch.setenv(FORM_ENV, "fast")
     with pytest.raises(ValueError, match="VLLM_CPU_INT8_FORM='fast'"):
-        int8_form(576, False, avx2)
+        int8_form(576, avx2)
+
+
+@pytest.mark.skipif(not gguf_mm_available(), reason="gguf_mm not built on this CPU")
+def test_q8_0_row_parallel_shards_are_the_whole_rows_blocks(monkeypatch) -> None:
+    """Without VNNI a row-parallel shard takes Q8_0 too: a slice of whole blocks of 32 holds
+    the whole row's blocks byte for byte (each block's scale is its own 32 weights'), the
+    activations are quantized per 32 alike, so the shards' products sum to the whole row's
+    but for the order of the float sums."""
+    from vllm.model_executor.layers.quantization.gguf_blocks import quantize_q8_0
+
+    monkeypatch.setenv(FORM_ENV, "q8_0")
+    torch.manual_seed(0)
+    weight, x = torch.randn(40, 128), torch.randn(3, 128)
+    whole = quantize_q8_0(weight)
+    halves = [quantize_q8_0(weight[:, :64]), quantize_q8_0(weight[:, 64:])]
+    assert torch.equal(torch.cat(halves, dim=1), whole)
+    parts = []
+    for h in range(2):
+        shard = nn.Linear(64, 40, bias=False).requires_grad_(False)
+        shard.weight.copy_(weight[:, 64 * h:64 * (h + 1)])
+        kernel, name = int8_kernel(shard, weight.abs().amax(dim=1))
+        assert name == "int8 as Q8_0"
+        parts.append(kernel(x[:, 64 * h:64 * (h + 1)]))
+    linear = nn.Linear(128, 40, bias=False).requires_grad_(False)
+    linear.weight.copy_(weight)
+    full, _ = int8_kernel(linear)
+    torch.testing.assert_close(parts[0] + parts[1], full(x), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not gguf_mm_available(), reason="gguf_mm not built on this CPU")

@@ -262,7 +262,8 @@ def test_prompt_lookup_speculation_equals_one_rank(tmp_path) -> None:
 @pytest.mark.slow
 def test_qwen2_biases_int8(tiny_qwen2_dir) -> None:
     """Qwen2's q/k/v biases sharded with their rows; int8 as on one rank: row-parallel
-    shards scale by their whole rows' absmax and sum int32 accumulators exactly."""
+    shards scale by their whole rows' absmax and sum int32 accumulators exactly (VNNI), or
+    hold the whole rows' Q8_0 blocks and differ only in the float sum over ranks."""
     ones, twos = _run_both(tiny_qwen2_dir, PROMPTS)
     _assert_same(ones, twos)
     ones, twos = _run_both(tiny_qwen2_dir, PROMPTS, quantization="int8")

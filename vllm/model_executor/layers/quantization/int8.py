@@ -25,8 +25,8 @@ Without VNNI (an AVX2 processor), `_int_mm` is a reference loop: one request of 
 model ran at half float32's speed and 64 requests for minutes. There (`int8_kernel`) the
 weights become GGUF Q8_0 blocks (int8 per 32 weights with a float16 scale, 6% more bytes
 than per-channel int8 and a little more exact) multiplied by `gguf_mm`, whose AVX2 form
-uses `vpmaddubsw`; the activations are quantized per 32 values. A row-parallel shard under
-tensor parallel keeps `Int8Linear`, whose sum over ranks is one rank's exactly.
+uses `vpmaddubsw`; the activations are quantized per 32 values. Under tensor parallel a
+row-parallel shard takes the same kernel as the others (`int8_form`).
 `VLLM_CPU_INT8_FORM` ("q8_0" or "int_mm") overrides the choice.
 """
 
@@ -53,16 +53,22 @@ FORM_ENV = "VLLM_CPU_INT8_FORM"
 _INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 
 
-def int8_form(in_features: int, sharded: bool, flags: frozenset[str] | None = None) -> str:
+def int8_form(in_features: int, flags: frozenset[str] | None = None) -> str:
     """Which int8 kernel a layer takes: "int_mm" (`Int8Linear`) where the processor has
-    VNNI or AMX, or the layer is a row-parallel shard, or its inputs are not whole blocks
-    of 32; else "q8_0" (Q8_0 blocks through `gguf_mm`) where that op is built."""
+    VNNI or AMX, or its inputs are not whole blocks of 32; else "q8_0" (Q8_0 blocks
+    through `gguf_mm`) where that op is built.
+
+    A row-parallel shard (`in_features` its slice) chooses alike. With VNNI it keeps
+    `_int_mm` with its whole rows' scales (its int32 sums over the ranks are one rank's
+    exactly); without, its Q8_0 blocks are the whole row's blocks (the slice is whole blocks
+    of 32), so only the float sum over the ranks differs from one rank's, where `_int_mm`
+    would be torch's reference loop."""
     from vllm.model_executor.layers.quantization.gguf_blocks import gguf_mm_available
 
     forced = os.environ.get(FORM_ENV)
     if forced not in (None, "", "q8_0", "int_mm"):
         raise ValueError(f"{FORM_ENV}={forced!r}: expected 'q8_0' or 'int_mm'")
-    if sharded or in_features % 32 or not gguf_mm_available():
+    if in_features % 32 or not gguf_mm_available():
         return "int_mm"
     if forced:
         return forced
@@ -76,7 +82,7 @@ def int8_form(in_features: int, sharded: bool, flags: frozenset[str] | None = No
 def int8_kernel(linear, weight_absmax: torch.Tensor | None = None) -> tuple[nn.Module, str]:
     """The int8 kernel of `linear` (anything with `nn.Linear`'s weight, bias and sizes;
     `weight_absmax` given for a row-parallel shard) and its name (see `int8_form`)."""
-    if int8_form(linear.in_features, weight_absmax is not None) == "q8_0":
+    if int8_form(linear.in_features) == "q8_0":
         from vllm.model_executor.layers.quantization.gguf_blocks import (
             GGUFBlockLinear,
             GGUFBlocks,
