@@ -50,8 +50,11 @@ espeak:
 
 # In file order; `make test-random` runs it in random orders (pytest-randomly), one per seed.
 # The 25 slowest tests are listed at the end, so every CI log says where the time went.
+# Two pytest-xdist workers, each module whole on one of them (tests/conftest.py groups
+# them): on a 2-core machine the suite's single-threaded stretches (imports, process
+# start-up, the engines' Python) overlap the other worker's.
 test: install espeak
-	$(BIN)/python -m pytest -p no:randomly -q --durations=25 tests
+	$(BIN)/python -m pytest -p no:randomly -q --durations=25 -n 2 --dist loadgroup tests
 
 # The unit layer (tests not marked `slow`: no engine, server or real model), under 5 minutes:
 # the loop between two changes.

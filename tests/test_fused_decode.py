@@ -36,6 +36,10 @@ pytestmark = pytest.mark.skipif(
 # repeats the first's opening so that it hits the prefix cache.
 _PROMPTS = [list(range(5, 45)), [7, 3, 9, 11, 4], list(range(60, 83)), list(range(5, 37)) + [90]]
 _NEW_TOKENS = 24
+# The graphs these tests hold the fused decoder against: the four prompts' decode steps
+# (4 rows) and the repeat's (1); prefill steps take the ANY graph. Not the default five
+# sizes, each compiled at start-up.
+_SIZES = {"cudagraph_capture_sizes": [1, 4]}
 
 
 def _runner(llm: LLM) -> Any:  # the in-process executor's runner
@@ -107,7 +111,7 @@ def test_fused_decode_matches_the_graphs_on_a_tiny_q4_1_llama(
     path, model_dir = tiny_q4_1
     llm = LLM(path, tokenizer=model_dir, quantization="gguf", dtype="float32",
               max_model_len=128, block_size=16, enable_prefix_caching=True,
-              kv_cache_memory_bytes=4 * 1024**2)
+              kv_cache_memory_bytes=4 * 1024**2, compilation_config=_SIZES)
     runner = _runner(llm)
     fused = runner.fused_decode
     assert fused is not None
@@ -181,7 +185,7 @@ def test_fused_decode_matches_the_graphs_on_other_families(
     path, model_dir = tiny_q4_k_m
     llm = LLM(path, tokenizer=model_dir, quantization="gguf", dtype="float32",
               max_model_len=128, block_size=16, enable_prefix_caching=True,
-              kv_cache_memory_bytes=8 * 1024**2)
+              kv_cache_memory_bytes=8 * 1024**2, compilation_config=_SIZES)
     fused = _runner(llm).fused_decode
     assert fused is not None
     ref_tops: list[list[dict[int, float]]] = []
@@ -213,7 +217,7 @@ def test_fused_decode_drift_on_the_default_model(default_model_path: str) -> Non
     two prompts of 32 tokens, eager against compiled kept 6 and 31 tokens in float32, 16
     and 8 in bfloat16, the fused path the same prefixes with smaller logprob gaps)."""
     llm = LLM(default_model_path, quantization="gguf", dtype="bfloat16", max_model_len=256,
-              max_num_seqs=4, kv_cache_memory_bytes=32 * 1024**2)
+              max_num_seqs=4, kv_cache_memory_bytes=32 * 1024**2, compilation_config=_SIZES)
     fused = _runner(llm).fused_decode
     assert fused is not None
     tokenizer = llm.get_tokenizer()

@@ -167,9 +167,18 @@ def test_a_gguf_file_keeps_its_blocks_unless_told_otherwise(default_model_path) 
         resolved(quantization="q4")
 
 
+@pytest.fixture(scope="module")
+def float32_runs(default_model_path) -> list[tuple[list[int], list[float]]]:
+    """The default model's unquantized greedy runs, the reference of both int8 forms.
+    Eager engines: the drift is the weights' and activations' quantization, not the graphs'
+    (tests/test_graph_capture.py holds graphs against eager)."""
+    return greedy_runs(default_model_path, 16, dtype="float32", quantization="none",
+                       enforce_eager=True)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("form", FORMS)
-def test_int8_drift_on_the_default_model_is_bounded(default_model_path, form,
+def test_int8_drift_on_the_default_model_is_bounded(default_model_path, float32_runs, form,
                                                     monkeypatch) -> None:
     """Bounds measured drift with a margin (README: 'Quantized weights'): per-token int8
     activations are the main source; a broken kernel would share no prefix at all. Where
@@ -177,8 +186,9 @@ def test_int8_drift_on_the_default_model_is_bounded(default_model_path, form,
     rounding: 12 prompts gave a mean prefix of 4.83 (logprob diff mean 0.105, max 0.53) on
     an AVX2-only CPU, more on the AVX-512 one; the logprob bounds are the tighter check."""
     monkeypatch.setenv(FORM_ENV, form)
-    reference = greedy_runs(default_model_path, 16, dtype="float32", quantization="none")
-    candidate = greedy_runs(default_model_path, 16, dtype="float32", quantization="int8")
+    reference = float32_runs
+    candidate = greedy_runs(default_model_path, 16, dtype="float32", quantization="int8",
+                            enforce_eager=True)
     drift = measure_drift(reference, candidate, first_n=4)
     assert drift.agreement >= 0.5
     assert drift.mean_common_prefix >= 4
