@@ -32,11 +32,11 @@ class Drift(NamedTuple):
     mean_logprob_diff: float
 
 
-def greedy_runs(model: str, num_tokens: int, **engine_kwargs) -> list[tuple[list[int],
-                                                                             list[float]]]:
+def greedy_runs(model: str, num_tokens: int, prompts: list[str] = DRIFT_PROMPTS,
+                **engine_kwargs) -> list[tuple[list[int], list[float]]]:
     llm = LLM(model, max_model_len=512, kv_cache_memory_bytes=64 * 1024**2, **engine_kwargs)
     params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True, logprobs=0)
-    outputs = llm.generate(DRIFT_PROMPTS, params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     runs = []
     for out in outputs:
         completion = out.outputs[0]

@@ -72,11 +72,17 @@ def int8_form(in_features: int, flags: frozenset[str] | None = None) -> str:
         return "int_mm"
     if forced:
         return forced
+    return "int_mm" if has_int8_dot(flags) else "q8_0"
+
+
+def has_int8_dot(flags: frozenset[str] | None = None) -> bool:
+    """Whether the processor (`flags`: /proc/cpuinfo's, by default) has integer dot-product
+    instructions for torch's int8 GEMM to run on; without them `_int_mm` is a reference loop."""
     if flags is None:
         from vllm.platforms.cpu import read_cpu_flags
 
         flags = read_cpu_flags()
-    return "int_mm" if any(f in flags for f in _INT8_DOT_FLAGS) else "q8_0"
+    return any(f in flags for f in _INT8_DOT_FLAGS)
 
 
 def int8_kernel(linear, weight_absmax: torch.Tensor | None = None) -> tuple[nn.Module, str]:
