@@ -48,7 +48,7 @@ espeak:
 	@command -v espeak-ng >/dev/null || { sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 		$$sudo apt-get update -qq && $$sudo apt-get install -y -qq espeak-ng; }
 
-# In file order; `make test-random` runs it in random orders (pytest-randomly), one per seed.
+# `make test-random` runs the suite serially in random orders (pytest-randomly), one per seed.
 # The 25 slowest tests are listed at the end, so every CI log says where the time went.
 # Two pytest-xdist workers, each module whole on one of them (tests/conftest.py groups
 # them): on a 2-core machine the suite's single-threaded stretches (imports, process

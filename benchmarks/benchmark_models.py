@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import statistics
 import sys
@@ -153,8 +154,11 @@ def run_family(path: str, args: argparse.Namespace) -> FamilyResult:
     assert isinstance(executor, UniProcExecutor)
     model = executor.model_runner.model
     assert isinstance(model, torch.nn.Module)
-    params = sum(p.numel() for p in model.parameters())
-    print(f"  {params / 1e6:.0f}M parameters, {str(dtype).removeprefix('torch.')}")
+    # Quantized weights are buffers of codes, not parameters: count the source checkpoint's.
+    params = sum(p.numel() for p in model.parameters()) if args.quantization is None \
+        else _checkpoint_params(path)
+    print(f"  {params / 1e6:.0f}M parameters, {str(dtype).removeprefix('torch.')}"
+          + (f", {args.quantization} weights" if args.quantization else ""))
     vocab = llm.llm_engine.vllm_config.model_config.vocab_size
     token_ids = make_workload(vocab, args.num_prompts, args.min_len, args.max_len)
     prompts = [{"prompt_token_ids": ids} for ids in token_ids]
@@ -179,6 +183,18 @@ def run_family(path: str, args: argparse.Namespace) -> FamilyResult:
                            *run_hf(path, token_ids, args.output_len, dtype,
                                    args.hf_batch_size))
     return result
+
+
+def _checkpoint_params(path: str) -> int:
+    """Parameters in a directory's safetensors files (what the model holds unquantized)."""
+    from safetensors import safe_open
+
+    total = 0
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(path, name), "pt") as f:
+                total += sum(math.prod(f.get_slice(key).get_shape()) for key in f.keys())  # noqa: SIM118
+    return total
 
 
 def run_vllm_cpu(python: str, path: str, token_ids: list[list[int]], dtype: str,
