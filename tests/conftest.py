@@ -44,27 +44,16 @@ def _torch_or_pytest_own(name: str) -> bool:
 # Modules that start a local Ray instance (`ray.init`): one xdist group, so that two
 # instances never run at once.
 _RAY_MODULES = {"test_ray_data_parallel.py", "test_shutdown.py", "test_tensor_parallel.py"}
-# The longest groups (serial seconds on a 2-core Zen 3, 2026-11-29): handed out first under
-# xdist, so that the run does not end on one of them with the other worker idle.
-_LONGEST_FIRST = ["test_fused_decode.py",  # ~180 s
-                  "ray",  # ~200 s
-                  "test_parity.py", "test_server_tools.py", "test_quantization.py",
-                  "test_server_transcription.py"]  # ~100 to 60 s
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`):
     each module is one group, run whole on one worker (its module-scoped engines and servers
-    are built once), and the modules that start Ray share a group. Under xdist the longest
-    groups come first; otherwise the order stays the files' and the marks do nothing."""
-    groups = {}
+    are built once), and the modules that start Ray share a group. Without xdist the marks
+    do nothing."""
     for item in items:
         module = item.path.name
-        groups[item] = "ray" if module in _RAY_MODULES else module
-        item.add_marker(pytest.mark.xdist_group(groups[item]))
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # the workers collect; each sorts alike
-        rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
-        items.sort(key=lambda item: rank.get(groups[item], len(rank)))
+        item.add_marker(pytest.mark.xdist_group("ray" if module in _RAY_MODULES else module))
 
 
 @pytest.fixture(autouse=True)
