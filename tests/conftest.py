@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import os
 
+# isort: off
+# `import vllm` loads torch with the OpenMP spin count the engine runs with
+# (vllm/platforms/openmp.py): libgomp reads it once, at the process's first torch import,
+# and its default (300,000 spins) made two pytest-xdist workers' threads wait on each
+# other's preempted ones (two CPU-bound modules side by side: 108 -> 79 s).
+import vllm  # noqa: F401
+# isort: on
 import pytest
 import torch
 import torch._dynamo.config
