@@ -54,7 +54,7 @@ espeak:
 # them): on a 2-core machine the suite's single-threaded stretches (imports, process
 # start-up, the engines' Python) overlap the other worker's.
 test: install espeak
-	$(BIN)/python -m pytest -p no:randomly -q --durations=25 -n 2 --dist loadgroup tests
+	$(BIN)/python -m pytest -p no:randomly -q --durations=25 -n 2 --dist loadfile tests
 
 # The unit layer (tests not marked `slow`: no engine, server or real model), under 5 minutes:
 # the loop between two changes.

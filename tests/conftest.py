@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 # isort: off
 # `import vllm` loads torch with the OpenMP spin count the engine runs with
@@ -48,19 +49,30 @@ def _torch_or_pytest_own(name: str) -> bool:
     return name == "PYTEST_CURRENT_TEST" or name.startswith("_TORCHINDUCTOR_")
 
 
-# Modules that start a local Ray instance (`ray.init`): one xdist group, so that two
+# Modules that start a local Ray instance (`ray.init`): one xdist work unit, so that two
 # instances never run at once.
 _RAY_MODULES = {"test_ray_data_parallel.py", "test_shutdown.py", "test_tensor_parallel.py"}
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`):
-    each module is one group, run whole on one worker (its module-scoped engines and servers
-    are built once), and the modules that start Ray share a group. Without xdist the marks
-    do nothing."""
-    for item in items:
-        module = item.path.name
-        item.add_marker(pytest.mark.xdist_group("ray" if module in _RAY_MODULES else module))
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadfile`):
+    each module is one work unit, run whole on one worker (its module-scoped engines and
+    servers are built once), and the modules that start Ray are one unit together.
+    (xdist's `loadgroup` marks do not work with pytest 9: xdist writes the group into
+    `item._nodeid`, which pytest 9 no longer reads, so every test was its own unit: one
+    module's tests on both workers, its engines and servers built twice, two Ray instances
+    at once.) Other `--dist` modes keep xdist's own scheduling."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+            return "ray" if module in _RAY_MODULES else module
+
+    return ModuleScheduling(config, log)
 
 
 @pytest.fixture(autouse=True)
