@@ -50,7 +50,7 @@ espeak:
 
 # `make test-random` runs the suite serially in random orders (pytest-randomly), one per seed.
 # The 25 slowest tests are listed at the end, so every CI log says where the time went.
-# Two pytest-xdist workers, each module whole on one of them (tests/conftest.py groups
+# Two pytest-xdist workers, each module whole on one of them (tests/conftest.py schedules
 # them): on a 2-core machine the suite's single-threaded stretches (imports, process
 # start-up, the engines' Python) overlap the other worker's.
 test: install espeak

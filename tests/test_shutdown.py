@@ -16,6 +16,7 @@ import gc
 import importlib.util
 import os
 import socket
+import warnings
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -104,8 +105,25 @@ def _port(init_method: str) -> int:
 
 
 def _listening(port: int) -> bool:
-    return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr[1] == port
-               for c in psutil.net_connections("tcp"))
+    return bool(_listener_pids(port))
+
+
+def _listener_pids(port: int) -> set[int | None]:
+    return {c.pid for c in psutil.net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr[1] == port}
+
+
+def _describe(pids: set[int | None]) -> list[str]:
+    """pid, parent and command line of each process, for a failure's message."""
+    found = []
+    for pid in pids:
+        try:
+            process = psutil.Process(pid) if pid else None
+            found.append(f"pid {pid} (parent {process.ppid() if process else None}): "
+                         f"{' '.join(process.cmdline()) if process else '?'}")
+        except psutil.Error as e:
+            found.append(f"pid {pid}: {e!r}")
+    return found
 
 
 def _actor_pids(actor_class: str) -> list[int]:
@@ -146,11 +164,16 @@ def _assert_released(ray, held: Held) -> None:
     for name in held.segments:
         assert not os.path.exists(os.path.join(SHM_DIR, os.path.basename(name)))
     assert _shm_segments([p.pid for p in psutil.Process().children(recursive=True)]) == []
-    for port in held.ports:  # nobody listens there any more: the next engine may bind it
-        assert not _listening(port)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's store does
-            s.bind(("", port))
+    for port in held.ports:  # neither this process nor the engine's listen there any more
+        listeners = _listener_pids(port)
+        assert not listeners & {os.getpid(), *held.pids}, _describe(listeners)
+        if listeners:  # a freed port another process took (the suite runs beside it)
+            warnings.warn(f"port {port} freed by the engine, then taken: {_describe(listeners)}",
+                          stacklevel=1)
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # the next engine may
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # bind it, as torch's
+            s.bind(("", port))  # store does
     if held.placement_group is not None:
         table = ray.util.placement_group_table()
         assert table[held.placement_group.id.hex()]["state"] == "REMOVED"
