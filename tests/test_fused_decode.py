@@ -109,40 +109,38 @@ def _greedy(llm: LLM, prompts: list[list[int]], max_tokens: int
     return results
 
 
-def _common_until_a_near_tie(got: tuple[list[int], torch.Tensor], got_tops: list[dict],
-                             ref: tuple[list[int], torch.Tensor], ref_tops: list[dict],
-                             margin: float) -> int:
+def _common_until_a_near_tie(tokens: list[int], tops: list[dict], ref_tokens: list[int],
+                             ref_tops: list[dict], margin: float) -> int:
     """How many leading tokens two greedy runs share. Where they part, each run's own token
     and the other's must be its top two within `margin` (a near tie, which a difference
     of one int8 activation code may tip); anything else fails."""
-    tokens, ref_tokens = got[0], ref[0]
     n = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), len(tokens))
     if n < len(tokens):
         a, b = tokens[n], ref_tokens[n]
-        for tops, own, other in ((got_tops[n], a, b), (ref_tops[n], b, a)):
-            assert other in tops and tops[own] - tops[other] <= margin, (
+        for step, own, other in ((tops[n], a, b), (ref_tops[n], b, a)):
+            assert other in step and step[own] - step[other] <= margin, (
                 f"the runs part at token {n} ({a} against {b}) where it is no near tie: "
-                f"{tops}")
+                f"{step}")
     return n
 
 
-def _reference_along(llm: LLM, prompt: list[int], got: tuple[list[int], torch.Tensor],
-                     got_tops: list[dict], ref: tuple[list[int], torch.Tensor],
-                     ref_tops: list[dict], margin: float) -> tuple[torch.Tensor, int]:
-    """The reference path's logprob of each of the fused run's tokens in the fused run's
+def _reference_along(llm: LLM, prompt: list[int], tokens: list[int], tops: list[dict],
+                     ref: tuple[list[int], torch.Tensor], ref_tops: list[dict],
+                     margin: float) -> tuple[torch.Tensor, int]:
+    """The reference path's logprob of each of the fused run's `tokens` in the fused run's
     own context, and how many times the two runs parted. Where two greedy runs part at a
     near tie (`_common_until_a_near_tie`; anything else fails), the reference's logprob
     of the fused run's token is read from its top two, and the reference goes on from that
     token (a new request of the prompt and the fused run's tokens so far, the fused decoder
     set aside): every token is compared, however early a tie parts the runs."""
     _runner(llm).fused_decode = None
-    tokens, logprobs = got
+    ref_tokens, ref_logprobs = ref
     along: list[torch.Tensor] = []
     start = partings = 0
     while True:
-        n = _common_until_a_near_tie((tokens[start:], logprobs[start:]), got_tops[start:],
-                                     ref, ref_tops, margin)
-        along.append(ref[1][:n])
+        n = _common_until_a_near_tie(tokens[start:], tops[start:], ref_tokens, ref_tops,
+                                     margin)
+        along.append(ref_logprobs[:n])
         if start + n == len(tokens):
             return torch.cat(along), partings
         partings += 1
@@ -152,7 +150,6 @@ def _reference_along(llm: LLM, prompt: list[int], got: tuple[list[int], torch.Te
             return torch.cat(along), partings
         ref_tokens, ref_logprobs, ref_tops = _greedy(llm, [prompt + tokens[:start]],
                                                      len(tokens) - start)[0]
-        ref = (ref_tokens, ref_logprobs)
 
 
 @pytest.mark.slow
@@ -252,7 +249,8 @@ def test_fused_decode_matches_the_eager_model_on_other_families(
     gaps, partings = [], []
     for prompt, output, tops, ref, tops_ref in zip(_PROMPTS + _PROMPTS[:1], got, got_tops,
                                                    expected, ref_tops, strict=True):
-        along, parted = _reference_along(llm, prompt, output, tops, ref, tops_ref, margin=0.15)
+        along, parted = _reference_along(llm, prompt, output[0], tops, ref, tops_ref,
+                                         margin=0.15)
         gaps.append((output[1] - along).abs())
         partings.append(parted)
     # Seen: against the graphs, every token identical on AVX-512, and on a Zen 3 (AVX2)
