@@ -148,7 +148,7 @@ class LinearBase(nn.Module):
                                in_features=self.in_features, out_features=self.out_features)
         codes, self._codes = self._codes, []
         if quantization == "int8" and self.quantizable:
-            self.kernel, name = int8_kernel(view, self.int8_weight_absmax())
+            self.kernel, name = int8_kernel(view, self.int8_weight_absmax)
             self.weight = None  # the int8 copy replaces it
             return name
         dense: nn.Module | None = PackedLinear(view) if pack else None

@@ -85,9 +85,12 @@ def has_int8_dot(flags: frozenset[str] | None = None) -> bool:
     return any(f in flags for f in _INT8_DOT_FLAGS)
 
 
-def int8_kernel(linear, weight_absmax: torch.Tensor | None = None) -> tuple[nn.Module, str]:
-    """The int8 kernel of `linear` (anything with `nn.Linear`'s weight, bias and sizes;
-    `weight_absmax` given for a row-parallel shard) and its name (see `int8_form`)."""
+def int8_kernel(linear, weight_absmax: Callable[[], torch.Tensor | None] = lambda: None
+                ) -> tuple[nn.Module, str]:
+    """The int8 kernel of `linear` (anything with `nn.Linear`'s weight, bias and sizes) and
+    its name (see `int8_form`). `weight_absmax`: a row-parallel shard's whole rows' absmax,
+    which the `_int_mm` form scales by; called only for that form (it all-reduces over the
+    ranks, which all take the same form), since a Q8_0 shard's blocks are its whole rows'."""
     if int8_form(linear.in_features) == "q8_0":
         from vllm.model_executor.layers.quantization.gguf_blocks import (
             GGUFBlockLinear,
@@ -97,7 +100,7 @@ def int8_kernel(linear, weight_absmax: torch.Tensor | None = None) -> tuple[nn.M
 
         blocks = GGUFBlocks(quantize_q8_0(linear.weight).numpy(), "Q8_0", linear.in_features)
         return GGUFBlockLinear([blocks], linear.bias), "int8 as Q8_0"
-    return Int8Linear(linear, weight_absmax), "int8"
+    return Int8Linear(linear, weight_absmax()), "int8"
 
 
 def quantize_per_channel(weight: torch.Tensor, absmax: torch.Tensor | None = None
