@@ -29,9 +29,10 @@ needs_native = pytest.mark.skipif(
     reason="moe_experts needs AVX2 with FMA and F16C (not on this CPU, or not built)")
 
 # (tokens, top-k, routing): uneven groups, experts with no rows, one expert with all of
-# them (over the dense batched form's 32 rows), top-k equal to the number of experts
+# them (over the dense batched form's 32 rows), top-k equal to the number of experts, and
+# ~12 rows an expert (the dense decode form's passes over one weight block: 3 or more)
 ROUTINGS = [(1, 2, "random"), (5, 3, "random"), (40, 2, "one expert takes slot 0"),
-            (3, E, "every expert")]
+            (3, E, "every expert"), (24, 4, "random")]
 
 
 def _routing(tokens: int, k: int, kind: str, gen: torch.Generator

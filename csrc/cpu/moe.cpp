@@ -13,8 +13,10 @@
 // come in one of the types the dense layers use, named by ggml's type ids:
 //
 //   F32 (0), BF16 (30)   dense rows [E, N, K] (strided views allowed: w13's halves): a
-//                        decode form (register-blocked dot products, up to 8 rows of an
-//                        expert at a time, the weight row streamed once) and, for experts
+//                        decode form (register-blocked dot products: with AVX-512 up to
+//                        8 rows of an expert a pass over each weight row; in AVX2 blocks
+//                        of 3 weight rows, each read from memory once for passes of up to
+//                        4 rows, the next block prefetched) and, for experts
 //                        with more than kBatchRows rows, a batched form (at::mm in float32,
 //                        one expert after another). With AVX512-BF16, bfloat16 weights take
 //                        vdpbf16ps with the activations rounded to bfloat16 instead, at any
@@ -79,9 +81,6 @@ using namespace vllm_cpu;
 
 #if defined(__AVX512F__)
 constexpr int kDenseRows = 8;  // activation rows a pass keeps in registers
-#else
-constexpr int kDenseRows = 4;  // two registers a row in AVX2
-#endif
 
 // Activation rows row0..row0+M (x [*, k] float32) times dense weight rows [begin, end).
 template <typename W, int M>
@@ -112,7 +111,7 @@ void dense_range(const uint8_t* w, int64_t row_stride, const float* x, int64_t k
                  int64_t end) {
   for (int64_t done = 0; done < rows;) {
     const int64_t left = rows - done, row0 = first_row + done;
-    if (kDenseRows >= 8 && left >= 8) {
+    if (left >= kDenseRows) {
       dense_rows<W, kDenseRows>(w, row_stride, x, k, row0, out, n_total, begin, end);
       done += kDenseRows;
     } else if (left >= 4) {
@@ -127,6 +126,96 @@ void dense_range(const uint8_t* w, int64_t row_stride, const float* x, int64_t k
     }
   }
 }
+
+#else  // AVX2: 16 ymm registers, 8 floats each
+// A block of NW weight rows times M activation rows, 8 columns a step in NW x M
+// accumulators: NW + M loads for NW * M FMAs (3 x 4: 7 loads for 12, where one weight row
+// against 4 rows in two-register halves took 10 loads for 8). The weight block is read
+// from memory by the block's first pass and from L1 by the others; `next`, where given,
+// is the next block's first row, fetched into the caches during this pass (one line of
+// each of its rows per 64 bytes of ours).
+constexpr int kBlockRows = 3;  // weight rows a block
+constexpr int kPassRows = 4;   // activation rows a pass, at most
+
+template <typename W, int NW, int M>
+void dense_block(const uint8_t* w, int64_t row_stride, const float* x, int64_t k, int64_t row0,
+                 float* out, int64_t n_total, int64_t n, const uint8_t* next) {
+  constexpr int64_t kLine = 64 / sizeof(W);  // values a cache line
+  static_assert(kLine % 8 == 0, "a cache line holds whole steps of 8");
+  const int64_t lines = k - k % kLine, body = k - k % 8;
+  const W* wr[NW];
+  for (int i = 0; i < NW; ++i) wr[i] = reinterpret_cast<const W*>(w + (n + i) * row_stride);
+  __m256 acc[NW][M];
+  for (int i = 0; i < NW; ++i) {
+    for (int r = 0; r < M; ++r) acc[i][r] = _mm256_setzero_ps();
+  }
+  const auto step = [&](int64_t c) {
+    __m256 wv[NW];
+    for (int i = 0; i < NW; ++i) wv[i] = load8(wr[i] + c);
+    for (int r = 0; r < M; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + (row0 + r) * k + c);
+      for (int i = 0; i < NW; ++i) acc[i][r] = _mm256_fmadd_ps(wv[i], xv, acc[i][r]);
+    }
+  };
+  int64_t c = 0;
+  for (; c < lines; c += kLine) {
+    if (next != nullptr) {
+      for (int i = 0; i < NW; ++i) {
+        _mm_prefetch(reinterpret_cast<const char*>(next + i * row_stride) + c * sizeof(W),
+                     _MM_HINT_T0);
+      }
+    }
+    for (int64_t h = 0; h < kLine; h += 8) step(c + h);
+  }
+  for (; c < body; c += 8) step(c);
+  for (int i = 0; i < NW; ++i) {
+    for (int r = 0; r < M; ++r) {
+      float sum = reduce_add8(acc[i][r]);
+      for (int64_t t = body; t < k; ++t) {
+        sum += static_cast<float>(wr[i][t]) * x[(row0 + r) * k + t];
+      }
+      out[(row0 + r) * n_total + n + i] = sum;
+    }
+  }
+}
+
+// All `rows` activation rows against weight rows [n, n + NW): passes of at most kPassRows,
+// as even as they can be (7 rows: 4 + 3, not 4 + 2 + 1).
+template <typename W, int NW>
+void dense_passes(const uint8_t* w, int64_t row_stride, const float* x, int64_t k,
+                  int64_t first_row, int64_t rows, float* out, int64_t n_total, int64_t n,
+                  const uint8_t* next) {
+  const int64_t passes = (rows + kPassRows - 1) / kPassRows;
+  for (int64_t p = 0, done = 0; p < passes; ++p) {
+    const int64_t m = (rows - done) / (passes - p), row0 = first_row + done;
+    const uint8_t* fetch = p == 0 ? next : nullptr;
+    switch (m) {
+      case 4: dense_block<W, NW, 4>(w, row_stride, x, k, row0, out, n_total, n, fetch); break;
+      case 3: dense_block<W, NW, 3>(w, row_stride, x, k, row0, out, n_total, n, fetch); break;
+      case 2: dense_block<W, NW, 2>(w, row_stride, x, k, row0, out, n_total, n, fetch); break;
+      default: dense_block<W, NW, 1>(w, row_stride, x, k, row0, out, n_total, n, fetch); break;
+    }
+    done += m;
+  }
+}
+static_assert(kPassRows == 4, "dense_passes' cases cover passes of 1 to 4 rows");
+
+// Activation rows [first_row, first_row + rows) times dense weight rows [begin, end).
+template <typename W>
+void dense_range(const uint8_t* w, int64_t row_stride, const float* x, int64_t k,
+                 int64_t first_row, int64_t rows, float* out, int64_t n_total, int64_t begin,
+                 int64_t end) {
+  int64_t n = begin;
+  for (; n + kBlockRows <= end; n += kBlockRows) {
+    const bool last = n + 2 * kBlockRows > end;
+    dense_passes<W, kBlockRows>(w, row_stride, x, k, first_row, rows, out, n_total, n,
+                                last ? nullptr : w + (n + kBlockRows) * row_stride);
+  }
+  for (; n < end; ++n) {
+    dense_passes<W, 1>(w, row_stride, x, k, first_row, rows, out, n_total, n, nullptr);
+  }
+}
+#endif
 #endif  // VLLM_VEC16
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
