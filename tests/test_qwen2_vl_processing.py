@@ -1,8 +1,8 @@
 """Qwen2-VL's parts against transformers on a tiny random checkpoint, without an engine:
 image preprocessing (pixel_values and image_grid_thw exactly), M-RoPE positions
 (`get_rope_index`), the language model's three-row rotary, the runner's step positions,
-and the vision tower (Qwen2-VL's and Qwen2.5-VL's) loaded from the directory
-(`get_model`)."""
+the vision tower (Qwen2-VL's and Qwen2.5-VL's) loaded from the directory (`get_model`),
+and block hashes that follow the positions."""
 
 from __future__ import annotations
 
@@ -216,3 +216,28 @@ def test_model_loads_and_its_vision_tower_equals_transformers(tmp_path, version)
         torch.testing.assert_close(rows, want, rtol=0, atol=1e-4)
     reason = model.fused_decode_spec()  # type: ignore[attr-defined]
     assert isinstance(reason, str) and "M-RoPE" in reason
+
+
+def test_block_hashes_follow_the_grids_positions() -> None:
+    """Block size 4; 4 text ids, an image of 6 rows, 2 text ids. The same rows with grid
+    (1, 4, 6) or (1, 2, 12) put the image's 4th row, and all after it, at other positions:
+    the blocks from there on differ (no prefix hit across grids). The text block before
+    the image sits at its own position in all three rows: any text prompt's block."""
+    from tests.core_factories import make_scheduler_request
+    from vllm.v1.core.kv_cache_utils import mrope_block_positions
+
+    rows = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
+    ids = [10, 11, 12, 13] + [0] * 6 + [14, 15]
+    mask = torch.tensor([True] * 4 + [False] * 6 + [True] * 2)
+    hashes = [make_scheduler_request("r", ids, prompt_embeds=rows, prompt_is_token_ids=mask,
+                                     mrope_positions=mrope_positions(12, [(4, grid)], 2)
+                                     ).block_hashes
+              for grid in [(1, 4, 6), (1, 2, 12), (1, 4, 6)]]
+    assert len(hashes[0]) == 3 and hashes[0] == hashes[2]
+    assert hashes[1][0] == hashes[0][0]
+    assert hashes[1][1] != hashes[0][1] and hashes[1][2] != hashes[0][2]
+    assert make_scheduler_request("t", [10, 11, 12, 13, 1]).block_hashes == hashes[0][:1]
+    table = mrope_positions(9, [(2, (1, 4, 6))], 2)  # the module example (delta -3)
+    assert mrope_block_positions(table, 0, 2) is None
+    assert mrope_block_positions(table, 6, 10).tolist() == [[2, 2, 5, 6], [3, 3, 5, 6],
+                                                            [3, 4, 5, 6]]
