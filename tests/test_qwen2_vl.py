@@ -34,7 +34,7 @@ SHAPES = [(40, 52, 3), (100, 300, 3), (170, 90, 3)]
 # 24-token steps: image runs (6 to 36 rows) are prefilled across chunks and blocks.
 model_dir, hf, llm = family_fixtures("tiny_qwen2_vl_dir", load_reference, max_model_len=256,
                                      max_num_batched_tokens=24,
-                                     limit_mm_per_prompt={"image": 2})
+                                     limit_mm_per_prompt={"image": 2}, enable_mm_embeds=True)
 
 
 def test_one_image_equals_transformers(llm, hf) -> None:
@@ -99,7 +99,10 @@ def test_chat_with_image_url_parts_equals_transformers(llm, hf) -> None:
 
 @pytest.mark.parametrize("prompt, message", [
     ({"prompt": PROMPT, "multi_modal_data": {"image": torch.zeros(6, 64)}},
-     "image_embeds are not supported for Qwen2VLForConditionalGeneration"),
+     "image_embeds for Qwen2VLForConditionalGeneration need each image's grid"),
+    ({"prompt": PROMPT, "multi_modal_data": {"image": {"image_embeds": torch.zeros(5, 64),
+                                                       "image_grid_thw": [1, 4, 6]}}},
+     r"image_embeds has 5 rows, but image_grid_thw \[\[1, 4, 6\]\] expects 6"),
     ({"prompt": TWO, "multi_modal_data": {"image": random_image(1)}},
      r"2 image placeholder\(s\) .* but 1 image\(s\) were given"),
     ({"prompt": TWO, "multi_modal_data": {"image": [random_image(1)] * 3}},

@@ -1,6 +1,6 @@
 """`/v1/chat/completions` on a tiny Qwen2-VL through the openai client: `image_url` data:
 URLs of two resolutions, the reply equal to transformers' greedy tokens; image embeddings
-(which carry no grid for the M-RoPE positions) are a 400 naming why."""
+without their grid (for the M-RoPE positions) are a 400 naming why."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def test_image_embeds_are_a_400_and_the_server_answers_on(server, tiny_qwen2_vl_
 
     bad = post([{"type": "text", "text": "Hi"}, embeds_part(torch.zeros(6, 64))])
     assert bad.status_code == 400, bad.text
-    assert ("image_embeds are not supported for Qwen2VLForConditionalGeneration"
+    assert ("image_embeds for Qwen2VLForConditionalGeneration need each image's grid"
             in bad.json()["error"]["message"])
     empty = post([{"type": "text", "text": "Hi"},
                   {"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}])
