@@ -3,7 +3,7 @@ image preprocessing (pixel_values and image_grid_thw exactly), M-RoPE positions
 (`get_rope_index`), the language model's three-row rotary, the runner's step positions,
 the vision tower (Qwen2-VL's and Qwen2.5-VL's) loaded from the directory (`get_model`),
 block hashes that follow the positions, and image embeddings with their grids (the
-processor, its refusals)."""
+processor, its refusals, chat parts)."""
 
 from __future__ import annotations
 
@@ -335,3 +335,34 @@ def test_image_embeds_need_enable_mm_embeds(model_dir) -> None:
     with pytest.raises(ValueError, match="enable_mm_embeds=True"):
         processor.process(_ids(processor, 1), {"image": {"image_embeds": _rows(6),
                                                          "image_grid_thw": [[1, 4, 6]]}})
+
+
+def test_chat_image_embeds_parts_carry_their_grids(embeds_processor) -> None:
+    """`{"image_embeds": {"image_embeds": rows, "image_grid_thw": grid}}` parts: rows as a
+    tensor or base64 of torch.save, the grid as a list or base64 (vLLM's form); a part with
+    a grid of two images becomes two placeholders. Keys other than those two are refused."""
+    from tests.llava_reference import embeds_part
+    from vllm.entrypoints.chat_utils import load_media_part, media_parts, with_media_placeholders
+    from vllm.multimodal.media import MediaConnector
+
+    rows = _rows(16)
+    b64 = embeds_part(rows[:6])["image_embeds"]
+    grid_b64 = embeds_part(torch.tensor([[1, 4, 6]]))["image_embeds"]
+    parts = [{"type": "image_embeds", "image_embeds": {"image_embeds": b64,
+                                                       "image_grid_thw": grid_b64}},
+             {"type": "image_embeds", "image_embeds": {
+                 "image_embeds": rows[6:], "image_grid_thw": [[1, 4, 6], [1, 4, 4]]}}]
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, *parts]}]
+    found = media_parts(messages, ("image",))
+    items = [load_media_part(p, MediaConnector(), 1 << 20) for p in found]
+    replaced, data = with_media_placeholders(messages, {"image": "<I>"}, found, items)
+    assert [p["text"] for p in replaced[0]["content"]] == ["Hi", "<I>", "<I><I>"]
+    assert torch.equal(data["image"][0]["image_embeds"], rows[:6])
+    assert data["image"][0]["image_grid_thw"].tolist() == [[1, 4, 6]]
+    image = embeds_processor.image_token_id
+    prompt = embeds_processor.process([1, image, 5, image], {"image": data["image"][1:]})
+    assert [(i.offset, i.num_tokens) for i in prompt.items] == [(1, 6), (8, 4)]
+    bad = {"type": "image_embeds", "image_embeds": {"image_embeds": b64, "grid": [1, 4, 6]}}
+    with pytest.raises(ValueError, match=r"messages\[0\].content\[0\]: image_embeds takes no "
+                                         "'grid'"):
+        media_parts([{"role": "user", "content": [bad]}], ("image",))
