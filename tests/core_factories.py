@@ -55,6 +55,7 @@ def make_request(
     eos_token_id: int | None = EOS_TOKEN_ID,
     encoder_input: EncoderInput | None = None,
     prompt_is_token_ids: torch.Tensor | None = None,
+    mrope_positions: torch.Tensor | None = None,
     **params,
 ) -> EngineCoreRequest:
     """An `EngineCoreRequest`; `params` are `SamplingParams` fields (max_tokens=16 default).
@@ -74,6 +75,7 @@ def make_request(
         arrival_time=float(next(_arrival)) if arrival_time is None else arrival_time,
         encoder_input=encoder_input,
         prompt_is_token_ids=prompt_is_token_ids,
+        mrope_positions=mrope_positions,
     )
 
 

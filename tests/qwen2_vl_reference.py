@@ -4,7 +4,8 @@ model's `generate`, with `get_rope_index`'s M-RoPE positions).
 transformers' `Qwen2VLProcessor` cannot be built without torchvision (its video processor),
 so `hf_inputs` does the processor's one step around the image processor itself: each
 `<|image_pad|>` repeated grid_t * grid_h * grid_w / merge_size^2 times, and
-`mm_token_type_ids` 1 on those positions."""
+`mm_token_type_ids` 1 on those positions. Precomputed rows go in as transformers takes
+them (`mm_encoder_outputs`, with `image_grid_thw` for the positions)."""
 
 from __future__ import annotations
 
@@ -37,23 +38,56 @@ def load_reference(path: str) -> Reference:
 
 
 def hf_inputs(hf: Reference, text: str, images: list[np.ndarray],
-              add_special_tokens: bool = True) -> dict[str, torch.Tensor]:
+              add_special_tokens: bool = True) -> dict[str, Any]:
     """transformers' model inputs of a prompt with one `<|image_pad|>` per image."""
-    inputs: dict[str, torch.Tensor] = {}
+    inputs: dict[str, Any] = {}
     if images:
         inputs = dict(hf.image_processor(images=images, return_tensors="pt"))
+    return {**inputs, **_text_inputs(hf, text, inputs.get("image_grid_thw"),
+                                     add_special_tokens)}
+
+
+def _text_inputs(hf: Reference, text: str, grids: torch.Tensor | None,
+                 add_special_tokens: bool = True) -> dict[str, torch.Tensor]:
+    """The ids of `text` with its k-th `<|image_pad|>` repeated for `grids[k]` (t * h * w /
+    merge_size^2 times), the attention mask and `mm_token_type_ids` (1 on image rows)."""
+    if grids is not None:
         merge = hf.image_processor.merge_size
         pieces = text.split("<|image_pad|>")
-        assert len(pieces) == len(images) + 1
+        assert len(pieces) == len(grids) + 1
         text = pieces[0] + "".join(
             "<|image_pad|>" * (int(grid.prod()) // merge**2) + piece
-            for grid, piece in zip(inputs["image_grid_thw"], pieces[1:], strict=True))
+            for grid, piece in zip(grids, pieces[1:], strict=True))
     ids = hf.tokenizer(text, return_tensors="pt",
                        add_special_tokens=add_special_tokens)["input_ids"]
-    inputs["input_ids"] = ids
-    inputs["attention_mask"] = torch.ones_like(ids)
-    inputs["mm_token_type_ids"] = (ids == hf.model.config.image_token_id).int()
-    return inputs
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+            "mm_token_type_ids": (ids == hf.model.config.image_token_id).int()}
+
+
+@torch.inference_mode()
+def hf_image_embeds(hf: Reference, images: list[np.ndarray]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' vision tower output of `images` and their grids: (rows [sum of the
+    images' rows, hidden_size], image_grid_thw [num_images, 3]), what a user who runs the
+    tower elsewhere sends as image_embeds."""
+    inputs = hf.image_processor(images=images, return_tensors="pt")
+    rows = hf.model.model.get_image_features(inputs["pixel_values"],
+                                             inputs["image_grid_thw"]).pooler_output
+    return torch.cat(list(rows)), inputs["image_grid_thw"]
+
+
+def hf_embeds_greedy(hf: Reference, text: str, rows: torch.Tensor, grids: torch.Tensor,
+                     max_tokens: int = MAX_TOKENS) -> tuple[list[int], list[int]]:
+    """(prompt ids, greedy tokens) of transformers' `generate` given the vision tower's
+    output (`mm_encoder_outputs`, transformers' own form of precomputed rows) with its
+    grids: the positions follow `grids` whatever tower made the rows."""
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    sizes = (grids.prod(-1) // hf.image_processor.merge_size**2).tolist()
+    inputs = {**_text_inputs(hf, text, grids), "image_grid_thw": grids,
+              "mm_encoder_outputs": {"image": BaseModelOutputWithPooling(
+                  pooler_output=rows.split(sizes))}}
+    return hf_generate(hf.model, inputs, max_tokens)
 
 
 def hf_greedy(hf: Reference, text: str, images: list[np.ndarray],

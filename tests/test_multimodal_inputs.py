@@ -127,6 +127,8 @@ def test_image_embeds_fill_their_runs(tmp_path) -> None:
     assert torch.equal(rows[0], one.float())  # cast to the model's dtype
     assert torch.equal(rows[1], pair[0]) and torch.equal(rows[2], pair[1])
     assert len({i.content_hash for i in prompt.items}) == 3
+    as_dict = processor.process([IMAGE], {"image": {"image_embeds": one}})  # vLLM's form
+    assert torch.equal(as_dict.items[0].embeds, rows[0])
     # Embeddings and a picture in one prompt.
     mixed = processor.process([IMAGE, IMAGE], {"image": [_image(0), one]})
     assert mixed.items[0].embeds is None and mixed.items[0].data is not None
@@ -143,6 +145,10 @@ def test_image_embeds_fill_their_runs(tmp_path) -> None:
     (torch.full((4, 8), 1e39, dtype=torch.float64), r"non-finite .* torch.float32"),
     ([_embeds(0, 4, 8)] * 3, r"At most 2 image\(s\)"),
     (_embeds(0, 2, 4, 8), r"1 image placeholder\(s\) .* 2 image\(s\)"),
+    # vLLM's dict form: the rows alone (a grid is Qwen2-VL's).
+    ({"image_embeds": _embeds(0, 4, 8), "image_grid_thw": [1, 2, 2]},
+     "image_embeds takes no 'image_grid_thw' for this model: send the embeddings alone"),
+    ({"image_embeds": torch.zeros(4, 8, dtype=torch.int64)}, "must be a floating-point"),
 ])
 def test_bad_image_embeds(tmp_path, data, message) -> None:
     with pytest.raises(ValueError, match=message):

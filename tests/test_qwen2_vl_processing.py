@@ -1,8 +1,9 @@
 """Qwen2-VL's parts against transformers on a tiny random checkpoint, without an engine:
 image preprocessing (pixel_values and image_grid_thw exactly), M-RoPE positions
 (`get_rope_index`), the language model's three-row rotary, the runner's step positions,
-and the vision tower (Qwen2-VL's and Qwen2.5-VL's) loaded from the directory
-(`get_model`)."""
+the vision tower (Qwen2-VL's and Qwen2.5-VL's) loaded from the directory (`get_model`),
+block hashes that follow the positions, and image embeddings with their grids (the
+processor, its refusals, chat parts)."""
 
 from __future__ import annotations
 
@@ -216,3 +217,152 @@ def test_model_loads_and_its_vision_tower_equals_transformers(tmp_path, version)
         torch.testing.assert_close(rows, want, rtol=0, atol=1e-4)
     reason = model.fused_decode_spec()  # type: ignore[attr-defined]
     assert isinstance(reason, str) and "M-RoPE" in reason
+
+
+def test_block_hashes_follow_the_grids_positions() -> None:
+    """Block size 4; 4 text ids, an image of 6 rows, 2 text ids. The same rows with grid
+    (1, 4, 6) or (1, 2, 12) put the image's 4th row, and all after it, at other positions:
+    the blocks from there on differ (no prefix hit across grids). The text block before
+    the image sits at its own position in all three rows: any text prompt's block."""
+    from tests.core_factories import make_scheduler_request
+    from vllm.v1.core.kv_cache_utils import mrope_block_positions
+
+    rows = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
+    ids = [10, 11, 12, 13] + [0] * 6 + [14, 15]
+    mask = torch.tensor([True] * 4 + [False] * 6 + [True] * 2)
+    hashes = [make_scheduler_request("r", ids, prompt_embeds=rows, prompt_is_token_ids=mask,
+                                     mrope_positions=mrope_positions(12, [(4, grid)], 2)
+                                     ).block_hashes
+              for grid in [(1, 4, 6), (1, 2, 12), (1, 4, 6)]]
+    assert len(hashes[0]) == 3 and hashes[0] == hashes[2]
+    assert hashes[1][0] == hashes[0][0]
+    assert hashes[1][1] != hashes[0][1] and hashes[1][2] != hashes[0][2]
+    assert make_scheduler_request("t", [10, 11, 12, 13, 1]).block_hashes == hashes[0][:1]
+    table = mrope_positions(9, [(2, (1, 4, 6))], 2)  # the module example (delta -3)
+    assert mrope_block_positions(table, 0, 2) is None
+    assert mrope_block_positions(table, 6, 10).tolist() == [[2, 2, 5, 6], [3, 3, 5, 6],
+                                                            [3, 4, 5, 6]]
+
+
+# ---- image embeddings with their grids (enable_mm_embeds) ----------------------------------
+
+@pytest.fixture(scope="module")
+def embeds_processor(model_dir):
+    from vllm.multimodal.qwen2_vl import Qwen2VLPromptProcessor
+
+    config = EngineArgs(model=model_dir, dtype="float32", max_model_len=256,
+                        enable_mm_embeds=True, limit_mm_per_prompt={"image": 2}
+                        ).create_engine_config().model_config
+    return Qwen2VLPromptProcessor(config)
+
+
+def _rows(n: int, seed: int = 0, hidden: int = 64) -> torch.Tensor:
+    return torch.randn(n, hidden, generator=torch.Generator().manual_seed(seed))
+
+
+def _ids(processor, count: int) -> list[int]:
+    """A prompt of 3 text ids, then `count` images between text ids."""
+    return [1, 2, 3] + [processor.image_token_id, 4] * count
+
+
+def test_image_embeds_fill_runs_at_the_grids_positions(embeds_processor) -> None:
+    """Rows [6 + 18, 64] with grids (1, 4, 6) and (1, 6, 12): two runs of 6 and 18 rows,
+    the positions of the pixel path with those grids; one entry or a list of one entry per
+    image ([1, 3] or [3]; a tensor, an array or lists) give the same prompt."""
+    rows = _rows(24, hidden=embeds_processor.model_config.hidden_size)
+    grid = torch.tensor([[1, 4, 6], [1, 6, 12]])
+    ids = _ids(embeds_processor, 2)
+    prompt = embeds_processor.process(ids, {"image": {"image_embeds": rows,
+                                                      "image_grid_thw": grid}})
+    assert [(i.offset, i.num_tokens) for i in prompt.items] == [(3, 6), (10, 18)]
+    assert all(i.data is None for i in prompt.items)
+    assert torch.equal(torch.cat([i.embeds for i in prompt.items]), rows)
+    assert torch.equal(prompt.mrope_positions, mrope_positions(
+        len(prompt.token_ids), [(3, (1, 4, 6)), (10, (1, 6, 12))], 2))
+    split = [{"image_embeds": rows[:6], "image_grid_thw": np.array([[1, 4, 6]])},
+             {"image_embeds": rows[6:], "image_grid_thw": [1, 6, 12]}]
+    again = embeds_processor.process(ids, {"image": split})
+    assert again.token_ids == prompt.token_ids
+    assert torch.equal(again.mrope_positions, prompt.mrope_positions)
+    assert [i.content_hash for i in again.items] == [i.content_hash for i in prompt.items]
+    # The same rows with another grid of as many rows: another key.
+    other = embeds_processor.process(ids[:5], {"image": {"image_embeds": rows[:6],
+                                                         "image_grid_thw": [[1, 2, 12]]}})
+    assert other.items[0].content_hash != prompt.items[0].content_hash
+
+
+@pytest.mark.parametrize("entry, message", [
+    (_rows(6), r"image entry 0: image_embeds for Qwen2VLForConditionalGeneration need "
+               "each image's grid"),
+    ({"image_embeds": _rows(6)}, "image entry 0: image_embeds for .* need 'image_grid_thw'"),
+    ({"image_embeds": _rows(6), "image_grid_thw": [1, 4, 6], "pixel_values": 1},
+     "image_embeds takes no 'pixel_values' for Qwen2VLForConditionalGeneration"),
+    ({"image_embeds": _rows(6), "image_grid_thw": [[1, 4]]},
+     r"image_grid_thw must be \[num_images, 3\] integers .* got \[\[1, 4\]\]"),
+    ({"image_embeds": _rows(6), "image_grid_thw": torch.ones(1, 3, 2, dtype=torch.int64)},
+     r"must be \[num_images, 3\] integers .* got shape \(1, 3, 2\)"),
+    ({"image_embeds": _rows(6), "image_grid_thw": torch.tensor([[1.0, 4.0, 6.0]])},
+     "image_grid_thw must hold integers, got dtype torch.float32"),
+    ({"image_embeds": _rows(6), "image_grid_thw": [[1, 0, 6]]},
+     r"row 0 is \(1, 0, 6\): t, h and w must be >= 1"),
+    ({"image_embeds": _rows(6), "image_grid_thw": [[1, 3, 8]]},
+     r"row 0 is \(1, 3, 8\): h and w must be multiples of the merge size 2"),
+    ({"image_embeds": _rows(12), "image_grid_thw": [[2, 4, 6]]},
+     r"row 0 is \(2, 4, 6\): an image has t = 1"),
+    ({"image_embeds": _rows(5), "image_grid_thw": [[1, 4, 6]]},
+     r"image_embeds has 5 rows, but image_grid_thw \[\[1, 4, 6\]\] expects 6"),
+    ({"image_embeds": _rows(6, hidden=32), "image_grid_thw": [[1, 4, 6]]},
+     r"image_embeds has shape \(6, 32\), but .* takes \[num_rows, 64\]"),
+    ({"image_embeds": torch.ones(6, 64, dtype=torch.int32), "image_grid_thw": [[1, 4, 6]]},
+     "image_embeds must be a floating-point tensor .* got torch.int32"),
+    ({"image_embeds": torch.full((6, 64), float("nan")), "image_grid_thw": [[1, 4, 6]]},
+     "image_embeds of image 0 contains non-finite values"),
+    ({"image_embeds": _rows(18), "image_grid_thw": [[1, 4, 6]] * 3},
+     r"At most 2 image\(s\) may be provided in one prompt, got 3"),
+    ({"image_embeds": _rows(12), "image_grid_thw": [[1, 4, 6]] * 2},
+     r"1 image placeholder\(s\) .* but 2 image\(s\) were given"),
+])
+def test_bad_image_embeds_are_refused(embeds_processor, entry, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        embeds_processor.process(_ids(embeds_processor, 1), {"image": entry})
+
+
+def test_image_embeds_need_enable_mm_embeds(model_dir) -> None:
+    from vllm.multimodal.qwen2_vl import Qwen2VLPromptProcessor
+
+    config = EngineArgs(model=model_dir, max_model_len=256).create_engine_config().model_config
+    processor = Qwen2VLPromptProcessor(config)
+    with pytest.raises(ValueError, match="enable_mm_embeds=True"):
+        processor.process(_ids(processor, 1), {"image": {"image_embeds": _rows(6),
+                                                         "image_grid_thw": [[1, 4, 6]]}})
+
+
+def test_chat_image_embeds_parts_carry_their_grids(embeds_processor) -> None:
+    """`{"image_embeds": {"image_embeds": rows, "image_grid_thw": grid}}` parts: rows as a
+    tensor or base64 of torch.save, the grid as a list or base64 (vLLM's form); a part with
+    a grid of two images becomes two placeholders. Keys other than those two are refused."""
+    from tests.llava_reference import embeds_part
+    from vllm.entrypoints.chat_utils import load_media_part, media_parts, with_media_placeholders
+    from vllm.multimodal.media import MediaConnector
+
+    rows = _rows(16)
+    b64 = embeds_part(rows[:6])["image_embeds"]
+    grid_b64 = embeds_part(torch.tensor([[1, 4, 6]]))["image_embeds"]
+    parts = [{"type": "image_embeds", "image_embeds": {"image_embeds": b64,
+                                                       "image_grid_thw": grid_b64}},
+             {"type": "image_embeds", "image_embeds": {
+                 "image_embeds": rows[6:], "image_grid_thw": [[1, 4, 6], [1, 4, 4]]}}]
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, *parts]}]
+    found = media_parts(messages, ("image",))
+    items = [load_media_part(p, MediaConnector(), 1 << 20) for p in found]
+    replaced, data = with_media_placeholders(messages, {"image": "<I>"}, found, items)
+    assert [p["text"] for p in replaced[0]["content"]] == ["Hi", "<I>", "<I><I>"]
+    assert torch.equal(data["image"][0]["image_embeds"], rows[:6])
+    assert data["image"][0]["image_grid_thw"].tolist() == [[1, 4, 6]]
+    image = embeds_processor.image_token_id
+    prompt = embeds_processor.process([1, image, 5, image], {"image": data["image"][1:]})
+    assert [(i.offset, i.num_tokens) for i in prompt.items] == [(1, 6), (8, 4)]
+    bad = {"type": "image_embeds", "image_embeds": {"image_embeds": b64, "grid": [1, 4, 6]}}
+    with pytest.raises(ValueError, match=r"messages\[0\].content\[0\]: image_embeds takes no "
+                                         "'grid'"):
+        media_parts([{"role": "user", "content": [bad]}], ("image",))

@@ -108,6 +108,10 @@ def test_bad_images_are_400s_and_the_server_answers_on(server, tiny_llava_dir, m
                 [text, embeds_part(torch.zeros(16, 64, dtype=torch.int32))],
             "image_embeds is not valid base64": [text, {"type": "image_embeds",
                                                         "image_embeds": "@@"}],
+            "image_embeds takes no 'image_grid_thw' for this model": [text, {
+                "type": "image_embeds", "image_embeds": {
+                    "image_embeds": embeds_part(torch.zeros(16, 64))["image_embeds"],
+                    "image_grid_thw": [1, 8, 8]}}],
             "'uuid' on media parts is not supported":
                 [text, {**part(data_url(random_image(1))), "uuid": "cat"}],
         }

@@ -19,6 +19,7 @@ import secrets
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from vllm.entrypoints.embeds_codec import decode_prompt_embeds, prompt_embeds_byte_budget
@@ -229,10 +230,14 @@ def segments_prompt(pieces: list[str | int], texts: Sequence[Any],
 
 # Content parts that stand for media -> their modality: images by URL (data:, file:,
 # http(s):) or as precomputed embeddings (base64 of torch.save(tensor [feature_size,
-# hidden_size]), or a tensor offline); audio inline (`input_audio`: base64 and a format,
-# OpenAI's form) or by URL (`audio_url`, vLLM's form).
+# hidden_size]), or a tensor offline; Qwen2-VL's with their grid, below); audio inline
+# (`input_audio`: base64 and a format, OpenAI's form) or by URL (`audio_url`, vLLM's form).
 MEDIA_PART_TYPES = {"image_url": "image", "image_embeds": "image", "input_audio": "audio",
                     "audio_url": "audio"}
+# What an image_embeds part's object may hold (vLLM's names): the rows, and for models
+# whose positions follow each image's grid (Qwen2-VL, Qwen2.5-VL) the grids, [num_images,
+# 3] as a list or base64 of torch.save. The model's processor refuses what it does not take.
+IMAGE_EMBEDS_KEYS = ("image_embeds", "image_grid_thw")
 # `input_audio` formats the decoder reads (libsndfile's).
 AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg")
 
@@ -240,7 +245,9 @@ AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg")
 class MediaPart(NamedTuple):
     where: str  # "messages[i].content[j]", for error messages
     kind: str  # a key of MEDIA_PART_TYPES
-    value: Any  # the URL, the embeddings, or input_audio's {"data", "format"}
+    # the URL, the embeddings (with a grid: {"image_embeds", "image_grid_thw"}), or
+    # input_audio's {"data", "format"}
+    value: Any
 
     @property
     def modality(self) -> str:
@@ -320,23 +327,24 @@ def _part_value(where: str, kind: str, value: Any) -> Any:
             raise ValueError(f"{where}: input_audio format {audio_format!r} is not supported "
                              f"({', '.join(AUDIO_FORMATS)}).")
         return value
-    if isinstance(value, dict):  # {"image_embeds": ...}: no extra inputs for LLaVA
-        extra = sorted(k for k in value if k != "image_embeds")
+    grid = None
+    if isinstance(value, dict):  # {"image_embeds": ..., "image_grid_thw": ...}
+        extra = sorted(k for k in value if k not in IMAGE_EMBEDS_KEYS)
         if extra:
-            raise ValueError(f"{where}: image_embeds takes no {extra[0]!r} for this "
-                             "model: send the embeddings alone.")
-        value = value.get("image_embeds")
+            raise ValueError(f"{where}: image_embeds takes no {extra[0]!r} (only "
+                             f"{' and '.join(map(repr, IMAGE_EMBEDS_KEYS))}).")
+        value, grid = value.get("image_embeds"), value.get("image_grid_thw")
     if value is None:
         raise ValueError(f"{where}: an image_embeds part needs 'image_embeds' (base64 of "
                          "torch.save(tensor [feature_size, hidden_size])).")
-    return value
+    return value if grid is None else {"image_embeds": value, "image_grid_thw": grid}
 
 
 def load_media_part(part: MediaPart, media: MediaConnector, embeds_budget: int
-                    ) -> bytes | torch.Tensor:
+                    ) -> bytes | torch.Tensor | dict[str, Any]:
     """A media part's item offline: the encoded image or audio file its URL or data names,
     or its image embeddings (a tensor, or base64 of torch.save decoded within
-    `embeds_budget` bytes)."""
+    `embeds_budget` bytes; `image_embeds_item`)."""
     try:
         if part.kind == "image_url":
             return media.image_bytes(part.value)
@@ -344,12 +352,24 @@ def load_media_part(part: MediaPart, media: MediaConnector, embeds_budget: int
             return media.audio_bytes(part.value)
         if part.kind == "input_audio":
             return input_audio_bytes(part.value["data"], media.max_audio_bytes)
-        if isinstance(part.value, str):
-            return image_embeds_tensor(decode_prompt_embeds(part.value, embeds_budget,
-                                                            "image_embeds"))
-        return image_embeds_tensor(part.value)
+        return image_embeds_item(
+            part.value, lambda data, name: decode_prompt_embeds(data, embeds_budget, name))
     except ValueError as e:
         raise ValueError(f"{part.where}: {e}") from None
+
+
+def image_embeds_item(value: Any, decode: Callable[[str, str], torch.Tensor]
+                      ) -> torch.Tensor | dict[str, Any]:
+    """An image_embeds part's item offline: its rows (a tensor, or base64 of torch.save
+    that `decode(data, name)` decodes), and where the part has one its grid (a list or a
+    tensor as given, base64 decoded), as `{"image_embeds": rows, "image_grid_thw": grid}`."""
+    if isinstance(value, dict):
+        grid = value["image_grid_thw"]
+        return {"image_embeds": image_embeds_item(value["image_embeds"], decode),
+                "image_grid_thw": decode(grid, "image_grid_thw") if isinstance(grid, str)
+                else grid}
+    return image_embeds_tensor(decode(value, "image_embeds") if isinstance(value, str)
+                               else value)
 
 
 def input_audio_bytes(data: str, max_bytes: int) -> bytes:
@@ -372,6 +392,18 @@ def image_embeds_tensor(value: Any) -> torch.Tensor:
     return value
 
 
+def _num_images(item: Any) -> int:
+    """Images one loaded media part holds: embeddings [n, feature_size, hidden_size], or
+    with a grid [n, 3], hold n (a malformed grid counts one: the processor refuses it)."""
+    if isinstance(item, dict):
+        grid = item["image_grid_thw"]
+        if isinstance(grid, (torch.Tensor, np.ndarray)):
+            return grid.shape[0] if grid.ndim == 2 else 1
+        nested = isinstance(grid, (list, tuple)) and grid and isinstance(grid[0], (list, tuple))
+        return len(grid) if nested else 1
+    return item.shape[0] if isinstance(item, torch.Tensor) and item.dim() == 3 else 1
+
+
 class MediaItems(NamedTuple):
     messages: list[dict[str, Any]]  # media parts replaced by their placeholders' text parts
     data: dict[str, list[Any]]  # modality -> its items in order (the `multi_modal_data`)
@@ -379,11 +411,12 @@ class MediaItems(NamedTuple):
 
 def with_media_placeholders(messages: list[dict[str, Any]], placeholders: dict[str, str],
                             parts: Sequence[MediaPart],
-                            items: Sequence[bytes | torch.Tensor]) -> MediaItems:
+                            items: Sequence[bytes | torch.Tensor | dict[str, Any]]
+                            ) -> MediaItems:
     """`messages` with media part k (as `media_parts` found them, loaded as `items[k]`)
-    replaced by its modality's placeholder, once per item it holds (embeddings
-    [n, feature_size, hidden_size]: n), and the items by modality; the engine's processor
-    expands each placeholder to its item's run.
+    replaced by its modality's placeholder, once per image or clip it holds (`_num_images`),
+    and the items by modality; the engine's processor expands each placeholder to its
+    item's run.
 
     Example (Qwen2-Audio): two input_audio parts -> "Audio 1: <|audio_bos|><|AUDIO|>
     <|audio_eos|>" and "Audio 2: ..." text parts, data {"audio": [bytes0, bytes1]}.
@@ -391,7 +424,7 @@ def with_media_placeholders(messages: list[dict[str, Any]], placeholders: dict[s
     data: dict[str, list[Any]] = {}
     texts = []
     for part, item in zip(parts, items, strict=True):
-        count = item.shape[0] if isinstance(item, torch.Tensor) and item.dim() == 3 else 1
+        count = _num_images(item)
         done = data.setdefault(part.modality, [])
         template = placeholders[part.modality]
         texts.append("".join(template.replace("{k}", str(len(done) + i + 1))

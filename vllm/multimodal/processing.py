@@ -1,8 +1,9 @@
 """A media prompt as the engine takes it: each item's placeholder token expanded to its run
 of positions, and each item preprocessed into a `MediaInput` whose rows the engine core
 computes (`vllm/v1/engine/media_rows.py`), or, for image embeddings (a float tensor
-[feature_size, hidden_size] in place of an image, with `enable_mm_embeds`), whose rows the
-user gave. An image's run has a fixed length; an audio clip's follows its length.
+[feature_size, hidden_size] in place of an image, with `enable_mm_embeds`; Qwen2-VL's with
+each image's grid, `vllm/multimodal/qwen2_vl.py`), whose rows the user gave. An image's run
+has a fixed length (Qwen2-VL's follows its grid); an audio clip's follows its length.
 
 Example (LLaVA, 4 rows per image, `<image>` = 32000):
     "USER: <image>\\nWhat is this?" -> ids [1, 3148, 32000, 13, ...]
@@ -176,25 +177,38 @@ class ImagePromptProcessor:
     def _check_embeds(self, k: int, embeds: torch.Tensor) -> torch.Tensor:
         """image_embeds item k as [num_image_tokens, hidden_size] in the model's dtype."""
         mc = self.model_config
-        if not mc.enable_mm_embeds:
-            raise ValueError("image_embeds given, but image embeddings are disabled: create "
-                             "the engine with enable_mm_embeds=True (server: "
-                             "--enable-mm-embeds).")
+        check_mm_embeds_enabled(mc)
         want = (self.num_image_tokens, mc.hidden_size)
-        if embeds.layout != torch.strided or embeds.is_meta:
-            raise ValueError(f"image_embeds item {k} must be a dense tensor with data, got "
-                             f"layout {embeds.layout}.")
+        check_dense(embeds, f"image_embeds item {k}")
         if tuple(embeds.shape) != want:
             raise ValueError(f"image_embeds item {k} has shape {tuple(embeds.shape)}, but one "
                              f"image of {mc.architecture} is {want} [feature_size, "
                              "hidden_size] (several images: [num_images, feature_size, "
                              "hidden_size]).")
-        embeds = embeds.detach().to(device="cpu", dtype=mc.dtype).contiguous()
-        if not torch.isfinite(embeds).all():
-            raise ValueError(f"image_embeds item {k} contains non-finite values (NaN or inf), "
-                             f"after the cast to {mc.dtype}.")
-        return embeds
+        return finite_rows(embeds, mc.dtype, f"image_embeds item {k}")
 
+
+def check_mm_embeds_enabled(model_config: ModelConfig) -> None:
+    if not model_config.enable_mm_embeds:
+        raise ValueError("image_embeds given, but image embeddings are disabled: create "
+                         "the engine with enable_mm_embeds=True (server: "
+                         "--enable-mm-embeds).")
+
+
+def check_dense(embeds: torch.Tensor, what: str) -> None:
+    if embeds.layout != torch.strided or embeds.is_meta:
+        raise ValueError(f"{what} must be a dense tensor with data, got layout "
+                         f"{embeds.layout}.")
+
+
+def finite_rows(embeds: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:
+    """`embeds` on the CPU in `dtype`, contiguous; raises ValueError naming `what` if a
+    value is not finite after the cast."""
+    embeds = embeds.detach().to(device="cpu", dtype=dtype).contiguous()
+    if not torch.isfinite(embeds).all():
+        raise ValueError(f"{what} contains non-finite values (NaN or inf), after the cast "
+                         f"to {dtype}.")
+    return embeds
 
 
 class AudioPromptProcessor:
@@ -292,7 +306,19 @@ def is_image_embeds(item: Any) -> bool:
 
 def split_image_embeds(item: Any) -> list[Any]:
     """One `multi_modal_data` image entry as images: embeddings [num_images, feature_size,
-    hidden_size] are num_images of them (vLLM's form), anything else is one."""
+    hidden_size] are num_images of them (vLLM's form; also as `{"image_embeds": ...}`),
+    anything else is one. A grid (`image_grid_thw`, Qwen2-VL's) is refused: these models'
+    images all have one size."""
+    if isinstance(item, dict):
+        extra = sorted(k for k in item if k != "image_embeds")
+        if extra:
+            raise ValueError(f"image_embeds takes no {extra[0]!r} for this model: send the "
+                             "embeddings alone.")
+        item = item.get("image_embeds")
+        if not is_image_embeds(item):
+            got = item.dtype if isinstance(item, torch.Tensor) else type(item).__name__
+            raise ValueError("image_embeds must be a floating-point tensor [feature_size, "
+                             f"hidden_size], got {got}.")
     if is_image_embeds(item) and item.dim() == 3:
         return list(item.unbind(0))
     if is_image_embeds(item) and item.dim() != 2:
@@ -301,10 +327,10 @@ def split_image_embeds(item: Any) -> list[Any]:
     return [item]
 
 
-def tensor_hash(tag: bytes, tensor: torch.Tensor) -> bytes:
+def tensor_hash(tag: bytes, tensor: torch.Tensor, extra: bytes = b"") -> bytes:
     """An image's key (tag P: preprocessed pixels, the encoder cache's key, so an image
     sent as a PIL image, an array or file bytes hashes alike when it decodes alike; E: the
-    user's embeddings, never cached)."""
-    h = hashlib.sha256(tag + str((tensor.dtype, tuple(tensor.shape))).encode())
+    user's embeddings, never cached), with `extra` (Qwen2-VL's embeddings: their grid)."""
+    h = hashlib.sha256(tag + str((tensor.dtype, tuple(tensor.shape))).encode() + extra)
     h.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
     return h.digest()

@@ -22,6 +22,11 @@ text tokens, the image above (2 x 3 rows), 1 text token:
 
 Generated tokens (and anything past the prompt) take position p + delta in all three rows,
 delta = (max prompt position + 1) - prompt length (here 6 - 9 = -3: the 10th token is at 6).
+
+With `enable_mm_embeds`, an image may come as the vision tower's output with its grid
+(vLLM's form): `{"image_embeds": rows [sum of the images' rows, hidden_size],
+"image_grid_thw": [num_images, 3]}`. The rows fill the runs as the tower's would, and the
+positions follow the grids exactly as for pixels.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import dataclasses
 import json
 import math
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -39,8 +44,11 @@ from vllm.config import ModelConfig
 from vllm.multimodal.image import ImageProcessorConfig, load_image, preprocess
 from vllm.multimodal.processing import (
     MediaPrompt,
+    check_dense,
     check_limit,
+    check_mm_embeds_enabled,
     expand_placeholders,
+    finite_rows,
     image_token_id,
     is_image_embeds,
     media_items,
@@ -48,6 +56,8 @@ from vllm.multimodal.processing import (
     tensor_hash,
 )
 from vllm.v1.messages import MediaInput
+
+GRID_KEY = "image_grid_thw"  # vLLM's name (and transformers' processor's)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -158,6 +168,95 @@ def mrope_positions(num_tokens: int, images: list[tuple[int, tuple[int, int, int
     return torch.from_numpy(out)
 
 
+class ImageEmbeds(NamedTuple):
+    """One image given as the vision tower's output (with `enable_mm_embeds`)."""
+
+    rows: torch.Tensor  # [t * h * w / merge_size**2, hidden_size], as the user gave them
+    grid: tuple[int, int, int]  # (t, h, w) in patches, before merging
+
+
+def image_grids(grid: Any, merge_size: int, what: str) -> list[tuple[int, int, int]]:
+    """`image_grid_thw` ([num_images, 3], or [3] for one image; a tensor, an array or
+    lists of ints) as one (t, h, w) per image; raises ValueError naming `what` unless each
+    is an image's grid: integers >= 1, t = 1, h and w multiples of `merge_size`."""
+    if isinstance(grid, (torch.Tensor, np.ndarray)):
+        integral = (np.issubdtype(grid.dtype, np.integer) if isinstance(grid, np.ndarray)
+                    else not (grid.dtype.is_floating_point or grid.dtype.is_complex
+                              or grid.dtype == torch.bool))
+        if not integral:
+            raise ValueError(f"{what} must hold integers, got dtype {grid.dtype}.")
+        if isinstance(grid, torch.Tensor):
+            check_dense(grid, what)
+        shape = f"shape {tuple(grid.shape)}"
+        grid = grid.tolist()
+    else:
+        shape = repr(grid)[:80]
+    rows = [grid] if isinstance(grid, (list, tuple)) and len(grid) == 3 and all(
+        _is_int(v) for v in grid) else grid
+    if not (isinstance(rows, (list, tuple)) and rows and all(
+            isinstance(row, (list, tuple)) and len(row) == 3 and all(_is_int(v) for v in row)
+            for row in rows)):
+        raise ValueError(f"{what} must be [num_images, 3] integers (each image's t, h, w in "
+                         f"patches; [3] for one image), got {shape}.")
+    grids = [(int(t), int(h), int(w)) for t, h, w in rows]
+    for i, (t, h, w) in enumerate(grids):
+        if min(t, h, w) < 1:
+            raise ValueError(f"{what} row {i} is {(t, h, w)}: t, h and w must be >= 1.")
+        if t != 1:
+            raise ValueError(f"{what} row {i} is {(t, h, w)}: an image has t = 1 (videos "
+                             "are not supported).")
+        if h % merge_size or w % merge_size:
+            raise ValueError(f"{what} row {i} is {(t, h, w)}: h and w must be multiples of "
+                             f"the merge size {merge_size}.")
+    return grids
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def split_grid_embeds(entry: Any, model_config: ModelConfig, merge_size: int, what: str
+                      ) -> list[ImageEmbeds]:
+    """A `multi_modal_data` image entry of embeddings, `{"image_embeds": rows [sum of the
+    images' rows, hidden_size], "image_grid_thw": [num_images, 3]}` (vLLM's form), as one
+    `ImageEmbeds` per image; raises ValueError naming `what` (the entry).
+
+    Example (merge 2): rows [18, H] with grid [[1, 4, 6], [1, 6, 8]] -> rows 0..5 with
+    (1, 4, 6) (2 x 3 merged rows) and rows 6..17 with (1, 6, 8) (3 x 4); rows [30, H] with
+    that grid are refused (30 rows given, 18 expected).
+    """
+    arch = model_config.architecture
+    if not isinstance(entry, dict):
+        raise ValueError(f"{what}: image_embeds for {arch} need each image's grid, since "
+                         "its positions follow it: pass {'image_embeds': rows [num_rows, "
+                         "hidden_size], 'image_grid_thw': [[t, h, w], ...]}.")
+    extra = sorted(k for k in entry if k not in ("image_embeds", GRID_KEY))
+    if extra:
+        raise ValueError(f"{what}: image_embeds takes no {extra[0]!r} for {arch} (only "
+                         f"'image_embeds' and '{GRID_KEY}').")
+    if entry.get(GRID_KEY) is None:
+        raise ValueError(f"{what}: image_embeds for {arch} need '{GRID_KEY}', each image's "
+                         "(t, h, w) in patches as the image processor gives it, "
+                         "[num_images, 3].")
+    grids = image_grids(entry[GRID_KEY], merge_size, f"{what}: {GRID_KEY}")
+    rows = entry.get("image_embeds")
+    if not isinstance(rows, torch.Tensor) or not rows.is_floating_point():
+        got = rows.dtype if isinstance(rows, torch.Tensor) else type(rows).__name__
+        raise ValueError(f"{what}: image_embeds must be a floating-point tensor [num_rows, "
+                         f"hidden_size], got {got}.")
+    check_dense(rows, f"{what}: image_embeds")
+    sizes = [t * h * w // merge_size**2 for t, h, w in grids]
+    hidden = model_config.hidden_size
+    if rows.dim() != 2 or rows.shape[1] != hidden:
+        raise ValueError(f"{what}: image_embeds has shape {tuple(rows.shape)}, but "
+                         f"{arch} takes [num_rows, {hidden}] (its hidden size).")
+    if rows.shape[0] != sum(sizes):
+        raise ValueError(f"{what}: image_embeds has {rows.shape[0]} rows, but {GRID_KEY} "
+                         f"{[list(g) for g in grids]} expects {sum(sizes)} (t * h * w / "
+                         f"{merge_size}^2 per image: {sizes}).")
+    return [ImageEmbeds(r, g) for r, g in zip(rows.split(sizes), grids, strict=True)]
+
+
 class Qwen2VLPromptProcessor:
     """Turns `{"prompt" | "prompt_token_ids", "multi_modal_data": {"image": ...}}` into a
     `MediaPrompt` for Qwen2-VL: each `<|image_pad|>` (written between `<|vision_start|>` and
@@ -186,24 +285,39 @@ class Qwen2VLPromptProcessor:
         return text
 
     def process(self, token_ids: list[int], data: Any) -> MediaPrompt:
-        """`token_ids`: the prompt, one image token per image; `data`: multi_modal_data."""
-        images = media_items(data, "image", self.model_config.architecture)
-        if any(is_image_embeds(image) for image in images):
-            raise ValueError(f"image_embeds are not supported for "
-                             f"{self.model_config.architecture}: its positions need each "
-                             "image's grid; send the image.")
+        """`token_ids`: the prompt, one image token per image; `data`: multi_modal_data
+        (images, and with `enable_mm_embeds` entries of embeddings with their grids)."""
+        entries = media_items(data, "image", self.model_config.architecture)
+        images = [image for e, entry in enumerate(entries) for image in self._split(e, entry)]
         check_limit(len(images), "image", self.limit)
         placeholder_starts(token_ids, self.image_token_id, len(images), "image")
-        inputs, grids = [], []
-        patch, merge = self.image_config.patch_size, self.image_config.merge_size
-        for image in images:
-            pixels = preprocess_dynamic(load_image(image), self.image_config)
-            grid = (1, pixels.shape[1] // patch, pixels.shape[2] // patch)
-            grids.append(grid)
-            inputs.append(MediaInput("image", pixels, 0, grid[1] * grid[2] // merge**2,
-                                     tensor_hash(b"P", pixels)))
-        prompt = expand_placeholders(token_ids, self.image_token_id, inputs, "image",
+        inputs = [self._image_input(k, image) for k, image in enumerate(images)]
+        prompt = expand_placeholders(token_ids, self.image_token_id,
+                                     [item for item, _ in inputs], "image",
                                      self.model_config.max_model_len)
-        spans = [(item.offset, grid) for item, grid in zip(inputs, grids, strict=True)]
-        positions = mrope_positions(len(prompt.token_ids), spans, merge)
+        spans = [(item.offset, grid) for item, grid in inputs]
+        positions = mrope_positions(len(prompt.token_ids), spans, self.image_config.merge_size)
         return prompt._replace(mrope_positions=positions)
+
+    def _split(self, e: int, entry: Any) -> list[Any]:
+        """Image entry e as images: an entry of embeddings (a dict, or a float tensor,
+        refused for its missing grid) as its `ImageEmbeds`, anything else as itself."""
+        if not isinstance(entry, dict) and not is_image_embeds(entry):
+            return [entry]
+        check_mm_embeds_enabled(self.model_config)
+        return split_grid_embeds(entry, self.model_config, self.image_config.merge_size,
+                                 f"image entry {e}")
+
+    def _image_input(self, k: int, image: Any) -> tuple[MediaInput, tuple[int, int, int]]:
+        """Image k of the prompt and its grid: pixels for the vision tower, or the user's
+        rows (in the model's dtype, keyed by their bytes and their grid)."""
+        merge = self.image_config.merge_size
+        if isinstance(image, ImageEmbeds):
+            rows = finite_rows(image.rows, self.model_config.dtype, f"image_embeds of image {k}")
+            key = tensor_hash(b"E", rows, np.array(image.grid, dtype=np.int64).tobytes())
+            return MediaInput("image", None, 0, rows.shape[0], key, embeds=rows), image.grid
+        patch = self.image_config.patch_size
+        pixels = preprocess_dynamic(load_image(image), self.image_config)
+        grid = (1, pixels.shape[1] // patch, pixels.shape[2] // patch)
+        return (MediaInput("image", pixels, 0, grid[1] * grid[2] // merge**2,
+                           tensor_hash(b"P", pixels)), grid)

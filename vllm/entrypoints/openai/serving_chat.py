@@ -128,7 +128,8 @@ class OpenAIServingChat(OpenAIServing):
         if parts.data and not self.model_config.enable_prompt_embeds:
             raise OpenAIError(EMBEDS_DISABLED)
         check_tool_request(request, self.options.tool_parser)
-        embeds = [p.value for p in media if p.kind == "image_embeds"]
+        embeds = [data for p in media if p.kind == "image_embeds"
+                  for data in (p.value.values() if isinstance(p.value, dict) else [p.value])]
         lease = self.embeds.reserve(parts.data + embeds, max(1, request.n or 1))
         return await self.embeds.leased(lease, self._create(request, parts, lease, media))
 
@@ -179,7 +180,8 @@ class OpenAIServingChat(OpenAIServing):
     async def _load_media(self, part: MediaPart, lease: EmbedsLease, copies: int
                           ) -> bytes | Any:
         """A media part's item, read off the event loop: the encoded bytes its URL or data
-        names (`MediaConnector`'s rules), or its embeddings decoded by the embeds intake."""
+        names (`MediaConnector`'s rules), or its embeddings (and a grid given as base64)
+        decoded by the embeds intake."""
         try:
             loop = asyncio.get_running_loop()
             if part.kind in ("image_url", "audio_url"):
@@ -188,8 +190,15 @@ class OpenAIServingChat(OpenAIServing):
             if part.kind == "input_audio":
                 return await loop.run_in_executor(None, input_audio_bytes, part.value["data"],
                                                   self.media.max_audio_bytes)
-            return image_embeds_tensor(await self.embeds.decode(part.value, lease, copies,
-                                                                "image_embeds"))
+            if not isinstance(part.value, dict):
+                return image_embeds_tensor(await self.embeds.decode(part.value, lease, copies,
+                                                                    "image_embeds"))
+            grid = part.value["image_grid_thw"]
+            if isinstance(grid, str):  # base64 of torch.save (vLLM's form); else a list
+                grid = await self.embeds.decode(grid, lease, copies, "image_grid_thw")
+            rows = await self.embeds.decode(part.value["image_embeds"], lease, copies,
+                                            "image_embeds")
+            return {"image_embeds": image_embeds_tensor(rows), "image_grid_thw": grid}
         except ValueError as e:
             raise OpenAIError(f"{part.where}: {e}") from None
 

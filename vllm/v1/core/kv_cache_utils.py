@@ -91,16 +91,22 @@ class FreeKVCacheBlockQueue:
 
 def hash_block(parent: BlockHash | None, token_ids: list[int],
                embeds_rows: torch.Tensor | None = None,
-               is_token: np.ndarray | None = None) -> BlockHash:
+               is_token: np.ndarray | None = None,
+               mrope_positions: np.ndarray | None = None) -> BlockHash:
     """Hash of one full block, chained to its parent's hash.
 
     A block of real tokens is hashed by its ids. A block with positions from prompt embeds
     is hashed by its per-position kinds (`is_token`; None: the rows come first, then the
     tokens), the bytes of its rows (already in the model dtype) and the ids of its token
     positions, so two blocks agree only if they agree position by position. The leading
-    tag keeps token blocks and embeds blocks from ever colliding.
+    tag keeps token blocks and embeds blocks from ever colliding. An M-RoPE request's
+    block also hashes its rotary positions (`mrope_block_positions`): they follow each
+    image's grid, which the rows alone do not fix (the same image_embeds with another grid
+    put the same rows, and the text after them, at other positions).
     """
     h = hashlib.sha256(parent or b"")
+    if mrope_positions is not None:
+        h.update(b"R" + np.ascontiguousarray(mrope_positions, dtype=np.int64).tobytes())
     if embeds_rows is not None:
         if is_token is None:
             is_token = np.arange(len(embeds_rows) + len(token_ids)) >= len(embeds_rows)
@@ -131,6 +137,25 @@ def block_inputs(token_ids: list[int], embeds: torch.Tensor | None,
     first, last = layout.rows(start, end)
     ids = [t for t, real in zip(token_ids[start:end], mask.tolist(), strict=True) if real]
     return ids, embeds[first:last], mask
+
+
+def mrope_block_positions(table: torch.Tensor, start: int, end: int) -> np.ndarray | None:
+    """[3, end - start] int64 M-RoPE positions of the block [start, end) of a request whose
+    prompt's table is `table` ([3, num_prompt_tokens]): a prompt position's column, a later
+    position p at p + delta in all three rows, delta = max(table) + 1 - num_prompt_tokens
+    (as the runner's `mrope_step_positions`). None where every position p is at p in all
+    three rows (text before the first image): such a block is any prompt's block.
+
+    Example: t [0 1 2 2 2 2 2 2 5], h [0 1 2 2 2 3 3 3 5], w [0 1 2 3 4 2 3 4 5] (delta
+    -3), block [6, 10) -> t [2 2 5 6], h [3 3 5 6], w [3 4 5 6]; block [0, 2) -> None.
+    """
+    plain = np.arange(start, end, dtype=np.int64)
+    num_prompt = table.shape[1]
+    out = np.repeat(plain[None] + int(table.max()) + 1 - num_prompt, 3, axis=0)
+    prompt_end = min(end, num_prompt)
+    if start < prompt_end:
+        out[:, :prompt_end - start] = table[:, start:prompt_end].numpy()
+    return None if (out == plain).all() else out
 
 
 def cross_block_hashes(encoder_hash: bytes, num_blocks: int) -> list[BlockHash]:
@@ -183,7 +208,10 @@ def make_block_hasher(block_size: int) -> Callable[[Request], list[BlockHash]]:
             ids, rows, mask = block_inputs(request.all_token_ids, request.prompt_embeds,
                                            request.embeds_layout, i * block_size,
                                            (i + 1) * block_size)
-            parent = hash_block(parent, ids, rows, mask)
+            positions = (None if request.mrope_positions is None else
+                         mrope_block_positions(request.mrope_positions, i * block_size,
+                                               (i + 1) * block_size))
+            parent = hash_block(parent, ids, rows, mask, positions)
             new_hashes.append(parent)
         return new_hashes
 
