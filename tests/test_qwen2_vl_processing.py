@@ -226,6 +226,7 @@ def test_block_hashes_follow_the_grids_positions() -> None:
     the image sits at its own position in all three rows: any text prompt's block."""
     from tests.core_factories import make_scheduler_request
     from vllm.v1.core.kv_cache_utils import mrope_block_positions
+    from vllm.v1.messages import mrope_delta
 
     rows = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
     ids = [10, 11, 12, 13] + [0] * 6 + [14, 15]
@@ -239,9 +240,10 @@ def test_block_hashes_follow_the_grids_positions() -> None:
     assert hashes[1][1] != hashes[0][1] and hashes[1][2] != hashes[0][2]
     assert make_scheduler_request("t", [10, 11, 12, 13, 1]).block_hashes == hashes[0][:1]
     table = mrope_positions(9, [(2, (1, 4, 6))], 2)  # the module example (delta -3)
-    assert mrope_block_positions(table, 0, 2) is None
-    assert mrope_block_positions(table, 6, 10).tolist() == [[2, 2, 5, 6], [3, 3, 5, 6],
-                                                            [3, 4, 5, 6]]
+    assert mrope_delta(table) == -3
+    assert mrope_block_positions(table, -3, 0, 2) is None
+    assert mrope_block_positions(table, -3, 6, 10).tolist() == [[2, 2, 5, 6], [3, 3, 5, 6],
+                                                                [3, 4, 5, 6]]
 
 
 # ---- image embeddings with their grids (enable_mm_embeds) ----------------------------------

@@ -106,6 +106,14 @@ class EmbedsLayout:
         return mask
 
 
+def mrope_delta(positions: np.ndarray | torch.Tensor) -> int:
+    """The offset of the positions past the prompt of an M-RoPE table ([3,
+    num_prompt_tokens]): position p >= num_prompt_tokens sits at p + delta in all three rows,
+    delta = (the prompt's largest position + 1) - num_prompt_tokens (see
+    `vllm/multimodal/qwen2_vl.py`)."""
+    return int(positions.max()) + 1 - positions.shape[1]
+
+
 @dataclass(slots=True)
 class EngineCoreRequest:
     """One prompt, tokenized and validated, ready for the scheduler.

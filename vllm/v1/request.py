@@ -13,7 +13,13 @@ import torch
 from vllm.config import InputKind
 from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
-from vllm.v1.messages import EmbedsLayout, EncoderInput, EngineCoreRequest, FinishReason
+from vllm.v1.messages import (
+    EmbedsLayout,
+    EncoderInput,
+    EngineCoreRequest,
+    FinishReason,
+    mrope_delta,
+)
 from vllm.v1.structured_output.backend import StructuredOutputGrammar
 
 # Token id stored at positions whose input comes from prompt embeds. The scheduler never
@@ -87,8 +93,10 @@ class Request:
         self.prompt_embeds = prompt_embeds
         # Mixed prompts: True at the positions holding real ids (see EngineCoreRequest).
         self.prompt_is_token_ids = prompt_is_token_ids
-        # M-RoPE models with media: [3, num_prompt_tokens] (see EngineCoreRequest).
+        # M-RoPE models with media: [3, num_prompt_tokens] (see EngineCoreRequest), and the
+        # offset of the positions past the prompt (`mrope_delta`), which the block hashes read.
         self.mrope_positions = mrope_positions
+        self.mrope_delta = 0 if mrope_positions is None else mrope_delta(mrope_positions)
         # Media runs attending bidirectionally (see EngineCoreRequest): never split.
         self.bidirectional_spans = [(int(s), int(e)) for s, e in bidirectional_spans or ()]
         self.sampling_params = sampling_params

@@ -139,19 +139,20 @@ def block_inputs(token_ids: list[int], embeds: torch.Tensor | None,
     return ids, embeds[first:last], mask
 
 
-def mrope_block_positions(table: torch.Tensor, start: int, end: int) -> np.ndarray | None:
+def mrope_block_positions(table: torch.Tensor, delta: int, start: int, end: int
+                          ) -> np.ndarray | None:
     """[3, end - start] int64 M-RoPE positions of the block [start, end) of a request whose
     prompt's table is `table` ([3, num_prompt_tokens]): a prompt position's column, a later
-    position p at p + delta in all three rows, delta = max(table) + 1 - num_prompt_tokens
-    (as the runner's `mrope_step_positions`). None where every position p is at p in all
-    three rows (text before the first image): such a block is any prompt's block.
+    position p at p + delta in all three rows (`mrope_delta(table)`, as the runner's
+    `mrope_step_positions`). None where every position p is at p in all three rows (text
+    before the first image): such a block is any prompt's block.
 
     Example: t [0 1 2 2 2 2 2 2 5], h [0 1 2 2 2 3 3 3 5], w [0 1 2 3 4 2 3 4 5] (delta
     -3), block [6, 10) -> t [2 2 5 6], h [3 3 5 6], w [3 4 5 6]; block [0, 2) -> None.
     """
     plain = np.arange(start, end, dtype=np.int64)
     num_prompt = table.shape[1]
-    out = np.repeat(plain[None] + int(table.max()) + 1 - num_prompt, 3, axis=0)
+    out = np.repeat(plain[None] + delta, 3, axis=0)
     prompt_end = min(end, num_prompt)
     if start < prompt_end:
         out[:, :prompt_end - start] = table[:, start:prompt_end].numpy()
@@ -209,8 +210,8 @@ def make_block_hasher(block_size: int) -> Callable[[Request], list[BlockHash]]:
                                            request.embeds_layout, i * block_size,
                                            (i + 1) * block_size)
             positions = (None if request.mrope_positions is None else
-                         mrope_block_positions(request.mrope_positions, i * block_size,
-                                               (i + 1) * block_size))
+                         mrope_block_positions(request.mrope_positions, request.mrope_delta,
+                                               i * block_size, (i + 1) * block_size))
             parent = hash_block(parent, ids, rows, mask, positions)
             new_hashes.append(parent)
         return new_hashes

@@ -9,7 +9,7 @@ import torch
 
 from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
-from vllm.v1.messages import EmbedsLayout
+from vllm.v1.messages import EmbedsLayout, mrope_delta
 from vllm.v1.worker.block_table import BlockTable
 
 
@@ -40,8 +40,8 @@ class CachedRequestState:
         if self.embeds_layout is None:  # embeds without a layout: an embeds-only prompt
             self.embeds_layout = EmbedsLayout.of(len(self.prompt_token_ids),
                                                  self.prompt_embeds, None)
-        if self.mrope_positions is not None:  # the next position after the prompt's last
-            self.mrope_delta = int(self.mrope_positions.max()) + 1 - self.num_prompt_tokens
+        if self.mrope_positions is not None:
+            self.mrope_delta = mrope_delta(self.mrope_positions)
 
     @property
     def num_prompt_tokens(self) -> int:
