@@ -25,6 +25,7 @@ import torch
 from vllm.entrypoints.embeds_codec import decode_prompt_embeds, prompt_embeds_byte_budget
 from vllm.entrypoints.errors import OpenAIError
 from vllm.multimodal.media import MediaConnector
+from vllm.multimodal.processing import image_embeds_tensor
 
 
 def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -380,16 +381,6 @@ def input_audio_bytes(data: str, max_bytes: int) -> bytes:
         return base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
         raise ValueError("The input_audio data is not valid base64.") from None
-
-
-def image_embeds_tensor(value: Any) -> torch.Tensor:
-    """An image_embeds part's value as embeddings: a floating-point tensor (a uint8 one
-    would be taken for pixels)."""
-    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
-        got = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
-        raise ValueError(f"image_embeds must be a floating-point tensor [feature_size, "
-                         f"hidden_size], got {got}.")
-    return value
 
 
 def _num_images(item: Any) -> int:

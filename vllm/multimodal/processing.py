@@ -304,6 +304,19 @@ def is_image_embeds(item: Any) -> bool:
     return isinstance(item, torch.Tensor) and item.is_floating_point()
 
 
+def image_embeds_tensor(value: Any, shape: str = "[feature_size, hidden_size]",
+                        what: str = "") -> torch.Tensor:
+    """`value` as image embeddings, or a ValueError naming what it is instead: they must be
+    a floating-point tensor (a uint8 one would be taken for pixels). `shape` is the form the
+    caller takes, `what` prefixes the message (which request part)."""
+    if not is_image_embeds(value):
+        got = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+        prefix = f"{what}: " if what else ""
+        raise ValueError(f"{prefix}image_embeds must be a floating-point tensor {shape}, "
+                         f"got {got}.")
+    return value
+
+
 def split_image_embeds(item: Any) -> list[Any]:
     """One `multi_modal_data` image entry as images: embeddings [num_images, feature_size,
     hidden_size] are num_images of them (vLLM's form; also as `{"image_embeds": ...}`),
@@ -314,11 +327,7 @@ def split_image_embeds(item: Any) -> list[Any]:
         if extra:
             raise ValueError(f"image_embeds takes no {extra[0]!r} for this model: send the "
                              "embeddings alone.")
-        item = item.get("image_embeds")
-        if not is_image_embeds(item):
-            got = item.dtype if isinstance(item, torch.Tensor) else type(item).__name__
-            raise ValueError("image_embeds must be a floating-point tensor [feature_size, "
-                             f"hidden_size], got {got}.")
+        item = image_embeds_tensor(item.get("image_embeds"))
     if is_image_embeds(item) and item.dim() == 3:
         return list(item.unbind(0))
     if is_image_embeds(item) and item.dim() != 2:

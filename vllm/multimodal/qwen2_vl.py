@@ -49,6 +49,7 @@ from vllm.multimodal.processing import (
     check_mm_embeds_enabled,
     expand_placeholders,
     finite_rows,
+    image_embeds_tensor,
     image_token_id,
     is_image_embeds,
     media_items,
@@ -239,11 +240,7 @@ def split_grid_embeds(entry: Any, model_config: ModelConfig, merge_size: int, wh
                          "(t, h, w) in patches as the image processor gives it, "
                          "[num_images, 3].")
     grids = image_grids(entry[GRID_KEY], merge_size, f"{what}: {GRID_KEY}")
-    rows = entry.get("image_embeds")
-    if not isinstance(rows, torch.Tensor) or not rows.is_floating_point():
-        got = rows.dtype if isinstance(rows, torch.Tensor) else type(rows).__name__
-        raise ValueError(f"{what}: image_embeds must be a floating-point tensor [num_rows, "
-                         f"hidden_size], got {got}.")
+    rows = image_embeds_tensor(entry.get("image_embeds"), "[num_rows, hidden_size]", what)
     check_dense(rows, f"{what}: image_embeds")
     sizes = [t * h * w // merge_size**2 for t, h, w in grids]
     hidden = model_config.hidden_size

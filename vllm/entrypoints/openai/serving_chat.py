@@ -27,7 +27,6 @@ from vllm.entrypoints.chat_utils import (
     MediaPart,
     chat_placeholders,
     check_template_kwargs,
-    image_embeds_tensor,
     input_audio_bytes,
     media_parts,
     render_chat,
@@ -73,6 +72,7 @@ from vllm.entrypoints.openai.tool_calls import (
 )
 from vllm.entrypoints.openai.tool_parsers import ToolParser
 from vllm.multimodal.media import MediaConnector
+from vllm.multimodal.processing import image_embeds_tensor
 from vllm.outputs import CompletionOutput
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.async_llm import RequestStream
