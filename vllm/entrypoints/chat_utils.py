@@ -25,7 +25,7 @@ import torch
 from vllm.entrypoints.embeds_codec import decode_prompt_embeds, prompt_embeds_byte_budget
 from vllm.entrypoints.errors import OpenAIError
 from vllm.multimodal.media import MediaConnector
-from vllm.multimodal.processing import image_embeds_tensor
+from vllm.multimodal.processing import audio_token_id, image_embeds_tensor, image_token_id
 
 
 def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -266,8 +266,6 @@ def chat_placeholders(model_config: Any, tokenizer: Any) -> dict[str, str]:
         return {}
     placeholders: dict[str, str] = {}
     if "image" in model_config.mm_modalities:
-        from vllm.multimodal.processing import image_token_id
-
         config = model_config.hf_config
         image = tokenizer.convert_ids_to_tokens(image_token_id(config))
         start, end = (getattr(config, f"vision_{edge}_token_id", None)
@@ -282,8 +280,6 @@ def chat_placeholders(model_config: Any, tokenizer: Any) -> dict[str, str]:
                      f"{tokenizer.convert_ids_to_tokens(config.eoi_token_index)}\n\n")
         placeholders["image"] = image
     if "audio" in model_config.mm_modalities:
-        from vllm.multimodal.processing import audio_token_id
-
         audio = tokenizer.convert_ids_to_tokens(audio_token_id(model_config.hf_config))
         placeholders["audio"] = f"Audio {{k}}: <|audio_bos|>{audio}<|audio_eos|>"
     return placeholders
