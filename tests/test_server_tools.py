@@ -8,8 +8,11 @@ the module."""
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -406,55 +409,84 @@ def text(body: dict[str, Any], i: int = 0) -> str:
     return choice["text"] if "text" in choice else choice["message"]["content"]
 
 
+def gather(**calls: Callable[[], Any]) -> dict[str, Any]:
+    """Each call on a thread of its own, so that the server batches them (the field audit
+    is ~80 requests): name -> what its call returned (or raised)."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = {name: pool.submit(call) for name, call in calls.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+PENALTIES = ("frequency_penalty", "presence_penalty", "repetition_penalty")
+NARROW: tuple[dict[str, Any], ...] = ({"top_p": 1e-6}, {"top_k": 1}, {"min_p": 1.0})
+ADVISORY = {"user": "u-1", "safety_identifier": "s-1", "metadata": {"k": "v"}, "store": False}
+
+
 def check_shared_sampling_fields(f: Fields) -> set[str]:
     """The fields completions and chat share (`SamplingRequest`), on /v1/completions."""
-    greedy = text(f.cmpl())
-    repeat = text(f.cmpl(prompt=REPEAT, max_tokens=16))
-    assert f.post("completions", prompt=PROMPT, model="nope").status_code == 404
-    for penalty in ("frequency_penalty", "presence_penalty", "repetition_penalty"):
-        assert text(f.cmpl(prompt=REPEAT, max_tokens=16, **{penalty: 2.0})) != repeat, penalty
-    f.refused("completions", "logit_bias", logit_bias={"1": 5.0})
-    assert len(f.cmpl(n=2, temperature=1.0)["choices"]) == 2
-    seeded = [text(f.cmpl(temperature=1.5, seed=s)) for s in (3, 3, 4)]
-    assert seeded[0] == seeded[1] != seeded[2] and seeded[0] != greedy
+    first = gather(greedy=f.cmpl, repeat=lambda: f.cmpl(prompt=REPEAT, max_tokens=16),
+                   said=f.chat)
+    greedy, repeat, said = text(first["greedy"]), text(first["repeat"]), first["said"]
     stop = greedy.strip().split()[1]
-    stopped = f.cmpl(stop=[stop])["choices"][0]
-    assert stopped["text"] == greedy[:greedy.index(stop)] and stopped["stop_reason"] == stop
-    assert f.cmpl(stop=[stop], include_stop_str_in_output=True)["choices"][0]["text"] == \
-        greedy[:greedy.index(stop) + len(stop)]
-    joined, chunks = f.streamed_text(stream_options={"include_usage": True})
-    assert joined == greedy and chunks[-1]["usage"]["completion_tokens"] == 8
-    f.refused("completions", "stream_options", stream_options={"include_usage": True})
-    f.refused("completions", "continuous_usage_stats", stream=True,
-              stream_options={"continuous_usage_stats": True})
-    for narrow in ({"top_p": 1e-6}, {"top_k": 1}, {"min_p": 1.0}):
-        assert text(f.cmpl(temperature=1.5, seed=3, **narrow)) == greedy, narrow
-    advisory = {"user": "u-1", "safety_identifier": "s-1", "metadata": {"k": "v"},
-                "store": False}
-    assert text(f.cmpl(**advisory)) == greedy
-    f.refused("completions", "store", store=True)
-    f.refused("completions", "metadata", metadata={str(i): "v" for i in range(17)})
     ids = f.tokenizer(greedy, add_special_tokens=False).input_ids
-    by_id = f.cmpl(stop_token_ids=[ids[1]])["choices"][0]
-    assert by_id["stop_reason"] == ids[1] and by_id["text"] == f.tokenizer.decode(ids[:1])
-    said = f.chat()
-    assert said["choices"][0]["finish_reason"] == "stop"
     spoken = said["usage"]["completion_tokens"]
-    past_eos = f.chat(ignore_eos=True, max_tokens=spoken + 3)
-    assert past_eos["usage"]["completion_tokens"] == spoken + 3
-    assert "<|im_" not in text(past_eos) and "<|im_" in text(
-        f.chat(ignore_eos=True, max_tokens=spoken + 3, skip_special_tokens=False))
-    assert f.chat(min_tokens=spoken + 2)["usage"]["completion_tokens"] >= spoken + 2
-    salts = [uuid.uuid4().hex] * 2 + [uuid.uuid4().hex]
-    salted = [f.cmpl(prompt=LONG, cache_salt=s)["usage"]["prompt_tokens_details"]
-              ["cached_tokens"] for s in salts]
+    got = gather(
+        missing=lambda: f.post("completions", prompt=PROMPT, model="nope"),
+        **{p: functools.partial(f.cmpl, prompt=REPEAT, max_tokens=16, **{p: 2.0})
+           for p in PENALTIES},
+        **{f"narrow{i}": functools.partial(f.cmpl, temperature=1.5, seed=3, **narrow)
+           for i, narrow in enumerate(NARROW)},
+        sampled=lambda: f.cmpl(n=2, temperature=1.0),
+        seeded=lambda: [text(f.cmpl(temperature=1.5, seed=s)) for s in (3, 3, 4)],
+        stopped=lambda: f.cmpl(stop=[stop]),
+        included=lambda: f.cmpl(stop=[stop], include_stop_str_in_output=True),
+        streamed=lambda: f.streamed_text(stream_options={"include_usage": True}),
+        advisory=lambda: f.cmpl(**ADVISORY),
+        by_id=lambda: f.cmpl(stop_token_ids=[ids[1]]),
+        past_eos=lambda: f.chat(ignore_eos=True, max_tokens=spoken + 3),
+        special=lambda: f.chat(ignore_eos=True, max_tokens=spoken + 3,
+                               skip_special_tokens=False),
+        at_least=lambda: f.chat(min_tokens=spoken + 2),
+        audited=lambda: f.cmpl(request_id="audit-1"),
+        refusals=lambda: [
+            f.refused("completions", "logit_bias", logit_bias={"1": 5.0}),
+            f.refused("completions", "stream_options", stream_options={"include_usage": True}),
+            f.refused("completions", "continuous_usage_stats", stream=True,
+                      stream_options={"continuous_usage_stats": True}),
+            f.refused("completions", "store", store=True),
+            f.refused("completions", "metadata", metadata={str(i): "v" for i in range(17)})],
+        # The same salt twice, then another: one after the other (the second must find
+        # the first's blocks), on a prompt no other request sends.
+        salted=lambda: [f.cmpl(prompt=LONG, cache_salt=s)["usage"]["prompt_tokens_details"]
+                        ["cached_tokens"] for s in [uuid.uuid4().hex] * 2 + [uuid.uuid4().hex]],
+    )
+    assert got["missing"].status_code == 404
+    for penalty in PENALTIES:
+        assert text(got[penalty]) != repeat, penalty
+    assert len(got["sampled"]["choices"]) == 2
+    seeded = got["seeded"]
+    assert seeded[0] == seeded[1] != seeded[2] and seeded[0] != greedy
+    stopped = got["stopped"]["choices"][0]
+    assert stopped["text"] == greedy[:greedy.index(stop)] and stopped["stop_reason"] == stop
+    assert text(got["included"]) == greedy[:greedy.index(stop) + len(stop)]
+    joined, chunks = got["streamed"]
+    assert joined == greedy and chunks[-1]["usage"]["completion_tokens"] == 8
+    for i, narrow in enumerate(NARROW):
+        assert text(got[f"narrow{i}"]) == greedy, narrow
+    assert text(got["advisory"]) == greedy
+    by_id = got["by_id"]["choices"][0]
+    assert by_id["stop_reason"] == ids[1] and by_id["text"] == f.tokenizer.decode(ids[:1])
+    assert said["choices"][0]["finish_reason"] == "stop"
+    assert got["past_eos"]["usage"]["completion_tokens"] == spoken + 3
+    assert "<|im_" not in text(got["past_eos"]) and "<|im_" in text(got["special"])
+    assert got["at_least"]["usage"]["completion_tokens"] >= spoken + 2
+    salted = got["salted"]
     assert salted[0] == 0 and salted[1] > 0 and salted[2] == 0
-    assert f.cmpl(request_id="audit-1")["id"] == "cmpl-audit-1"
-    checked = {"model", "frequency_penalty", "presence_penalty", "repetition_penalty",
-               "logit_bias", "n", "seed", "stop", "include_stop_str_in_output", "stream",
-               "stream_options", "temperature", "top_p", "top_k", "min_p", *advisory,
-               "stop_token_ids", "ignore_eos", "min_tokens", "skip_special_tokens",
-               "cache_salt", "request_id"}
+    assert got["audited"]["id"] == "cmpl-audit-1"
+    checked = {"model", *PENALTIES, "logit_bias", "n", "seed", "stop",
+               "include_stop_str_in_output", "stream", "stream_options", "temperature",
+               "top_p", "top_k", "min_p", *ADVISORY, "stop_token_ids", "ignore_eos",
+               "min_tokens", "skip_special_tokens", "cache_salt", "request_id"}
     return checked | check_structured_output_fields(f)
 
 
@@ -463,13 +495,20 @@ def check_structured_output_fields(f: Fields) -> set[str]:
     schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0,
                                                      "maximum": 99}}, "required": ["a"],
               "additionalProperties": False}
-    for body in ({"response_format": {"type": "json_schema", "json_schema": {
-                     "name": "a", "schema": schema}}},
-                 {"structured_outputs": {"json": schema}}, {"guided_json": schema}):
-        jsonschema.validate(json.loads(text(f.cmpl(max_tokens=40, **body))), schema)
-    assert text(f.cmpl(guided_choice=["yes", "no"])) in ("yes", "no")
-    assert text(f.cmpl(guided_regex="[0-9]{3}")).isdigit()
-    assert text(f.cmpl(guided_grammar='root ::= "ab" | "cd"')) in ("ab", "cd")
+    spellings = ({"response_format": {"type": "json_schema", "json_schema": {
+                      "name": "a", "schema": schema}}},
+                 {"structured_outputs": {"json": schema}}, {"guided_json": schema})
+    got = gather(
+        **{f"json{i}": functools.partial(f.cmpl, max_tokens=40, **body)
+           for i, body in enumerate(spellings)},
+        choice=lambda: f.cmpl(guided_choice=["yes", "no"]),
+        regex=lambda: f.cmpl(guided_regex="[0-9]{3}"),
+        grammar=lambda: f.cmpl(guided_grammar='root ::= "ab" | "cd"'))
+    for i in range(len(spellings)):
+        jsonschema.validate(json.loads(text(got[f"json{i}"])), schema)
+    assert text(got["choice"]) in ("yes", "no")
+    assert text(got["regex"]).isdigit()
+    assert text(got["grammar"]) in ("ab", "cd")
     return {"response_format", "structured_outputs", "guided_json", "guided_choice",
             "guided_regex", "guided_grammar"}
 
@@ -486,24 +525,50 @@ def test_every_completions_and_chat_field_is_honoured_or_refused(
     shared = check_shared_sampling_fields(f)
     assert shared == set(SamplingRequest.model_fields)
 
-    greedy = f.cmpl()
-    assert text(f.cmpl(echo=True)).startswith(PROMPT + text(greedy))
-    assert len(f.cmpl(logprobs=2)["choices"][0]["logprobs"]["top_logprobs"][0]) >= 2
-    assert f.cmpl(max_tokens=5, ignore_eos=True)["usage"]["completion_tokens"] == 5
-    assert f.cmpl(best_of=1)["choices"] and f.cmpl(prompt=[PROMPT, "Hi"])["choices"][1]
+    first = gather(greedy=f.cmpl, base=lambda: f.chat(max_tokens=8))
+    greedy, base = first["greedy"], first["base"]
+    messages = [{"role": "user", "content": "Say hi."},
+                {"role": "assistant", "content": "Hi"}]
+    got = gather(
+        echo=lambda: f.cmpl(echo=True),
+        logprobs=lambda: f.cmpl(logprobs=2),
+        five=lambda: f.cmpl(max_tokens=5, ignore_eos=True),
+        best_of=lambda: f.cmpl(best_of=1),
+        two_prompts=lambda: f.cmpl(prompt=[PROMPT, "Hi"]),
+        **{f"special_{flag}": functools.partial(f.cmpl, add_special_tokens=flag, max_tokens=1)
+           for flag in (True, False)},
+        # Beam search: one beam is greedy; n of best_of beams come back best first
+        # (the ranking's parity: test_beam_search.py).
+        beam=lambda: f.cmpl(use_beam_search=True),
+        beams=lambda: f.cmpl(use_beam_search=True, n=2, best_of=3, length_penalty=0.5,
+                             logprobs=1),
+        chat_logprobs=lambda: f.chat(max_tokens=8, logprobs=True, top_logprobs=2),
+        chat_five=lambda: f.chat(max_tokens=5, ignore_eos=True),
+        chat_six=lambda: f.chat(max_completion_tokens=6, max_tokens=9, ignore_eos=True),
+        no_prompt=lambda: f.chat(max_tokens=1, add_generation_prompt=False),
+        closed=lambda: f.chat(messages=messages, add_generation_prompt=False, max_tokens=1),
+        continued=lambda: f.chat(messages=messages, add_generation_prompt=False, max_tokens=1,
+                                 continue_final_message=True),
+        chat_special=lambda: f.chat(max_tokens=1, add_special_tokens=True),
+        unused_kwargs=lambda: f.chat(max_tokens=8, chat_template_kwargs={"unused": 1}),
+        chat_beam=lambda: f.chat(max_tokens=8, use_beam_search=True),
+        chat_beams=lambda: f.chat(max_tokens=8, use_beam_search=True, n=2, length_penalty=0.5))
+    assert text(got["echo"]).startswith(PROMPT + text(greedy))
+    assert len(got["logprobs"]["choices"][0]["logprobs"]["top_logprobs"][0]) >= 2
+    assert got["five"]["usage"]["completion_tokens"] == 5
+    assert got["best_of"]["choices"] and got["two_prompts"]["choices"][1]
     for flag in (True, False):
-        assert f.cmpl(add_special_tokens=flag, max_tokens=1)["usage"]["prompt_tokens"] == len(
+        assert got[f"special_{flag}"]["usage"]["prompt_tokens"] == len(
             f.tokenizer(PROMPT, add_special_tokens=flag).input_ids)
     for field, value in (("best_of", 2), ("suffix", "x"), ("prompt_logprobs", 1),
                          ("prompt_embeds", "AAAA"), ("return_hidden_states", True),
                          ("length_penalty", 0.5)):
         f.refused("completions", field, **{field: value})
-    # Beam search: one beam is greedy; n of best_of beams come back best first; streaming
-    # and sampling fields are refused by name (the ranking's parity: test_beam_search.py).
-    assert text(f.cmpl(use_beam_search=True)) == text(greedy)
-    beams = f.cmpl(use_beam_search=True, n=2, best_of=3, length_penalty=0.5, logprobs=1)
+    assert text(got["beam"]) == text(greedy)
+    beams = got["beams"]
     assert len(beams["choices"]) == 2 and text(beams) != beams["choices"][1]["text"]
     assert len(beams["choices"][1]["logprobs"]["tokens"]) == 8
+    # Streaming and sampling fields are refused with beam search, by name.
     f.refused("completions", "use_beam_search", use_beam_search=True, stream=True)
     f.refused("completions", "top_p", use_beam_search=True, top_p=0.5)
     f.refused("completions", "best_of", use_beam_search=True, n=2, best_of=1)
@@ -512,30 +577,22 @@ def test_every_completions_and_chat_field_is_honoured_or_refused(
                   "use_beam_search", "length_penalty"}
     assert shared | completion == set(CompletionRequest.model_fields)
 
-    base = f.chat(max_tokens=8)
-    assert f.chat(max_tokens=8, logprobs=True, top_logprobs=2)["choices"][0]["logprobs"][
-        "content"][0]["top_logprobs"].__len__() == 2
+    assert len(got["chat_logprobs"]["choices"][0]["logprobs"]["content"][0]
+               ["top_logprobs"]) == 2
     f.refused("chat/completions", "top_logprobs", top_logprobs=2)
-    assert f.chat(max_tokens=5, ignore_eos=True)["usage"]["completion_tokens"] == 5
-    assert f.chat(max_completion_tokens=6, max_tokens=9, ignore_eos=True)["usage"][
-        "completion_tokens"] == 6
-    no_prompt = f.chat(max_tokens=1, add_generation_prompt=False)["usage"]["prompt_tokens"]
-    assert base["usage"]["prompt_tokens"] > no_prompt
-    messages = [{"role": "user", "content": "Say hi."},
-                {"role": "assistant", "content": "Hi"}]
-    closed = f.chat(messages=messages, add_generation_prompt=False, max_tokens=1)
-    assert f.chat(messages=messages, add_generation_prompt=False, max_tokens=1,
-                  continue_final_message=True)["usage"]["prompt_tokens"] < \
-        closed["usage"]["prompt_tokens"]
-    assert f.chat(max_tokens=1, add_special_tokens=True)["usage"]["prompt_tokens"] == len(
+    assert got["chat_five"]["usage"]["completion_tokens"] == 5
+    assert got["chat_six"]["usage"]["completion_tokens"] == 6
+    assert base["usage"]["prompt_tokens"] > got["no_prompt"]["usage"]["prompt_tokens"]
+    assert got["continued"]["usage"]["prompt_tokens"] < got["closed"]["usage"]["prompt_tokens"]
+    assert got["chat_special"]["usage"]["prompt_tokens"] == len(
         f.tokenizer(f.tokenizer.apply_chat_template(
             [{"role": "user", "content": "Say hi."}], tokenize=False,
             chat_template=TEMPLATE.read_text(), add_generation_prompt=True)).input_ids)
     f.refused("chat/completions", "chat_template", chat_template="{{ 'x' }}")
     f.refused("chat/completions", "chat_template_kwargs", chat_template_kwargs={"tools": 1})
-    assert text(f.chat(max_tokens=8, chat_template_kwargs={"unused": 1})) == text(base)
-    assert text(f.chat(max_tokens=8, use_beam_search=True)) == text(base)
-    beams = f.chat(max_tokens=8, use_beam_search=True, n=2, length_penalty=0.5)
+    assert text(got["unused_kwargs"]) == text(base)
+    assert text(got["chat_beam"]) == text(base)
+    beams = got["chat_beams"]
     assert len(beams["choices"]) == 2 and text(beams) != text(beams, 1)
     f.refused("chat/completions", "use_beam_search", use_beam_search=True, stream=True)
     f.refused("chat/completions", "length_penalty", length_penalty=0.5)
