@@ -147,12 +147,12 @@ def test_native_decode_kernel_long_and_odd_lengths(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads, kv_heads, head_size", [
     (4, 4, 64),    # no GQA: tiles of one head
-    (8, 2, 64),    # group 4: one tile of 4
+    (8, 2, 64),    # group 4: one tile of 4 (AVX-512), two of 2 (AVX2)
     (14, 2, 64),   # group 7: seven tiles of one
-    (16, 2, 128),  # group 8, head 128: tiles of 2, 2 keys per reduction
+    (16, 2, 128),  # group 8, head 128: tiles of 2, 2 keys per reduction (AVX-512)
     (6, 3, 32),    # group 2, head 32
     (4, 1, 16),    # one kv head, head 16
-    (4, 1, 256),   # Gemma 3 270M: head 256, group 4 in tiles of one head
+    (4, 1, 256),   # Gemma 3 270M: head 256, group 4 (AVX2: 8 column passes of values)
     (4, 2, 80),    # a head size without an instantiation: the portable loop
 ])
 def test_native_decode_kernel_head_shapes(dtype, heads, kv_heads, head_size):

@@ -18,7 +18,7 @@ from tests.hf_reference import (
     load_hf_model,
 )
 from tests.model_factory import make_tiny_model
-from tests.test_tensor_parallel import _as_rank, _assert_same, _run_both
+from tests.test_tensor_parallel import Q8_0_LOGPROB_TOL, _as_rank, _assert_same, _run_both
 from vllm import LLM, SamplingParams
 from vllm.config import InputKind
 from vllm.model_executor.layers.fused_moe import (
@@ -263,7 +263,9 @@ def test_two_ranks_match_transformers_in_float32(tmp_path) -> None:
 def test_two_ranks_equal_one_int8_and_drift(tmp_path) -> None:
     """OLMoE in int8 (experts as Q8_0 blocks through the native op where it is built) on 2
     ranks and on 1, intermediate size 64: the experts sliced by the loader (whole blocks of
-    32 a rank), the q/k norms over the whole projection summed over the ranks. Then the
+    32 a rank), the q/k norms over the whole projection summed over the ranks; the same
+    tokens, logprobs within Q8_0_LOGPROB_TOL (the ranks' float sums of Q8_0 products can
+    round a later activation to the next code: test_tensor_parallel's comment). Then the
     intermediate size 32 model on 1 rank: the int8 tokens stay close to float
     transformers' (the same until a near-tie flips, logprobs within 0.1 until then).
 
@@ -275,7 +277,7 @@ def test_two_ranks_equal_one_int8_and_drift(tmp_path) -> None:
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=5)
     wide = make_tiny_model(str(tmp_path / "olmoe64"), "olmoe", intermediate_size=64)
     ones, twos = _run_both(wide, PROMPTS[:4], greedy, enforce_eager=True, quantization="int8")
-    _assert_same(ones, twos)
+    _assert_same(ones, twos, Q8_0_LOGPROB_TOL)
     from tests.test_tensor_parallel import _llm
 
     path = make_tiny_model(str(tmp_path / "olmoe"), "olmoe")

@@ -23,10 +23,18 @@ from vllm.distributed.utils import (
     kv_heads_per_rank,
 )
 from vllm.engine.arg_utils import EngineArgs
+from vllm.model_executor.layers.quantization.int8 import FORM_ENV
 
 PROMPTS = ["Hello world, this is", "The capital of France is", "A", "one two three four five"]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
 LOGPROB_TOL = 1e-4
+# int8 as Q8_0 blocks (`int8_form` without VNNI): a row-parallel layer's ranks add their
+# blocks' products in float in another order than one rank does, so the residual differs in
+# its last bits, and an activation on a rounding edge takes the next Q8_0 code in a later
+# layer. The logprobs of the step it happens in move (measured 0.0007 to 0.014: once in 7
+# prompt sets of the Qwen2 test below); the tokens stay. The `int_mm` form's int32 sums over
+# the ranks are exact, and it is held to LOGPROB_TOL on every processor (forced by FORM_ENV).
+Q8_0_LOGPROB_TOL = 0.05
 
 
 def _llm(path: str, tp: int, **kwargs) -> LLM:
@@ -38,14 +46,14 @@ def _llm(path: str, tp: int, **kwargs) -> LLM:
     return LLM(path, dtype="float32", tensor_parallel_size=tp, **kwargs)
 
 
-def _assert_same(ones, twos) -> None:
+def _assert_same(ones, twos, tol: float = LOGPROB_TOL) -> None:
     for a, b in zip(ones, twos, strict=True):
         for x, y in zip(a.outputs, b.outputs, strict=True):
             assert x.token_ids == y.token_ids
             for lx, ly in zip(x.logprobs or [], y.logprobs or [], strict=True):
                 assert lx.keys() == ly.keys()
                 for t in lx:
-                    assert abs(lx[t].logprob - ly[t].logprob) < LOGPROB_TOL
+                    assert abs(lx[t].logprob - ly[t].logprob) < tol
 
 
 def _run_both(path: str, prompts, params=GREEDY, preemptions: list | None = None, **kwargs):
@@ -260,14 +268,19 @@ def test_prompt_lookup_speculation_equals_one_rank(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_qwen2_biases_int8(tiny_qwen2_dir) -> None:
-    """Qwen2's q/k/v biases sharded with their rows; int8 as on one rank: row-parallel
-    shards scale by their whole rows' absmax and sum int32 accumulators exactly (VNNI), or
-    hold the whole rows' Q8_0 blocks and differ only in the float sum over ranks."""
+def test_qwen2_biases_int8(tiny_qwen2_dir, monkeypatch) -> None:
+    """Qwen2's q/k/v biases sharded with their rows; int8 as on one rank in both forms:
+    `int_mm` row-parallel shards scale by their whole rows' absmax and sum int32
+    accumulators exactly; Q8_0 shards hold the whole rows' blocks and differ only in the
+    float sum over ranks (Q8_0_LOGPROB_TOL)."""
     ones, twos = _run_both(tiny_qwen2_dir, PROMPTS)
     _assert_same(ones, twos)
+    monkeypatch.setenv(FORM_ENV, "int_mm")  # the spawned ranks inherit it
     ones, twos = _run_both(tiny_qwen2_dir, PROMPTS, quantization="int8")
     _assert_same(ones, twos)
+    monkeypatch.setenv(FORM_ENV, "q8_0")  # where gguf_mm is not built: int_mm again
+    ones, twos = _run_both(tiny_qwen2_dir, PROMPTS, quantization="int8")
+    _assert_same(ones, twos, Q8_0_LOGPROB_TOL)
 
 
 @pytest.mark.slow
@@ -387,9 +400,11 @@ def test_numa_placement_and_memory_binding() -> None:
 
 
 @pytest.mark.slow
-def test_olmo2_sharded_qk_norms_int8(tmp_path) -> None:
+def test_olmo2_sharded_qk_norms_int8(tmp_path, monkeypatch) -> None:
     """OLMo-2's q/k norm over the whole projection: its sum of squares all-reduced, with
-    one KV head that each rank holds a replica of (counted half by each); int8 layers."""
+    one KV head that each rank holds a replica of (counted half by each); int8 layers in
+    the `int_mm` form, whose sums over the ranks are exact (Q8_0's: the Qwen2 test)."""
+    monkeypatch.setenv(FORM_ENV, "int_mm")
     path = make_tiny_model(str(tmp_path / "olmo2"), "olmo2", num_key_value_heads=1)
     ones, twos = _run_both(path, PROMPTS, quantization="int8")
     _assert_same(ones, twos)

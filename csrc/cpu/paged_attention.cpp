@@ -136,6 +136,28 @@ void decode_attention(const T* query, const T* kv_cache, const int32_t* block_ta
   });
 }
 
+#if defined(VLLM_VEC16)
+// The vector forms below (AVX-512, and AVX2 with FMA) share the task split and the merge.
+#define VLLM_PARTITIONED_DECODE 1
+constexpr int64_t kPartition = 512;  // keys per task
+
+// Prefetches `bytes` contiguous bytes from `first` into L1 (T0) or L2 (T1).
+template <int kHint, typename T>
+inline void prefetch_bytes(const T* first, int64_t bytes) {
+  const char* p = reinterpret_cast<const char*>(first);
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, static_cast<_mm_hint>(kHint));
+}
+
+// One task of a form (attend_partition below): query, K and V caches, the partition's
+// block ids, its length, block size, kv heads, group, scale, soft cap, keys skipped,
+// scratch (num_heads * (kPartition + head_size) floats), and per head the max score, sum
+// of exps and unnormalised output it writes.
+template <typename T>
+using PartitionFn = void (*)(const T*, const T*, const T*, const int32_t*, int64_t, int64_t,
+                             int64_t, int64_t, float, float, int64_t, float*, float*, float*,
+                             float*);
+#endif
+
 #if defined(__AVX512F__)
 // The same computation with 16-wide float vectors, shaped for memory bandwidth:
 //  - the head size (C vectors of 16) and a tile of GT query heads are compile-time
@@ -164,15 +186,6 @@ inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
                                     _mm256_castpd_ps(_mm512_extractf64x4_pd(
                                         _mm512_castps_pd(abcd), 1)));
   return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
-}
-
-constexpr int64_t kPartition = 512;  // keys per task
-
-// Prefetches `bytes` contiguous bytes from `first` into L1 (T0) or L2 (T1).
-template <int kHint, typename T>
-inline void prefetch_bytes(const T* first, int64_t bytes) {
-  const char* p = reinterpret_cast<const char*>(first);
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, static_cast<_mm_hint>(kHint));
 }
 
 // Scores of GT query heads (q: [GT, 16 * C]) against the n keys of one block row range
@@ -382,11 +395,6 @@ void attend_partition(const T* q_seq, const T* k_cache, const T* v_cache,
     }
 }
 
-template <typename T>
-using PartitionFn = void (*)(const T*, const T*, const T*, const int32_t*, int64_t, int64_t,
-                             int64_t, int64_t, float, float, int64_t, float*, float*, float*,
-                             float*);
-
 // The instantiation for head_size 16 * C and the largest tile (<= 4 heads, at most 16
 // accumulator vectors) dividing the group.
 template <typename T, int C>
@@ -416,8 +424,224 @@ PartitionFn<T> pick_partition_fn(int64_t head_size, int64_t group) {
   }
 }
 
+#elif defined(VLLM_VEC16)
+// AVX2 with FMA: the AVX-512 form's task split, block order and prefetches, with the
+// products tiled for 16 registers of 8 floats. A head of D = 8 * C floats does not fit in
+// registers, so the loops run the other way round:
+//  - scores: 4 keys against a tile of GT <= 3 query heads in 4 * GT accumulators, column
+//    vector by column vector (4 key loads and GT query loads for 4 * GT FMAs); the queries
+//    are widened to float32 once per task, into the scratch after the scores;
+//  - values: GT heads times CC column vectors of accumulators per pass over the keys
+//    (each pass reads other cache lines of the same rows, so the rows still come from
+//    memory once).
+using vllm_cpu::exp8;
+using vllm_cpu::load8;
+using vllm_cpu::reduce_add8;
+
+// [sum a, sum b, sum c, sum d] of four 8-float vectors.
+inline __m128 reduce4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+inline float reduce_max8(__m256 a) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+// Scores of GT float32 query heads (q: [GT, 8 * C]) against n keys (k: the first key's row
+// of this kv head; rows `token_stride` apart), into scores[g * kPartition + i] (unscaled).
+template <typename T, int GT, int C>
+inline void block_scores(const float* q, const T* k, int64_t n, int64_t token_stride,
+                         float* scores) {
+  constexpr int64_t D = 8 * C;
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    const T* k0 = k + i * token_stride;
+    __m256 d[GT][4];
+    for (int g = 0; g < GT; ++g)
+      for (int u = 0; u < 4; ++u) d[g][u] = _mm256_setzero_ps();
+    for (int c = 0; c < C; ++c) {
+      __m256 kv[4];
+      for (int u = 0; u < 4; ++u) kv[u] = load8(k0 + u * token_stride + 8 * c);
+      for (int g = 0; g < GT; ++g) {
+        const __m256 qv = _mm256_loadu_ps(q + g * D + 8 * c);
+        for (int u = 0; u < 4; ++u) d[g][u] = _mm256_fmadd_ps(qv, kv[u], d[g][u]);
+      }
+    }
+    for (int g = 0; g < GT; ++g)
+      _mm_storeu_ps(scores + g * kPartition + i, reduce4(d[g][0], d[g][1], d[g][2], d[g][3]));
+  }
+  for (; i < n; ++i) {
+    __m256 d[GT];
+    for (int g = 0; g < GT; ++g) d[g] = _mm256_setzero_ps();
+    for (int c = 0; c < C; ++c) {
+      const __m256 kv = load8(k + i * token_stride + 8 * c);
+      for (int g = 0; g < GT; ++g)
+        d[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + 8 * c), kv, d[g]);
+    }
+    for (int g = 0; g < GT; ++g) scores[g * kPartition + i] = reduce_add8(d[g]);
+  }
+}
+
+// tanh(x) = 1 - 2 / (e^(2x) + 1); exp8 clamps its argument, so this saturates to +-1.
+inline __m256 tanh8(__m256 x) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 e = exp8(_mm256_add_ps(x, x));
+  return _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, one)));
+}
+
+// As the AVX-512 cap_and_skip: scale (and soft-cap) a soft-capped or windowed row, then -inf
+// for the `skip` first keys.
+inline void cap_and_skip(float* s, int64_t len, float scale, float soft_cap, int64_t skip) {
+  const bool cap = soft_cap > 0.0f;
+  const float in = cap ? scale / soft_cap : scale;
+  const __m256 vin = _mm256_set1_ps(in), vout = _mm256_set1_ps(soft_cap);
+  int64_t t = 0;
+  for (; t + 8 <= len; t += 8) {
+    const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(s + t), vin);
+    _mm256_storeu_ps(s + t, cap ? _mm256_mul_ps(vout, tanh8(x)) : x);
+  }
+  for (; t < len; ++t) s[t] = cap ? soft_cap * std::tanh(s[t] * in) : s[t] * in;
+  std::fill(s, s + std::min(skip, len), -std::numeric_limits<float>::infinity());
+}
+
+// scores[t] <- exp(scale * scores[t] - max) for t < len; returns (max, sum of the exps).
+inline std::pair<float, float> exp_scores(float* s, int64_t len, float scale) {
+  const __m256 vscale = _mm256_set1_ps(scale);
+  __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t t = 0;
+  for (; t + 8 <= len; t += 8) {
+    const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(s + t), vscale);
+    _mm256_storeu_ps(s + t, x);
+    vmax = _mm256_max_ps(vmax, x);
+  }
+  float m = reduce_max8(vmax);
+  for (int64_t r = t; r < len; ++r) {
+    s[r] *= scale;
+    m = std::max(m, s[r]);
+  }
+  const __m256 vm = _mm256_set1_ps(m);
+  __m256 vsum = _mm256_setzero_ps();
+  for (t = 0; t + 8 <= len; t += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), vm));
+    _mm256_storeu_ps(s + t, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  float sum = reduce_add8(vsum);
+  for (; t < len; ++t) {
+    s[t] = std::exp(s[t] - m);
+    sum += s[t];
+  }
+  return {m, sum};
+}
+
+// The probability-weighted sum of one kv head's values for GT heads (p: their rows of
+// scores, kPartition apart) into out ([GT, 8 * C]), CC column vectors a pass.
+template <typename T, int GT, int C>
+inline void sum_values(const float* p, const T* v_head, const int32_t* blocks, int64_t len,
+                       int64_t block_size, int64_t token_stride, float* out) {
+  constexpr int64_t D = 8 * C;
+  constexpr int CC = std::min(C, GT == 1 ? 8 : 4);
+  static_assert(C % CC == 0, "column passes must tile the head");
+  for (int c0 = 0; c0 < C; c0 += CC) {
+    __m256 acc[GT][CC];
+    for (int g = 0; g < GT; ++g)
+      for (int c = 0; c < CC; ++c) acc[g][c] = _mm256_setzero_ps();
+    for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+      const int64_t n = std::min(block_size, len - t0);
+      const T* vb = v_head + static_cast<int64_t>(blocks[t0 / block_size]) * block_size *
+                                 token_stride + 8 * c0;
+      for (int64_t i = 0; i < n; ++i) {
+        __m256 w[GT];
+        for (int g = 0; g < GT; ++g) w[g] = _mm256_broadcast_ss(p + g * kPartition + t0 + i);
+        for (int c = 0; c < CC; ++c) {
+          const __m256 v = load8(vb + i * token_stride + 8 * c);
+          for (int g = 0; g < GT; ++g) acc[g][c] = _mm256_fmadd_ps(w[g], v, acc[g][c]);
+        }
+      }
+    }
+    for (int g = 0; g < GT; ++g)
+      for (int c = 0; c < CC; ++c) _mm256_storeu_ps(out + g * D + 8 * (c0 + c), acc[g][c]);
+  }
+}
+
+// One task, as the AVX-512 attend_partition: keys block by block for every head while the
+// block is in L1 (the next block prefetched, this block's values brought into L2), one
+// softmax per head, then the values tile by tile. `scratch` holds num_heads * kPartition
+// scores, then the sequence's queries in float32.
+template <typename T, int GT, int C>
+void attend_partition(const T* q_seq, const T* k_cache, const T* v_cache,
+                      const int32_t* blocks, int64_t len, int64_t block_size,
+                      int64_t num_kv_heads, int64_t group, float scale, float soft_cap,
+                      int64_t skip, float* scratch, float* out_max, float* out_sum,
+                      float* out) {
+  constexpr int64_t D = 8 * C;
+  const int64_t token_stride = num_kv_heads * D;
+  const int64_t block_bytes = block_size * token_stride * static_cast<int64_t>(sizeof(T));
+  const int64_t num_heads = num_kv_heads * group;
+  float* scores = scratch;
+  float* q = scratch + num_heads * kPartition;
+  for (int64_t h = 0; h < num_heads; ++h) load_row(q_seq + h * D, q + h * D, D);
+  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+    const int64_t n = std::min(block_size, len - t0);
+    const int64_t offset = static_cast<int64_t>(blocks[t0 / block_size]) * block_size *
+                           token_stride;
+    if (t0 + block_size < len)
+      prefetch_bytes<_MM_HINT_T0>(k_cache + static_cast<int64_t>(blocks[t0 / block_size + 1]) *
+                                                block_size * token_stride, block_bytes);
+    if (t0 + 2 * block_size < len)
+      prefetch_bytes<_MM_HINT_T1>(k_cache + static_cast<int64_t>(blocks[t0 / block_size + 2]) *
+                                                block_size * token_stride, block_bytes);
+    prefetch_bytes<_MM_HINT_T1>(v_cache + offset, n * token_stride * sizeof(T));
+    for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head)
+      for (int64_t g0 = 0; g0 < group; g0 += GT) {
+        const int64_t head = kv_head * group + g0;
+        block_scores<T, GT, C>(q + head * D, k_cache + offset + kv_head * D, n, token_stride,
+                               scores + head * kPartition + t0);
+      }
+  }
+  const bool plain = soft_cap <= 0.0f && skip == 0;
+  for (int64_t head = 0; head < num_heads; ++head) {
+    if (!plain) cap_and_skip(scores + head * kPartition, len, scale, soft_cap, skip);
+    const auto [m, sum] = exp_scores(scores + head * kPartition, len, plain ? scale : 1.0f);
+    out_max[head] = m;
+    out_sum[head] = sum;
+  }
+  for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head)
+    for (int64_t g0 = 0; g0 < group; g0 += GT) {
+      const int64_t head = kv_head * group + g0;
+      sum_values<T, GT, C>(scores + head * kPartition, v_cache + kv_head * D, blocks, len,
+                           block_size, token_stride, out + head * D);
+    }
+}
+
+// The largest tile of query heads (<= 3: 12 score accumulators) dividing the group.
+template <typename T, int C>
+PartitionFn<T> pick_tile(int64_t group) {
+  if (group % 3 == 0) return attend_partition<T, 3, C>;
+  if (group % 2 == 0) return attend_partition<T, 2, C>;
+  return attend_partition<T, 1, C>;
+}
+
+// nullptr for head sizes without an instantiation (the scalar kernel runs).
 template <typename T>
-bool decode_attention_avx512(const T* query, const T* kv_cache, const int32_t* block_table,
+PartitionFn<T> pick_partition_fn(int64_t head_size, int64_t group) {
+  switch (head_size) {
+    case 16: return pick_tile<T, 2>(group);
+    case 32: return pick_tile<T, 4>(group);
+    case 64: return pick_tile<T, 8>(group);
+    case 128: return pick_tile<T, 16>(group);
+    case 256: return pick_tile<T, 32>(group);
+    default: return nullptr;
+  }
+}
+#endif
+
+#if defined(VLLM_PARTITIONED_DECODE)
+template <typename T>
+bool decode_attention_partitioned(const T* query, const T* kv_cache, const int32_t* block_table,
                              const int32_t* seq_lens, T* out, int64_t num_seqs,
                              int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
                              int64_t num_blocks, int64_t block_size, int64_t max_blocks,
@@ -459,7 +683,7 @@ bool decode_attention_avx512(const T* query, const T* kv_cache, const int32_t* b
   std::stable_sort(order.begin(), order.end(),
                    [&](int64_t a, int64_t b) { return part_len(a) > part_len(b); });
   vllm_cpu::run_tasks(
-      num_parts, [&] { return std::vector<float>(num_heads * kPartition); },
+      num_parts, [&] { return std::vector<float>(num_heads * (kPartition + head_size)); },
       [&](std::vector<float>& scores, int64_t i) {
         const int64_t part = order[i];
         const int64_t seq = part_seq[part];
@@ -508,8 +732,8 @@ void paged_decode(const T* query, const T* kv_cache, const int32_t* block_table,
                   int64_t num_kv_heads, int64_t head_size, int64_t num_blocks,
                   int64_t block_size, int64_t max_blocks, float scale, int64_t window,
                   float soft_cap) {
-#if defined(__AVX512F__)
-  if (decode_attention_avx512<T>(query, kv_cache, block_table, seq_lens, out, num_seqs,
+#if defined(VLLM_PARTITIONED_DECODE)
+  if (decode_attention_partitioned<T>(query, kv_cache, block_table, seq_lens, out, num_seqs,
                                  num_heads, num_kv_heads, head_size, num_blocks, block_size,
                                  max_blocks, scale, window, soft_cap))
     return;
