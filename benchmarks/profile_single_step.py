@@ -103,7 +103,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
             total += size(kernel.codes, kernel.d, kernel.m) if kernel.kernel == "quant_gemv" \
                 else size(kernel.packed, kernel.scale_zero)
         elif isinstance(kernel, Int8Linear):
-            total += size(kernel.weight_t, kernel.weight_scale)
+            weight = kernel.weight_packed if kernel.native else kernel.weight_t
+            total += size(weight, kernel.weight_scale)
         elif module.weight is not None:
             total += size(module.weight)
     return total

@@ -264,6 +264,41 @@ def test_fused_decode_matches_the_eager_model_on_other_families(
 
 
 @pytest.mark.slow
+def test_fused_decode_of_int8_layers_matches_the_eager_model(
+        tiny_q4_1: tuple[str, str]) -> None:
+    """`quantization="int8"` where its layers multiply by the native `int8_mm` (no VNNI):
+    the fused decoder reads their tiles (`FusedWeight.int8`) and quantizes each row as
+    `quantize_per_token` does (the division itself, not a reciprocal); float32, the tiny
+    Llama's directory, against the eager model as on the other families (tokens identical
+    up to a near tie, logprobs within 0.15, 1e-2 on average). A wrong scale, tile or
+    row moves every logprob by tenths."""
+    from vllm.model_executor.layers.quantization.int8 import native_int8_mm
+
+    if native_int8_mm() is None:
+        pytest.skip("int8 layers take torch's _int_mm here (int8 dot products, or no "
+                    "int8_mm build): the fused decoder reads int8_mm's tiles only")
+    _, model_dir = tiny_q4_1
+    llm = LLM(model_dir, quantization="int8", dtype="float32", max_model_len=128,
+              block_size=16, enable_prefix_caching=True, kv_cache_memory_bytes=4 * 1024**2,
+              enforce_eager=True)
+    fused = _eager_fused(llm)
+    ref_tops: list[list[dict[int, float]]] = []
+    got_tops: list[list[dict[int, float]]] = []
+    expected = _generate(llm, _PROMPTS, None, ref_tops)
+    got = _generate(llm, _PROMPTS, fused, got_tops)
+    assert fused.steps >= 2 * (_NEW_TOKENS - 1)
+    gaps = []
+    for prompt, output, tops, ref, tops_ref in zip(_PROMPTS + _PROMPTS[:1], got, got_tops,
+                                                   expected, ref_tops, strict=True):
+        along, _ = _reference_along(llm, prompt, output[0], tops, ref, tops_ref, margin=0.15)
+        gaps.append((output[1] - along).abs())
+    gap = torch.cat(gaps)
+    assert gap.max().item() <= 0.15, gaps
+    assert gap.mean().item() <= 1e-2, gaps
+    assert len({tuple(tokens) for tokens, _ in got}) > 1
+
+
+@pytest.mark.slow
 def test_fused_decode_drift_on_the_default_model(default_model_path: str) -> None:
     """The default model's Q4_1 file in bfloat16, one engine, four requests decoding
     together, the fused decoder against the eager model. Not token-identical over long

@@ -1,7 +1,7 @@
 """`quantization="int8"`: exact quantizer examples, the kernel each processor takes (torch's
-int8 GEMM with VNNI or AMX, Q8_0 blocks through `gguf_mm` without), batch independence, and
-the drift of the default model against its unquantized self in both forms (numbers in
-docs/speed.md)."""
+int8 GEMM with VNNI or AMX, the native `int8_mm` without, equal to it bit for bit; Q8_0
+blocks through `gguf_mm` on request), batch independence, and the drift of the default model
+against its unquantized self in both forms (numbers in docs/speed.md)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from vllm.model_executor.layers.quantization.int8 import (
     has_int8_dot,
     int8_form,
     int8_kernel,
+    native_int8_mm,
     quantize_per_channel,
     quantize_per_token,
 )
@@ -55,21 +56,88 @@ def test_int8_linear_is_close_to_the_float_linear_and_batch_independent() -> Non
         assert torch.equal(quantized(x[i:i + 1]), y[i:i + 1])
 
 
-@pytest.mark.skipif(not gguf_mm_available(), reason="gguf_mm not built on this CPU")
-def test_int8_form_follows_the_processor(monkeypatch) -> None:
+def _int8_mm_ops():
+    """The native kernels' module where `int8_mm` was built (AVX2), else skip, naming why."""
+    from vllm._custom_ops import cpu_ops
+
+    ops = cpu_ops()
+    if ops is None or not ops.int8_mm_available():
+        pytest.skip("int8_mm needs the native kernels built with AVX2")
+    return ops
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 16, 4), (1, 17, 9), (3, 33, 64), (4, 16, 3),
+                                   (7, 40, 130), (64, 48, 576), (70, 100, 33)])
+def test_int8_mm_equals_torch_int_mm_exactly(m, n, k) -> None:
+    """Every row remainder (4-row tiles and 1-3 rows left), column tails past whole tiles of
+    16, k past whole steps of 4, and extreme values: -128 weights and +-127 activations (the
+    range `quantize_per_token` gives) at every position."""
+    ops = _int8_mm_ops()
+    torch.manual_seed(m * 1000 + n + k)
+    x = torch.randint(-127, 128, (m, k), dtype=torch.int8)
+    w = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+    x[0], w[0] = 127, -128
+    if m > 1:
+        x[1] = -127
+    ref = x.int() @ w.int().t()
+    got = torch.ops.vllm_cpu.int8_mm(x, ops.pack_int8_weight(w), n)
+    assert got.dtype == torch.int32 and torch.equal(got, ref)
+    # a slice (strided rows) multiplies as its contiguous copy
+    wide = torch.randint(-127, 128, (m, k + 8), dtype=torch.int8)
+    assert torch.equal(torch.ops.vllm_cpu.int8_mm(wide[:, :k], ops.pack_int8_weight(w), n),
+                       wide[:, :k].int() @ w.int().t())
+
+
+def test_int8_mm_refuses_a_weight_of_another_shape() -> None:
+    ops = _int8_mm_ops()
+    packed = ops.pack_int8_weight(torch.zeros(32, 64, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="not 40 columns of 64 inputs"):
+        torch.ops.vllm_cpu.int8_mm(torch.zeros(2, 64, dtype=torch.int8), packed, 40)
+    with pytest.raises(RuntimeError, match="x must be int8"):
+        torch.ops.vllm_cpu.int8_mm(torch.zeros(2, 64), packed, 32)
+
+
+def test_int8_linear_gives_the_same_bits_on_either_kernel(monkeypatch) -> None:
+    """The native `int8_mm` and torch's `_int_mm` (a reference loop without VNNI) hold the
+    same int32 sums, so a layer's output is the same bits on every processor."""
+    from vllm.model_executor.layers.quantization import int8
+
+    _int8_mm_ops()
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 40)
+    x = torch.randn(6, 96)
+    layer = Int8Linear(linear)
+    if not layer.native:
+        pytest.skip("this processor has int8 dot products: _int_mm is the kernel")
+    monkeypatch.setattr(int8, "native_int8_mm", lambda: None)
+    reference = Int8Linear(linear)
+    assert not reference.native
+    assert torch.equal(layer(x), reference(x))
+
+
+def test_int8_form_follows_the_request(monkeypatch) -> None:
+    """`Int8Linear` everywhere (its product is `_int_mm` or the native `int8_mm`, the same
+    sums); Q8_0 blocks only when `VLLM_CPU_INT8_FORM` asks and gguf_mm can run them."""
     monkeypatch.delenv(FORM_ENV, raising=False)
-    avx2 = frozenset({"avx2", "fma", "f16c"})
-    assert int8_form(576, avx2) == "q8_0"  # torch's int8 GEMM: a reference loop
-    for dot in ("avx512_vnni", "avx_vnni", "amx_int8"):
-        assert int8_form(576, avx2 | {dot}) == "int_mm"
-    assert int8_form(48, avx2) == "int_mm"  # not whole blocks of 32
-    monkeypatch.setenv(FORM_ENV, "int_mm")
-    assert int8_form(576, avx2) == "int_mm"
+    assert int8_form(576) == "int_mm"
+    assert int8_form(48) == "int_mm"
     monkeypatch.setenv(FORM_ENV, "q8_0")
-    assert int8_form(576, avx2 | {"avx512_vnni"}) == "q8_0"
+    assert int8_form(576) == ("q8_0" if gguf_mm_available() else "int_mm")
+    assert int8_form(48) == "int_mm"  # not whole blocks of 32
+    monkeypatch.setenv(FORM_ENV, "int_mm")
+    assert int8_form(576) == "int_mm"
     monkeypatch.setenv(FORM_ENV, "fast")
     with pytest.raises(ValueError, match="VLLM_CPU_INT8_FORM='fast'"):
-        int8_form(576, avx2)
+        int8_form(576)
+    # the product: torch's where the processor has int8 dot products, else the native one
+    assert (native_int8_mm() is None) == (has_int8_dot() or not _built_int8_mm())
+
+
+def _built_int8_mm() -> bool:
+    from vllm._custom_ops import cpu_ops
+
+    ops = cpu_ops()
+    return ops is not None and ops.int8_mm_available()
 
 
 @pytest.mark.skipif(not gguf_mm_available(), reason="gguf_mm not built on this CPU")
@@ -190,7 +258,7 @@ def test_int8_drift_on_the_default_model_is_bounded(default_model_path, float32_
     minute for the twelve prompts on a Zen 3), and not the form that processor's layers
     take: its drift there is measured on the first six prompts."""
     prompts = DRIFT_PROMPTS
-    if form == "int_mm" and not has_int8_dot():
+    if form == "int_mm" and native_int8_mm() is None and not has_int8_dot():
         prompts = DRIFT_PROMPTS[:6]
     monkeypatch.setenv(FORM_ENV, form)
     reference = float32_runs[:len(prompts)]

@@ -28,12 +28,13 @@ from vllm.model_executor.layers.quantization.int8 import FORM_ENV
 PROMPTS = ["Hello world, this is", "The capital of France is", "A", "one two three four five"]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
 LOGPROB_TOL = 1e-4
-# int8 as Q8_0 blocks (`int8_form` without VNNI): a row-parallel layer's ranks add their
-# blocks' products in float in another order than one rank does, so the residual differs in
-# its last bits, and an activation on a rounding edge takes the next Q8_0 code in a later
-# layer. The logprobs of the step it happens in move (measured 0.0007 to 0.014: once in 7
-# prompt sets of the Qwen2 test below); the tokens stay. The `int_mm` form's int32 sums over
-# the ranks are exact, and it is held to LOGPROB_TOL on every processor (forced by FORM_ENV).
+# int8 as Q8_0 blocks (`VLLM_CPU_INT8_FORM=q8_0`, and MoE experts in int8): a row-parallel
+# layer's ranks add their blocks' products in float in another order than one rank does, so
+# the residual differs in its last bits, and an activation on a rounding edge takes the next
+# Q8_0 code in a later layer. The logprobs of the step it happens in move (measured 0.0007 to
+# 0.014: once in 7 prompt sets of the Qwen2 test below); the tokens stay. The `int_mm`
+# form's int32 sums over the ranks are exact (torch's `_int_mm` or the native `int8_mm`),
+# held to LOGPROB_TOL.
 Q8_0_LOGPROB_TOL = 0.05
 
 

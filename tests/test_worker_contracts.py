@@ -90,7 +90,7 @@ def test_the_llama_family_and_its_backend_declare_the_reasons() -> None:
     decoder does not compute: cross-attention). A window and per-head q/k norms (Qwen3)
     are forms the decoder computes: only the dense projections stop those."""
     caches = [torch.zeros(1)] * 2
-    dense = "layer 0 has a projection other than a one-rank GGUF kernel"
+    dense = "layer 0 has a projection other than a one-rank GGUF or int8 kernel"
     plain = LlamaForCausalLM(_llama_config(), TorchSDPABackend, 64, torch.float32)
     assert unsupported_reason(cast(Any, plain), caches, torch.float32, lora=False) == dense
     windowed = LlamaForCausalLM(_llama_config(sliding_window=4), TorchSDPABackend, 64,

@@ -100,6 +100,10 @@ def _register_fakes() -> None:
     def _(x, topk_weights, topk_ids, w1, w3, w2, w1_type, w3_type, w2_type):
         return torch.empty_like(x)
 
+    @torch.library.register_fake("vllm_cpu::int8_mm")
+    def _(x, packed, n):
+        return x.new_empty(x.shape[0], n, dtype=torch.int32)
+
     @torch.library.register_fake("vllm_cpu::lora_delta")
     def _(x, indices, ranks, a, b, part_bounds):
         return x.new_empty(x.shape[0], part_bounds[-1])

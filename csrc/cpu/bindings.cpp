@@ -35,6 +35,9 @@ torch::Tensor shm_all_reduce(torch::Tensor x, torch::Tensor segment, int64_t ran
 torch::Tensor lora_delta(torch::Tensor x, torch::Tensor indices, torch::Tensor ranks,
                          torch::Tensor a, torch::Tensor b, at::IntArrayRef part_bounds);
 bool lora_kernel_available();
+torch::Tensor pack_int8_weight(torch::Tensor w);
+torch::Tensor int8_mm(torch::Tensor x, torch::Tensor packed, int64_t n);
+bool int8_mm_available();
 void bind_fused_decoder(pybind11::module& m);  // the FusedDecoder class (fused_decode.cpp)
 
 // The instruction-set extensions this build was compiled for (`-march`), in /proc/cpuinfo's
@@ -106,6 +109,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Sum of the local ranks' tensors through a shared-memory segment (CPU)");
   m.def("lora_kernel_available", &lora_kernel_available,
         "Whether lora_delta was built (AVX-512)");
+  m.def("pack_int8_weight", &pack_int8_weight,
+        "int8 weight [N, K] -> int8_mm's tiles of 16 columns");
+  m.def("int8_mm_available", &int8_mm_available, "Whether int8_mm was built (AVX2)");
   m.def("isa", &isa, "The instruction-set extensions this build was compiled for");
   bind_fused_decoder(m);
 }
@@ -118,6 +124,7 @@ TORCH_LIBRARY(vllm_cpu, m) {
         "Tensor w2, int w1_type, int w3_type, int w2_type) -> Tensor");
   m.def("lora_delta(Tensor x, Tensor indices, Tensor ranks, Tensor a, Tensor b, "
         "int[] part_bounds) -> Tensor");
+  m.def("int8_mm(Tensor x, Tensor packed, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vllm_cpu, CPU, m) {
@@ -126,4 +133,5 @@ TORCH_LIBRARY_IMPL(vllm_cpu, CPU, m) {
   m.impl("gguf_dequantize", &gguf_dequantize);
   m.impl("moe_experts", &moe_experts);
   m.impl("lora_delta", &lora_delta);
+  m.impl("int8_mm", &int8_mm);
 }

@@ -14,9 +14,11 @@
 //     before and after the feed-forward), RMSNorm as `rnd(x / rms(x) * (1 + w))` in float32,
 //     tanh GELU; Gemma 3's q/k norms and its local rotary table on window layers, Gemma 2's
 //     attention soft-cap.
-// Weights (`FusedWeight`): quant_gemv's repacked Q4_0 / Q4_1 / Q8_0 codes (quant_gemv.h), or
+// Weights (`FusedWeight`): quant_gemv's repacked Q4_0 / Q4_1 / Q8_0 codes (quant_gemv.h),
 // GGUF blocks read in place in the file's types, a weight's rows in consecutive parts each
-// in its own type (gguf_blocks.h: a Gemma q/k/v of Q5_0 q and k and a Q8_0 v).
+// in its own type (gguf_blocks.h: a Gemma q/k/v of Q5_0 q and k and a Q8_0 v), or
+// `quantization="int8"`'s int8 rows with one scale each in int8_mm's tiles (int8_mm.h),
+// whose activations are quantized per row as `quantize_per_token` does.
 //
 // A one-token step of a small model spends most of its time outside weight streaming when
 // each of these is its own operator (dispatch, a compiled graph per layer, a fork and join
@@ -60,6 +62,7 @@
 #include <vector>
 
 #include "gguf_blocks.h"
+#include "int8_mm.h"
 #include "paged_attention.h"
 #include "quant_gemv.h"
 #include "vec.h"
@@ -127,8 +130,49 @@ void add_residual(float* h, const float* y, int64_t count) {
 
 }  // namespace
 
+// Activation rows as `Int8Linear` quantizes them (`quantize_per_token`): per row, scale =
+// max(absmax, 1e-8) / 127 and q = round-half-even(x / scale), int8 [rows, k].
+struct Int8Rows {
+  std::vector<int8_t> q;
+  std::vector<float> scale;
+};
+
+// a / b as the division it is (-ffast-math would take b's reciprocal; torch divides).
+inline __m256 divide8(__m256 a, __m256 b) {
+  __m256 r;
+  asm("vdivps %2, %1, %0" : "=x"(r) : "x"(a), "x"(b));
+  return r;
+}
+
+template <typename X>
+void quantize_int8_rows(const X* x, int64_t rows, int64_t k, Int8Rows* out) {
+  out->q.resize(rows * k);
+  out->scale.resize(rows);
+  alignas(32) float row[8];
+  for (int64_t r = 0; r < rows; ++r) {
+    const X* xr = x + r * k;
+    float absmax = 0.f;
+    for (int64_t j = 0; j < k; ++j) absmax = std::max(absmax, std::abs(static_cast<float>(xr[j])));
+    _mm256_store_ps(row, divide8(_mm256_set1_ps(std::max(absmax, 1e-8f)), _mm256_set1_ps(127.f)));
+    const float scale = row[0];
+    out->scale[r] = scale;
+    const __m256 vs = _mm256_set1_ps(scale);
+    int8_t* q = out->q.data() + r * k;
+    for (int64_t j = 0; j < k; j += 8) {
+      const int64_t n = std::min<int64_t>(8, k - j);
+      for (int64_t i = 0; i < 8; ++i) row[i] = i < n ? static_cast<float>(xr[j + i]) : 0.f;
+      const __m256 v = _mm256_round_ps(divide8(_mm256_load_ps(row), vs),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      alignas(32) int32_t lanes[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_cvtps_epi32(v));
+      for (int64_t i = 0; i < n; ++i) q[j + i] = static_cast<int8_t>(lanes[i]);
+    }
+  }
+}
+
 // One projection's weight, [n, k]: quant_gemv's repacked block codes and float16 scales,
-// or GGUF blocks as the file stores them, in parts of consecutive rows.
+// GGUF blocks as the file stores them, in parts of consecutive rows, or int8 rows in
+// int8_mm's tiles with a float32 scale per row.
 class FusedWeight {
  public:
   static FusedWeight quant_gemv(torch::Tensor codes, torch::Tensor d, torch::Tensor m,
@@ -172,14 +216,33 @@ class FusedWeight {
     return w;
   }
 
+  // int8 rows (int8_mm's `pack_int8_weight` tiles) with float32 scales [n], k inputs.
+  static FusedWeight int8(torch::Tensor packed, torch::Tensor scale, int64_t k,
+                          std::optional<torch::Tensor> bias) {
+    FusedWeight w;
+    w.bits_ = kInt8Rows;
+    w.n_ = scale.numel();
+    w.k_ = k;
+    TORCH_CHECK(packed.scalar_type() == torch::kInt8 && packed.dim() == 2 &&
+                    packed.size(0) == vllm_cpu::int8mm::tiles_of(w.n_) &&
+                    packed.size(1) == vllm_cpu::int8mm::steps_of(k) * vllm_cpu::int8mm::kTileStepBytes,
+                "FusedWeight: not int8_mm's tiles of ", w.n_, " rows of ", k, " inputs");
+    TORCH_CHECK(scale.scalar_type() == torch::kFloat32, "FusedWeight: int8 scales are float32");
+    w.codes_ = packed.contiguous();
+    w.d_ = scale.contiguous();
+    w.set_bias(bias);
+    return w;
+  }
+
   bool is_gguf() const { return bits_ == 0; }
+  bool is_int8() const { return bits_ == kInt8Rows; }
   int64_t n() const { return n_; }
   int64_t k() const { return k_; }
 
-  // Whether it multiplies `in` inputs: GGUF blocks exactly; quant_gemv's rows padded to
-  // whole half quads.
+  // Whether it multiplies `in` inputs: GGUF blocks and int8 rows exactly; quant_gemv's rows
+  // padded to whole half quads.
   bool takes(int64_t in) const {
-    return is_gguf() ? k_ == in : k_ >= in && k_ - in < vllm_cpu::qgemv::kHalf;
+    return is_gguf() || is_int8() ? k_ == in : k_ >= in && k_ - in < vllm_cpu::qgemv::kHalf;
   }
 
   // This thread's output rows [begin, end) of `rows` activation rows, quantized as this
@@ -187,8 +250,10 @@ class FusedWeight {
   // rnd(rnd(y) + bias) as the layer adds it to its output in T.
   template <typename T>
   void rows_range(int64_t rows, const QuantizedRows& qr, const vllm_gguf::Activations& acts,
-                  float* out, int64_t begin, int64_t end) const {
-    if (!is_gguf()) {
+                  const Int8Rows& q8, float* out, int64_t begin, int64_t end) const {
+    if (is_int8()) {
+      int8_range(rows, q8, out, begin, end);
+    } else if (!is_gguf()) {
       vllm_cpu::qgemv::gemv_range<float>(rows, bits_, codes_.data_ptr<uint8_t>(),
                                          d_.data_ptr<at::Half>(), m_.data_ptr<at::Half>(), qr,
                                          out, n_, begin, end);
@@ -211,12 +276,36 @@ class FusedWeight {
   // The activation rows x [rows, in] quantized as this weight's kernel reads them.
   template <typename X>
   void quantize(const X* x, int64_t rows, int64_t in, QuantizedRows* qr,
-                vllm_gguf::Activations* acts) const {
-    if (is_gguf()) vllm_gguf::quantize_activations<X>(x, rows, in, acts);
+                vllm_gguf::Activations* acts, Int8Rows* q8) const {
+    if (is_int8()) quantize_int8_rows<X>(x, rows, in, q8);
+    else if (is_gguf()) vllm_gguf::quantize_activations<X>(x, rows, in, acts);
     else vllm_cpu::qgemv::quantize_rows<X>(x, rows, in, k_, qr);
   }
 
  private:
+  static constexpr int64_t kInt8Rows = -1;  // bits_ of int8 rows
+
+  // Output rows [begin, end) (begin a multiple of int8_mm's 16-row tiles) of int8 rows:
+  // rnd(float(acc) * (x_scale * w_scale)) as `dequantize_output` computes it, the scales'
+  // product first (kept whole against -ffast-math's reassociation).
+  void int8_range(int64_t rows, const Int8Rows& q8, float* out, int64_t begin,
+                  int64_t end) const {
+    using namespace vllm_cpu::int8mm;
+    const int8_t* packed = codes_.data_ptr<int8_t>();
+    const float* w_scale = d_.data_ptr<float>();
+    alignas(32) int32_t acc[vllm_cpu::qgemv::kMaxChunkedRows * kCols];
+    for (int64_t t = begin / kCols; t * kCols < end; ++t) {
+      const int64_t col0 = t * kCols, cols = std::min(kCols, n_ - col0);
+      tile_times(q8.q.data(), k_, 0, rows, packed, t, n_, acc, kCols);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < cols; ++c) {
+          float factor = q8.scale[r] * w_scale[col0 + c];
+          asm("" : "+x"(factor));
+          out[r * n_ + col0 + c] = static_cast<float>(acc[r * kCols + c]) * factor;
+        }
+    }
+  }
+
   void set_bias(const std::optional<torch::Tensor>& bias) {
     if (!bias.has_value()) return;
     TORCH_CHECK(bias->numel() == n_, "FusedWeight: a bias of ", bias->numel(), " values for ",
@@ -226,7 +315,8 @@ class FusedWeight {
 
   torch::Tensor bias_;           // float32 [n], or undefined: none
   torch::Tensor codes_, d_, m_;  // quant_gemv's
-  int64_t bits_ = 0;             // quant_gemv's 4 or 8; 0: GGUF blocks
+  int64_t bits_ = 0;             // quant_gemv's 4 or 8; 0: GGUF blocks; kInt8Rows
+  // (int8 rows: codes_ the packed tiles, d_ the float32 scales)
   std::vector<torch::Tensor> parts_;  // GGUF's: each part's blocks, type and first row
   std::vector<int64_t> types_, offsets_;
   int64_t n_ = 0, k_ = 0;
@@ -510,6 +600,7 @@ class FusedDecoder {
     std::vector<float> h, x;
     QuantizedRows quantized;
     vllm_gguf::Activations activations;
+    Int8Rows int8;
     std::vector<float> probs, weights, gathered, moe;
     std::vector<int64_t> ids, start, next, order, position;
   };
@@ -537,10 +628,11 @@ class FusedDecoder {
   template <typename T, typename X>
   void project_share(const FusedWeight& w, const X* in, int64_t rows, int64_t k, float* out,
                      int tid, int nt, Private& mine) const {
-    w.quantize(in, rows, k, &mine.quantized, &mine.activations);
+    w.quantize(in, rows, k, &mine.quantized, &mine.activations, &mine.int8);
     int64_t begin, end;
     share(w.n(), tid, nt, &begin, &end);
-    if (begin < end) w.rows_range<T>(rows, mine.quantized, mine.activations, out, begin, end);
+    if (begin < end)
+      w.rows_range<T>(rows, mine.quantized, mine.activations, mine.int8, out, begin, end);
   }
 
   // x [n] . w [n] in float32 (n a multiple of 16).
@@ -895,6 +987,8 @@ void bind_fused_decoder(pybind11::module& m) {
       .def_static("quant_gemv", &FusedWeight::quant_gemv, py::arg("codes"), py::arg("d"),
                   py::arg("m"), py::arg("bits"), py::arg("bias") = py::none())
       .def_static("gguf", &FusedWeight::gguf, py::arg("parts"), py::arg("types"),
+                  py::arg("bias") = py::none())
+      .def_static("int8", &FusedWeight::int8, py::arg("packed"), py::arg("scale"), py::arg("k"),
                   py::arg("bias") = py::none())
       .def_property_readonly("shape", [](const FusedWeight& w) {
         return py::make_tuple(w.n(), w.k());

@@ -211,9 +211,9 @@ class LinearBase(nn.Module):
         return None
 
     def fused_decode_weights(self) -> FusedWeights | None:
-        """This layer's GGUF weight as the fused CPU decoder reads it (quant_gemv's codes
-        or `gguf_mm`'s blocks), on one rank; else None. The decoder adds `bias` as the
-        layer does."""
+        """This layer's quantized weight as the fused CPU decoder reads it (quant_gemv's
+        codes, `gguf_mm`'s blocks or `int8_mm`'s tiles), on one rank; else None. The decoder
+        adds `bias` as the layer does."""
         from vllm.model_executor.layers.quantization.gguf_blocks import (
             GGUFBlockLinear,
             GGUFLinear,
@@ -223,7 +223,7 @@ class LinearBase(nn.Module):
             return None
         if isinstance(self.kernel, GGUFLinear):
             return self.kernel.quant_gemv_weights()
-        if isinstance(self.kernel, GGUFBlockLinear):
+        if isinstance(self.kernel, GGUFBlockLinear | Int8Linear):
             return self.kernel.fused_decode_weights()
         return None
 

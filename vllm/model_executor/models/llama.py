@@ -292,7 +292,7 @@ def fused_decode_layer(i: int, attn: _PlainAttention, mlp: nn.Module, norms: lis
     """Layer `i` (its attention, MLP and norms in the fused decoder's order) as the fused
     decoder computes it, or why it cannot: q/k norms over the whole projection or clipping,
     attention its backend does not let it compute (`fused_decode_attention`), another
-    activation or norm, a projection other than a one-rank GGUF kernel, experts
+    activation or norm, a projection other than a one-rank quantized kernel, experts
     the decoder does not compute (`SparseMoeBlock.fused_decode_experts`)."""
     if attn.qk_norm == "projection" or attn.clip_qkv is not None:
         return f"layer {i} has q/k norms over the whole projection or clipping"
@@ -316,7 +316,7 @@ def fused_decode_layer(i: int, attn: _PlainAttention, mlp: nn.Module, norms: lis
         return f"layer {i}'s norms' epsilons differ"
     weights = [linear.fused_decode_weights() for linear in linears]
     if any(w is None for w in weights):
-        return f"layer {i} has a projection other than a one-rank GGUF kernel"
+        return f"layer {i} has a projection other than a one-rank GGUF or int8 kernel"
     return FusedDecodeLayer(
         norms=[cast(torch.Tensor, n.weight) for n in norms],
         projections=cast(list, weights), biases=[linear.bias for linear in linears],

@@ -14,7 +14,8 @@ says why not, logged once): CPU, no LoRA, a float dtype, and a model that declar
 one the decoder computes (`FusedDecodeModel.fused_decode_spec`: the Llama family's plain
 layers, Qwen2's q/k/v biases, Qwen3's q/k norms, Gemma 2 / 3's sandwich norms, tanh GELU,
 window layers and soft-caps, Qwen2/3-MoE's experts with a dense router (and a shared
-expert); one-rank GGUF projections, quant_gemv's codes or `gguf_mm`'s blocks; attention its
+expert); one-rank quantized projections, quant_gemv's codes, `gguf_mm`'s blocks or
+`quantization="int8"`'s `int8_mm` tiles (processors without VNNI); attention its
 backend lets the decoder compute, `AttentionImpl.fused_decode_attention`), its
 rotary tables full-width in the model dtype and its norms of one epsilon. Each layer reads
 the block table of its KV cache group (window layers' groups mask blocks before the
@@ -41,6 +42,7 @@ from vllm.model_executor.layers.quantization.gguf_blocks import (
     FusedWeights,
     QuantGemvWeights,
 )
+from vllm.model_executor.layers.quantization.int8 import Int8Weights
 from vllm.model_executor.models.interfaces import (
     FusedDecodeLayer,
     FusedDecodeSpec,
@@ -99,6 +101,8 @@ _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 def _native_weight(ops: Any, weight: FusedWeights, bias: torch.Tensor | None = None) -> Any:
     if isinstance(weight, QuantGemvWeights):
         return ops.FusedWeight.quant_gemv(weight.codes, weight.d, weight.m, weight.bits, bias)
+    if isinstance(weight, Int8Weights):
+        return ops.FusedWeight.int8(weight.packed, weight.scale, weight.in_features, bias)
     return ops.FusedWeight.gguf(weight.parts, weight.types, bias)
 
 

@@ -41,6 +41,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from vllm.model_executor.layers.quantization.int8 import Int8Weights
+
 logger = logging.getLogger(__name__)
 
 GROUP = 32
@@ -215,8 +217,8 @@ class GGUFBlockWeights(NamedTuple):
     types: list[int]
 
 
-# A weight as the fused CPU decoder reads it.
-FusedWeights = QuantGemvWeights | GGUFBlockWeights
+# A weight as the fused CPU decoder reads it (`Int8Weights`: an `Int8Linear`'s, int8.py).
+FusedWeights = QuantGemvWeights | GGUFBlockWeights | Int8Weights
 
 
 def row_switch_tokens(module: nn.Module) -> int:

@@ -22,20 +22,20 @@ bfloat16 and lose at 64 rows. The quantize/dequantize around `_int_mm` are a han
 elementwise ops, the part a compiled graph fuses.
 
 Without VNNI (an AVX2 processor), `_int_mm` is a reference loop: one request of the default
-model ran at half float32's speed and 64 requests for minutes. There (`int8_kernel`) the
-weights become GGUF Q8_0 blocks (int8 per 32 weights with a float16 scale, 6% more bytes
-than per-channel int8 and a little more exact) multiplied by `gguf_mm`, whose AVX2 form
-uses `vpmaddubsw`; the activations are quantized per 32 values. Under tensor parallel a
-row-parallel shard takes the same kernel as the others (`int8_form`).
-`VLLM_CPU_INT8_FORM` ("q8_0" or "int_mm") overrides the choice.
+model ran at half float32's speed and 64 requests for minutes. There the product is the
+native `int8_mm` (csrc/cpu/int8_mm.cpp: `vpmaddubsw` + `vpmaddwd` over weights packed in
+tiles of 16 columns at load), whose int32 sums equal `_int_mm`'s exactly, so a model gives
+the same bits with either. `VLLM_CPU_INT8_FORM=q8_0` takes GGUF Q8_0 blocks instead (int8
+per 32 weights with a float16 scale, multiplied by `gguf_mm`; `int8_form`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -53,26 +53,23 @@ FORM_ENV = "VLLM_CPU_INT8_FORM"
 _INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 
 
-def int8_form(in_features: int, flags: frozenset[str] | None = None) -> str:
-    """Which int8 kernel a layer takes: "int_mm" (`Int8Linear`) where the processor has
-    VNNI or AMX, or its inputs are not whole blocks of 32; else "q8_0" (Q8_0 blocks
-    through `gguf_mm`) where that op is built.
+def int8_form(in_features: int) -> str:
+    """Which int8 kernel a layer takes: "int_mm" (`Int8Linear`: torch's `_int_mm` where the
+    processor has int8 dot products, else the native `int8_mm`), or "q8_0" (Q8_0 blocks
+    through `gguf_mm`) where `VLLM_CPU_INT8_FORM` asks for it and the inputs are whole
+    blocks of 32.
 
-    A row-parallel shard (`in_features` its slice) chooses alike. With VNNI it keeps
-    `_int_mm` with its whole rows' scales (its int32 sums over the ranks are one rank's
-    exactly); without, its Q8_0 blocks are the whole row's blocks (the slice is whole blocks
-    of 32), so only the float sum over the ranks differs from one rank's, where `_int_mm`
-    would be torch's reference loop."""
+    A row-parallel shard (`in_features` its slice) chooses alike. `int_mm`'s int32 sums
+    over the ranks are one rank's exactly; Q8_0's blocks are the whole row's blocks (the
+    slice is whole blocks of 32), and only the float sum over the ranks differs."""
     from vllm.model_executor.layers.quantization.gguf_blocks import gguf_mm_available
 
     forced = os.environ.get(FORM_ENV)
     if forced not in (None, "", "q8_0", "int_mm"):
         raise ValueError(f"{FORM_ENV}={forced!r}: expected 'q8_0' or 'int_mm'")
-    if in_features % 32 or not gguf_mm_available():
-        return "int_mm"
-    if forced:
-        return forced
-    return "int_mm" if has_int8_dot(flags) else "q8_0"
+    if forced == "q8_0" and in_features % 32 == 0 and gguf_mm_available():
+        return "q8_0"
+    return "int_mm"
 
 
 def has_int8_dot(flags: frozenset[str] | None = None) -> bool:
@@ -83,6 +80,27 @@ def has_int8_dot(flags: frozenset[str] | None = None) -> bool:
 
         flags = read_cpu_flags()
     return any(f in flags for f in _INT8_DOT_FLAGS)
+
+
+class Int8Weights(NamedTuple):
+    """One `Int8Linear` weight as the fused CPU decoder reads it: `int8_mm`'s packed tiles,
+    the rows' float32 scales [N] and the input width K."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    in_features: int
+
+
+@functools.cache
+def native_int8_mm() -> Any:
+    """The native kernels' module where `Int8Linear` multiplies by its `int8_mm` (the
+    processor has no int8 dot products for `_int_mm`, and the kernel was built), else None."""
+    if has_int8_dot():
+        return None
+    from vllm._custom_ops import cpu_ops
+
+    ops = cpu_ops()
+    return ops if ops is not None and ops.int8_mm_available() else None
 
 
 def int8_kernel(linear, weight_absmax: Callable[[], torch.Tensor | None] = lambda: None
@@ -162,27 +180,47 @@ _dequantize_fused = _Fused(dequantize_output)
 class Int8Linear(nn.Module):
     """int8 weights per output channel: a linear layer's kernel under `quantization="int8"`
     (every layer but the vocabulary projection, which stays in the model dtype: see the
-    README's drift table). Built from anything with `nn.Linear`'s weight, bias and sizes."""
+    README's drift table). Built from anything with `nn.Linear`'s weight, bias and sizes.
+    The weight is `weight_t` [K, N] for `_int_mm`, or `int8_mm`'s packed tiles
+    (`weight_packed`) where that native kernel replaces torch's reference loop."""
 
-    weight_t: torch.Tensor  # [K, N] int8 buffer
+    weight_t: torch.Tensor  # [K, N] int8 buffer, for `_int_mm`
+    weight_packed: torch.Tensor  # int8_mm's tiles (`pack_int8_weight`), for the native kernel
     weight_scale: torch.Tensor  # [N] float32 buffer
 
     def __init__(self, linear, weight_absmax: torch.Tensor | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         q, scale = quantize_per_channel(linear.weight.data, weight_absmax)
-        self.register_buffer("weight_t", q.t().contiguous())  # [K, N] int8
+        ops = native_int8_mm()
+        self.native = ops is not None
+        if ops is not None:
+            self.register_buffer("weight_packed", ops.pack_int8_weight(q))
+        else:
+            self.register_buffer("weight_t", q.t().contiguous())  # [K, N] int8
         self.register_buffer("weight_scale", scale)  # [N] float32
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.data,
                                                                   requires_grad=False)
+
+    def _int32_product(self, x_q: torch.Tensor) -> torch.Tensor:
+        """x_q [M, K] int8 times the weight: int32 [M, N], the same on either kernel."""
+        if self.native:
+            return torch.ops.vllm_cpu.int8_mm(x_q, self.weight_packed, self.out_features)
+        # torch exports `_int_mm` at run time; its stubs do not list it.
+        return torch._int_mm(x_q, self.weight_t)  # pyright: ignore[reportPrivateImportUsage]
+
+    def fused_decode_weights(self) -> Int8Weights | None:
+        """The weight as the fused decoder reads it: `int8_mm`'s tiles (the native kernel
+        only; with VNNI the decoder is left to the graphs' `_int_mm`)."""
+        if not self.native:
+            return None
+        return Int8Weights(self.weight_packed, self.weight_scale, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         x_q, x_scale = _quantize_fused(x2)
-        # torch exports `_int_mm` at run time; its stubs do not list it.
-        acc = torch._int_mm(x_q, self.weight_t)  # pyright: ignore[reportPrivateImportUsage]
-        y = _dequantize_fused(acc, x_scale, self.weight_scale, x.dtype)
+        y = _dequantize_fused(self._int32_product(x_q), x_scale, self.weight_scale, x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
@@ -196,8 +234,8 @@ class Int8Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         absmax = group.all_reduce_max(x2.float().abs().amax(dim=-1, keepdim=True))
         x_q, x_scale = _quantize_fused(x2, absmax)
-        acc = torch._int_mm(x_q, self.weight_t)  # pyright: ignore[reportPrivateImportUsage]
-        y = _dequantize_fused(group.all_reduce(acc), x_scale, self.weight_scale, x.dtype)
+        acc = group.all_reduce(self._int32_product(x_q))
+        y = _dequantize_fused(acc, x_scale, self.weight_scale, x.dtype)
         return y.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
