@@ -32,9 +32,9 @@ LOGPROB_TOL = 1e-4
 # layer's ranks add their blocks' products in float in another order than one rank does, so
 # the residual differs in its last bits, and an activation on a rounding edge takes the next
 # Q8_0 code in a later layer. The logprobs of the step it happens in move (measured 0.0007 to
-# 0.014: once in 7 prompt sets of the Qwen2 test below); the tokens stay. The `int_mm`
-# form's int32 sums over the ranks are exact (torch's `_int_mm` or the native `int8_mm`),
-# held to LOGPROB_TOL.
+# 0.014: once in 7 prompt sets of the Qwen2 test, when it ran that form); the tokens stay.
+# The `int_mm` form's int32 sums over the ranks are exact (torch's `_int_mm` or the native
+# `int8_mm`), held to LOGPROB_TOL.
 Q8_0_LOGPROB_TOL = 0.05
 
 
@@ -270,18 +270,16 @@ def test_prompt_lookup_speculation_equals_one_rank(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_qwen2_biases_int8(tiny_qwen2_dir, monkeypatch) -> None:
-    """Qwen2's q/k/v biases sharded with their rows; int8 as on one rank in both forms:
-    `int_mm` row-parallel shards scale by their whole rows' absmax and sum int32
-    accumulators exactly; Q8_0 shards hold the whole rows' blocks and differ only in the
-    float sum over ranks (Q8_0_LOGPROB_TOL)."""
+    """Qwen2's q/k/v biases sharded with their rows; int8 (`int_mm`: `_int_mm` or the
+    native `int8_mm`) as on one rank: row-parallel shards scale by their whole rows' absmax
+    and sum int32 accumulators exactly. (The opt-in Q8_0 form's shards are the whole rows'
+    blocks: test_quantization's layer-level check; its float sum over the ranks at engine
+    level: test_moe's OLMoE experts.)"""
     ones, twos = _run_both(tiny_qwen2_dir, PROMPTS)
     _assert_same(ones, twos)
     monkeypatch.setenv(FORM_ENV, "int_mm")  # the spawned ranks inherit it
     ones, twos = _run_both(tiny_qwen2_dir, PROMPTS, quantization="int8")
     _assert_same(ones, twos)
-    monkeypatch.setenv(FORM_ENV, "q8_0")  # where gguf_mm is not built: int_mm again
-    ones, twos = _run_both(tiny_qwen2_dir, PROMPTS, quantization="int8")
-    _assert_same(ones, twos, Q8_0_LOGPROB_TOL)
 
 
 @pytest.mark.slow
@@ -404,7 +402,7 @@ def test_numa_placement_and_memory_binding() -> None:
 def test_olmo2_sharded_qk_norms_int8(tmp_path, monkeypatch) -> None:
     """OLMo-2's q/k norm over the whole projection: its sum of squares all-reduced, with
     one KV head that each rank holds a replica of (counted half by each); int8 layers in
-    the `int_mm` form, whose sums over the ranks are exact (Q8_0's: the Qwen2 test)."""
+    the `int_mm` form, whose sums over the ranks are exact (Q8_0's: test_moe's experts)."""
     monkeypatch.setenv(FORM_ENV, "int_mm")
     path = make_tiny_model(str(tmp_path / "olmo2"), "olmo2", num_key_value_heads=1)
     ones, twos = _run_both(path, PROMPTS, quantization="int8")

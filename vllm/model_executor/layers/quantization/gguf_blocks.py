@@ -35,13 +35,14 @@ therefore differ slightly between small and large steps.
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Union
 
 import numpy as np
 import torch
 from torch import nn
 
-from vllm.model_executor.layers.quantization.int8 import Int8Weights
+if TYPE_CHECKING:  # int8.py imports this module (lazily): a name for annotations only
+    from vllm.model_executor.layers.quantization.int8 import Int8Weights
 
 logger = logging.getLogger(__name__)
 
@@ -218,7 +219,7 @@ class GGUFBlockWeights(NamedTuple):
 
 
 # A weight as the fused CPU decoder reads it (`Int8Weights`: an `Int8Linear`'s, int8.py).
-FusedWeights = QuantGemvWeights | GGUFBlockWeights | Int8Weights
+FusedWeights = Union[QuantGemvWeights, GGUFBlockWeights, "Int8Weights"]
 
 
 def row_switch_tokens(module: nn.Module) -> int:
