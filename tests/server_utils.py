@@ -98,8 +98,14 @@ class RemoteServer:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="vllm-serve-", suffix=".log")
         command = [*_vllm_command(), "serve", *([model] if model else []), "--host",
                    "127.0.0.1", "--port", str(self.port), "--disable-uvicorn-access-log", *args]
+        # The clients (httpx, openai's) drop an idle connection after 5 s, the server's
+        # default keep-alive too: a request sent on a connection the server is closing at
+        # that moment fails ("Server disconnected without sending a response"; the tests'
+        # clients do not retry). The server keeps connections longer, so the client always
+        # drops them first.
+        keep_alive = {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "30"}
         self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**_same_vllm_env(), **(env or {})})
+                                     env={**_same_vllm_env(), **keep_alive, **(env or {})})
         try:
             self._wait_healthy()
         except BaseException:

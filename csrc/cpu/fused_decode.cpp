@@ -286,8 +286,9 @@ class FusedWeight {
   static constexpr int64_t kInt8Rows = -1;  // bits_ of int8 rows
 
   // Output rows [begin, end) (begin a multiple of int8_mm's 16-row tiles) of int8 rows:
-  // rnd(float(acc) * (x_scale * w_scale)) as `dequantize_output` computes it, the scales'
-  // product first (kept whole against -ffast-math's reassociation).
+  // float(acc) * (x_scale * w_scale) as `dequantize_output` computes it, the scales' product
+  // first (kept whole against -ffast-math's reassociation); the stages that read it round
+  // it to T, as that function's result is.
   void int8_range(int64_t rows, const Int8Rows& q8, float* out, int64_t begin,
                   int64_t end) const {
     using namespace vllm_cpu::int8mm;
