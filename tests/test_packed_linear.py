@@ -1,7 +1,9 @@
 """`PackedLinear` (oneDNN-packed bfloat16 weights): bit-identical to `nn.Linear` eagerly and
 inside a compiled graph, swapped in for every linear of a Llama model in bfloat16 on CPU
 (the tied vocabulary projection included) without changing a single token; where oneDNN
-refuses the bfloat16 reorder (AVX2-only CPUs), layers keep `F.linear`, equally exact."""
+refuses the bfloat16 reorder (AVX2-only CPUs), layers keep `F.linear`, equally exact. The
+float32 vocabulary projection is packed too: within float rounding of `F.linear`, and each
+row's logits independent of the batch and of a tensor-parallel rank's slice."""
 
 from __future__ import annotations
 
@@ -12,7 +14,12 @@ from torch import nn
 import vllm.model_executor.model_loader.loader as loader
 from vllm import LLM, SamplingParams
 from vllm.model_executor.layers.linear import LinearBase, ReplicatedLinear
-from vllm.model_executor.layers.packed_linear import PackedLinear, can_pack
+from vllm.model_executor.layers.packed_linear import (
+    PackedLinear,
+    can_pack,
+    can_pack_float32,
+)
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
 PACKS = can_pack(torch.bfloat16, torch.device("cpu"))
 packs = pytest.mark.skipif(
@@ -107,3 +114,44 @@ def test_packed_model_gives_the_same_tokens(tiny_llama_tied_dir, monkeypatch) ->
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert [{t: lp.logprob for t, lp in d.items()} for d in a.outputs[0].logprobs] == \
             [{t: lp.logprob for t, lp in d.items()} for d in b.outputs[0].logprobs]
+
+
+ONEDNN = pytest.mark.skipif(not can_pack_float32(torch.device("cpu")),
+                            reason="this torch build has no oneDNN: the float32 head keeps "
+                                   "F.linear")
+
+
+@ONEDNN
+def test_float32_head_rows_do_not_depend_on_the_batch_or_the_slice() -> None:
+    """What greedy decoding and tensor parallelism need of the packed float32 head: row i's
+    logits are the same bits alone, in a batch of any size and from half the vocabulary
+    (one rank's rows); and within float32 rounding of MKL's `F.linear`."""
+    torch.manual_seed(0)
+    vocab, hidden = 1000, 96
+    weight = torch.randn(vocab, hidden) * 0.1
+    head = ParallelLMHead(vocab, hidden)
+    head.weight.data.copy_(weight)
+    assert head.process_weights_after_loading(None, pack=False) == "packed"
+    assert isinstance(head.kernel, PackedLinear) and head.weight is None  # untied: one copy
+    half = ParallelLMHead(vocab // 2, hidden)
+    half.weight.data.copy_(weight[:vocab // 2])
+    half.process_weights_after_loading(None, pack=False)
+    x = torch.randn(300, hidden)
+    with torch.inference_mode():
+        full = head.compute_logits(x)
+        torch.testing.assert_close(full, nn.functional.linear(x, weight), atol=1e-5, rtol=1e-5)
+        for rows in (1, 3, 7, 64):
+            assert torch.equal(head.compute_logits(x[:rows]), full[:rows])
+        assert torch.equal(half.compute_logits(x), full[:, :vocab // 2])
+
+
+@ONEDNN
+@pytest.mark.slow  # an engine: left out of `make test-fast`
+def test_float32_model_packs_its_head_and_keeps_the_tied_table(tiny_llama_tied_dir) -> None:
+    llm = LLM(tiny_llama_tied_dir, dtype="float32", enforce_eager=True,
+              kv_cache_memory_bytes=16 * 1024**2, max_model_len=256)
+    model = llm.llm_engine.engine_core.model_executor.model_runner.model
+    assert isinstance(model.lm_head.kernel, PackedLinear)
+    assert model.layers[0].self_attn.qkv_proj.kernel is None  # the layers keep F.linear
+    assert model.embed_tokens.weight is not None and model.embed_tokens.weight.dtype == \
+        torch.float32  # tied: the embedding still looks rows up in the dense table

@@ -130,7 +130,8 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(LinearBase):
     """The projection to the vocabulary, split by vocabulary rows like the embedding (and
     sharing its weight when tied). `compute_logits` returns the full logits on every rank;
-    int8 never applies (see the README's drift table); GGUF codes and packing do."""
+    int8 never applies (see the README's drift table); GGUF codes and packing (in float32
+    too) do."""
 
     quantizable = False
 
@@ -154,6 +155,22 @@ class ParallelLMHead(LinearBase):
             # The embedding reads the same blocks: neither keeps the dense table.
             self._tied_to[0].read_blocks(self.kernel.weights[0], self.kernel.types[0])
         return kernel
+
+    def process_weights_after_loading(self, quantization: str | None, pack: bool,
+                                      repack_for_fused_decode: bool = False) -> str:
+        """As every linear, and packed in oneDNN's layout in float32 too (`can_pack_float32`:
+        MKL repacks this, the largest weight of a step, on every call). An untied head's
+        packed copy replaces its weight; a tied one's table stays for the embedding."""
+        from vllm.model_executor.layers.packed_linear import PackedLinear, can_pack_float32
+
+        assert self.weight is not None
+        if self.weight.dtype == torch.float32 and can_pack_float32(self.weight.device):
+            pack = True
+        name = super().process_weights_after_loading(quantization, pack,
+                                                     repack_for_fused_decode)
+        if isinstance(self.kernel, PackedLinear) and not self._tied_to:
+            self.weight = None
+        return name
 
     def shard(self, loaded, shard_id, is_bias):
         return 0, self.vocab.rows(loaded, shard_id)
