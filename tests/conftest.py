@@ -51,7 +51,26 @@ def _torch_or_pytest_own(name: str) -> bool:
 
 # Modules that start a local Ray instance (`ray.init`): one xdist work unit, so that two
 # instances never run at once.
-_RAY_MODULES = {"test_ray_data_parallel.py", "test_shutdown.py", "test_tensor_parallel.py"}
+_RAY_MODULES = {"test_ray_data_parallel.py", "test_shutdown.py"}
+# Seconds the longest work units take in `make test` (2-core Zen 3, 2026-11-30; others count
+# a second a test). Units start longest first: xdist's own order (most tests first) left the
+# Ray unit or a one-test server module for last, one worker running it while the other
+# stood idle (a run of 22 minutes with 16 minutes of tests). Refresh when the balance drifts:
+# the per-test durations are in every CI log.
+_UNIT_SECONDS = {
+    "ray": 165, "test_server_tools.py": 140, "test_tensor_parallel.py": 125,
+    "test_server_transcription.py": 120, "test_parity.py": 80,
+    "test_server_data_parallel.py": 67, "test_server_responses.py": 63, "test_server.py": 56,
+    "test_moe.py": 55, "test_server_messages.py": 54, "test_server_clients.py": 54,
+    "test_encoder_decoder.py": 48, "test_server_chat_embeds.py": 43,
+    "test_spec_decode.py": 40, "test_gguf_loader.py": 40, "test_server_hardening.py": 40,
+    "test_structured_output_llm.py": 40, "test_lora.py": 40,
+    "test_sliding_window_models.py": 35, "test_server_stages.py": 32,
+    "test_server_soak.py": 31, "test_prompt_embeds.py": 31, "test_gguf_blocks.py": 29,
+    "test_shm_all_reduce.py": 25, "test_fused_decode.py": 25,
+    "test_server_structured_output.py": 23, "test_server_llama3_json.py": 22,
+    "test_server_llava.py": 22, "test_server_auth_and_failure.py": 22,
+}
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -62,7 +81,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     (xdist's `loadgroup` marks do not work with pytest 9: xdist writes the group into
     `item._nodeid`, which pytest 9 no longer reads, so every test was its own unit: one
     module's tests on both workers, its engines and servers built twice, two Ray instances
-    at once.) Other `--dist` modes keep xdist's own scheduling."""
+    at once.) A worker asking for work gets the longest unit left (`_UNIT_SECONDS`), so the
+    run ends on short ones. Other `--dist` modes keep xdist's own scheduling."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -71,6 +91,12 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
             return "ray" if module in _RAY_MODULES else module
+
+        def _assign_work_unit(self, node: Any) -> None:
+            longest = max(self.workqueue, key=lambda unit: _UNIT_SECONDS.get(
+                unit, len(self.workqueue[unit])))
+            self.workqueue.move_to_end(longest, last=False)
+            super()._assign_work_unit(node)
 
     return ModuleScheduling(config, log)
 

@@ -38,7 +38,8 @@ pytestmark = [pytest.mark.skipif(importlib.util.find_spec("ray") is None,
               pytest.mark.slow]  # engines of every executor: left out of `make test-fast`
 
 PROMPTS = ["the colour of seven is", "hello"]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=3)
+LOGPROB_TOL = 1e-4  # two ranks against one, as tests/test_tensor_parallel.py holds them
 SMALL = dict(dtype="float32", max_model_len=64, kv_cache_memory_bytes=4 * 2**20, seed=0,
              enforce_eager=True)
 
@@ -186,26 +187,48 @@ def _offline(backend: str, path: str) -> LLM:
     return LLM(path, tensor_parallel_size=tp, distributed_executor_backend=backend, **SMALL)
 
 
-def _tokens(llm: LLM) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids)
-            for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+Greedy = list[tuple[list[int], list[dict[int, float]]]]  # per prompt: tokens, top logprobs
+
+
+def _greedy(llm: LLM) -> Greedy:
+    return [(list(c.token_ids), [{t: lp.logprob for t, lp in step.items()}
+                                 for step in c.logprobs or []])
+            for c in (o.outputs[0] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False))]
+
+
+@pytest.fixture(scope="module")
+def one_rank(tiny_llama_dir) -> Greedy:
+    llm = _offline("uni", tiny_llama_dir)
+    try:
+        return _greedy(llm)
+    finally:
+        llm.shutdown()
 
 
 @pytest.mark.parametrize("backend", ["uni", "mp", "ray"])
-def test_offline_engine_releases_everything(ray_module, tiny_llama_dir, backend) -> None:
+def test_offline_engine_releases_everything(ray_module, tiny_llama_dir, one_rank,
+                                            backend) -> None:
     """`del llm` + gc, then `LLM.shutdown()`: each time every worker process, Ray actor,
-    placement group, shared-memory segment and port is gone, and the next engine starts."""
+    placement group, shared-memory segment and port is gone, and the next engine starts.
+    Two ranks in processes (`mp`) or Ray actors in a placement group (`ray`) give what one
+    rank gives: the same tokens, logprobs within LOGPROB_TOL."""
     ray = ray_module
     assert _spawned_children() == []
     llm = _offline(backend, tiny_llama_dir)
-    expected = _tokens(llm)
+    expected = _greedy(llm)
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(expected, one_rank,
+                                                                 strict=True):
+        assert tokens == want_tokens
+        for got, want in zip(logprobs, want_logprobs, strict=True):
+            assert got.keys() == want.keys()
+            assert all(abs(got[t] - want[t]) < LOGPROB_TOL for t in got)
     held = _held_offline(llm)
     del llm
     gc.collect()
     _assert_released(ray, held)
 
     llm = _offline(backend, tiny_llama_dir)  # places its ranks where the first one was
-    assert _tokens(llm) == expected
+    assert _greedy(llm) == expected
     held = _held_offline(llm)
     llm.shutdown()
     llm.shutdown()

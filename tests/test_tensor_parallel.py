@@ -295,28 +295,6 @@ def test_bart_and_whisper(tiny_bart_dir, tiny_whisper_dir) -> None:
     _assert_same(ones, twos)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="Ray is not installed")
-@pytest.mark.slow
-def test_ray_backend_equals_one_rank(tiny_llama_dir) -> None:
-    """Two Ray actors in a placement group on a local Ray instance started here."""
-    import os
-
-    environ = dict(os.environ)  # importing Ray and ray.init set variables of their own
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        one = _llm(tiny_llama_dir, 1).generate(PROMPTS, GREEDY, use_tqdm=False)
-        llm = _llm(tiny_llama_dir, 2, distributed_executor_backend="ray")
-        two = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        llm.llm_engine.engine_core.shutdown()
-    finally:
-        ray.shutdown()
-        os.environ.clear()
-        os.environ.update(environ)
-    _assert_same(one, two)
-
-
 @pytest.mark.parametrize("layer_kind", ["row", "qkv"])
 def test_gguf_block_codes_shard_like_their_weights(layer_kind: str) -> None:
     """GGUF codes go through the layers' own slicing: the ranks' quantized products put
