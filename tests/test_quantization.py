@@ -57,12 +57,18 @@ def test_int8_linear_is_close_to_the_float_linear_and_batch_independent() -> Non
         assert torch.equal(quantized(x[i:i + 1]), y[i:i + 1])
 
 
-def _int8_mm_ops():
-    """The native kernels' module where `int8_mm` was built (AVX2), else skip, naming why."""
+def _built_int8_mm():
+    """The native kernels' module where `int8_mm` was built (AVX2), else None."""
     from vllm._custom_ops import cpu_ops
 
     ops = cpu_ops()
-    if ops is None or not ops.int8_mm_available():
+    return ops if ops is not None and ops.int8_mm_available() else None
+
+
+def _int8_mm_ops():
+    """`_built_int8_mm()`, else skip, naming why."""
+    ops = _built_int8_mm()
+    if ops is None:
         pytest.skip("int8_mm needs the native kernels built with AVX2")
     return ops
 
@@ -131,14 +137,7 @@ def test_int8_form_follows_the_request(monkeypatch) -> None:
     with pytest.raises(ValueError, match="VLLM_CPU_INT8_FORM='fast'"):
         int8_form(576)
     # the product: torch's where the processor has int8 dot products, else the native one
-    assert (native_int8_mm() is None) == (has_int8_dot() or not _built_int8_mm())
-
-
-def _built_int8_mm() -> bool:
-    from vllm._custom_ops import cpu_ops
-
-    ops = cpu_ops()
-    return ops is not None and ops.int8_mm_available()
+    assert (native_int8_mm() is None) == (has_int8_dot() or _built_int8_mm() is None)
 
 
 @pytest.mark.skipif(not gguf_mm_available(), reason="gguf_mm not built on this CPU")
