@@ -151,22 +151,23 @@ class LinearBase(nn.Module):
             self.kernel, name = int8_kernel(view, self.int8_weight_absmax)
             self.weight = None  # the int8 copy replaces it
             return name
-        dense: nn.Module | None = PackedLinear(view) if pack else None
         if codes and quantization == "gguf":
             kernel = self._gguf_kernel([c for _, c in sorted(codes, key=lambda p: p[0])],
-                                       view, dense, repack_for_fused_decode)
+                                       view, pack, repack_for_fused_decode)
             if kernel is not None:
                 return kernel
-        self.kernel = dense
-        return "packed" if dense is not None else "dense"
+        # Packed only where it is kept: blocks read in their own type need no dense copy.
+        self.kernel = PackedLinear(view) if pack else None
+        return "packed" if pack else "dense"
 
-    def _gguf_kernel(self, parts: list[Any], view, dense: nn.Module | None,
+    def _gguf_kernel(self, parts: list[Any], view, pack: bool,
                      repack_for_fused_decode: bool) -> str | None:
         """Sets the kernel of GGUF `parts` (this rank's, in row order) and returns its name,
         or None where the weight stays dense (the reason logged). Every part is read in its
         own type by `gguf_mm`, except in a model the fused decoder may run whose parts are
         all of one quant_gemv type (the default model's): quant_gemv's layout, which that
         decoder reads."""
+        from vllm.model_executor.layers.packed_linear import PackedLinear
         from vllm.model_executor.layers.quantization.gguf_blocks import (
             BlockCodes,
             GGUFBlockLinear,
@@ -198,7 +199,8 @@ class LinearBase(nn.Module):
         if fused is None or tuple(fused.shape) != tuple(self.weight.shape):
             return None
         try:
-            self.kernel = GGUFLinear(view, fused, dense=dense or DenseLinear(view))
+            dense = PackedLinear(view) if pack else DenseLinear(view)
+            self.kernel = GGUFLinear(view, fused, dense=dense)
         except ValueError as e:
             logger.info("GGUF weight of %s stays dense: %s", type(self).__name__, e)
             return None

@@ -41,9 +41,7 @@ def can_pack(dtype: torch.dtype, device: torch.device,
     """bfloat16 on a CPU with oneDNN and the instructions its bfloat16 reorder needs
     (float32 stays on `F.linear`: oneDNN's float32 result differs from MKL's in the last
     bits, and parity is checked in float32). `cpu_flags`: this machine's by default."""
-    if not (dtype == torch.bfloat16 and device.type == "cpu"
-            and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+    if not (dtype == torch.bfloat16 and _onednn_reorders(device)):
         return False
     flags = read_cpu_flags() if cpu_flags is None else cpu_flags
     return any(needed <= flags for needed in _ONEDNN_BF16_FLAGS)
@@ -57,6 +55,11 @@ def can_pack_float32(device: torch.device) -> bool:
     on logits of a few units), which is why the decoder layers, whose hidden states are
     checked bit for bit, keep `F.linear`; a row's logits do not depend on the other rows of
     the batch nor on which rows of the weight a tensor-parallel rank holds."""
+    return _onednn_reorders(device)
+
+
+def _onednn_reorders(device: torch.device) -> bool:
+    """A CPU, and a torch built with oneDNN's linear weight reorder."""
     return (device.type == "cpu" and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 

@@ -145,9 +145,9 @@ class ParallelLMHead(LinearBase):
         if tied_to is not None:
             self.weight = tied_to.weight  # one parameter, two uses
 
-    def _gguf_kernel(self, parts, view, dense, repack_for_fused_decode):
+    def _gguf_kernel(self, parts, view, pack, repack_for_fused_decode):
         # The fused decoder reads the decoder layers only: the head keeps the file's blocks.
-        kernel = super()._gguf_kernel(parts, view, dense, repack_for_fused_decode=False)
+        kernel = super()._gguf_kernel(parts, view, pack, repack_for_fused_decode=False)
         from vllm.model_executor.layers.quantization.gguf_blocks import GGUFBlockLinear
 
         if (self._tied_to and isinstance(self.kernel, GGUFBlockLinear)
