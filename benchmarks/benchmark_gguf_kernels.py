@@ -13,16 +13,26 @@ and the ratio (torch / ours: above 1 means the native kernel is faster).
 
 `--full-quads` pads every input to whole quads of blocks (576 -> 640 columns, the
 activations zero-padded to match), the layout before half quads, for comparison.
+
+`--dense` instead times `gguf_mm`'s two forms for large steps on Gemma 3 270M's layer
+shapes, per block type: the integer products (activations quantized per group of 32) and
+the weight dequantized a tile at a time into MKL's float32 sgemm; the step size where the
+second starts winning is `gguf_mm_dense_rows(type)` (VLLM_CPU_GGUF_DENSE_ROWS), printed last.
+
+    python benchmarks/benchmark_gguf_kernels.py --dense [--rows 16 32 64 128 1024]
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from functools import partial
 
+import numpy as np
 import torch
 
 from vllm._custom_ops import cpu_ops
+from vllm.model_executor.layers.quantization.gguf_blocks import GGUF_MM_TYPES
 
 # SmolLM2-135M: fused q/k/v, o, fused gate/up, down; (out, in).
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -39,14 +49,64 @@ def best_ms(fn, repeats: int = 7) -> float:
     return best * 1e3
 
 
+# Gemma 3 270M's layers as its Q4_K_M file stores them: (type, out, in).
+DENSE_SHAPES = [("Q5_0", 2048, 640), ("Q8_0", 256, 640), ("Q4_K", 640, 1024),
+                ("Q6_K", 640, 2048), ("Q4_0", 2048, 640), ("Q4_1", 2048, 640)]
+# Where each type keeps float16 scales (byte offsets in a block): given small finite values.
+_HALF_OFFSETS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q8_0": [0], "Q4_K": [0, 2],
+                 "Q6_K": [208]}
+
+
+def random_blocks(type_name: str, n: int, k: int) -> tuple[torch.Tensor, int]:
+    type_id, values, size = GGUF_MM_TYPES[type_name]
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(n, k // values, size), dtype=np.uint8)
+    for offset in _HALF_OFFSETS[type_name]:
+        scales = rng.uniform(-0.02, 0.02, size=raw.shape[:2]).astype(np.float16)
+        raw[..., offset:offset + 2] = scales.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return torch.from_numpy(raw.reshape(n, -1)), type_id
+
+
+def dense_forms(ops, rows_list: list[int]) -> None:
+    """gguf_mm's integer products against its dequantize-and-sgemm form, per type."""
+    print(f"{torch.get_num_threads()} threads; per step size: integer ms, dense ms, ratio "
+          f"(best of 3; above 1: the dense form is faster); last: gguf_mm_dense_rows(type)")
+    print("type  out x in    " + "".join(f"{rows:>22d}" for rows in rows_list))
+    try:
+        for type_name, n, k in DENSE_SHAPES:
+            w, type_id = random_blocks(type_name, n, k)
+            cells = []
+            for rows in rows_list:
+                x = torch.randn(rows, k)
+                times = []
+                for setting in (0, 1):  # 0: never dense; 1: dense from one row
+                    ops.set_gguf_mm_dense_rows(setting)
+                    call = partial(torch.ops.vllm_cpu.gguf_mm, x, w, type_id)
+                    times.append(best_ms(call, repeats=3))
+                cells.append(f"{times[0]:7.2f} {times[1]:7.2f} {times[0] / times[1]:5.2f}")
+            ops.set_gguf_mm_dense_rows(-1)
+            print(f"{type_name:5s} {n:4d} x {k:4d} " + "".join(f"{c:>22s}" for c in cells)
+                  + f"  {ops.gguf_mm_dense_rows(type_id)}")
+    finally:
+        ops.set_gguf_mm_dense_rows(-1)  # the defaults
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 9, 16, 32])
+    parser.add_argument("--rows", type=int, nargs="+", default=None)
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--full-quads", action="store_true",
                         help="pad inputs to multiples of 128 (no half quads)")
+    parser.add_argument("--dense", action="store_true",
+                        help="gguf_mm's integer and dequantize-and-sgemm forms, large steps")
     args = parser.parse_args()
     ops = cpu_ops()
+    if args.dense:
+        if ops is None or not ops.gguf_mm_available():
+            raise SystemExit("gguf_mm is not available here (native kernels or AVX2 missing)")
+        dense_forms(ops, args.rows or [16, 32, 48, 64, 96, 128, 256, 1024])
+        return
+    args.rows = args.rows or [1, 2, 4, 8, 9, 16, 32]
     if ops is None or not ops.quant_gemv_available():
         raise SystemExit("quant_gemv is not available here (native kernels or AVX-512 VNNI "
                          "missing)")

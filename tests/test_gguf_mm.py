@@ -1,10 +1,10 @@
 """`gguf_mm`: every GGUF block type multiplied as the file stores it (csrc/cpu/gguf_mm.cpp).
 
 Blocks are random bytes with small finite float16 scales (every byte pattern of the other
-fields is a valid block), decoded by the kernel's reference dequantization and compared
-with gguf-py's `gguf.quants.dequantize` bit for bit; the products are compared with the
-activations' int8 rounding applied to the reference (what the kernel computes) and with
-the exact product.
+fields is a valid block), decoded by `gguf_dequantize` (with AVX2, from the unpacked blocks
+the products read) and compared with gguf-py's `gguf.quants.dequantize` bit for bit; the
+products are compared with the activations' int8 rounding applied to the reference (what
+the integer form computes), and from `gguf_mm_dense_rows` rows with the exact product.
 """
 
 from __future__ import annotations
@@ -128,6 +128,46 @@ def test_products_equal_the_quantized_rows_reference(type_name: str) -> None:
 @pytest.mark.parametrize("type_name", list(GGUF_MM_TYPES))
 def test_the_avx2_form_equals_the_quantized_rows_reference(avx2_build, type_name: str) -> None:
     _products_match_reference(avx2_build.gguf_mm, type_name)
+
+
+@needs_avx2
+@pytest.mark.parametrize("type_name", list(GGUF_MM_TYPES))
+def test_large_steps_multiply_the_dequantized_weight(type_name: str) -> None:
+    """From `gguf_mm_dense_rows(type)` rows a step multiplies x as it is by the weight
+    dequantized a tile at a time (520 rows of 512 inputs: two tiles): the exact product up
+    to float32 rounding. A row fewer takes the integer products (x quantized per group)."""
+    from vllm._custom_ops import cpu_ops
+
+    ops = cpu_ops()
+    assert ops is not None
+    blocks = random_blocks(type_name, 520, 512, seed=6)
+    weight = blocks.dequantize()
+    w = torch.from_numpy(blocks.data)
+    rows = ops.gguf_mm_dense_rows(blocks.type_id)
+    assert rows == (64 if GGUF_MM_TYPES[type_name][1] == 32 else 128)
+    x = torch.randn(rows + 3, 512, generator=torch.Generator().manual_seed(7))
+    exact = x.double() @ torch.from_numpy(weight).double().T
+    got = torch.ops.vllm_cpu.gguf_mm(x, w, blocks.type_id)
+    assert got.dtype == torch.float32 and got.shape == (rows + 3, 520)
+    assert (got.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+    below = torch.ops.vllm_cpu.gguf_mm(x[:rows - 1], w, blocks.type_id)
+    ref = quantized_rows_reference(x[:rows - 1], weight)
+    assert torch.allclose(below.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    low = torch.ops.vllm_cpu.gguf_mm(x.bfloat16(), w, blocks.type_id)
+    assert low.dtype == torch.bfloat16
+    exact_low = x.bfloat16().double() @ torch.from_numpy(weight).double().T
+    assert (low.double() - exact_low).abs().max() <= 0.01 * exact_low.abs().max()
+    # 0: never dense (the integer products at any size); -1: the defaults again.
+    ops.set_gguf_mm_dense_rows(0)
+    try:
+        integer = torch.ops.vllm_cpu.gguf_mm(x, w, blocks.type_id)
+    finally:
+        ops.set_gguf_mm_dense_rows(-1)
+    ref = quantized_rows_reference(x, weight)
+    assert torch.allclose(integer.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    assert ops.gguf_mm_dense_rows(blocks.type_id) == rows
+    with pytest.raises(RuntimeError, match="rows must be >= -1"):
+        ops.set_gguf_mm_dense_rows(-2)
 
 
 @needs_avx2

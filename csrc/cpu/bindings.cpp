@@ -26,6 +26,8 @@ torch::Tensor gguf_mm(torch::Tensor x, torch::Tensor w, int64_t type);
 torch::Tensor gguf_dequantize(torch::Tensor blocks, int64_t type);
 bool gguf_mm_available();
 std::string gguf_mm_form();
+int64_t gguf_mm_dense_rows(int64_t type);
+void set_gguf_mm_dense_rows(int64_t rows);
 torch::Tensor moe_experts(torch::Tensor x, torch::Tensor topk_weights, torch::Tensor topk_ids,
                           torch::Tensor w1, torch::Tensor w3, torch::Tensor w2,
                           int64_t w1_type, int64_t w3_type, int64_t w2_type);
@@ -103,6 +105,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Whether gguf_mm was built (AVX2 with FMA and F16C)");
   m.def("gguf_mm_form", &gguf_mm_form,
         "The instruction-set form gguf_mm was built in: avx512, avx2, or empty");
+  m.def("gguf_mm_dense_rows", &gguf_mm_dense_rows,
+        "The step size from which gguf_mm multiplies weights of a ggml type by their "
+        "dequantized values (0: never)", py::arg("type"));
+  m.def("set_gguf_mm_dense_rows", &set_gguf_mm_dense_rows,
+        "Sets gguf_mm's dense step size for every type (0: never; -1: the defaults)",
+        py::arg("rows"));
   m.def("moe_experts_available", &moe_experts_available,
         "Whether moe_experts was built (AVX2 with FMA and F16C)");
   m.def("shm_all_reduce", &shm_all_reduce,

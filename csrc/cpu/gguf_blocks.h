@@ -371,6 +371,96 @@ struct Block<kIQ4_XS> {
   }
 };
 
+// ---- dequantization ---------------------------------------------------------------------
+
+// A block's weights as float32, the reference's bits (gguf_mm.cpp's dequantize_block, which
+// is gguf-py's arithmetic): w = F * (u - offset) - min, F the float factor of each 16
+// values (d, d * s, or the K-quants' d * s), each product rounded before the subtraction.
+// The offset is the reference's integer one (Q4_0's 8, Q5_0's 16, Q3_K's 4, Q6_K's 32); a
+// min is subtracted where the reference subtracts one (Q4_1 / Q5_1's -m, Q2_K, Q4_K, Q5_K).
+constexpr int dequant_offset(int64_t type) {
+  return type == kQ4_0 ? 8 : type == kQ5_0 ? 16 : type == kQ3_K ? 4 : type == kQ6_K ? 32 : 0;
+}
+constexpr bool dequant_min(int64_t type) {
+  return type == kQ4_1 || type == kQ5_1 || type == kQ2_K || type == kQ4_K || type == kQ5_K;
+}
+
+template <int64_t TYPE>
+inline void dequantize_block_fast(const uint8_t* b, float* y) {
+  using B = Block<TYPE>;
+  constexpr int kOffset = dequant_offset(TYPE);
+  constexpr bool kMin = dequant_min(TYPE);
+  Unpacked u;
+  B::unpack(b, u);
+  alignas(32) float factor[16], mins[16];
+  if constexpr (B::kValues == 32) {
+    factor[0] = factor[1] = u.d;
+    mins[0] = mins[1] = u.min;
+  } else if constexpr (B::kScales16) {
+    alignas(32) int16_t sc[16];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(sc), u.sc16);
+    const float d = _mm256_cvtss_f32(u.scale);
+    for (int i = 0; i < 16; ++i) factor[i] = d * static_cast<float>(sc[i]);
+    if constexpr (kMin) {
+      _mm256_store_ps(mins, u.mins[0]);
+      _mm256_store_ps(mins + 8, u.mins[1]);
+    }
+  } else {
+    alignas(32) float s[8], m[8];
+    _mm256_store_ps(s, u.scale);
+    if constexpr (kMin) _mm256_store_ps(m, u.mins[0]);
+    for (int g = 0; g < 8; ++g) {
+      factor[2 * g] = factor[2 * g + 1] = s[g];
+      if constexpr (kMin) mins[2 * g] = mins[2 * g + 1] = m[g];
+    }
+  }
+  for (int g = 0; g < B::kValues / 32; ++g) {
+    for (int q = 0; q < 4; ++q) {  // values 32 g + 8 q ... + 7
+      const __m128i half = q < 2 ? _mm256_castsi256_si128(u.codes[g])
+                                 : _mm256_extracti128_si256(u.codes[g], 1);
+      const __m128i eight = q % 2 ? _mm_srli_si128(half, 8) : half;
+      __m256i v = B::kSigned ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight);
+      if constexpr (kOffset != 0) v = _mm256_sub_epi32(v, _mm256_set1_epi32(kOffset));
+      const int i = 2 * g + q / 2;
+      __m256 f = _mm256_set1_ps(factor[i]);
+      asm("" : "+x"(f));  // the factor as computed (no reassociation into the product)
+      __m256 w = _mm256_mul_ps(f, _mm256_cvtepi32_ps(v));
+      if constexpr (kMin) {
+        asm("" : "+x"(w));  // rounded before the subtraction (no FMA)
+        w = _mm256_sub_ps(w, _mm256_set1_ps(mins[i]));
+      }
+      _mm256_storeu_ps(y + 32 * g + 8 * q, w);
+    }
+  }
+}
+
+// Weight rows [begin, end) of `w` (uint8 [N, row_bytes] blocks of `type`) as float32 rows of
+// k values at `out` (row begin first).
+template <int64_t TYPE>
+void dequantize_rows_of(const uint8_t* w, int64_t row_bytes, int64_t k, int64_t begin,
+                        int64_t end, float* out) {
+  using B = Block<TYPE>;
+  for (int64_t n = begin; n < end; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    float* y = out + (n - begin) * k;
+    for (int64_t blk = 0; blk < k / B::kValues; ++blk) {
+      dequantize_block_fast<TYPE>(row + blk * B::kBytes, y + blk * B::kValues);
+    }
+  }
+}
+
+inline void dequantize_rows(int64_t type, const uint8_t* w, int64_t row_bytes, int64_t k,
+                            int64_t begin, int64_t end, float* out) {
+  switch (type) {
+#define VLLM_GGUF_CASE(T) case T: dequantize_rows_of<T>(w, row_bytes, k, begin, end, out); break;
+    VLLM_GGUF_CASE(kQ4_0) VLLM_GGUF_CASE(kQ4_1) VLLM_GGUF_CASE(kQ5_0) VLLM_GGUF_CASE(kQ5_1)
+    VLLM_GGUF_CASE(kQ8_0) VLLM_GGUF_CASE(kIQ4_NL) VLLM_GGUF_CASE(kQ2_K) VLLM_GGUF_CASE(kQ3_K)
+    VLLM_GGUF_CASE(kQ4_K) VLLM_GGUF_CASE(kQ5_K) VLLM_GGUF_CASE(kQ6_K) VLLM_GGUF_CASE(kIQ4_XS)
+#undef VLLM_GGUF_CASE
+    default: break;  // checked by the caller
+  }
+}
+
 // ---- activations ------------------------------------------------------------------------
 
 // Rows of x quantized per group of 32: qx [M, K] int8, dx [M, K / 32], sx [M, K / 16] (dx

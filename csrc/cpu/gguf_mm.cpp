@@ -27,11 +27,20 @@
 // dense weights).
 // Rows: a weight row's super-blocks are unpacked once per pass over up to 8 activation rows
 // (register accumulators); more rows go in passes over tiles of 16 weight rows, which the
-// later passes reread from L1.
+// later passes reread from L1. From `gguf_mm_dense_rows(type)` rows (64 for the blocks of
+// 32, 128 for the super-blocks) a step instead dequantizes the weight a tile at a time to
+// float32 (gguf_dequantize's values, gguf-py's bit for bit) and multiplies by MKL's sgemm,
+// x unquantized: there the FMAs outrun the integer form's unpacking.
+//
+// Reference dequantization: dequantize_block below, gguf-py's arithmetic, is the portable
+// form of gguf_dequantize; with AVX2 the same values come from the unpacked blocks
+// (gguf_blocks.h's dequantize_rows).
 #include "gguf_blocks.h"
 
 #include <ATen/Parallel.h>
 
+#include <atomic>
+#include <cstdlib>
 #include <string>
 
 namespace {
@@ -44,7 +53,7 @@ using namespace vllm_gguf;
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off", "no-fast-math")
 
-void dequantize_block(int64_t type, const uint8_t* b, float* y) {
+[[maybe_unused]] void dequantize_block(int64_t type, const uint8_t* b, float* y) {
   switch (type) {
     case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: {
       const bool has_m = type == kQ4_1 || type == kQ5_1, five = type == kQ5_0 || type == kQ5_1;
@@ -148,6 +157,64 @@ void dequantize_block(int64_t type, const uint8_t* b, float* y) {
 }  // namespace
 
 
+#if defined(VLLM_GGUF_MM)
+namespace {
+
+// Steps of at least this many rows multiply by the weight dequantized to float32 (a tile of
+// rows at a time) with MKL's sgemm instead of the integer products: past it the sgemm's
+// FMAs outrun vpmaddubsw's unpacking (`benchmark_gguf_kernels.py --dense` on the AVX2 Zen 3:
+// the blocks of 32 from ~48-64 rows, the super-blocks, whose integer form unpacks a block
+// once for 8 rows, from ~96-128). VLLM_CPU_GGUF_DENSE_ROWS sets one value for every type
+// at start-up (0: never), set_gguf_mm_dense_rows later (-1: these defaults again).
+constexpr int64_t kDenseRows32 = 64, kDenseRowsSuper = 128;
+
+std::atomic<int64_t>& dense_rows_setting() {
+  static std::atomic<int64_t> rows{[] {
+    const char* env = std::getenv("VLLM_CPU_GGUF_DENSE_ROWS");
+    return env != nullptr && *env != '\0' ? std::atoll(env) : int64_t{-1};
+  }()};
+  return rows;
+}
+
+// out [M, N] float32 = x [M, K] float32 times w's rows, dequantized a tile at a time (~1 MB)
+// into a buffer kept between calls (a fresh one would fault in its pages every call).
+void dense_mm(const torch::Tensor& x, const torch::Tensor& w, int64_t type, torch::Tensor& out) {
+  const int64_t k = x.size(1), n = w.size(0), row_bytes = w.size(1);
+  const int64_t tile = std::min(n, std::max<int64_t>(16, (int64_t{1} << 18) / k / 16 * 16));
+  static thread_local torch::Tensor kept;
+  if (!kept.defined() || kept.numel() < tile * k) kept = torch::empty({tile * k}, x.options());
+  auto buffer = kept.narrow(0, 0, tile * k).view({tile, k});
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* bp = buffer.data_ptr<float>();
+  for (int64_t n0 = 0; n0 < n; n0 += tile) {
+    const int64_t rows = std::min(tile, n - n0);
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      dequantize_rows(type, wp, row_bytes, k, n0 + begin, n0 + end, bp + begin * k);
+    });
+    auto slice = out.narrow(1, n0, rows);
+    at::mm_out(slice, x, buffer.narrow(0, 0, rows).t());
+  }
+}
+
+}  // namespace
+
+// The step size from which gguf_mm multiplies weights of `type` by their dequantized
+// float32 values (0: never).
+int64_t gguf_mm_dense_rows(int64_t type) {
+  const int64_t setting = dense_rows_setting().load(std::memory_order_relaxed);
+  if (setting >= 0) return setting;
+  return layout(type).values == 32 ? kDenseRows32 : kDenseRowsSuper;
+}
+
+void set_gguf_mm_dense_rows(int64_t rows) {
+  TORCH_CHECK(rows >= -1, "set_gguf_mm_dense_rows: rows must be >= -1, got ", rows);
+  dense_rows_setting().store(rows, std::memory_order_relaxed);
+}
+#else
+int64_t gguf_mm_dense_rows(int64_t) { return 0; }
+void set_gguf_mm_dense_rows(int64_t) {}
+#endif
+
 // The instruction-set form this build of gguf_mm runs: "avx512" (AVX2 for the 32-value
 // types, 512-bit pairs for the super-block ones), "avx2", or "" (not built).
 std::string gguf_mm_form() {
@@ -180,11 +247,19 @@ torch::Tensor gguf_dequantize(torch::Tensor blocks, int64_t type) {
   auto out = torch::empty({rows, per_row * l.values}, torch::kFloat32);
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   float* dst = out.data_ptr<float>();
+#if defined(VLLM_GGUF_MM)
+  const int64_t k = per_row * l.values;
+  at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / k), [&](int64_t begin, int64_t end) {
+    dequantize_rows(type, src, blocks.size(1), k, begin, end, dst + begin * k);
+  });
+#else
   at::parallel_for(0, rows * per_row, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) dequantize_block(type, src + i * l.bytes, dst + i * l.values);
   });
+#endif
   return out;
 }
+
 
 // x [M, K] times the GGUF weight `w` (uint8 [N, row bytes], rows in the file's block type
 // `type`): out [M, N] in x's dtype.
@@ -201,6 +276,11 @@ torch::Tensor gguf_mm(torch::Tensor x, torch::Tensor w, int64_t type) {
 #if defined(VLLM_GGUF_MM)
   x = x.contiguous();
   w = w.contiguous();
+  const int64_t dense_rows = gguf_mm_dense_rows(type);
+  if (dense_rows > 0 && rows >= dense_rows) {
+    dense_mm(x.scalar_type() == torch::kFloat32 ? x : x.to(torch::kFloat32), w, type, out);
+    return x.scalar_type() == torch::kFloat32 ? out : out.to(x.scalar_type());
+  }
   static thread_local Activations quantized;  // kept between calls: no allocation per call
   Activations& a = quantized;  // (the workers below must see this thread's, not their own)
   switch (x.scalar_type()) {

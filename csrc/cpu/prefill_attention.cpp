@@ -84,9 +84,18 @@ void attend_tile(const T* query, int64_t q_stride, const T* k_cache, const T* v_
   constexpr int64_t group = RV;
   const int64_t D = head_size;
   const int64_t token_stride = num_kv_heads * D;
-  // Keys per score pass and head dims per output pass, sized to ~24 accumulators.
+  // Keys per score pass and head dims per output pass: ~24 accumulators in AVX-512's 32
+  // registers; with AVX2's 16 (a 16-lane vector is two) ~8, the rest of the registers for
+  // the rows' operands. Sized for AVX-512, an AVX2 pass spilled its accumulators to the
+  // stack (RV = 4, Gemma's 4 heads a kv head: 32 registers' worth). Either way each
+  // accumulator sums its terms in the same order: the same bits.
+#if defined(__AVX512F__)
   constexpr int KU = RV <= 3 ? 8 : (RV <= 6 ? 4 : 2);
   constexpr int DB = RV <= 1 ? 16 : (RV <= 3 ? 8 : (RV <= 6 ? 4 : 2));
+#else
+  constexpr int KU = RV <= 1 ? 4 : (RV <= 2 ? 2 : 1);
+  constexpr int DB = RV <= 1 ? 4 : (RV <= 2 ? 2 : 1);
+#endif
 
   // Q^T, pre-scaled; lanes past the tile's tokens hold zeros.
   float* qt = w.q.data();
