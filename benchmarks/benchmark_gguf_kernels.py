@@ -1,8 +1,9 @@
 """The GGUF block kernels of `quantization="gguf"` on the default model's shapes, side by side
 in one run: the native `quant_gemv` against torch's CPU int4 kernel and the dense bfloat16
-matmul for the Q4_1 layers, and against the dense bfloat16 matmul for the Q8_0 vocabulary
-projection. Past 8 rows quant_gemv runs in passes over cached tiles of the weight; the rows
-where it stops beating the dense matmul are where `gguf_blocks.MAX_ROWS` belongs.
+and float32 matmuls for the Q4_1 layers, and against the dense bfloat16 matmul for the Q8_0
+vocabulary projection. Past 8 rows quant_gemv runs in passes over cached tiles of the
+weight, past 32 in passes of 32 rows; `GGUFLinear` takes it at every step size (no dense
+copy), which the float32 column (an AVX2 machine's dtype) is there to check.
 
 Every weight is distinct (30 layers' worth per shape), so that they stream from memory as
 in decoding rather than sit in cache. Prints milliseconds per decode step's worth of calls
@@ -127,7 +128,7 @@ def main() -> None:
         return (ops.pack_block_codes(padded, bits), torch.rand(n, blocks).half(),
                 torch.rand(n, blocks).half())
 
-    ours, theirs, dense_layers = [], [], []
+    ours, theirs, dense_layers, float_layers = [], [], [], []
     for n, k in LAYER_SHAPES:
         for _ in range(args.layers):
             u = torch.randint(0, 16, (n, k), dtype=torch.uint8)
@@ -135,12 +136,13 @@ def main() -> None:
             theirs.append((torch._convert_weight_to_int4pack_for_cpu(u.int(), 1),
                            torch.rand(k // 32, n, 2).bfloat16(), k))
             dense_layers.append((torch.randn(n, k, dtype=torch.bfloat16), k))
+            float_layers.append((torch.randn(n, k), k))
     n, k = VOCAB_SHAPE
     vocab_q8 = native_weight(torch.randint(0, 256, (n, k), dtype=torch.uint8), 8)
     vocab_bf16 = torch.randn(n, k, dtype=torch.bfloat16)
     print(f"{torch.get_num_threads()} threads; layers: {args.layers} x {LAYER_SHAPES}")
-    print("rows | layers Q4_1: quant_gemv  torch int4  ratio  bfloat16  ratio | vocabulary: "
-          "Q8_0 quant_gemv  bfloat16  ratio")
+    print("rows | layers Q4_1: quant_gemv  torch int4  ratio  bfloat16  ratio  float32  ratio "
+          "| vocabulary: Q8_0 quant_gemv  bfloat16  ratio")
     for rows in args.rows:
         xs = {size: torch.randn(rows, size, dtype=torch.bfloat16) for size in (576, 1536)}
         x = xs[576]
@@ -152,11 +154,15 @@ def main() -> None:
                                    for p, sz, k in theirs])
         layers_dense = best_ms(lambda xs=xs: [torch.nn.functional.linear(xs[k], w)
                                               for w, k in dense_layers])
+        floats = {size: v.float() for size, v in xs.items()}
+        layers_float = best_ms(lambda xs=floats: [torch.nn.functional.linear(xs[k], w)
+                                                  for w, k in float_layers])
         x_wide = wide[width(576)]
         c = best_ms(lambda x=x_wide: torch.ops.vllm_cpu.quant_gemv(x, *vocab_q8, 8))
         dense = best_ms(lambda x=x: torch.nn.functional.linear(x, vocab_bf16))
         print(f"{rows:4d} | {a:22.2f} {b:11.2f} {b / a:6.2f} {layers_dense:9.2f} "
-              f"{layers_dense / a:6.2f} | {c:28.2f} {dense:9.2f} {dense / c:6.2f}")
+              f"{layers_dense / a:6.2f} {layers_float:8.2f} {layers_float / a:6.2f} | "
+              f"{c:28.2f} {dense:9.2f} {dense / c:6.2f}")
 
 
 if __name__ == "__main__":

@@ -114,10 +114,33 @@ def test_quant_gemv_equals_the_quantized_rows_reference(bits: int, k: int) -> No
 
 
 @native
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("k", [128, 576])  # whole quads; quads and a last half quad
+def test_quant_gemv_large_steps(bits: int, k: int) -> None:
+    """Past 32 rows quant_gemv runs passes of 32 (the layer keeps no dense weight for large
+    steps): every row as the quantized-rows reference has it, and the bits it has alone."""
+    n = 40
+    codes = _random_codes(n, k, bits, seed=k + bits)
+    layer = GGUFLinear(nn.Linear(k, n, bias=False), codes)
+    assert layer.dense is None and layer.kernel == "quant_gemv"
+    gen = torch.Generator().manual_seed(k * bits)
+    x = torch.randn(69, k, generator=gen)
+    got = layer(x)
+    assert got.dtype == torch.float32 and got.shape == (69, n)
+    ref = _quantized_rows_reference(x, codes)
+    assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max())
+    assert torch.equal(got[40:], layer(x[40:]))
+    low = layer(x.to(torch.bfloat16))
+    assert low.dtype == torch.bfloat16
+    ref = _quantized_rows_reference(x.to(torch.bfloat16).float(), codes)
+    assert (low.double() - ref).abs().max() <= 0.01 * ref.abs().max()
+
+
+@native
 def test_quant_gemv_rejects_bad_inputs() -> None:
     layer = GGUFLinear(nn.Linear(64, 16, bias=False), _random_codes(16, 64, 4))
-    with pytest.raises(RuntimeError, match="1 to 32 rows, got 33"):
-        torch.ops.vllm_cpu.quant_gemv(torch.randn(33, 64), layer.codes, layer.d, layer.m, 4)
+    with pytest.raises(RuntimeError, match="at least one row"):
+        torch.ops.vllm_cpu.quant_gemv(torch.randn(0, 64), layer.codes, layer.d, layer.m, 4)
     with pytest.raises(RuntimeError, match="does not fit"):
         torch.ops.vllm_cpu.quant_gemv(torch.randn(1, 256), layer.codes, layer.d, layer.m, 4)
 
@@ -134,8 +157,12 @@ def test_gguf_linear_small_steps_match_the_dequantized_weight(use_native: bool) 
     small = layer(x)  # the block kernel
     ref = x.float() @ torch.from_numpy(codes.dequantize()).T + linear.bias.float()
     assert torch.allclose(small.float(), ref, atol=0.05, rtol=0.02)
-    big = layer(torch.cat([x, x]))  # dense path
-    assert torch.equal(big, linear(torch.cat([x, x])))
+    big = layer(torch.cat([x, x]))
+    if use_native:  # quant_gemv takes every step: the layer keeps no dense weight
+        assert layer.dense is None
+        assert torch.allclose(big.float(), torch.cat([ref, ref]), atol=0.05, rtol=0.02)
+    else:  # the int4 kernel's large steps: the dense weight
+        assert torch.equal(big, linear(torch.cat([x, x])))
     with pytest.raises(ValueError, match="do not fit"):
         GGUFLinear(nn.Linear(k, 48), codes, native=use_native)
 

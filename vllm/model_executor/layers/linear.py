@@ -19,7 +19,7 @@ file's block codes (`add_block_codes`), so quantized weights shard exactly as de
 How a layer multiplies is a property of the layer, chosen after loading
 (`process_weights_after_loading`): `F.linear` on the weight (float32, or no kernel for the
 shape), a oneDNN-packed bfloat16 weight (`PackedLinear`), int8 (`Int8Linear`), or GGUF block
-codes for small steps (`GGUFLinear`, dense above).
+codes (`GGUFLinear`, `GGUFBlockLinear`).
 """
 
 from __future__ import annotations
@@ -199,12 +199,15 @@ class LinearBase(nn.Module):
         if fused is None or tuple(fused.shape) != tuple(self.weight.shape):
             return None
         try:
-            dense = PackedLinear(view) if pack else DenseLinear(view)
-            self.kernel = GGUFLinear(view, fused, dense=dense)
+            kernel = GGUFLinear(view, fused, dense=lambda: PackedLinear(view) if pack
+                                else DenseLinear(view))
         except ValueError as e:
             logger.info("GGUF weight of %s stays dense: %s", type(self).__name__, e)
             return None
-        return f"gguf {fused.bits}-bit {self.kernel.kernel}"
+        self.kernel = kernel
+        if kernel.dense is None:
+            self.weight = None  # the codes replace it
+        return f"gguf {fused.bits}-bit {kernel.kernel}"
 
     quantizable = True  # int8 applies (the vocabulary projection says no)
 

@@ -8,11 +8,18 @@ Two kernels:
   in place, as the file stores it, at every step size: the layer keeps no dense copy, so
   its resident bytes are the file's. A fused layer whose parts differ in type (a Q4_K_M
   file's Q5_0 q and k with a Q8_0 v) keeps each part in its own type.
-- `quant_gemv` (`GGUFLinear`) reads Q4_0, Q4_1 and Q8_0 repacked (below) for steps of at most
-  `MAX_ROWS` tokens, and the fused Llama decoder reads the same buffers; larger steps take a
-  dense copy. Only the decoder layers of a model that decoder may run, where a layer's
-  parts are all of one of those types (the default model's), take it; every other layer,
-  the LM head and embedding tables take `gguf_mm` (`gguf_dequantize` for looked-up rows).
+- `quant_gemv` (`GGUFLinear`) reads Q4_0, Q4_1 and Q8_0 repacked (below), and the fused
+  decoder reads the same buffers. Only the decoder layers of a model that decoder may run,
+  where a layer's parts are all of one of those types (the default model's), take it;
+  every other layer, the LM head and embedding tables take `gguf_mm` (`gguf_dequantize` for
+  looked-up rows).
+
+Neither keeps a dense copy. `gguf_mm` multiplies steps of `gguf_mm_dense_rows` rows or
+more (64 for blocks of 32, 128 for super-blocks) by the weight dequantized a tile at a time
+with MKL's sgemm, the activations unquantized, where that outruns its integer products (a
+request's numerics may therefore differ slightly between small and large steps);
+quant_gemv's integer products ran ahead of or level with float32 sgemm at every step size
+measured (1 to 1,024 rows), so it takes every step, in passes of 32 rows.
 
 `BlockCodes` (quant_gemv's reading of the three 32-weight types):
 
@@ -27,14 +34,14 @@ activations to int8 per row and block of 32, as llama.cpp does, and takes intege
 products against the codes (AVX-512 VNNI or AVX2); measured against torch's int4 kernel
 (`benchmarks/benchmark_gguf_kernels.py`): 1.1-1.55x at 1-8 rows. Without it, torch's CPU
 int4 kernel (`_weight_int4pack_mm_for_cpu`) takes the 4-bit types (scale d, zero m + 8d,
-both rounded to bfloat16) and the dense weight Q8_0. Larger steps are compute-bound, where
-the dense bfloat16 matmul was faster, so `GGUFLinear` keeps both; a request's numerics may
-therefore differ slightly between small and large steps.
+both rounded to bfloat16) for steps of up to `MAX_ROWS` tokens and a dense copy the larger
+ones; 8-bit codes stay dense there.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple, Union
 
 import numpy as np
@@ -47,10 +54,10 @@ if TYPE_CHECKING:  # int8.py imports this module (lazily): a name for annotation
 logger = logging.getLogger(__name__)
 
 GROUP = 32
-# Steps of at most this many tokens take the quantized kernel: decode steps, and a
-# speculative verification step's k + 1 tokens. quant_gemv keeps 8 rows in registers and
-# runs more in passes over cached tiles of the weight; `benchmark_gguf_kernels.py` measured
-# it ahead of the dense bfloat16 matmul up to 16 rows and level or behind at 20 to 32.
+# Steps of at most this many tokens (decode steps, a speculative verification step's k + 1)
+# are the fused decoder's, and without the native kernel torch's int4 kernel's (larger ones
+# take the dense weight there). quant_gemv keeps 8 rows in registers and runs more in
+# passes over cached tiles of the weight, and past 32 rows in passes of 32.
 MAX_ROWS = 16
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 BLOCK_TYPES = tuple(_BLOCK_BYTES)  # the types `BlockCodes` (quant_gemv) reads
@@ -229,8 +236,9 @@ def row_switch_tokens(module: nn.Module) -> int:
 
 
 class GGUFLinear(nn.Module):
-    """A `nn.Linear` whose weight also lives as GGUF block codes: steps of up to `MAX_ROWS`
-    tokens take the quantized kernel, larger ones the dense weight."""
+    """A `nn.Linear` whose weight lives as GGUF block codes: `quant_gemv` at every step size
+    (no dense copy), or without the native kernel torch's int4 kernel up to `MAX_ROWS`
+    tokens and the dense weight above."""
 
     # Buffers of the "quant_gemv" kernel: packed `codes`, float16 scales `d` and `m`.
     codes: torch.Tensor
@@ -241,16 +249,18 @@ class GGUFLinear(nn.Module):
     scale_zero: torch.Tensor
 
     def __init__(self, linear, codes: BlockCodes, native: bool = True,
-                 dense: nn.Module | None = None) -> None:
+                 dense: Callable[[], nn.Module] | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         n, k = codes.u.shape
         if (n, k) != (self.out_features, self.in_features) or k % GROUP:
             raise ValueError(f"block codes of shape {(n, k)} do not fit a linear layer of "
                              f"{(self.out_features, self.in_features)} (in % 32 must be 0).")
-        # Large steps: `dense` (a parallel layer passes its dense kernel), else `linear`.
-        self.dense = dense if dense is not None else linear
+        self.bias = linear.bias
         self.bits = codes.bits
+        # Large steps of the int4 kernel: `dense()` (a parallel layer builds its dense
+        # kernel), else `linear`; None where quant_gemv takes every step.
+        self.dense: nn.Module | None = None
         ops = _native_kernel() if native else None
         if ops is not None:
             self.kernel = "quant_gemv"
@@ -276,21 +286,22 @@ class GGUFLinear(nn.Module):
             scale_zero = np.stack([codes.d.T, (codes.m + 8 * codes.d).T], axis=-1)  # [K/32, N, 2]
             self.register_buffer("scale_zero", torch.from_numpy(
                 np.ascontiguousarray(scale_zero)).to(torch.bfloat16))
+            self.dense = dense() if dense is not None else linear
         else:
             raise ValueError(f"no kernel for {codes.bits}-bit block codes of shape {(n, k)} "
                              "on this machine")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > MAX_ROWS:
-            return self.dense(x)
         if self.kernel == "quant_gemv":
             y = torch.ops.vllm_cpu.quant_gemv(x, self.codes, self.d, self.m, self.bits)
+        elif x.shape[0] > MAX_ROWS:
+            assert self.dense is not None
+            return self.dense(x)
         else:
             # torch exports this private op at run time; its stubs do not list it.
             y = torch._weight_int4pack_mm_for_cpu(  # pyright: ignore[reportPrivateImportUsage]
                 x.to(torch.bfloat16), self.packed, GROUP, self.scale_zero).to(x.dtype)
-        bias = self.dense.bias
-        return y if bias is None else y + bias  # pyright: ignore[reportOperatorIssue]
+        return y if self.bias is None else y + self.bias
 
     def quant_gemv_weights(self) -> QuantGemvWeights | None:
         """The block codes `quant_gemv` reads, where this layer runs that kernel."""
@@ -299,8 +310,9 @@ class GGUFLinear(nn.Module):
         return QuantGemvWeights(self.codes, self.d, self.m, self.bits)
 
     def extra_repr(self) -> str:
+        steps = "every step" if self.dense is None else f"up to {MAX_ROWS} rows"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"{self.bits}-bit {self.kernel} up to {MAX_ROWS} rows")
+                f"{self.bits}-bit {self.kernel} {steps}")
 
 
 def gguf_mm_available() -> bool:
