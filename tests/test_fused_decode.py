@@ -180,10 +180,12 @@ def _assert_fused_follows_the_eager_model(llm: LLM) -> None:
 def test_fused_decode_matches_the_graphs_on_a_tiny_q4_1_llama(
         tiny_q4_1: tuple[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
     """float32, one engine: the fused decoder's steps against the graphs' (the same engine
-    with its decoder set aside). Tokens identical; logprobs within 1e-2: the activations'
-    int8 rounding turns last-bit differences (the norm's and SiLU's float32 arithmetic)
-    into an occasional code one step apart (3.6e-3 seen), where a wrong rotary, cache slot,
-    scale or residual changes the tokens."""
+    with its decoder set aside). Tokens identical; logprobs equal to 1e-4 at every step but
+    isolated ones: the activations' int8 rounding turns last-bit differences (the norm's
+    and SiLU's float32 arithmetic) into an occasional code one step apart, which moves that
+    one step's logprobs (3.6e-3 seen; since prompts take quant_gemv too, 3.4e-3 and 1.04e-2
+    at one step each of two outputs, every other step under 5e-5). A wrong rotary, cache
+    slot, scale or residual moves every step after it, and the tokens."""
     path, model_dir = tiny_q4_1
     llm = LLM(path, tokenizer=model_dir, quantization="gguf", dtype="float32",
               max_model_len=128, block_size=16, enable_prefix_caching=True,
@@ -199,7 +201,9 @@ def test_fused_decode_matches_the_graphs_on_a_tiny_q4_1_llama(
     assert fused.steps >= 2 * (_NEW_TOKENS - 1)
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, expected, strict=True):
         assert tokens == ref_tokens
-        torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-2, rtol=0)
+        off = (logprobs - ref_logprobs).abs() > 1e-4  # steps a flipped code moved
+        assert int(off.sum()) <= 2 and not (off[1:] & off[:-1]).any()
+        torch.testing.assert_close(logprobs, ref_logprobs, atol=0.05, rtol=0)
     assert len({tuple(tokens) for tokens, _ in got}) > 1  # the outputs are not degenerate
     # Where it does not apply, the reason says why.
     model, caches = runner.model, runner.kv_caches
