@@ -4,7 +4,8 @@ forward pass, and inside the forward, each kernel.
     python benchmarks/profile_single_step.py --quantization gguf   # or int8, or none
     python benchmarks/profile_single_step.py --speculative ngram  # verification steps
 
-One request (128-token prompt, `--steps` greedy tokens) on the default model. Two passes:
+One request (128-token prompt, `--steps` greedy tokens) on the default model, or on another
+GGUF file (`--gguf-file`, e.g. Gemma 3 270M `Q4_K_M` or `gguf_from_dir.py`'s MoE). Two passes:
 
 1. Sections of `LLMEngine.step()`, timed around the engine's own methods (this script wraps
    them; the engine is unchanged): scheduler, input preparation, forward, vocabulary
@@ -85,10 +86,12 @@ class SectionTimer:
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the weights a one-token step reads: every linear layer's kernel (GGUF codes
-    and scales, int8 weights and scales, or the dense weight, which packing keeps the same
-    size), the vocabulary projection included, the embedding table not (one row is read)."""
+    and scales or blocks, int8 weights and scales, or the dense weight, which packing keeps
+    the same size), the vocabulary projection included, the embedding table not (one row is
+    read); of a mixture of experts' layer, its top-k experts' share."""
+    from vllm.model_executor.layers.fused_moe import FusedMoE, NativeExpertKernel
     from vllm.model_executor.layers.linear import LinearBase
-    from vllm.model_executor.layers.quantization.gguf_blocks import GGUFLinear
+    from vllm.model_executor.layers.quantization.gguf_blocks import GGUFBlockLinear, GGUFLinear
     from vllm.model_executor.layers.quantization.int8 import Int8Linear
 
     def size(*tensors: torch.Tensor) -> int:
@@ -96,10 +99,18 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
     total = 0
     for module in model.modules():
+        if isinstance(module, FusedMoE):
+            experts = module.kernel
+            weights = experts.weights if isinstance(experts, NativeExpertKernel) \
+                else (module.w13_weight, module.w2_weight)
+            total += size(*weights) * module.top_k // module.num_experts
+            continue
         if not isinstance(module, LinearBase):
             continue
         kernel = module.kernel
-        if isinstance(kernel, GGUFLinear):
+        if isinstance(kernel, GGUFBlockLinear):
+            total += size(*kernel.weights)
+        elif isinstance(kernel, GGUFLinear):
             total += size(kernel.codes, kernel.d, kernel.m) if kernel.kernel == "quant_gemv" \
                 else size(kernel.packed, kernel.scale_zero)
         elif isinstance(kernel, Int8Linear):
@@ -114,6 +125,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quantization", default="gguf", choices=["gguf", "int8", "none"])
+    parser.add_argument("--gguf-file", default=None,
+                        help="a GGUF file instead of the default model (--quantization gguf)")
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--speculative", default="none", choices=["none", "ngram"],
@@ -124,7 +137,9 @@ def main() -> None:
     parser.add_argument("--torch-profile", action=argparse.BooleanOptionalAction,
                         default=True, help="also the torch.profiler pass")
     args = parser.parse_args()
-    gguf = default_model_path()
+    if args.gguf_file is not None and args.quantization != "gguf":
+        parser.error("--gguf-file runs with --quantization gguf")
+    gguf = args.gguf_file or default_model_path()
     kwargs: dict = {"enforce_eager": args.enforce_eager}
     if args.quantization != "none":
         kwargs["quantization"] = args.quantization
@@ -136,18 +151,21 @@ def main() -> None:
     else:
         model = gguf
     speculative = args.speculative != "none"
+    token_ids = None
     if speculative:
         from benchmark_peers import single_workload
 
         workload = single_workload(gguf, args.steps, args.num_speculative_tokens)
         kwargs["speculative_config"] = {"method": args.speculative,
                                         **workload["prompt_lookup"]}
-        prompt = {"prompt_token_ids": workload["copy_prompt"]}
-    else:
-        rng = random.Random(0)
-        prompt = {"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(128)]}
+        token_ids = workload["copy_prompt"]
     llm = LLM(model, max_model_len=2048, max_num_seqs=8, kv_cache_memory_bytes=256 * 1024**2,
               **kwargs)
+    if token_ids is None:  # random ids of the model's own vocabulary
+        rng = random.Random(0)
+        top = min(40000, len(llm.get_tokenizer()))
+        token_ids = [rng.randrange(100, top) for _ in range(128)]
+    prompt = {"prompt_token_ids": token_ids}
     engine = llm.llm_engine
     core = engine.engine_core
     runner = core.model_executor.model_runner  # pyright: ignore[reportAttributeAccessIssue]

@@ -342,6 +342,20 @@ inline __m256i dot2(const __m256i (&w)[2], const int8_t* qx) {
   }
 }
 
+// A quad's codes and (every eighth quad: a 64-byte line of them) its scales a few KB ahead
+// asked for now: the hardware prefetchers alone leave one-row products short of the memory
+// bandwidth (gguf_blocks.h's prefetch_ahead). Past the end of a weight it never faults.
+template <int BITS>
+inline void prefetch_quad(const uint8_t* quad, const at::Half* d, const at::Half* m, int64_t g) {
+  constexpr int64_t kAhead = 4096, kScalesAhead = kAhead * 4 / (kQuad * BITS / 8) * 2;
+  for (int line = 0; line < BITS / 4; ++line)
+    _mm_prefetch(reinterpret_cast<const char*>(quad + kAhead + 64 * line), _MM_HINT_T0);
+  if (g % 8 == 0) {
+    _mm_prefetch(reinterpret_cast<const char*>(d) + kScalesAhead, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(m) + kScalesAhead, _MM_HINT_T0);
+  }
+}
+
 // Rows row0..row0+M of x (quantized in q) times weight rows [begin, end): out's same rows.
 // A quad's 128 codes are four 32-byte vectors lined up with qx's four (4-bit: the low
 // nibbles of its 64 bytes, then the high ones; 8-bit: in order); in every 32-bit lane of
@@ -370,6 +384,7 @@ void gemv_rows(const uint8_t* codes, const at::Half* d, const at::Half* m,
     __m256 acc[M];
     for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < quads; ++g) {
+      prefetch_quad<BITS>(c + g * kQuad * BITS / 8, dn + 4 * g, mn + 4 * g, g);
       __m256i w[4];
       if constexpr (BITS == 4) {
         const __m256i p0 = load(c + g * 64), p1 = load(c + g * 64 + 32);
