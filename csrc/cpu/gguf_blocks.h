@@ -547,9 +547,11 @@ inline __m256i group_scales(__m256i sc16, int g) {
 }
 
 // Weights a few KB ahead of the block being read are asked for now (every 64-byte line
-// once or more): the hardware prefetchers alone left one-row products at ~70% of the
-// memory bandwidth here (the Q8_0 vocabulary projection 29 -> 41 GB/s with 2 threads on
-// AVX2 Zen 3). A prefetch past the end of the weight is harmless (it never faults).
+// once or more): with the hardware prefetchers alone, one-row products stalled on memory
+// they could have overlapped (Gemma 3's Q8_0 vocabulary projection, 2 threads on AVX2
+// Zen 3: 25.7 -> 31.1 GB/s; docs/speed.md). Types bound by their unpacking (Q5_0) gain
+// nothing. A prefetch past the end of the weight is harmless (it never faults). Measured on
+// AVX2 only; the AVX-512 form takes the same distance.
 constexpr int64_t kPrefetchAhead = 4096;
 
 template <int BYTES>
