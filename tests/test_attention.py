@@ -162,6 +162,41 @@ def test_native_decode_kernel_head_shapes(dtype, heads, kv_heads, head_size):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, head_size, ranges", [
+    (16, 4, 64, [(0, 8), (8, 16), (4, 12)]),   # whole kv heads (the fused decoder, 2 threads)
+    (4, 1, 256, [(0, 2), (2, 4), (1, 3)]),     # Gemma 3: query heads of one kv head
+    (6, 2, 64, [(0, 1), (1, 6), (3, 5)]),      # ranges that cut a group: tiles of one
+    (4, 2, 80, [(1, 3), (0, 2)]),              # the portable loop
+])
+def test_native_decode_head_ranges_equal_all_heads(dtype, heads, kv_heads, head_size, ranges):
+    """A range of query heads (how the fused decoder splits one request's attention over
+    its threads) computes exactly what the whole call computes for those heads, bit for
+    bit, across 512-key partitions, a window and a soft-cap; the other heads' rows are
+    left alone (zeros)."""
+    ops = torch_sdpa._native_ops(torch.device("cpu"))
+    if ops is None:
+        pytest.skip("no compiler for the native kernel")
+    gen = torch.Generator().manual_seed(1)
+    block, lens = 16, [1, 37, 700]
+    max_blocks = -(-max(lens) // block)
+    kv = torch.randn(2, len(lens) * max_blocks + 1, block, kv_heads, head_size,
+                     generator=gen).to(dtype)
+    table = (torch.randperm(len(lens) * max_blocks, generator=gen) + 1).to(torch.int32)
+    table = table.view(len(lens), max_blocks).contiguous()
+    q = torch.randn(len(lens), heads, head_size, generator=gen).to(dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    for window, soft_cap in [(0, 0.0), (300, 30.0)]:
+        args = (q, kv, table, seq_lens, head_size ** -0.5, window, soft_cap)
+        full = ops.paged_decode_attention(*args)
+        for begin, end in ranges:
+            part = ops.paged_decode_attention(*args, head_begin=begin, head_end=end)
+            assert torch.equal(part[:, begin:end], full[:, begin:end]), (begin, end, window)
+            assert not part[:, :begin].any() and not part[:, end:].any()
+    with pytest.raises(RuntimeError, match=r"heads \[3, 2\)"):
+        ops.paged_decode_attention(q, kv, table, seq_lens, 1.0, head_begin=3, head_end=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_write_kv_matches_index_copy(dtype):
     """Rows of strided key/value views (as a fused qkv output gives them) land at their
     slots, exactly as index_copy_ puts them; rows past the slot mapping are ignored."""

@@ -152,6 +152,18 @@ def _reference_along(llm: LLM, prompt: list[int], tokens: list[int], tops: list[
                                                      len(tokens) - start)[0]
 
 
+def _assert_alone_equals_batched(llm: LLM, batched: tuple[list[int], torch.Tensor]) -> None:
+    """The first prompt alone, from an empty prefix cache, through the runner's fused
+    decoder: tokens and logprobs exactly `batched` (its output decoded beside the other
+    prompts). Alone, a step has one row and the decoder splits its attention's heads over
+    the threads; beside another request, each thread takes whole rows. A head's result
+    does not depend on the split."""
+    assert llm.llm_engine.reset_prefix_cache()
+    tokens, logprobs, _ = _greedy(llm, _PROMPTS[:1], _NEW_TOKENS)[0]
+    assert tokens == batched[0]
+    assert torch.equal(logprobs, batched[1])
+
+
 def _assert_fused_follows_the_eager_model(llm: LLM) -> None:
     """`llm`'s fused decode against its eager model on `_PROMPTS`: tokens identical up to a
     near tie (top two within 0.15 in both runs: the eager model then goes on from the fused
@@ -347,7 +359,9 @@ def test_fused_verification_steps_equal_one_token_steps(
     changes no bit. The drafts come from an oracle (the plain run's tokens, every third
     one wrong): accepted runs, rejections and bonus tokens all happen. The runner builds
     the backend's attention metadata only for the steps the fused decoder does not take
-    (prompts of more than 16 tokens)."""
+    (prompts of more than 16 tokens). And the first prompt decoded alone gives exactly what
+    it gave beside the other (`_assert_alone_equals_batched`: heads split over the threads
+    against rows)."""
     path, model_dir = tiny_q4_1
     llm = LLM(path, tokenizer=model_dir, quantization="gguf", dtype="float32",
               max_model_len=128, block_size=16, enable_prefix_caching=True,
@@ -360,6 +374,7 @@ def test_fused_verification_steps_equal_one_token_steps(
     ngram, runner.spec.proposer = runner.spec.proposer, NoDrafts()
     prompts = _PROMPTS[:2]
     expected = _generate(llm, prompts, fused)
+    _assert_alone_equals_batched(llm, expected[0])
     runner.spec.proposer = OracleProposer(
         {tuple(p): tokens for p, (tokens, _) in zip(prompts, expected)}, 7)
     steps, tokens = fused.steps, fused.tokens

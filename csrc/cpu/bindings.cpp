@@ -6,7 +6,8 @@
 
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache,
                                      torch::Tensor block_table, torch::Tensor seq_lens,
-                                     double scale, int64_t window, double soft_cap);
+                                     double scale, int64_t window, double soft_cap,
+                                     int64_t head_begin, int64_t head_end);
 bool paged_prefill_attention(torch::Tensor query, torch::Tensor kv_cache,
                              torch::Tensor block_table, torch::Tensor query_start,
                              torch::Tensor query_len, torch::Tensor seq_lens, torch::Tensor out,
@@ -78,9 +79,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.def("paged_decode_attention", &paged_decode_attention,
         "Paged decode attention over a block-paged KV cache (CPU); a sliding window "
-        "(0: none) and a logit soft-cap (0: none)",
+        "(0: none), a logit soft-cap (0: none), and the query heads [head_begin, head_end) "
+        "computed (-1: to the last; the other heads' rows are zeros)",
         py::arg("query"), py::arg("kv_cache"), py::arg("block_table"), py::arg("seq_lens"),
-        py::arg("scale"), py::arg("window") = 0, py::arg("soft_cap") = 0.0);
+        py::arg("scale"), py::arg("window") = 0, py::arg("soft_cap") = 0.0,
+        py::arg("head_begin") = 0, py::arg("head_end") = -1);
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "Paged prefill attention of every prompt chunk of a step (CPU); false if unsupported",
         py::arg("query"), py::arg("kv_cache"), py::arg("block_table"), py::arg("query_start"),

@@ -27,8 +27,10 @@
 //
 // Threads: each keeps its own copy of the residual stream and computes the elementwise
 // stages and each projection's int8 input itself, then its share of the projection's output
-// rows (and of attention's sequences); one barrier after each of the five stages whose output
-// every thread reads.
+// rows (and of attention's sequences, or with fewer sequences than threads, of their heads:
+// whole kv heads where there are as many as threads, else query heads, with a barrier
+// between storing the keys and attending); one barrier after each of the five stages whose
+// output every thread reads.
 //
 // Numerics follow the operator-by-operator path: every tensor that path stores in the
 // model's dtype (normed rows, q/k/v, the normed and rotated q and k, attention's output,
@@ -696,13 +698,23 @@ class FusedDecoder {
         rms_norm<T>(h, false, norm(l, 0), x, rows, hidden, eps_, one_plus_);
         project(weights_[2 * l], x, hidden, y_qkv);
 #pragma omp barrier
-        {  // each thread its share of the rows; one row: the first thread
+        if (rows >= nt) {  // each thread its share of the rows, every head
           const int64_t first = rows * tid / nt, last = rows * (tid + 1) / nt;
-          if (first < last) rotate_and_store<T>(l, first, last, y_qkv, step, q, x);
+          const Heads all{0, num_heads_, 0, num_kv_heads_};
+          if (first < last) rotate_and_store<T>(l, first, last, all, y_qkv, step, q, x);
           if (step.shared) {
 #pragma omp barrier
           }
-          if (first < last) attend<T>(l, first, last, step, q, attn);
+          if (first < last) attend<T>(l, first, last, all, step, q, attn);
+        } else {  // every row, each thread its share of the heads
+          const Heads mine_heads = head_share(tid, nt);
+          if (mine_heads.q_begin < mine_heads.q_end || mine_heads.kv_begin < mine_heads.kv_end)
+            rotate_and_store<T>(l, 0, rows, mine_heads, y_qkv, step, q, x);
+          if (step.shared || !whole_kv_heads(nt)) {  // keys another thread stored
+#pragma omp barrier
+          }
+          if (mine_heads.q_begin < mine_heads.q_end)
+            attend<T>(l, 0, rows, mine_heads, step, q, attn);
         }
 #pragma omp barrier
         project(weights_[2 * l + 1], attn, q_size, y_o);
@@ -732,12 +744,33 @@ class FusedDecoder {
     for (int64_t i = 0; i < rows * hidden; i += 16) store16(o + i, load16(x + i));
   }
 
+  // Query heads [q_begin, q_end) and the kv heads [kv_begin, kv_end) a thread rotates and
+  // stores; it attends its query heads.
+  struct Heads {
+    int64_t q_begin, q_end, kv_begin, kv_end;
+  };
+
+  // With fewer rows than threads, thread tid's share of the heads: whole kv heads (their
+  // query heads with them) where there are at least as many kv heads as threads, else
+  // query heads, each kv head stored by the thread holding its first query head.
+  Heads head_share(int tid, int nt) const {
+    const int64_t group = num_heads_ / num_kv_heads_;
+    const int64_t unit = whole_kv_heads(nt) ? group : 1;
+    const int64_t units = num_heads_ / unit;
+    const int64_t q_begin = units * tid / nt * unit, q_end = units * (tid + 1) / nt * unit;
+    return {q_begin, q_end, (q_begin + group - 1) / group, (q_end + group - 1) / group};
+  }
+
+  // Whether head_share splits by whole kv heads (each thread attends only keys it stored).
+  bool whole_kv_heads(int nt) const { return num_kv_heads_ >= nt; }
+
   // Rows [first, last): q and k (normed per head where the model has q/k norms) rotated
   // (rotate-half form) by the layer's table, q into `q`, k and v into the layer's cache at
-  // the rows' slots of its group. `scratch`: this thread's, at least a head.
+  // the rows' slots of its group; of the heads `heads`. `scratch`: this thread's, at least
+  // a head.
   template <typename T>
-  void rotate_and_store(int64_t layer, int64_t first, int64_t last, const float* qkv,
-                        const Step& step, T* q, float* scratch) const {
+  void rotate_and_store(int64_t layer, int64_t first, int64_t last, const Heads& heads,
+                        const float* qkv, const Step& step, T* q, float* scratch) const {
     const int64_t D = head_size_, half = D / 2;
     const int64_t q_size = num_heads_ * D, kv_size = num_kv_heads_ * D;
     const int64_t qkv_n = q_size + 2 * kv_size;
@@ -755,6 +788,11 @@ class FusedDecoder {
       const T* s = sin + step.pos[r] * D;
       // Heads 0..num_heads-1 are q (into q), then the kv heads' k (into the cache).
       for (int64_t head = 0; head < num_heads_ + num_kv_heads_; ++head) {
+        const bool is_mine = head < num_heads_
+                                 ? heads.q_begin <= head && head < heads.q_end
+                                 : heads.kv_begin <= head - num_heads_ &&
+                                       head - num_heads_ < heads.kv_end;
+        if (!is_mine) continue;
         const float* in = src + head * D;
         if (qk_norm) {  // the head normed, as the operator path stores it in T
           const bool is_q = head < num_heads_;
@@ -775,15 +813,17 @@ class FusedDecoder {
       }
       const float* v = src + q_size + kv_size;
       T* v_dst = v_cache + slots[r] * kv_size;
-      for (int64_t j = 0; j < kv_size; j += 16) store16(v_dst + j, load16(v + j));
+      for (int64_t j = heads.kv_begin * D; j < heads.kv_end * D; j += 16)
+        store16(v_dst + j, load16(v + j));
     }
   }
 
-  // Rows [first, last): paged decode attention of their queries into `attn`, through the
-  // block tables of the layer's group, with its window and the soft-cap.
+  // Rows [first, last): paged decode attention of their queries (the query heads of
+  // `heads`) into `attn`, through the block tables of the layer's group, with its window
+  // and the soft-cap.
   template <typename T>
-  void attend(int64_t layer, int64_t first, int64_t last, const Step& step, const T* q,
-              T* attn) const {
+  void attend(int64_t layer, int64_t first, int64_t last, const Heads& heads, const Step& step,
+              const T* q, T* attn) const {
     const int64_t q_size = num_heads_ * head_size_;
     const torch::Tensor& kv = kv_caches_[layer];
     const int32_t* table = step.tables[kv_groups_[layer]];
@@ -791,7 +831,7 @@ class FusedDecoder {
                               table + first * step.max_blocks, step.lens + first,
                               attn + first * q_size, last - first, num_heads_, num_kv_heads_,
                               head_size_, kv.size(1), kv.size(2), step.max_blocks, scale_,
-                              windows_[layer], soft_cap_);
+                              windows_[layer], soft_cap_, heads.q_begin, heads.q_end);
   }
 
   // A mixture-of-experts block on rows x [rows, hidden] (normed, T's values) into this

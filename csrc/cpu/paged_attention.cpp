@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -83,18 +84,23 @@ void decode_attention(const T* query, const T* kv_cache, const int32_t* block_ta
                       const int32_t* seq_lens, T* out, int64_t num_seqs, int64_t num_heads,
                       int64_t num_kv_heads, int64_t head_size, int64_t num_blocks,
                       int64_t block_size, int64_t max_blocks, float scale, int64_t window,
-                      float soft_cap) {
+                      float soft_cap, int64_t head_begin, int64_t head_end) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_size;
   const T* value_cache = kv_cache + num_blocks * block_size * token_stride;
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  const int64_t kv_begin = head_begin / group, kv_end = (head_end + group - 1) / group;
+  const int64_t kv_count = kv_end - kv_begin;
+  at::parallel_for(0, num_seqs * kv_count, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(group * head_size), acc(group * head_size), row(head_size);
     std::vector<float> scores;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
+      const int64_t seq = task / kv_count, kv_head = kv_begin + task % kv_count;
       const int64_t len = seq_lens[seq];
       const int32_t* blocks = block_table + seq * max_blocks;
-      for (int64_t g = 0; g < group; ++g) {
+      // This kv head's query heads in the range: group members [g_begin, g_end).
+      const int64_t g_begin = std::max<int64_t>(0, head_begin - kv_head * group);
+      const int64_t g_end = std::min<int64_t>(group, head_end - kv_head * group);
+      for (int64_t g = g_begin; g < g_end; ++g) {
         const T* src = query + (seq * num_heads + kv_head * group + g) * head_size;
         load_row(src, q.data() + g * head_size, head_size);
       }
@@ -105,7 +111,7 @@ void decode_attention(const T* query, const T* kv_cache, const int32_t* block_ta
         const int64_t slot = static_cast<int64_t>(blocks[t / block_size]) * block_size +
                              t % block_size;
         load_row(kv_cache + slot * token_stride + kv_head * head_size, row.data(), head_size);
-        for (int64_t g = 0; g < group; ++g) {
+        for (int64_t g = g_begin; g < g_end; ++g) {
           const float* qg = q.data() + g * head_size;
           float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
@@ -114,21 +120,21 @@ void decode_attention(const T* query, const T* kv_cache, const int32_t* block_ta
           scores[g * len + t] = soft_cap > 0.0f ? soft_cap * std::tanh(x / soft_cap) : x;
         }
       }
-      for (int64_t g = 0; g < group; ++g) softmax_in_place(scores.data() + g * len, len);
+      for (int64_t g = g_begin; g < g_end; ++g) softmax_in_place(scores.data() + g * len, len);
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t t = start; t < len; ++t) {
         const int64_t slot = static_cast<int64_t>(blocks[t / block_size]) * block_size +
                              t % block_size;
         load_row(value_cache + slot * token_stride + kv_head * head_size, row.data(),
                  head_size);
-        for (int64_t g = 0; g < group; ++g) {
+        for (int64_t g = g_begin; g < g_end; ++g) {
           const float p = scores[g * len + t];
           float* a = acc.data() + g * head_size;
 #pragma omp simd
           for (int64_t j = 0; j < head_size; ++j) a[j] += p * row[j];
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
+      for (int64_t g = g_begin; g < g_end; ++g) {
         T* dst = out + (seq * num_heads + kv_head * group + g) * head_size;
         store_row(acc.data() + g * head_size, dst, head_size);
       }
@@ -148,14 +154,31 @@ inline void prefetch_bytes(const T* first, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, static_cast<_mm_hint>(kHint));
 }
 
+// Prefetches the kv heads [kv_begin, kv_end) of n cache rows from `rows` (every kv head
+// of a row contiguous, `token_stride` elements a row): whole rows where the range is every
+// head, else each row's slice (a task over some heads leaves the others to other threads).
+template <int kHint, typename T>
+inline void prefetch_heads(const T* rows, int64_t n, int64_t token_stride, int64_t head_size,
+                           int64_t kv_begin, int64_t kv_end) {
+  const int64_t slice = (kv_end - kv_begin) * head_size;
+  if (slice == token_stride) {
+    prefetch_bytes<kHint>(rows, n * token_stride * static_cast<int64_t>(sizeof(T)));
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i)
+    prefetch_bytes<kHint>(rows + i * token_stride + kv_begin * head_size,
+                          slice * static_cast<int64_t>(sizeof(T)));
+}
+
 // One task of a form (attend_partition below): query, K and V caches, the partition's
-// block ids, its length, block size, kv heads, group, scale, soft cap, keys skipped,
-// scratch (num_heads * (kPartition + head_size) floats), and per head the max score, sum
-// of exps and unnormalised output it writes.
+// block ids, its length, block size, kv heads, group, the query heads [begin, end) it
+// computes (a multiple of the form's tile each), scale, soft cap, keys skipped, scratch
+// (num_heads * (kPartition + head_size) floats), and per head the max score, sum of exps
+// and unnormalised output it writes.
 template <typename T>
 using PartitionFn = void (*)(const T*, const T*, const T*, const int32_t*, int64_t, int64_t,
-                             int64_t, int64_t, float, float, int64_t, float*, float*, float*,
-                             float*);
+                             int64_t, int64_t, int64_t, int64_t, float, float, int64_t, float*,
+                             float*, float*, float*);
 #endif
 
 #if defined(__AVX512F__)
@@ -337,62 +360,59 @@ inline std::pair<float, float> exp_scores(float* s, int64_t len, float scale) {
 template <typename T, int GT, int C>
 void attend_partition(const T* q_seq, const T* k_cache, const T* v_cache,
                       const int32_t* blocks, int64_t len, int64_t block_size,
-                      int64_t num_kv_heads, int64_t group, float scale, float soft_cap,
-                      int64_t skip, float* scores, float* out_max, float* out_sum,
-                      float* out) {
+                      int64_t num_kv_heads, int64_t group, int64_t head_begin,
+                      int64_t head_end, float scale, float soft_cap, int64_t skip,
+                      float* scores, float* out_max, float* out_sum, float* out) {
   constexpr int64_t D = 16 * C;
   const int64_t token_stride = num_kv_heads * D;
-  const int64_t block_bytes = block_size * token_stride * static_cast<int64_t>(sizeof(T));
-  const int64_t num_heads = num_kv_heads * group;
+  const int64_t kv_begin = head_begin / group, kv_end = (head_end + group - 1) / group;
   for (int64_t t0 = 0; t0 < len; t0 += block_size) {
     const int64_t n = std::min(block_size, len - t0);
     const int64_t offset = static_cast<int64_t>(blocks[t0 / block_size]) * block_size *
                            token_stride;
     // The next block's keys into L1, the one after into L2, this block's values into L2.
     if (t0 + block_size < len)
-      prefetch_bytes<_MM_HINT_T0>(k_cache + static_cast<int64_t>(blocks[t0 / block_size + 1]) *
-                                                block_size * token_stride, block_bytes);
+      prefetch_heads<_MM_HINT_T0>(k_cache + static_cast<int64_t>(blocks[t0 / block_size + 1]) *
+                                                block_size * token_stride,
+                                  block_size, token_stride, D, kv_begin, kv_end);
     if (t0 + 2 * block_size < len)
-      prefetch_bytes<_MM_HINT_T1>(k_cache + static_cast<int64_t>(blocks[t0 / block_size + 2]) *
-                                                block_size * token_stride, block_bytes);
-    prefetch_bytes<_MM_HINT_T1>(v_cache + offset, n * token_stride * sizeof(T));
-    for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head)
-      for (int64_t g0 = 0; g0 < group; g0 += GT) {
-        const int64_t head = kv_head * group + g0;
-        block_scores<T, GT, C>(q_seq + head * D, k_cache + offset + kv_head * D, n,
-                               token_stride, scores + head * kPartition + t0);
-      }
+      prefetch_heads<_MM_HINT_T1>(k_cache + static_cast<int64_t>(blocks[t0 / block_size + 2]) *
+                                                block_size * token_stride,
+                                  block_size, token_stride, D, kv_begin, kv_end);
+    prefetch_heads<_MM_HINT_T1>(v_cache + offset, n, token_stride, D, kv_begin, kv_end);
+    for (int64_t head = head_begin; head < head_end; head += GT)
+      block_scores<T, GT, C>(q_seq + head * D, k_cache + offset + head / group * D, n,
+                             token_stride, scores + head * kPartition + t0);
   }
   const bool plain = soft_cap <= 0.0f && skip == 0;
-  for (int64_t head = 0; head < num_heads; ++head) {
+  for (int64_t head = head_begin; head < head_end; ++head) {
     if (!plain) cap_and_skip(scores + head * kPartition, len, scale, soft_cap, skip);
     const auto [m, sum] = exp_scores(scores + head * kPartition, len, plain ? scale : 1.0f);
     out_max[head] = m;
     out_sum[head] = sum;
   }
-  for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head)
-    for (int64_t g0 = 0; g0 < group; g0 += GT) {
-      const int64_t head = kv_head * group + g0;
-      const float* p = scores + head * kPartition;
-      __m512 acc[GT][C];
-      for (int g = 0; g < GT; ++g)
-        for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
-      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const int64_t n = std::min(block_size, len - t0);
-        const T* vb = v_cache + static_cast<int64_t>(blocks[t0 / block_size]) * block_size *
-                                    token_stride + kv_head * D;
-        for (int64_t i = 0; i < n; ++i) {
-          __m512 v[C];
-          for (int c = 0; c < C; ++c) v[c] = load16(vb + i * token_stride + 16 * c);
-          for (int g = 0; g < GT; ++g) {
-            const __m512 w = _mm512_set1_ps(p[g * kPartition + t0 + i]);
-            for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);
-          }
+  for (int64_t head = head_begin; head < head_end; head += GT) {
+    const int64_t kv_head = head / group;
+    const float* p = scores + head * kPartition;
+    __m512 acc[GT][C];
+    for (int g = 0; g < GT; ++g)
+      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+      const int64_t n = std::min(block_size, len - t0);
+      const T* vb = v_cache + static_cast<int64_t>(blocks[t0 / block_size]) * block_size *
+                                  token_stride + kv_head * D;
+      for (int64_t i = 0; i < n; ++i) {
+        __m512 v[C];
+        for (int c = 0; c < C; ++c) v[c] = load16(vb + i * token_stride + 16 * c);
+        for (int g = 0; g < GT; ++g) {
+          const __m512 w = _mm512_set1_ps(p[g * kPartition + t0 + i]);
+          for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);
         }
       }
-      for (int g = 0; g < GT; ++g)
-        for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + (head + g) * D + 16 * c, acc[g][c]);
     }
+    for (int g = 0; g < GT; ++g)
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + (head + g) * D + 16 * c, acc[g][c]);
+  }
 }
 
 // The instantiation for head_size 16 * C and the largest tile (<= 4 heads, at most 16
@@ -574,47 +594,43 @@ inline void sum_values(const float* p, const T* v_head, const int32_t* blocks, i
 template <typename T, int GT, int C>
 void attend_partition(const T* q_seq, const T* k_cache, const T* v_cache,
                       const int32_t* blocks, int64_t len, int64_t block_size,
-                      int64_t num_kv_heads, int64_t group, float scale, float soft_cap,
-                      int64_t skip, float* scratch, float* out_max, float* out_sum,
-                      float* out) {
+                      int64_t num_kv_heads, int64_t group, int64_t head_begin,
+                      int64_t head_end, float scale, float soft_cap, int64_t skip,
+                      float* scratch, float* out_max, float* out_sum, float* out) {
   constexpr int64_t D = 8 * C;
   const int64_t token_stride = num_kv_heads * D;
-  const int64_t block_bytes = block_size * token_stride * static_cast<int64_t>(sizeof(T));
   const int64_t num_heads = num_kv_heads * group;
+  const int64_t kv_begin = head_begin / group, kv_end = (head_end + group - 1) / group;
   float* scores = scratch;
   float* q = scratch + num_heads * kPartition;
-  for (int64_t h = 0; h < num_heads; ++h) load_row(q_seq + h * D, q + h * D, D);
+  for (int64_t h = head_begin; h < head_end; ++h) load_row(q_seq + h * D, q + h * D, D);
   for (int64_t t0 = 0; t0 < len; t0 += block_size) {
     const int64_t n = std::min(block_size, len - t0);
     const int64_t offset = static_cast<int64_t>(blocks[t0 / block_size]) * block_size *
                            token_stride;
     if (t0 + block_size < len)
-      prefetch_bytes<_MM_HINT_T0>(k_cache + static_cast<int64_t>(blocks[t0 / block_size + 1]) *
-                                                block_size * token_stride, block_bytes);
+      prefetch_heads<_MM_HINT_T0>(k_cache + static_cast<int64_t>(blocks[t0 / block_size + 1]) *
+                                                block_size * token_stride,
+                                  block_size, token_stride, D, kv_begin, kv_end);
     if (t0 + 2 * block_size < len)
-      prefetch_bytes<_MM_HINT_T1>(k_cache + static_cast<int64_t>(blocks[t0 / block_size + 2]) *
-                                                block_size * token_stride, block_bytes);
-    prefetch_bytes<_MM_HINT_T1>(v_cache + offset, n * token_stride * sizeof(T));
-    for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head)
-      for (int64_t g0 = 0; g0 < group; g0 += GT) {
-        const int64_t head = kv_head * group + g0;
-        block_scores<T, GT, C>(q + head * D, k_cache + offset + kv_head * D, n, token_stride,
-                               scores + head * kPartition + t0);
-      }
+      prefetch_heads<_MM_HINT_T1>(k_cache + static_cast<int64_t>(blocks[t0 / block_size + 2]) *
+                                                block_size * token_stride,
+                                  block_size, token_stride, D, kv_begin, kv_end);
+    prefetch_heads<_MM_HINT_T1>(v_cache + offset, n, token_stride, D, kv_begin, kv_end);
+    for (int64_t head = head_begin; head < head_end; head += GT)
+      block_scores<T, GT, C>(q + head * D, k_cache + offset + head / group * D, n, token_stride,
+                             scores + head * kPartition + t0);
   }
   const bool plain = soft_cap <= 0.0f && skip == 0;
-  for (int64_t head = 0; head < num_heads; ++head) {
+  for (int64_t head = head_begin; head < head_end; ++head) {
     if (!plain) cap_and_skip(scores + head * kPartition, len, scale, soft_cap, skip);
     const auto [m, sum] = exp_scores(scores + head * kPartition, len, plain ? scale : 1.0f);
     out_max[head] = m;
     out_sum[head] = sum;
   }
-  for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head)
-    for (int64_t g0 = 0; g0 < group; g0 += GT) {
-      const int64_t head = kv_head * group + g0;
-      sum_values<T, GT, C>(scores + head * kPartition, v_cache + kv_head * D, blocks, len,
-                           block_size, token_stride, out + head * D);
-    }
+  for (int64_t head = head_begin; head < head_end; head += GT)
+    sum_values<T, GT, C>(scores + head * kPartition, v_cache + head / group * D, blocks, len,
+                         block_size, token_stride, out + head * D);
 }
 
 // The largest tile of query heads (<= 3: 12 score accumulators) dividing the group.
@@ -645,9 +661,13 @@ bool decode_attention_partitioned(const T* query, const T* kv_cache, const int32
                              const int32_t* seq_lens, T* out, int64_t num_seqs,
                              int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
                              int64_t num_blocks, int64_t block_size, int64_t max_blocks,
-                             float scale, int64_t window, float soft_cap) {
+                             float scale, int64_t window, float soft_cap, int64_t head_begin,
+                             int64_t head_end) {
   const int64_t group = num_heads / num_kv_heads;
-  const PartitionFn<T> attend = pick_partition_fn<T>(head_size, group);
+  // The tile: the largest form dividing the group and both ends of the range (a tile of
+  // heads never crosses a kv head or the range). A head's result is the same in any tile.
+  const PartitionFn<T> attend =
+      pick_partition_fn<T>(head_size, std::gcd(std::gcd(group, head_begin), head_end));
   if (attend == nullptr || kPartition % block_size != 0) return false;
   const int64_t token_stride = num_kv_heads * head_size;
   const T* value_cache = kv_cache + num_blocks * block_size * token_stride;
@@ -694,14 +714,16 @@ bool decode_attention_partitioned(const T* query, const T* kv_cache, const int32
         const int64_t h = part * num_heads;
         attend(query + seq * num_heads * head_size, kv_cache, value_cache,
                block_table + seq * max_blocks + first / block_size, len, block_size,
-               num_kv_heads, group, scale, soft_cap, std::max<int64_t>(0, skip), scores.data(),
-               part_max.data() + h, part_sum.data() + h, part_out.data() + h * head_size);
+               num_kv_heads, group, head_begin, head_end, scale, soft_cap,
+               std::max<int64_t>(0, skip), scores.data(), part_max.data() + h,
+               part_sum.data() + h, part_out.data() + h * head_size);
       });
   // Merge each sequence's partitions: out = sum_p e^(m_p - M) o_p / sum_p e^(m_p - M) l_p.
-  at::parallel_for(0, num_seqs * num_heads, 16, [&](int64_t begin, int64_t end) {
+  const int64_t range = head_end - head_begin;
+  at::parallel_for(0, num_seqs * range, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> merged(head_size);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = task / num_heads, head = task % num_heads;
+      const int64_t seq = task / range, head = head_begin + task % range;
       float m = -std::numeric_limits<float>::infinity();
       for (int64_t p = part_start[seq]; p < part_start[seq + 1]; ++p)
         m = std::max(m, part_max[p * num_heads + head]);
@@ -731,34 +753,35 @@ void paged_decode(const T* query, const T* kv_cache, const int32_t* block_table,
                   const int32_t* seq_lens, T* out, int64_t num_seqs, int64_t num_heads,
                   int64_t num_kv_heads, int64_t head_size, int64_t num_blocks,
                   int64_t block_size, int64_t max_blocks, float scale, int64_t window,
-                  float soft_cap) {
+                  float soft_cap, int64_t head_begin, int64_t head_end) {
+  TORCH_CHECK(0 <= head_begin && head_begin < head_end && head_end <= num_heads,
+              "paged_decode: heads [", head_begin, ", ", head_end, ") of ", num_heads);
 #if defined(VLLM_PARTITIONED_DECODE)
   if (decode_attention_partitioned<T>(query, kv_cache, block_table, seq_lens, out, num_seqs,
                                  num_heads, num_kv_heads, head_size, num_blocks, block_size,
-                                 max_blocks, scale, window, soft_cap))
+                                 max_blocks, scale, window, soft_cap, head_begin, head_end))
     return;
 #endif
   decode_attention<T>(query, kv_cache, block_table, seq_lens, out, num_seqs, num_heads,
                       num_kv_heads, head_size, num_blocks, block_size, max_blocks, scale,
-                      window, soft_cap);
+                      window, soft_cap, head_begin, head_end);
 }
 
-template void paged_decode<float>(const float*, const float*, const int32_t*, const int32_t*,
-                                  float*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                  int64_t, int64_t, float, int64_t, float);
-template void paged_decode<at::BFloat16>(const at::BFloat16*, const at::BFloat16*,
-                                         const int32_t*, const int32_t*, at::BFloat16*,
-                                         int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                         int64_t, float, int64_t, float);
-template void paged_decode<at::Half>(const at::Half*, const at::Half*, const int32_t*,
-                                     const int32_t*, at::Half*, int64_t, int64_t, int64_t,
-                                     int64_t, int64_t, int64_t, int64_t, float, int64_t, float);
+#define VLLM_PAGED_DECODE(T)                                                                  \
+  template void paged_decode<T>(const T*, const T*, const int32_t*, const int32_t*, T*,      \
+                                int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,        \
+                                int64_t, float, int64_t, float, int64_t, int64_t);
+VLLM_PAGED_DECODE(float)
+VLLM_PAGED_DECODE(at::BFloat16)
+VLLM_PAGED_DECODE(at::Half)
+#undef VLLM_PAGED_DECODE
 
 }  // namespace vllm_cpu
 
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache,
                                      torch::Tensor block_table, torch::Tensor seq_lens,
-                                     double scale, int64_t window, double soft_cap) {
+                                     double scale, int64_t window, double soft_cap,
+                                     int64_t head_begin, int64_t head_end) {
   TORCH_CHECK(window >= 0 && soft_cap >= 0.0, "window and soft_cap must be >= 0");
   TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5, "bad ranks");
   TORCH_CHECK(query.is_contiguous() && kv_cache.is_contiguous(), "inputs must be contiguous");
@@ -771,14 +794,19 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
   const int64_t num_kv_heads = kv_cache.size(3);
   TORCH_CHECK(kv_cache.size(4) == head_size && num_heads % num_kv_heads == 0, "bad shapes");
-  auto out = torch::empty_like(query);
+  if (head_end < 0) head_end = num_heads;
+  TORCH_CHECK(0 <= head_begin && head_begin < head_end && head_end <= num_heads,
+              "paged_decode_attention: heads [", head_begin, ", ", head_end, ") of ", num_heads);
+  const bool all_heads = head_begin == 0 && head_end == num_heads;
+  auto out = all_heads ? torch::empty_like(query) : torch::zeros_like(query);
   auto run = [&](auto* type_tag) {
     using T = std::remove_pointer_t<decltype(type_tag)>;
     vllm_cpu::paged_decode<T>(query.data_ptr<T>(), kv_cache.data_ptr<T>(),
                               block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
                               out.data_ptr<T>(), num_seqs, num_heads, num_kv_heads, head_size,
                               num_blocks, block_size, block_table.size(1),
-                              static_cast<float>(scale), window, static_cast<float>(soft_cap));
+                              static_cast<float>(scale), window, static_cast<float>(soft_cap),
+                              head_begin, head_end);
   };
   switch (query.scalar_type()) {
     case torch::kFloat32: run(static_cast<float*>(nullptr)); break;
