@@ -26,11 +26,11 @@
 // buffer is allocated once.
 //
 // Threads: each keeps its own copy of the residual stream and computes the elementwise
-// stages and each projection's int8 input itself, then its share of the projection's output
-// rows (and of attention's sequences, or with fewer sequences than threads, of their heads:
-// whole kv heads where there are as many as threads, else query heads, with a barrier
-// between storing the keys and attending); one barrier after each of the five stages whose
-// output every thread reads.
+// stages and each projection's int8 input itself, then pieces of the projection's output
+// rows as it comes free (a slower core takes fewer), and its share of attention's sequences
+// (with fewer sequences than threads, of their heads: whole kv heads where there are as
+// many as threads, else query heads, with a barrier between storing the keys and
+// attending); one barrier after each of the five stages whose output every thread reads.
 //
 // Numerics follow the operator-by-operator path: every tensor that path stores in the
 // model's dtype (normed rows, q/k/v, the normed and rotated q and k, attention's output,
@@ -55,6 +55,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <cstdint>
@@ -525,6 +526,7 @@ class FusedDecoder {
     for (int j = 0; j < 4; ++j) y_[j].resize(rows * widths[j]);
     for (int j = 0; j < 3; ++j) expert_y_[j].resize(expert_rows * expert_inter);
     expert_y_[3].resize(expert_rows * hidden_);
+    counters_.reset(new std::atomic<int64_t>[layers_ * kStages]);
     // Attention's query and output in T (at most 4 bytes an element).
     q_.resize(rows * q_size);
     attn_.resize(rows * q_size);
@@ -605,7 +607,7 @@ class FusedDecoder {
     vllm_gguf::Activations activations;
     Int8Rows int8;
     std::vector<float> probs, weights, gathered, moe;
-    std::vector<int64_t> ids, start, next, order, position;
+    std::vector<int64_t> ids, start, next, order, position, active;
   };
 
   // A step's rows: positions, lengths, and per KV cache group the block table rows and
@@ -619,23 +621,43 @@ class FusedDecoder {
     bool shared;
   };
 
-  // Rows [begin, end) of this thread's share of an n-row projection (chunks of 16).
-  static void share(int64_t n, int tid, int threads, int64_t* begin, int64_t* end) {
-    const int64_t chunk = ((n + threads - 1) / threads + 15) / 16 * 16;
-    *begin = std::min(n, tid * chunk);
-    *end = std::min(n, *begin + chunk);
+  // A stage's work is shared out dynamically: `count` pieces, each taken by the next thread
+  // that asks (`next`: the stage's counter, zero at the step's start), so that a thread
+  // slowed down (by its core's other work, or its share of memory) takes fewer. Which
+  // thread computes a piece changes no value.
+  template <typename F>
+  static void take_pieces(std::atomic<int64_t>& next, int64_t count, F&& piece) {
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < count;
+         i = next.fetch_add(1, std::memory_order_relaxed))
+      piece(i);
   }
 
-  // This thread's share of weight w's output rows for the inputs `in` [rows, k], which it
-  // quantizes itself (every thread the same values), into out [rows, n].
+  // Weight w's output rows for the inputs `in` [rows, k], which every thread quantizes
+  // itself (the same values), into out [rows, n]. Pieces of whole 16-row tiles: first one
+  // a thread of three quarters of its share, then the rest in pieces of a sixteenth. Long
+  // runs stream best: the kernels prefetch 4 KB ahead within a run, so each run's first
+  // rows come cold (pieces of an eighth throughout had the default model's decode slower).
   template <typename T, typename X>
   void project_share(const FusedWeight& w, const X* in, int64_t rows, int64_t k, float* out,
-                     int tid, int nt, Private& mine) const {
+                     int nt, Private& mine, std::atomic<int64_t>& next) const {
     w.quantize(in, rows, k, &mine.quantized, &mine.activations, &mine.int8);
-    int64_t begin, end;
-    share(w.n(), tid, nt, &begin, &end);
-    if (begin < end)
-      w.rows_range<T>(rows, mine.quantized, mine.activations, mine.int8, out, begin, end);
+    const int64_t n = w.n();
+    const int64_t big = 3 * n / (4 * nt) / 16 * 16;
+    const int64_t small = std::max<int64_t>(16, (n / (16 * nt) + 15) / 16 * 16);
+    const int64_t first_small = nt * big;
+    take_pieces(next, nt + (n - first_small + small - 1) / small, [&](int64_t i) {
+      const int64_t begin = i < nt ? i * big : first_small + (i - nt) * small;
+      const int64_t end = i < nt ? begin + big : std::min(n, begin + small);
+      if (begin < end)
+        w.rows_range<T>(rows, mine.quantized, mine.activations, mine.int8, out, begin, end);
+    });
+  }
+
+  // A step's counters for take_pieces: kStages a layer (qkv, o, the feed-forward's two
+  // products, a shared expert's two), zeroed before each step.
+  static constexpr int64_t kStages = 6;
+  std::atomic<int64_t>& counter(int64_t layer, int64_t stage) const {
+    return counters_[layer * kStages + stage];
   }
 
   // x [n] . w [n] in float32 (n a multiple of 16).
@@ -661,6 +683,8 @@ class FusedDecoder {
     float* y_down = y_[3].data();
     const int threads = at::get_num_threads();
     if (static_cast<int>(private_.size()) < threads) private_.resize(threads);
+    for (int64_t i = 0; i < layers_ * kStages; ++i)
+      counters_[i].store(0, std::memory_order_relaxed);
     const T* hin = h_in.data_ptr<T>();
     for (auto& p : private_) {
       p.h.resize(vllm_cpu::qgemv::kMaxChunkedRows * hidden);
@@ -689,14 +713,15 @@ class FusedDecoder {
       Private& mine = private_[tid];
       float* h = mine.h.data();
       float* x = mine.x.data();
-      auto project = [&](const FusedWeight& w, const auto* in, int64_t k, float* out_rows) {
-        project_share<T>(w, in, rows, k, out_rows, tid, nt, mine);
+      auto project = [&](const FusedWeight& w, const auto* in, int64_t k, float* out_rows,
+                         std::atomic<int64_t>& next) {
+        project_share<T>(w, in, rows, k, out_rows, nt, mine, next);
       };
       const float* down = y_down;  // the feed-forward block's output: shared, or this thread's
       for (int64_t l = 0; l < layers_; ++l) {
         if (l > 0) add(h, x, down, l - 1, 3);  // the previous layer's feed-forward
         rms_norm<T>(h, false, norm(l, 0), x, rows, hidden, eps_, one_plus_);
-        project(weights_[2 * l], x, hidden, y_qkv);
+        project(weights_[2 * l], x, hidden, y_qkv, counter(l, 0));
 #pragma omp barrier
         if (rows >= nt) {  // each thread its share of the rows, every head
           const int64_t first = rows * tid / nt, last = rows * (tid + 1) / nt;
@@ -717,19 +742,19 @@ class FusedDecoder {
             attend<T>(l, 0, rows, mine_heads, step, q, attn);
         }
 #pragma omp barrier
-        project(weights_[2 * l + 1], attn, q_size, y_o);
+        project(weights_[2 * l + 1], attn, q_size, y_o, counter(l, 1));
 #pragma omp barrier
         add(h, x, y_o, l, 1);
         rms_norm<T>(h, false, norm(l, sandwich ? 2 : 1), x, rows, hidden, eps_, one_plus_);
         const FusedMLP& mlp = mlps_[l];
         if (mlp.is_experts()) {
-          experts<T>(mlp, rows, x, tid, nt, mine);
+          experts<T>(mlp, l, rows, x, nt, mine);
           down = mine.moe.data();
         } else {
-          project(mlp.gate_up_, x, hidden, y_gu);
+          project(mlp.gate_up_, x, hidden, y_gu, counter(l, 2));
 #pragma omp barrier
           act_mul<T>(y_gu, x, rows, mlp.intermediate());
-          project(mlp.down_, x, mlp.intermediate(), y_down);
+          project(mlp.down_, x, mlp.intermediate(), y_down, counter(l, 3));
 #pragma omp barrier
           down = y_down;
         }
@@ -837,10 +862,11 @@ class FusedDecoder {
   // A mixture-of-experts block on rows x [rows, hidden] (normed, T's values) into this
   // thread's `moe` [rows, hidden], as `moe_experts` computes it (see FusedMLP). Every
   // thread routes every row and quantizes every expert row itself; the products are tasks
-  // (an expert's rows times a tile of its weight rows) dealt round the threads, with a
-  // barrier after the gate / up products and one after the down products.
+  // (an expert's rows times a tile of its weight rows) taken by the threads as they come
+  // free (take_pieces), with a barrier after the gate / up products and one after the down
+  // products.
   template <typename T>
-  void experts(const FusedMLP& m, int64_t rows, const float* x, int tid, int nt,
+  void experts(const FusedMLP& m, int64_t layer, int64_t rows, const float* x, int nt,
                Private& mine) {
     const int64_t H = hidden_, E = m.num_experts_, k = m.top_k_, I = m.inter_;
     const int64_t n = rows * k;  // (row, slot) pairs
@@ -891,18 +917,20 @@ class FusedDecoder {
     for (int64_t p = 0; p < n; ++p)
       std::memcpy(xs + p * H, x + (mine.order[p] / k) * H, H * sizeof(float));
     vllm_gguf::quantize_activations<float>(xs, n, H, &mine.activations);
-    // Tasks: each active expert's weight rows in tiles, about four tasks a thread.
-    int64_t active = 0;
-    for (int64_t e = 0; e < E; ++e) active += start[e + 1] > start[e];
-    auto for_my_tasks = [&](int64_t width, auto&& task) {
-      const int64_t want = std::max<int64_t>(1, 4 * nt / std::max<int64_t>(1, active));
+    // Tasks: each active expert's weight rows in tiles, about eight tasks a thread.
+    std::vector<int64_t>& active = mine.active;
+    active.clear();
+    for (int64_t e = 0; e < E; ++e)
+      if (start[e + 1] > start[e]) active.push_back(e);
+    const int64_t num_active = static_cast<int64_t>(active.size());
+    auto for_my_tasks = [&](int64_t width, std::atomic<int64_t>& next, auto&& task) {
+      const int64_t want = std::max<int64_t>(1, 8 * nt / std::max<int64_t>(1, num_active));
       const int64_t tile = std::max<int64_t>(16, (width / want + 15) / 16 * 16);
-      int64_t index = 0;
-      for (int64_t e = 0; e < E; ++e) {
-        if (start[e + 1] == start[e]) continue;
-        for (int64_t b = 0; b < width; b += tile, ++index)
-          if (index % nt == tid) task(e, start[e], start[e + 1] - start[e], b, std::min(width, b + tile));
-      }
+      const int64_t tiles = (width + tile - 1) / tile;
+      take_pieces(next, num_active * tiles, [&](int64_t i) {
+        const int64_t e = active[i / tiles], b = i % tiles * tile;
+        task(e, start[e], start[e + 1] - start[e], b, std::min(width, b + tile));
+      });
     };
     float *gate = expert_y_[0].data(), *up = expert_y_[1].data(), *act = expert_y_[2].data();
     float* y = expert_y_[3].data();
@@ -910,7 +938,8 @@ class FusedDecoder {
       const torch::Tensor& w = m.w_[j];
       return w.data_ptr<uint8_t>() + e * w.stride(0);
     };
-    for_my_tasks(I, [&](int64_t e, int64_t first, int64_t count, int64_t b, int64_t end) {
+    for_my_tasks(I, counter(layer, 2), [&](int64_t e, int64_t first, int64_t count, int64_t b,
+                                          int64_t end) {
       vllm_gguf::dispatch(m.types_[0], expert_rows(0, e), m.w_[0].size(2), mine.activations,
                           first, count, gate, I, b, end);
       vllm_gguf::dispatch(m.types_[1], expert_rows(1, e), m.w_[1].size(2), mine.activations,
@@ -923,7 +952,8 @@ class FusedDecoder {
     });
 #pragma omp barrier
     vllm_gguf::quantize_activations<float>(act, n, I, &mine.activations);
-    for_my_tasks(H, [&](int64_t e, int64_t first, int64_t count, int64_t b, int64_t end) {
+    for_my_tasks(H, counter(layer, 3), [&](int64_t e, int64_t first, int64_t count, int64_t b,
+                                          int64_t end) {
       vllm_gguf::dispatch(m.types_[2], expert_rows(2, e), m.w_[2].size(2), mine.activations,
                           first, count, y, H, b, end);
     });
@@ -938,14 +968,14 @@ class FusedDecoder {
       }
       for (int64_t c = 0; c < H; c += 16) store16(o + c, round16<T>(load16(o + c)));
     }
-    if (m.has_shared()) shared_expert<T>(m, rows, x, tid, nt, mine);
+    if (m.has_shared()) shared_expert<T>(m, layer, rows, x, nt, mine);
   }
 
   // The shared expert of an experts block added to this thread's `moe` (see
   // FusedMLP::with_shared): its gate's sigmoid per row (every thread), its gated MLP's
   // projections split over the threads as a dense layer's, with a barrier after each.
   template <typename T>
-  void shared_expert(const FusedMLP& m, int64_t rows, const float* x, int tid, int nt,
+  void shared_expert(const FusedMLP& m, int64_t layer, int64_t rows, const float* x, int nt,
                      Private& mine) {
     const int64_t H = hidden_, I = m.shared_intermediate();
     auto rnd = [](float v) { return static_cast<float>(static_cast<T>(v)); };
@@ -953,16 +983,13 @@ class FusedDecoder {
     const float* gate = m.shared_gate_.data_ptr<float>();
     for (int64_t r = 0; r < rows; ++r)
       mine.probs[r] = rnd(1.f / (1.f + std::exp(-rnd(dot(x + r * H, gate, H)))));
-    auto project = [&](const FusedWeight& w, const float* in, int64_t k, float* out) {
-      project_share<T>(w, in, rows, k, out, tid, nt, mine);
-    };
     float* gate_up = y_[2].data();
     float* down = y_[3].data();
-    project(m.gate_up_, x, H, gate_up);
+    project_share<T>(m.gate_up_, x, rows, H, gate_up, nt, mine, counter(layer, 4));
 #pragma omp barrier
     mine.gathered.resize(std::max<int64_t>(mine.gathered.size(), rows * I));
     act_mul<T>(gate_up, mine.gathered.data(), rows, I);
-    project(m.down_, mine.gathered.data(), I, down);
+    project_share<T>(m.down_, mine.gathered.data(), rows, I, down, nt, mine, counter(layer, 5));
 #pragma omp barrier
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t c = 0; c < H; ++c) {
@@ -1019,6 +1046,7 @@ class FusedDecoder {
   std::vector<float> expert_y_[4];  // the experts' gate, up, act [pairs, I] and down [pairs, H]
   const float* last_down_ = nullptr;
   std::vector<Private> private_;
+  std::unique_ptr<std::atomic<int64_t>[]> counters_;  // take_pieces' per stage, layers_ * kStages
 };
 
 void bind_fused_decoder(pybind11::module& m) {
