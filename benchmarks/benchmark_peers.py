@@ -25,7 +25,10 @@ thread count: decode tokens/s (128-token
 prompt, 128 out), the time to the first token of a 1,024-token prompt, and a copy-heavy
 request (answering from a passage given in the prompt), plain and with prompt-lookup
 speculation (llama.cpp's `LlamaPromptLookupDecoding`; ours `speculative_config` "ngram").
-Every engine gets the same token ids (`peers/single_common.py` measures).
+Every engine gets the same token ids (`peers/single_common.py` measures). `--rounds N`
+runs the engines N times, alternating which goes first, and ends with each metric's median
+over the rounds and the median of the rounds' ratios: this machine's speed moves by tens of
+percent between minutes, so one round's ratio can be either engine's luck.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ _GIVEN_ENV = dict(os.environ)
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -179,6 +183,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of each concurrency per engine; the best is reported "
                              "(every engine alike: the machine is noisy)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="--single: rounds of every engine, alternating their order; "
+                             "the medians over rounds and of the rounds' ratios at the end")
     parser.add_argument("--single", action="store_true",
                         help="one request at a time against llama.cpp (see above)")
     parser.add_argument("--single-settings", default="gguf,int8,bfloat16",
@@ -376,17 +383,51 @@ def run_single(args: argparse.Namespace) -> None:
                          f"{', '.join(settings)}")
     if any(settings[name][0] == args.hf_dir for name in chosen):
         export_hf_dir(gguf, args.hf_dir)
-    results = {}
+    runs: dict[str, list[str]] = {}  # label -> driver command
+    env_of: dict[str, dict[str, str]] = {}
     for name in chosen:
         model, kwargs, env = settings[name]
-        results[f"this engine {name}"] = run_single_driver(
-            [sys.executable, str(HERE / "peers/ours_single_driver.py"), model, workload,
-             json.dumps(kwargs)], f"this engine {name}", env)
+        runs[f"this engine {name}"] = [sys.executable, str(HERE / "peers/ours_single_driver.py"),
+                                       model, workload, json.dumps(kwargs)]
+        env_of[f"this engine {name}"] = env
     if args.llama_python:
-        results["llama.cpp"] = run_single_driver(
-            [args.llama_python, str(HERE / "peers/llama_cpp_single_driver.py"), gguf,
-             str(threads), workload], "llama.cpp")
-    report_single(results, len(spec["long_prompt"]))
+        runs["llama.cpp"] = [args.llama_python, str(HERE / "peers/llama_cpp_single_driver.py"),
+                             gguf, str(threads), workload]
+    rounds: list[dict[str, dict[str, float]]] = []
+    for r in range(args.rounds):
+        order = list(runs) if r % 2 == 0 else list(reversed(runs))
+        if args.rounds > 1:
+            print(f"round {r + 1} of {args.rounds}: {', '.join(order)}", flush=True)
+        done = {label: run_single_driver(runs[label], label, env_of.get(label))
+                for label in order}
+        rounds.append({label: done[label] for label in runs})
+        report_single(rounds[-1], len(spec["long_prompt"]))
+    if args.rounds > 1:
+        report_rounds(rounds, len(spec["long_prompt"]))
+
+
+_METRICS = ("decode", "ttft", "copy", "copy_spec")
+
+
+def report_rounds(rounds: list[dict[str, dict[str, float]]], long_len: int) -> None:
+    """Each metric's median over the rounds (the table), then per metric the rounds'
+    own ratios against llama.cpp and their median."""
+    medians = {label: {m: statistics.median(vals) for m in _METRICS
+                       if (vals := [r[label][m] for r in rounds if m in r[label]])}
+               for label in rounds[0]}
+    print(f"medians over {len(rounds)} rounds:")
+    report_single(medians, long_len)
+    for label in rounds[0]:
+        if label == "llama.cpp":
+            continue
+        for metric in _METRICS:
+            ratios = [(r["llama.cpp"][metric] / r[label][metric] if metric == "ttft"
+                       else r[label][metric] / r["llama.cpp"][metric])
+                      for r in rounds if metric in r[label] and metric in r.get("llama.cpp", {})]
+            if ratios:
+                print(f"{label} / llama.cpp, {metric}, per round: "
+                      f"{' '.join(f'{x:.2f}' for x in ratios)}; median "
+                      f"{statistics.median(ratios):.2f}x")
 
 
 def report_single(results: dict[str, dict[str, float]], long_len: int) -> None:
@@ -395,7 +436,7 @@ def report_single(results: dict[str, dict[str, float]], long_len: int) -> None:
     print(f"{'engine':<22}" + "".join(f"{h:>22}" for h in header))
     for label, rows in results.items():
         cells = []
-        for metric in ("decode", "ttft", "copy", "copy_spec"):
+        for metric in _METRICS:
             value = rows.get(metric)
             if value is None:
                 cells.append(f"{'-':>22}")
