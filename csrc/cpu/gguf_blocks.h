@@ -546,6 +546,21 @@ inline __m256i group_scales(__m256i sc16, int g) {
   return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(half), shuffle);
 }
 
+// Eight groups' integer dot products (eight int32 lanes each) as one vector of their
+// eight sums, group g in lane g: one conversion and one product with the groups' factors a
+// super-block and row, where converting and scaling each group's lanes took three
+// instructions a group (the one-row Q4_K product: 23.0 -> 27.2 GB/s on 2 Zen 3 cores).
+inline __m256i group_sums(const __m256i (&dots)[8]) {
+  // hadd(hadd(d0, d1), hadd(d2, d3)): groups 0-3's sums over lanes 0-3 in the low half,
+  // over lanes 4-7 in the high half.
+  const __m256i low = _mm256_hadd_epi32(_mm256_hadd_epi32(dots[0], dots[1]),
+                                        _mm256_hadd_epi32(dots[2], dots[3]));
+  const __m256i high = _mm256_hadd_epi32(_mm256_hadd_epi32(dots[4], dots[5]),
+                                         _mm256_hadd_epi32(dots[6], dots[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(low, high, 0x20),
+                          _mm256_permute2x128_si256(low, high, 0x31));
+}
+
 // Weights a few KB ahead of the block being read are asked for now (every 64-byte line
 // once or more): with the hardware prefetchers alone, one-row products stalled on memory
 // they could have overlapped (Gemma 3's Q8_0 vocabulary projection, 2 threads on AVX2
@@ -674,17 +689,15 @@ void rows_times(const uint8_t* w, int64_t row_bytes, const Activations& a, int64
           const int64_t row = row0 + r;
           const int8_t* qx = a.qx.data() + row * k + 32 * group0;
           const __m256 factor = _mm256_mul_ps(u.scale, _mm256_loadu_ps(a.dx.data() + row * groups + group0));
-          __m256 part[2];
+          __m256i dots[8];
           for (int g = 0; g < 8; ++g) {
             const __m256i x = load32(reinterpret_cast<const uint8_t*>(qx + 32 * g));
             const __m256i pairs = B::kSigned
                 ? _mm256_maddubs_epi16(magnitude[g], _mm256_sign_epi8(x, u.codes[g]))
                 : _mm256_maddubs_epi16(u.codes[g], x);
-            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, scales[g]));
-            const __m256 f = _mm256_permutevar8x32_ps(factor, _mm256_set1_epi32(g));
-            part[g % 2] = g < 2 ? _mm256_mul_ps(dot, f) : _mm256_fmadd_ps(dot, f, part[g % 2]);
+            dots[g] = _mm256_madd_epi16(pairs, scales[g]);
           }
-          __m256 sum = _mm256_add_ps(part[0], part[1]);
+          __m256 sum = _mm256_mul_ps(_mm256_cvtepi32_ps(group_sums(dots)), factor);
           asm("" : "+x"(sum));  // the block's sum stays one term (see kept_whole)
           acc[r] = _mm256_add_ps(acc[r], sum);
         }
