@@ -288,6 +288,38 @@ def test_fused_decode_matches_the_eager_model_on_other_families(
 
 
 @pytest.mark.slow
+def test_fused_lookups_equal_the_model_ends(tiny_q4_k_m: tuple[str, str]) -> None:
+    """The embedding lookup and the LM head inside the decoder's call (`set_embedding`,
+    `set_head`) give exactly what the model's own ends give: the hidden states of token ids
+    equal those of the rows `embed_tokens` looks up (Gemma's scaled), and the logits equal
+    `compute_logits` of them, bit for bit. Gemma 2's final soft-cap keeps its head in
+    torch (its tanh), so only its lookup is inside. A token id past the table is refused
+    by name."""
+    path, model_dir = tiny_q4_k_m
+    llm = LLM(path, tokenizer=model_dir, quantization="gguf", dtype="float32",
+              max_model_len=128, block_size=16, kv_cache_memory_bytes=8 * 1024**2,
+              enforce_eager=True)
+    fused = _eager_fused(llm)
+    decoder, model = fused.decoder, _runner(llm).model
+    assert decoder.has_embedding
+    assert decoder.has_head == (getattr(model, "final_soft_cap", None) is None)
+    ids = torch.tensor([3, 17], dtype=torch.int64)
+    groups = decoder.num_kv_cache_groups
+    step = (torch.tensor([0, 0]), [torch.tensor([[1], [2]], dtype=torch.int32)] * groups,
+            torch.tensor([1, 1], dtype=torch.int32), [torch.tensor([16, 32])] * groups)
+    (reference,) = decoder.forward(fused.spec.embed_tokens(ids), *step)
+    if decoder.has_head:
+        hidden, logits = decoder.forward(ids, *step, with_logits=True)
+        assert torch.equal(logits, model.compute_logits(reference))
+    else:
+        (hidden,) = decoder.forward(ids, *step)
+    assert torch.equal(hidden, reference)
+    with pytest.raises(RuntimeError, match="token id 1000000 out of range"):
+        decoder.forward(torch.tensor([1000000]), step[0][:1], [t[:1] for t in step[1]],
+                        step[2][:1], [s[:1] for s in step[3]])
+
+
+@pytest.mark.slow
 def test_fused_decode_of_int8_layers_matches_the_eager_model(
         tiny_q4_1: tuple[str, str]) -> None:
     """`quantization="int8"` where its layers multiply by the native `int8_mm` (no VNNI):

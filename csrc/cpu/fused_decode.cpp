@@ -5,7 +5,9 @@
 //   -> (q/k norms per head) -> rotary on q, k -> k, v into the paged cache -> paged decode
 //   attention (the layer's window, the soft-cap) -> o_proj -> (post-attention norm) -> h += o
 //   -> norm -> gate_up -> act(gate) * up -> down -> (post-feedforward norm) -> h += down
-//   then the final norm.
+//   then the final norm, and where the model's description gives them, the rows looked up
+//   by token id in its GGUF embedding table before the first layer (`set_embedding`) and the
+//   LM head's logits after the final norm (`set_head`), in the same parallel region.
 //
 // The forms it computes, from the model's description (`FusedDecodeSpec`):
 //   - Llama family: pre-norm layers (input and post-attention norms), RMSNorm as
@@ -526,7 +528,7 @@ class FusedDecoder {
     for (int j = 0; j < 4; ++j) y_[j].resize(rows * widths[j]);
     for (int j = 0; j < 3; ++j) expert_y_[j].resize(expert_rows * expert_inter);
     expert_y_[3].resize(expert_rows * hidden_);
-    counters_.reset(new std::atomic<int64_t>[layers_ * kStages]);
+    counters_.reset(new std::atomic<int64_t>[layers_ * kStages + 1]);  // + the LM head's
     // Attention's query and output in T (at most 4 bytes an element).
     q_.resize(rows * q_size);
     attn_.resize(rows * q_size);
@@ -534,14 +536,48 @@ class FusedDecoder {
 
   int64_t num_layers() const { return layers_; }
   int64_t num_kv_cache_groups() const { return num_groups_; }
+  bool has_embedding() const { return table_.defined(); }
+  bool has_head() const { return head_.has_value(); }
+
+  // Token ids given to `forward` are looked up here: GGUF blocks uint8 [vocab, row bytes] of
+  // `type` (gguf_dequantize's values), rounded to T, then times `scale` in T where it is
+  // not 0 (Gemma's embedding normalizer), as the model's embedding computes them.
+  void set_embedding(torch::Tensor blocks, int64_t type, double scale) {
+    const vllm_gguf::Layout l = vllm_gguf::layout(type);
+    TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == torch::kUInt8 &&
+                    blocks.is_contiguous() && hidden_ % l.values == 0 &&
+                    blocks.size(1) == hidden_ / l.values * l.bytes,
+                "FusedDecoder: the embedding table is not uint8 [vocab, ", hidden_ / l.values * l.bytes,
+                "] blocks of type ", type);
+    table_ = blocks;
+    table_type_ = type;
+    table_scale_ = static_cast<float>(scale);
+  }
+
+  // The LM head: `forward(..., with_logits=true)` also returns the logits of the final-
+  // normed rows, [rows, vocab] in T, as the head's linear layer computes them (its first
+  // `vocab` output rows: the rest are padding).
+  void set_head(FusedWeight head, int64_t vocab) {
+    TORCH_CHECK(head.takes(hidden_) && vocab >= 1 && vocab <= head.n(),
+                "FusedDecoder: an LM head of shape [", head.n(), ", ", head.k(),
+                "] for hidden size ", hidden_, " and ", vocab, " logits");
+    head_ = std::move(head);
+    vocab_ = vocab;
+  }
 
   // One step: h [rows, hidden] (the embeddings); row r is a token at positions[r], written
   // at cache slot slot_mappings[g][r] of each KV cache group g, attending to seq_lens[r]
   // keys through block_tables[g][r]. `shared_sequences`: some rows belong to one sequence
-  // (every K/V is written before any row attends). Returns the final-normed hidden states.
-  torch::Tensor forward(torch::Tensor h, torch::Tensor positions,
-                        std::vector<torch::Tensor> block_tables, torch::Tensor seq_lens,
-                        std::vector<torch::Tensor> slot_mappings, bool shared_sequences) {
+  // (every K/V is written before any row attends). `h` may instead be the rows' token ids
+  // (int64 [rows]) where an embedding table is set. Returns the final-normed hidden states,
+  // and with `with_logits` (an LM head set) their logits after them.
+  std::vector<torch::Tensor> forward(torch::Tensor h, torch::Tensor positions,
+                                     std::vector<torch::Tensor> block_tables,
+                                     torch::Tensor seq_lens,
+                                     std::vector<torch::Tensor> slot_mappings,
+                                     bool shared_sequences, bool with_logits) {
+    TORCH_CHECK(!with_logits || head_.has_value(), "FusedDecoder: logits asked, no LM head set");
+    if (h.scalar_type() == torch::kInt64) h = embed(h);
     TORCH_CHECK(h.dim() == 2 && h.size(1) == hidden_ && h.scalar_type() == dtype_,
                 "FusedDecoder: h must be [rows, ", hidden_, "] in the model dtype");
     const int64_t rows = h.size(0);
@@ -588,13 +624,21 @@ class FusedDecoder {
       step.slots.push_back(slot_mappings[g].data_ptr<int64_t>());
     }
     auto out = torch::empty_like(h);
+    torch::Tensor logits;
+    float* logits_out = nullptr;
+    if (with_logits) {
+      logits = torch::empty({rows, head_->n()}, h.options().dtype(torch::kFloat32));
+      logits_out = logits.data_ptr<float>();
+    }
     switch (dtype_) {
-      case torch::kFloat32: run<float>(h, step, out); break;
-      case torch::kBFloat16: run<at::BFloat16>(h, step, out); break;
-      case torch::kFloat16: run<at::Half>(h, step, out); break;
+      case torch::kFloat32: run<float>(h, step, out, logits_out); break;
+      case torch::kBFloat16: run<at::BFloat16>(h, step, out, logits_out); break;
+      case torch::kFloat16: run<at::Half>(h, step, out, logits_out); break;
       default: TORCH_CHECK(false, "FusedDecoder: unsupported dtype ", dtype_);
     }
-    return out;
+    if (!with_logits) return {out};
+    // As the head's layer returns them: its float32 products in T, the padding rows cut.
+    return {out, logits.to(dtype_).narrow(1, 0, vocab_)};
   }
 
  private:
@@ -609,6 +653,26 @@ class FusedDecoder {
     std::vector<float> probs, weights, gathered, moe;
     std::vector<int64_t> ids, start, next, order, position, active;
   };
+
+  // Token ids [rows] -> their rows of the embedding table in T (see set_embedding).
+  torch::Tensor embed(torch::Tensor ids) const {
+    TORCH_CHECK(table_.defined(), "FusedDecoder: token ids given, no embedding table set");
+    TORCH_CHECK(ids.dim() == 1, "FusedDecoder: token ids must be int64 [rows]");
+    ids = ids.contiguous();
+    const int64_t rows = ids.size(0), vocab = table_.size(0);
+    auto dense = torch::empty({rows, hidden_}, ids.options().dtype(torch::kFloat32));
+    float* d = dense.data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t id = ids.data_ptr<int64_t>()[r];
+      TORCH_CHECK(id >= 0 && id < vocab, "FusedDecoder: token id ", id, " out of range [0, ",
+                  vocab, ")");
+      vllm_gguf::dequantize_rows(table_type_, table_.data_ptr<uint8_t>(), table_.size(1),
+                                 hidden_, id, id + 1, d + r * hidden_);
+    }
+    auto h = dense.to(dtype_);
+    if (table_scale_ != 0.f) h.mul_(static_cast<double>(table_scale_));
+    return h;
+  }
 
   // A step's rows: positions, lengths, and per KV cache group the block table rows and
   // slots.
@@ -672,7 +736,7 @@ class FusedDecoder {
   }
 
   template <typename T>
-  void run(const torch::Tensor& h_in, const Step& step, torch::Tensor& out) {
+  void run(const torch::Tensor& h_in, const Step& step, torch::Tensor& out, float* logits) {
     const int64_t rows = h_in.size(0), hidden = hidden_;
     const int64_t q_size = num_heads_ * head_size_;
     T* q = reinterpret_cast<T*>(q_.data());
@@ -683,7 +747,7 @@ class FusedDecoder {
     float* y_down = y_[3].data();
     const int threads = at::get_num_threads();
     if (static_cast<int>(private_.size()) < threads) private_.resize(threads);
-    for (int64_t i = 0; i < layers_ * kStages; ++i)
+    for (int64_t i = 0; i < layers_ * kStages + 1; ++i)
       counters_[i].store(0, std::memory_order_relaxed);
     const T* hin = h_in.data_ptr<T>();
     for (auto& p : private_) {
@@ -759,8 +823,19 @@ class FusedDecoder {
           down = y_down;
         }
       }
-      if (tid == 0) last_down_ = down;
+      if (logits != nullptr) {  // every thread the final norm, then its pieces of the head
+        add(h, x, down, layers_ - 1, 3);
+        rms_norm<T>(h, false, norms_.back().data_ptr<float>(), x, rows, hidden, eps_, one_plus_);
+        if (tid == 0) {
+          T* o = out.data_ptr<T>();
+          for (int64_t i = 0; i < rows * hidden; i += 16) store16(o + i, load16(x + i));
+        }
+        project(*head_, x, hidden, logits, counters_[layers_ * kStages]);
+      } else if (tid == 0) {
+        last_down_ = down;
+      }
     }
+    if (logits != nullptr) return;
     float* h = private_[0].h.data();
     float* x = private_[0].x.data();
     add(h, x, last_down_, layers_ - 1, 3);
@@ -1045,8 +1120,14 @@ class FusedDecoder {
   std::vector<float> y_[4], q_, attn_;
   std::vector<float> expert_y_[4];  // the experts' gate, up, act [pairs, I] and down [pairs, H]
   const float* last_down_ = nullptr;
+  torch::Tensor table_;            // the embedding's GGUF blocks (set_embedding), or none
+  int64_t table_type_ = 0;
+  float table_scale_ = 0.f;        // 0: none
+  std::optional<FusedWeight> head_;  // the LM head (set_head), or none
+  int64_t vocab_ = 0;
   std::vector<Private> private_;
-  std::unique_ptr<std::atomic<int64_t>[]> counters_;  // take_pieces' per stage, layers_ * kStages
+  // take_pieces' per stage: layers_ * kStages, then the LM head's
+  std::unique_ptr<std::atomic<int64_t>[]> counters_;
 };
 
 void bind_fused_decoder(pybind11::module& m) {
@@ -1084,7 +1165,12 @@ void bind_fused_decoder(pybind11::module& m) {
            py::arg("activation"))
       .def("forward", &FusedDecoder::forward, py::arg("h"), py::arg("positions"),
            py::arg("block_tables"), py::arg("seq_lens"), py::arg("slot_mappings"),
-           py::arg("shared_sequences") = false)
+           py::arg("shared_sequences") = false, py::arg("with_logits") = false)
+      .def("set_embedding", &FusedDecoder::set_embedding, py::arg("blocks"), py::arg("type"),
+           py::arg("scale") = 0.0)
+      .def("set_head", &FusedDecoder::set_head, py::arg("head"), py::arg("vocab"))
+      .def_property_readonly("has_embedding", &FusedDecoder::has_embedding)
+      .def_property_readonly("has_head", &FusedDecoder::has_head)
       .def_property_readonly("num_layers", &FusedDecoder::num_layers)
       .def_property_readonly("num_kv_cache_groups", &FusedDecoder::num_kv_cache_groups);
 }

@@ -11,6 +11,8 @@ Example: vocabulary 10, 4 ranks -> padded 12, 3 ids a rank; rank 1 holds ids 3, 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,6 +25,9 @@ from vllm.distributed import (
 )
 from vllm.model_executor.layers.linear import LinearBase, set_weight_loader
 from vllm.utils import cdiv
+
+if TYPE_CHECKING:
+    from vllm.model_executor.models.interfaces import FusedLookups
 
 
 class VocabShard:
@@ -197,3 +202,20 @@ class ParallelLMHead(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.compute_logits(x)
+
+
+def fused_lookups(embedding: VocabParallelEmbedding | None, lm_head: ParallelLMHead | None,
+                  scale: float | None = None) -> FusedLookups:
+    """What the fused decoder may run of a model's ends: `embedding` where the model's
+    embedding is its rows (times `scale`), if they are this rank's whole GGUF blocks;
+    `lm_head` where the model's `compute_logits` is its `compute_logits` and nothing more,
+    if it is a one-rank quantized weight. None: the model computes that end otherwise."""
+    from vllm.model_executor.models.interfaces import FusedLookups
+
+    table = None
+    if embedding is not None and embedding.blocks is not None and embedding.tp_size == 1:
+        table = (embedding.blocks, embedding.block_type)
+    if lm_head is None:
+        return FusedLookups(table=table, scale=scale)
+    return FusedLookups(table=table, scale=scale, head=lm_head.fused_decode_weights(),
+                        head_bias=lm_head.bias, vocab_size=lm_head.num_embeddings)

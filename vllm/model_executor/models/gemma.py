@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+from vllm.model_executor.layers.vocab_parallel_embedding import fused_lookups
 from vllm.model_executor.models.interfaces import FusedDecodeSpec
 from vllm.model_executor.models.llama import (
     LlamaAttention,
@@ -146,11 +147,16 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
                 return described
             layers.append(described)
         attn = cast(GemmaDecoderLayer, self.layers[0]).self_attn
+        plain_lookup = cls.get_input_embeddings is Gemma2ForCausalLM.get_input_embeddings
+        plain_head = (cls.compute_logits is Gemma2ForCausalLM.compute_logits
+                      and self.final_soft_cap is None)  # (the cap's tanh stays torch's)
         return FusedDecodeSpec(
             embed_tokens=self.get_input_embeddings, layers=layers, final_norm=self.norm.weight,
             final_norm_eps=self.norm.eps, ropes=ropes, num_heads=attn.num_heads,
             num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, one_plus_norms=True,
-            activation=self.activation)
+            activation=self.activation,
+            lookups=fused_lookups(self.embed_tokens if plain_lookup else None,
+                                  self.lm_head if plain_head else None, self.embed_scale))
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head.compute_logits(hidden_states)

@@ -111,6 +111,21 @@ class FusedDecodeLayer:
 
 
 @dataclass(slots=True)
+class FusedLookups:
+    """The ends of a step the fused decoder may also run, where the model computes them as
+    plain lookups and products: its embedding (`embed_tokens`) as rows of GGUF blocks, each
+    rounded to the model dtype and times `scale` (Gemma's normalizer; None: none), and its
+    `compute_logits` as one linear layer's product (this rank's whole weight, the first
+    `vocab_size` rows, nothing applied after)."""
+
+    table: tuple[torch.Tensor, int] | None = None  # uint8 [vocab, row bytes], ggml type
+    scale: float | None = None
+    head: FusedWeights | None = None
+    head_bias: torch.Tensor | None = None
+    vocab_size: int = 0
+
+
+@dataclass(slots=True)
 class FusedDecodeSpec:
     """A decoder as the native fused decoder (`v1/worker/fused_decode.py`) runs its small
     steps: plain tensors in layer order, every layer of one form (`FusedDecodeLayer`), then
@@ -128,6 +143,7 @@ class FusedDecodeSpec:
     head_dim: int
     one_plus_norms: bool = False
     activation: str = "silu"  # an `ACTIVATIONS` name: "silu" or "gelu_pytorch_tanh"
+    lookups: FusedLookups | None = None  # the embedding and LM head, where it runs them
 
 
 class FusedDecodeModel(VllmModel, Protocol):

@@ -36,6 +36,7 @@ from vllm.model_executor.layers.rotary_embedding import (
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
+    fused_lookups,
 )
 from vllm.model_executor.model_loader.weight_utils import PackedModulesMapping, load_weights
 from vllm.model_executor.models.interfaces import FusedDecodeLayer, FusedDecodeSpec
@@ -260,10 +261,15 @@ class LlamaForCausalLM(nn.Module):
                 return described
             layers.append(described)
         attn = cast(_PlainLayer, self.layers[0]).self_attn
+        cls = type(self)
+        plain_lookup = cls.get_input_embeddings is LlamaForCausalLM.get_input_embeddings
+        plain_head = cls.compute_logits is LlamaForCausalLM.compute_logits
         return FusedDecodeSpec(
             embed_tokens=self.embed_tokens, layers=layers, final_norm=self.norm.weight,
             final_norm_eps=self.norm.eps, ropes=[(self.rotary.cos, self.rotary.sin)],
-            num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim)
+            num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+            lookups=fused_lookups(self.embed_tokens if plain_lookup else None,
+                                  self.lm_head if plain_head else None))
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -132,6 +132,8 @@ class FusedDecode:
         self.backend = backend  # reads a decode-only step's rows (`decode_rows`)
         self.steps = 0
         self.tokens = 0
+        # The last step's (hidden states, logits) where it ran the LM head (`take_logits`).
+        self._logits: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(cls, model: VllmModel, kv_caches: list[torch.Tensor], dtype: torch.dtype,
@@ -165,11 +167,19 @@ class FusedDecode:
                 spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.final_norm_eps,
                 layers[0].attention.scale, layers[0].attention.soft_cap,
                 _ACTIVATIONS[spec.activation])
+            ends = spec.lookups
+            if ends is not None and ends.table is not None:
+                decoder.set_embedding(*ends.table, ends.scale or 0.0)
+            if ends is not None and ends.head is not None:
+                decoder.set_head(_native_weight(ops, ends.head, ends.head_bias), ends.vocab_size)
         except RuntimeError as e:  # a shape the native decoder does not take
             logger.info("Fused decode steps off: %s", e)
             return None
-        logger.info("Fused decode steps on: %d layers in one native call per step.",
-                    len(layers))
+        logger.info("Fused decode steps on: %d layers in one native call per step%s.",
+                    len(layers), "".join(
+                        f", {part} in it" for part, on in (
+                            ("the embedding lookup", decoder.has_embedding),
+                            ("the LM head", decoder.has_head)) if on))
         return cls(decoder, spec, kv_caches[0].shape[2], backend)
 
     # The most tokens of a step it takes: as many as the layers' quant_gemv kernels take.
@@ -183,8 +193,11 @@ class FusedDecode:
 
     def run(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
             inputs_embeds: torch.Tensor | None, attn_metadata: object,
-            group_commons: list[CommonAttentionMetadata]) -> torch.Tensor | None:
+            group_commons: list[CommonAttentionMetadata],
+            with_logits: bool = False) -> torch.Tensor | None:
         """The step's final hidden states, or None where the step is not one it `takes`.
+        With `with_logits` (every row samples), a decoder holding the LM head computes their
+        logits in the same call, for `take_logits`.
 
         A decode-only step from the runner's persistent inputs (one KV cache group) reads
         the backend's decode block table and lengths (`attn_metadata`). Any other step
@@ -210,15 +223,27 @@ class FusedDecode:
             block_tables, seq_lens, slot_mappings = ([rows.block_table], rows.seq_lens,
                                                      [rows.slot_mapping])
             shared = False
-        if inputs_embeds is None:
+        if inputs_embeds is not None:
+            h = inputs_embeds.to(self.spec.ropes[0][0].dtype)
+        elif self.decoder.has_embedding:
+            assert input_ids is not None
+            h = input_ids  # looked up in the call
+        else:
             assert input_ids is not None
             h = self.spec.embed_tokens(input_ids)
-        else:
-            h = inputs_embeds.to(self.spec.ropes[0][0].dtype)
-        out = self.decoder.forward(h, positions, block_tables, seq_lens, slot_mappings, shared)
+        with_logits = with_logits and self.decoder.has_head
+        outs = self.decoder.forward(h, positions, block_tables, seq_lens, slot_mappings,
+                                    shared, with_logits)
+        self._logits = (outs[0], outs[1]) if with_logits else None
         self.steps += 1
         self.tokens += n
-        return out
+        return outs[0]
+
+    def take_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """The logits of `hidden_states` where the last step computed them (the tensor it
+        returned, with `with_logits`), else None; each step's are taken once."""
+        taken, self._logits = self._logits, None
+        return taken[1] if taken is not None and taken[0] is hidden_states else None
 
     def _token_rows(self, common: CommonAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's block-table row and sequence length (it and the keys before it).

@@ -308,11 +308,14 @@ class ModelRunner:
         """The logits of the sampled positions, grammar-masked where a request has one."""
         assert self.model is not None, "load_model() first"
         logits_indices = inputs.logits_indices
-        # Ascending distinct token indices as many as the tokens are every token in order
-        # (a decode step where every request samples): no gather.
-        logits = self.model.compute_logits(
-            hidden_states if logits_indices.shape[0] == hidden_states.shape[0]
-            else hidden_states[logits_indices])
+        logits = (self.fused_decode.take_logits(hidden_states)
+                  if self.fused_decode is not None else None)
+        if logits is None:
+            # Ascending distinct token indices as many as the tokens are every token in
+            # order (a decode step where every request samples): no gather.
+            logits = self.model.compute_logits(
+                hidden_states if logits_indices.shape[0] == hidden_states.shape[0]
+                else hidden_states[logits_indices])
         if scheduler_output.grammar_bitmask is not None:
             apply_step_bitmask(logits, self.input_batch, inputs.sampling_rows,
                                inputs.draft_layout, scheduler_output)
@@ -335,9 +338,10 @@ class ModelRunner:
         """The one place that picks the fused decoder or a captured graph (when one fits
         the step), or eager."""
         if self.fused_decode is not None:
-            hidden_states = self.fused_decode.run(inputs.input_ids, inputs.positions,
-                                                  inputs.inputs_embeds, inputs.attn_metadata,
-                                                  inputs.group_commons)
+            hidden_states = self.fused_decode.run(
+                inputs.input_ids, inputs.positions, inputs.inputs_embeds, inputs.attn_metadata,
+                inputs.group_commons,
+                with_logits=inputs.logits_indices.shape[0] == inputs.positions.shape[0])
             if hidden_states is not None:
                 return hidden_states
         assert inputs.attn_metadata is not None, "a step left to the fused decoder"
