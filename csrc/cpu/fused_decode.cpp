@@ -333,7 +333,8 @@ class FusedWeight {
 // softmax in float32, the top k, renormalised where asked, weights rounded to T), each
 // chosen expert's SiLU(gate) * up and down in float32 from GGUF blocks gate / up [E, I, row
 // bytes] and down [E, H, row bytes], the token's rows summed by their weights in slot order
-// and rounded to T once.
+// and rounded to T once. (The SiLU's exp is the dense MLP's polynomial, vllm_cpu::exp16,
+// where moe.cpp calls std::exp: the last bits of an activation may differ.)
 class FusedMLP {
  public:
   static FusedMLP dense(FusedWeight gate_up, FusedWeight down) {
@@ -491,6 +492,8 @@ class FusedDecoder {
                     "FusedDecoder: layer ", l, "'s router is not [experts, ", hidden_,
                     "] in the model dtype");
         expert_rows = std::max(expert_rows, mlp.top_k_ * vllm_cpu::qgemv::kMaxChunkedRows);
+        router_logits_.resize(std::max<size_t>(
+            router_logits_.size(), mlp.num_experts_ * vllm_cpu::qgemv::kMaxChunkedRows));
         expert_inter = std::max(expert_inter, inter);
         if (mlp.has_shared()) {
           const int64_t shared = mlp.shared_intermediate();
@@ -812,7 +815,7 @@ class FusedDecoder {
         rms_norm<T>(h, false, norm(l, sandwich ? 2 : 1), x, rows, hidden, eps_, one_plus_);
         const FusedMLP& mlp = mlps_[l];
         if (mlp.is_experts()) {
-          experts<T>(mlp, l, rows, x, nt, mine);
+          experts<T>(mlp, l, rows, x, tid, nt, mine);
           down = mine.moe.data();
         } else {
           project(mlp.gate_up_, x, hidden, y_gu, counter(l, 2));
@@ -935,25 +938,33 @@ class FusedDecoder {
   }
 
   // A mixture-of-experts block on rows x [rows, hidden] (normed, T's values) into this
-  // thread's `moe` [rows, hidden], as `moe_experts` computes it (see FusedMLP). Every
-  // thread routes every row and quantizes every expert row itself; the products are tasks
+  // thread's `moe` [rows, hidden], as `moe_experts` computes it (see FusedMLP). The threads
+  // share out the router's logits (a barrier), then every thread routes every row and
+  // quantizes every expert row itself; the products are tasks
   // (an expert's rows times a tile of its weight rows) taken by the threads as they come
   // free (take_pieces), with a barrier after the gate / up products and one after the down
   // products.
   template <typename T>
-  void experts(const FusedMLP& m, int64_t layer, int64_t rows, const float* x, int nt,
-               Private& mine) {
+  void experts(const FusedMLP& m, int64_t layer, int64_t rows, const float* x, int tid,
+               int nt, Private& mine) {
     const int64_t H = hidden_, E = m.num_experts_, k = m.top_k_, I = m.inter_;
     const int64_t n = rows * k;  // (row, slot) pairs
     mine.weights.resize(n);
     mine.ids.resize(n);
     mine.probs.resize(E);
+    // The router's logits in T, each thread its share of the experts (the router is read
+    // once a step, not once a thread), then every thread routes every row from all of them.
     const float* router = m.router_.data_ptr<float>();
+    float* logits = router_logits_.data();
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t e = E * tid / nt; e < E * (tid + 1) / nt; ++e)
+        logits[r * E + e] = static_cast<float>(static_cast<T>(dot(x + r * H, router + e * H, H)));
+#pragma omp barrier
     for (int64_t r = 0; r < rows; ++r) {
       float* p = mine.probs.data();
       float top = -INFINITY;
-      for (int64_t e = 0; e < E; ++e) {  // the logits, in T
-        p[e] = static_cast<float>(static_cast<T>(dot(x + r * H, router + e * H, H)));
+      for (int64_t e = 0; e < E; ++e) {
+        p[e] = logits[r * E + e];
         top = std::max(top, p[e]);
       }
       float sum = 0.f;
@@ -1019,10 +1030,13 @@ class FusedDecoder {
                           first, count, gate, I, b, end);
       vllm_gguf::dispatch(m.types_[1], expert_rows(1, e), m.w_[1].size(2), mine.activations,
                           first, count, up, I, b, end);
+      const f32x16 one = vllm_cpu::set16(1.0f);
       for (int64_t r = first; r < first + count; ++r)
-        for (int64_t c = b; c < end; ++c) {
-          const float g = gate[r * I + c];
-          act[r * I + c] = g / (1.f + std::exp(-g)) * up[r * I + c];
+        for (int64_t c = b; c < end; c += 16) {  // SiLU(gate) * up, the dense MLP's exp
+          const f32x16 g = load16(gate + r * I + c);
+          const f32x16 silu = vllm_cpu::div16(
+              g, add16(one, vllm_cpu::exp16(vllm_cpu::sub16(vllm_cpu::zero16(), g))));
+          store16(act + r * I + c, mul16(silu, load16(up + r * I + c)));
         }
     });
 #pragma omp barrier
@@ -1119,6 +1133,7 @@ class FusedDecoder {
   // each thread's).
   std::vector<float> y_[4], q_, attn_;
   std::vector<float> expert_y_[4];  // the experts' gate, up, act [pairs, I] and down [pairs, H]
+  std::vector<float> router_logits_;  // [rows, experts]: each thread its share of the experts
   const float* last_down_ = nullptr;
   torch::Tensor table_;            // the embedding's GGUF blocks (set_embedding), or none
   int64_t table_type_ = 0;
