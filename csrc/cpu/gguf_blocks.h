@@ -90,6 +90,15 @@ inline void k3_scales(const uint8_t* s, int sc[16]) {
 }
 
 
+// Rows of x quantized per group of 32: qx [M, K] int8, dx [M, K / 32], sx [M, K / 16] (dx
+// times the sum of each 16 codes) and s32 [M, K / 32] (dx times the sum of each 32). Declared
+// in every build (moe.cpp names it on paths a processor without AVX2 never takes).
+struct Activations {
+  int64_t k = 0;
+  std::vector<int8_t> qx;
+  std::vector<float> dx, sx, s32;
+};
+
 #if defined(VLLM_GGUF_MM)
 
 // ---- block unpacking: a block as groups of 32 codes and their scales -------------------
@@ -462,14 +471,6 @@ inline void dequantize_rows(int64_t type, const uint8_t* w, int64_t row_bytes, i
 }
 
 // ---- activations ------------------------------------------------------------------------
-
-// Rows of x quantized per group of 32: qx [M, K] int8, dx [M, K / 32], sx [M, K / 16] (dx
-// times the sum of each 16 codes) and s32 [M, K / 32] (dx times the sum of each 32).
-struct Activations {
-  int64_t k = 0;
-  std::vector<int8_t> qx;
-  std::vector<float> dx, sx, s32;
-};
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::BFloat16* p) {
