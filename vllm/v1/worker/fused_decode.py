@@ -205,6 +205,7 @@ class FusedDecode:
         of a request, a short prompt chunk) runs each token as a decode query at its own
         length, `seq_lens - query_lens + i + 1` for the request's i-th token, through its
         request's block-table row of each group (`group_commons`, one per group)."""
+        self._logits = None
         n = positions.shape[0]
         common = group_commons[0]
         if not self.takes(n) or common.num_actual_tokens != n or common.key_ends is not None:
