@@ -826,25 +826,16 @@ class FusedDecoder {
           down = y_down;
         }
       }
-      if (logits != nullptr) {  // every thread the final norm, then its pieces of the head
-        add(h, x, down, layers_ - 1, 3);
-        rms_norm<T>(h, false, norms_.back().data_ptr<float>(), x, rows, hidden, eps_, one_plus_);
-        if (tid == 0) {
-          T* o = out.data_ptr<T>();
-          for (int64_t i = 0; i < rows * hidden; i += 16) store16(o + i, load16(x + i));
-        }
-        project(*head_, x, hidden, logits, counters_[layers_ * kStages]);
-      } else if (tid == 0) {
-        last_down_ = down;
+      // Every thread the last feed-forward's residual and the final norm (its own copy, the
+      // same values), thread 0 the output; then each its pieces of the LM head, if asked.
+      add(h, x, down, layers_ - 1, 3);
+      rms_norm<T>(h, false, norms_.back().data_ptr<float>(), x, rows, hidden, eps_, one_plus_);
+      if (tid == 0) {
+        T* o = out.data_ptr<T>();
+        for (int64_t i = 0; i < rows * hidden; i += 16) store16(o + i, load16(x + i));
       }
+      if (logits != nullptr) project(*head_, x, hidden, logits, counters_[layers_ * kStages]);
     }
-    if (logits != nullptr) return;
-    float* h = private_[0].h.data();
-    float* x = private_[0].x.data();
-    add(h, x, last_down_, layers_ - 1, 3);
-    rms_norm<T>(h, false, norms_.back().data_ptr<float>(), x, rows, hidden, eps_, one_plus_);
-    T* o = out.data_ptr<T>();
-    for (int64_t i = 0; i < rows * hidden; i += 16) store16(o + i, load16(x + i));
   }
 
   // Query heads [q_begin, q_end) and the kv heads [kv_begin, kv_end) a thread rotates and
@@ -1134,7 +1125,6 @@ class FusedDecoder {
   std::vector<float> y_[4], q_, attn_;
   std::vector<float> expert_y_[4];  // the experts' gate, up, act [pairs, I] and down [pairs, H]
   std::vector<float> router_logits_;  // [rows, experts]: each thread its share of the experts
-  const float* last_down_ = nullptr;
   torch::Tensor table_;            // the embedding's GGUF blocks (set_embedding), or none
   int64_t table_type_ = 0;
   float table_scale_ = 0.f;        // 0: none
