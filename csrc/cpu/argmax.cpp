@@ -2,7 +2,9 @@
 // torch.argmax(dim=-1) answers it: the first index of the row's maximum, or of its first
 // NaN if it has one. Greedy sampling takes one per step; torch's own kernel reads a 64 x
 // 49152 row block at ~1 G elements/s on the 2-core machine (~3 ms, after a ~0.3 ms upcast
-// from bfloat16), where two vector passes over a row still in L2 take ~0.2 ms.
+// from bfloat16), where two vector passes over a row still in L2 take ~0.2 ms. Two vector
+// forms (AVX-512; AVX2 with F16C) and the scalar definition for other processors: on AVX2
+// the scalar loop took ~220 us for one row of Gemma 3's 262,144 logits.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -60,6 +62,42 @@ int64_t argmax_avx512(const T* row, int64_t n) {
     if (static_cast<float>(row[i]) == best) return i;
   return 0;  // unreachable: the maximum is one of the elements
 }
+#elif defined(VLLM_VEC16)  // AVX2, FMA and F16C (vec.h)
+// The same two passes in 8-float vectors, four of them a step.
+template <typename T>
+int64_t argmax_avx2(const T* row, int64_t n) {
+  if (n < 32) return argmax_scalar(row, n);
+  const __m256 low = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 vmax[4] = {low, low, low, low};
+  __m256 nan = _mm256_setzero_ps();  // lanes all ones where a NaN was seen
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    for (int j = 0; j < 4; ++j) {
+      const __m256 x = vllm_cpu::load8(row + i + 8 * j);
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+      vmax[j] = _mm256_max_ps(vmax[j], x);
+    }
+  }
+  const __m256 m8 = _mm256_max_ps(_mm256_max_ps(vmax[0], vmax[1]), _mm256_max_ps(vmax[2], vmax[3]));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  float best = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  bool any_nan = _mm256_movemask_ps(nan) != 0;
+  for (int64_t j = i; j < n; ++j) {
+    const float x = static_cast<float>(row[j]);
+    if (std::isnan(x)) any_nan = true;
+    best = std::max(best, x);
+  }
+  if (any_nan) return argmax_scalar(row, n);
+  const __m256 target = _mm256_set1_ps(best);
+  for (i = 0; i + 8 <= n; i += 8) {
+    const int hit = _mm256_movemask_ps(_mm256_cmp_ps(vllm_cpu::load8(row + i), target, _CMP_EQ_OQ));
+    if (hit) return i + __builtin_ctz(hit);
+  }
+  for (; i < n; ++i)
+    if (static_cast<float>(row[i]) == best) return i;
+  return 0;  // unreachable: the maximum is one of the elements
+}
 #endif
 
 template <typename T>
@@ -71,6 +109,8 @@ void argmax_rows_impl(const torch::Tensor& logits, torch::Tensor& out) {
     for (int64_t r = begin; r < end; ++r) {
 #if defined(__AVX512F__)
       dst[r] = argmax_avx512(data + r * stride, n);
+#elif defined(VLLM_VEC16)  // AVX2, FMA and F16C (vec.h)
+      dst[r] = argmax_avx2(data + r * stride, n);
 #else
       dst[r] = argmax_scalar(data + r * stride, n);
 #endif
