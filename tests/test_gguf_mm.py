@@ -213,6 +213,43 @@ def test_a_fused_layer_keeps_each_part_in_its_own_type() -> None:
     assert sum(b.numel() for b in layer.buffers()) == sum(p.data.nbytes for p in parts)
 
 
+@needs_avx2
+@pytest.mark.parametrize("k", [128, 256, 288, 640, 864])
+def test_repacked_q5_0_rows_keep_their_values(k: int) -> None:
+    """`gguf_repack`: Q5_0 rows of at least 256 values as super-blocks of 8 blocks (type
+    1006, the same bytes), a row's last k % 256 values left as Q5_0 blocks (k 288: one,
+    640: four, 864: three); shorter rows stay as they are. Dequantized, gguf-py's values
+    bit for bit; the products as the quantized-rows reference at 1 to 70 rows (the integer
+    form up to 63, then the dense one), each row's result the same alone; the layer takes
+    the form unless told not to (a tied LM head's blocks are the embedding's too)."""
+    from vllm._custom_ops import cpu_ops
+
+    ops = cpu_ops()
+    assert ops is not None
+    blocks = random_blocks("Q5_0", 40, k, seed=k)
+    weight = blocks.dequantize()
+    w, type_id = ops.gguf_repack(torch.from_numpy(blocks.data), blocks.type_id)
+    assert type_id == (6 if k < 256 else 1006) and w.shape == blocks.data.shape
+    assert np.array_equal(w.numpy(), blocks.data) == (k < 256)
+    assert np.array_equal(torch.ops.vllm_cpu.gguf_dequantize(w, type_id).numpy(), weight)
+    gen = torch.Generator().manual_seed(1)
+    x, got = torch.empty(0), torch.empty(0)
+    for rows in (1, 2, 3, 8, 9, 20):
+        x = torch.randn(rows, k, generator=gen)
+        got = torch.ops.vllm_cpu.gguf_mm(x, w, type_id)
+        ref = quantized_rows_reference(x, weight)
+        assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    alone = torch.cat([torch.ops.vllm_cpu.gguf_mm(row[None], w, type_id) for row in x])
+    assert torch.equal(got, alone)
+    x = torch.randn(70, k, generator=gen)  # past gguf_mm_dense_rows (64)
+    exact = x.double() @ torch.from_numpy(weight).double().T
+    got = torch.ops.vllm_cpu.gguf_mm(x, w, type_id)
+    assert (got.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+    assert GGUFBlockLinear([blocks], None).types == [type_id]
+    kept = GGUFBlockLinear([blocks], None, repack=False)
+    assert kept.types == [6] and np.array_equal(kept.weights[0].numpy(), blocks.data)
+
+
 def q4_k_m_type(gguf_name: str) -> str:
     """The layer types of a llama.cpp Q4_K_M file: Q6_K for v and down, Q4_K for the
     rest, and a Q5_0 gate (its fallback where a row is not whole super-blocks)."""

@@ -25,6 +25,7 @@ torch::Tensor quant_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor d, 
 bool quant_gemv_available();
 torch::Tensor gguf_mm(torch::Tensor x, torch::Tensor w, int64_t type);
 torch::Tensor gguf_dequantize(torch::Tensor blocks, int64_t type);
+std::tuple<torch::Tensor, int64_t> gguf_repack(torch::Tensor blocks, int64_t type);
 bool gguf_mm_available();
 std::string gguf_mm_form();
 int64_t gguf_mm_dense_rows(int64_t type);
@@ -106,6 +107,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Whether quant_gemv was built (AVX-512 VNNI, or AVX2 with FMA and F16C)");
   m.def("gguf_mm_available", &gguf_mm_available,
         "Whether gguf_mm was built (AVX2 with FMA and F16C)");
+  m.def("gguf_repack", &gguf_repack,
+        "A GGUF weight's rows in the form gguf_mm reads fastest, and that form's type id "
+        "(Q5_0 -> 1006; other types as they are)");
   m.def("gguf_mm_form", &gguf_mm_form,
         "The instruction-set form gguf_mm was built in: avx512, avx2, or empty");
   m.def("gguf_mm_dense_rows", &gguf_mm_dense_rows,

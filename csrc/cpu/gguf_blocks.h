@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__F16C__)
@@ -30,6 +31,11 @@ enum : int64_t {
   kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23,
 };
 
+// This project's ids (not ggml's) for a type's rows repacked at load (gguf_mm.cpp's
+// gguf_repack): Q5_0 with each 8 blocks of a row as one super-block (Block<kQ5_0R8>), in
+// the same bytes. Its values are Q5_0's; only the arrangement differs.
+enum : int64_t { kQ5_0R8 = 1006 };
+
 struct Layout {
   int64_t values;  // weights a block holds
   int64_t bytes;   // bytes a block takes
@@ -39,7 +45,7 @@ inline Layout layout(int64_t type) {
   switch (type) {
     case kQ4_0: return {32, 18};
     case kQ4_1: return {32, 20};
-    case kQ5_0: return {32, 22};
+    case kQ5_0: case kQ5_0R8: return {32, 22};
     case kQ5_1: return {32, 24};
     case kQ8_0: return {32, 34};
     case kIQ4_NL: return {32, 18};
@@ -215,6 +221,50 @@ struct Block<kQ5_0> {
   }
 };
 
+// Q5_0 repacked, eight blocks of a row as one super-block of 176 bytes (the same bytes):
+//   d[8] (float16, block g's scale) | hb[32]: bit g of byte j is block g's fifth bit of
+//   value j | qs[4][32]: byte j of chunk c holds block 2c's value j (low nibble) and block
+//   2c + 1's (high nibble).
+// Unpacked as a super-block: block g is group g, with factor d_g and min 16 d_g, so that
+// the products take the super-blocks' path (one conversion per 8 groups, group_sums); a
+// group's fifth bits cost a shift and a mask, where spreading a block's 32 bits took six
+// operations. The last K % 256 values of a row stay Q5_0 blocks (kTail).
+template <>
+struct Block<kQ5_0R8> {
+  static constexpr int kValues = 256, kBytes = 176;
+  static constexpr bool kSigned = false, kMins = true, kScales16 = false;
+  static constexpr int64_t kTail = kQ5_0;
+  static void unpack(const uint8_t* b, Unpacked& u) {
+    u.scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+    u.mins[0] = _mm256_mul_ps(u.scale, _mm256_set1_ps(16.f));
+    const __m256i hb = load32(b + 16), bit4 = _mm256_set1_epi8(0x10);
+    for (int c = 0; c < 4; ++c) {
+      const __m256i q = load32(b + 48 + 32 * c);
+      u.codes[2 * c] = bit_field(q, 0, 4);
+      u.codes[2 * c + 1] = bit_field(q, 4, 4);
+    }
+    // Bit g of each byte to bit 4 (16-bit shifts: no bit crosses into a neighbour's bit 4).
+    u.codes[0] = _mm256_or_si256(u.codes[0], _mm256_and_si256(_mm256_slli_epi16(hb, 4), bit4));
+    u.codes[1] = _mm256_or_si256(u.codes[1], _mm256_and_si256(_mm256_slli_epi16(hb, 3), bit4));
+    u.codes[2] = _mm256_or_si256(u.codes[2], _mm256_and_si256(_mm256_slli_epi16(hb, 2), bit4));
+    u.codes[3] = _mm256_or_si256(u.codes[3], _mm256_and_si256(_mm256_slli_epi16(hb, 1), bit4));
+    u.codes[4] = _mm256_or_si256(u.codes[4], _mm256_and_si256(hb, bit4));
+    u.codes[5] = _mm256_or_si256(u.codes[5], _mm256_and_si256(_mm256_srli_epi16(hb, 1), bit4));
+    u.codes[6] = _mm256_or_si256(u.codes[6], _mm256_and_si256(_mm256_srli_epi16(hb, 2), bit4));
+    u.codes[7] = _mm256_or_si256(u.codes[7], _mm256_and_si256(_mm256_srli_epi16(hb, 3), bit4));
+  }
+};
+
+// The type of the 32-value blocks a repacked row ends with (Block<T>::kTail), or 0.
+template <typename B, typename = void>
+struct TailOf {
+  static constexpr int64_t type = 0;
+};
+template <typename B>
+struct TailOf<B, std::void_t<decltype(B::kTail)>> {
+  static constexpr int64_t type = B::kTail;
+};
+
 template <>
 struct Block<kQ5_1> {
   static constexpr int kValues = 32, kBytes = 24;
@@ -388,7 +438,11 @@ struct Block<kIQ4_XS> {
 // The offset is the reference's integer one (Q4_0's 8, Q5_0's 16, Q3_K's 4, Q6_K's 32); a
 // min is subtracted where the reference subtracts one (Q4_1 / Q5_1's -m, Q2_K, Q4_K, Q5_K).
 constexpr int dequant_offset(int64_t type) {
-  return type == kQ4_0 ? 8 : type == kQ5_0 ? 16 : type == kQ3_K ? 4 : type == kQ6_K ? 32 : 0;
+  return type == kQ4_0                      ? 8
+         : type == kQ5_0 || type == kQ5_0R8   ? 16
+         : type == kQ3_K                      ? 4
+         : type == kQ6_K                      ? 32
+                                              : 0;
 }
 constexpr bool dequant_min(int64_t type) {
   return type == kQ4_1 || type == kQ5_1 || type == kQ2_K || type == kQ4_K || type == kQ5_K;
@@ -449,11 +503,18 @@ template <int64_t TYPE>
 void dequantize_rows_of(const uint8_t* w, int64_t row_bytes, int64_t k, int64_t begin,
                         int64_t end, float* out) {
   using B = Block<TYPE>;
+  constexpr int64_t kTail = TailOf<B>::type;
+  const int64_t blocks = k / B::kValues;
   for (int64_t n = begin; n < end; ++n) {
     const uint8_t* row = w + n * row_bytes;
     float* y = out + (n - begin) * k;
-    for (int64_t blk = 0; blk < k / B::kValues; ++blk) {
+    for (int64_t blk = 0; blk < blocks; ++blk) {
       dequantize_block_fast<TYPE>(row + blk * B::kBytes, y + blk * B::kValues);
+    }
+    if constexpr (kTail != 0) {
+      for (int64_t t = 0; t < k % B::kValues / 32; ++t)
+        dequantize_block_fast<kTail>(row + blocks * B::kBytes + t * Block<kTail>::kBytes,
+                                     y + blocks * B::kValues + 32 * t);
     }
   }
 }
@@ -465,6 +526,7 @@ inline void dequantize_rows(int64_t type, const uint8_t* w, int64_t row_bytes, i
     VLLM_GGUF_CASE(kQ4_0) VLLM_GGUF_CASE(kQ4_1) VLLM_GGUF_CASE(kQ5_0) VLLM_GGUF_CASE(kQ5_1)
     VLLM_GGUF_CASE(kQ8_0) VLLM_GGUF_CASE(kIQ4_NL) VLLM_GGUF_CASE(kQ2_K) VLLM_GGUF_CASE(kQ3_K)
     VLLM_GGUF_CASE(kQ4_K) VLLM_GGUF_CASE(kQ5_K) VLLM_GGUF_CASE(kQ6_K) VLLM_GGUF_CASE(kIQ4_XS)
+    VLLM_GGUF_CASE(kQ5_0R8)
 #undef VLLM_GGUF_CASE
     default: break;  // checked by the caller
   }
@@ -576,12 +638,44 @@ inline void prefetch_ahead(const uint8_t* block) {
     _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchAhead + 64 * line), _MM_HINT_T0);
 }
 
+// Blocks [first, last) of a weight row of 32-value blocks (`wn`: block `first`) times
+// activation rows row0..row0+M: each block's product into acc[r], its min term into
+// min_sum[r].
+template <int64_t TYPE, int M>
+inline void blocks32_times(const uint8_t* wn, int64_t first, int64_t last, const Activations& a,
+                           int64_t row0, __m256 (&acc)[M], float (&min_sum)[M]) {
+  using B = Block<TYPE>;
+  static_assert(B::kValues == 32);
+  const int64_t k = a.k, groups = k / 32;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t blk = first; blk < last; ++blk) {
+    const uint8_t* b = wn + (blk - first) * B::kBytes;
+    prefetch_ahead<B::kBytes>(b);
+    Unpacked u;
+    B::unpack(b, u);
+    __m256i magnitude = u.codes[0];
+    if constexpr (B::kSigned) magnitude = _mm256_sign_epi8(u.codes[0], u.codes[0]);
+    for (int r = 0; r < M; ++r) {
+      const int64_t row = row0 + r;
+      const __m256i x = load32(reinterpret_cast<const uint8_t*>(a.qx.data() + row * k + 32 * blk));
+      const __m256i pairs = B::kSigned
+          ? _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x, u.codes[0]))
+          : _mm256_maddubs_epi16(u.codes[0], x);
+      const __m256i dot = _mm256_madd_epi16(pairs, ones);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                               _mm256_set1_ps(u.d * a.dx[row * groups + blk]), acc[r]);
+      if constexpr (B::kMins) min_sum[r] += u.min * a.s32[row * groups + blk];
+    }
+  }
+}
+
 // Activation rows row0..row0+M times weight rows [begin, end): out [rows, n_total] float.
 template <int64_t TYPE, int M>
 void rows_times(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_t row0,
                 float* out, int64_t n_total, int64_t begin, int64_t end) {
   using B = Block<TYPE>;
   constexpr int kGroups = B::kValues / 32;
+  constexpr int64_t kTail = TailOf<B>::type;  // a repacked row's last blocks of 32
   const int64_t k = a.k, blocks = k / B::kValues, groups = k / 32;
   const __m256i ones = _mm256_set1_epi16(1);
 #if defined(VLLM_GGUF_MM_512)
@@ -605,24 +699,7 @@ void rows_times(const uint8_t* w, int64_t row_bytes, const Activations& a, int64
       __m256 acc[M];
       float min_sum[M] = {};
       for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
-      for (int64_t blk = 0; blk < blocks; ++blk) {
-        prefetch_ahead<B::kBytes>(wn + blk * B::kBytes);
-        Unpacked u;
-        B::unpack(wn + blk * B::kBytes, u);
-        __m256i magnitude = u.codes[0];
-        if constexpr (B::kSigned) magnitude = _mm256_sign_epi8(u.codes[0], u.codes[0]);
-        for (int r = 0; r < M; ++r) {
-          const int64_t row = row0 + r;
-          const __m256i x = load32(reinterpret_cast<const uint8_t*>(a.qx.data() + row * k + 32 * blk));
-          const __m256i pairs = B::kSigned
-              ? _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x, u.codes[0]))
-              : _mm256_maddubs_epi16(u.codes[0], x);
-          const __m256i dot = _mm256_madd_epi16(pairs, ones);
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
-                                   _mm256_set1_ps(u.d * a.dx[row * groups + blk]), acc[r]);
-          if constexpr (B::kMins) min_sum[r] += u.min * a.s32[row * groups + blk];
-        }
-      }
+      blocks32_times<TYPE, M>(wn, 0, blocks, a, row0, acc, min_sum);
       for (int r = 0; r < M; ++r) out[(row0 + r) * n_total + n] = hsum8(acc[r]) - min_sum[r];
     } else {
 #if defined(VLLM_GGUF_MM_512)
@@ -719,6 +796,14 @@ void rows_times(const uint8_t* w, int64_t row_bytes, const Activations& a, int64
           }
         }
       }
+      // A repacked row's last blocks of 32: their own sums, added whole.
+      __m256 tail_acc[M];
+      float tail_min[M] = {};
+      if constexpr (kTail != 0) {
+        for (int r = 0; r < M; ++r) tail_acc[r] = _mm256_setzero_ps();
+        blocks32_times<kTail, M>(wn + blocks * B::kBytes, blocks * kGroups, groups, a, row0,
+                                 tail_acc, tail_min);
+      }
       for (int r = 0; r < M; ++r) {
 #if defined(VLLM_GGUF_MM_512)
         float sum = _mm512_reduce_add_ps(acc[r]);
@@ -726,6 +811,12 @@ void rows_times(const uint8_t* w, int64_t row_bytes, const Activations& a, int64
         float sum = hsum8(acc[r]);
 #endif
         float mins = hsum8(acc_min[r]);
+        if constexpr (kTail != 0) {
+          float tail = hsum8(tail_acc[r]), tail_mins = tail_min[r];
+          asm("" : "+x"(sum), "+x"(mins), "+x"(tail), "+x"(tail_mins));
+          sum += tail;
+          mins += tail_mins;
+        }
         asm("" : "+x"(sum), "+x"(mins));  // two whole sums (kept_whole)
         out[(row0 + r) * n_total + n] = sum - mins;
       }
@@ -770,6 +861,7 @@ inline void dispatch(int64_t type, const uint8_t* w, int64_t row_bytes, const Ac
     VLLM_GGUF_CASE(kQ4_0) VLLM_GGUF_CASE(kQ4_1) VLLM_GGUF_CASE(kQ5_0) VLLM_GGUF_CASE(kQ5_1)
     VLLM_GGUF_CASE(kQ8_0) VLLM_GGUF_CASE(kIQ4_NL) VLLM_GGUF_CASE(kQ2_K) VLLM_GGUF_CASE(kQ3_K)
     VLLM_GGUF_CASE(kQ4_K) VLLM_GGUF_CASE(kQ5_K) VLLM_GGUF_CASE(kQ6_K) VLLM_GGUF_CASE(kIQ4_XS)
+    VLLM_GGUF_CASE(kQ5_0R8)
 #undef VLLM_GGUF_CASE
     default: break;  // checked by the caller
   }

@@ -261,6 +261,51 @@ torch::Tensor gguf_dequantize(torch::Tensor blocks, int64_t type) {
 }
 
 
+// Rows of Q5_0 blocks (`src` uint8 [rows, K / 32 * 22]) as Block<kQ5_0R8>'s super-blocks
+// (the row's last K % 256 values copied as they are).
+static void repack_q5_0_rows(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t k) {
+  const int64_t row_bytes = k / 32 * 22, supers = k / 256;
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint8_t* in = src + r * row_bytes;
+      uint8_t* out = dst + r * row_bytes;
+      for (int64_t s = 0; s < supers; ++s) {
+        uint8_t* o = out + s * 176;
+        std::memset(o, 0, 176);
+        for (int g = 0; g < 8; ++g) {
+          const uint8_t* blk = in + (8 * s + g) * 22;  // d, qh (4 bytes), qs (16 bytes)
+          std::memcpy(o + 2 * g, blk, 2);
+          uint32_t qh;
+          std::memcpy(&qh, blk + 2, 4);
+          for (int j = 0; j < 32; ++j) {
+            const uint8_t low = j < 16 ? blk[6 + j] & 0x0F : blk[6 + j - 16] >> 4;
+            o[16 + j] |= static_cast<uint8_t>(((qh >> j) & 1) << g);
+            o[48 + 32 * (g / 2) + j] |= static_cast<uint8_t>(low << (4 * (g % 2)));
+          }
+        }
+      }
+      std::memcpy(out + supers * 176, in + supers * 8 * 22, row_bytes - supers * 176);
+    }
+  });
+}
+
+// A weight's rows in the form gguf_mm reads fastest, and that form's type: Q5_0 rows of at
+// least 256 values as kQ5_0R8 (the same bytes); any other weight as it is.
+std::tuple<torch::Tensor, int64_t> gguf_repack(torch::Tensor blocks, int64_t type) {
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == torch::kUInt8,
+              "gguf_repack: blocks must be uint8 [rows, bytes per row]");
+#if defined(VLLM_GGUF_MM)
+  const int64_t k = blocks.size(1) / 22 * 32;
+  if (type == kQ5_0 && blocks.size(1) % 22 == 0 && k >= 256) {
+    blocks = blocks.contiguous();
+    auto out = torch::empty_like(blocks);
+    repack_q5_0_rows(blocks.data_ptr<uint8_t>(), out.data_ptr<uint8_t>(), blocks.size(0), k);
+    return {out, kQ5_0R8};
+  }
+#endif
+  return {blocks, type};
+}
+
 // x [M, K] times the GGUF weight `w` (uint8 [N, row bytes], rows in the file's block type
 // `type`): out [M, N] in x's dtype.
 torch::Tensor gguf_mm(torch::Tensor x, torch::Tensor w, int64_t type) {

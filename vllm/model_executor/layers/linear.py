@@ -88,6 +88,9 @@ class LinearBase(nn.Module):
     per-rank sizes; `nn.Linear`'s attribute names, so kernels built from an `nn.Linear`
     take one of these too)."""
 
+    # GGUF blocks may take gguf_mm's faster arrangement (`GGUFBlockLinear`'s `repack`).
+    repack_gguf_rows = True
+
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
         self.tp_rank = get_tensor_model_parallel_rank()
@@ -191,7 +194,8 @@ class LinearBase(nn.Module):
                 logger.info("GGUF %s weight of %s stays dense: gguf_mm was not built here",
                             "+".join(p.type_name for p in blocks), type(self).__name__)
                 return None
-            self.kernel = GGUFBlockLinear(blocks, self.kernel_bias)
+            self.kernel = GGUFBlockLinear(blocks, self.kernel_bias,
+                                          repack=self.repack_gguf_rows)
             self.weight = None  # the blocks replace it
             return f"gguf {'+'.join(sorted(set(p.type_name for p in blocks)))} gguf_mm"
         codes = [p.to_block_codes() if isinstance(p, GGUFBlocks) else p for p in parts]

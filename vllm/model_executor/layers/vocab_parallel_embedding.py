@@ -139,6 +139,8 @@ class ParallelLMHead(LinearBase):
     too) do."""
 
     quantizable = False
+    # The file's layout: a tied embedding looks its rows up in the same blocks.
+    repack_gguf_rows = False
 
     def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False,
                  tied_to: VocabParallelEmbedding | None = None) -> None:
