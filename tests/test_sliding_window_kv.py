@@ -141,6 +141,35 @@ def test_group_block_tables_and_slot_mapping() -> None:
     req_indices, positions = np.array([0, 0]), np.array([3, 4])
     assert table.compute_slot_mapping(req_indices, positions, 0).tolist() == [23, 28]
     assert table.compute_slot_mapping(req_indices, positions, 1).tolist() == [27, 32]
+    # Every group at once: the same rows and slots.
+    assert table.group_tables(1).tolist() == [[[5, 7, 0, 0]], [[6, 8, 0, 0]]]
+    assert table.compute_slot_mappings(req_indices, positions).tolist() == [[23, 28], [27, 32]]
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+def test_every_group_at_once_equals_each_group_masked_alone(groups: int) -> None:
+    """A step's tables and slots of all groups at once (`group_tables` with the groups'
+    windows, one mask per distinct window; `compute_slot_mappings`) equal each group's
+    table masked alone by `mask_out_of_window`, and the live table is left as it was."""
+    rng = np.random.default_rng(groups)
+    table = BlockTable(3, 64, BLOCK_SIZE, num_groups=groups)
+    for row, blocks in enumerate((12, 7, 3)):
+        table.add_row(rng.integers(1, 50, size=blocks * groups).tolist(), row)
+    before = table.table.copy()
+    windows = [WINDOW, None, WINDOW][:groups]
+    num_computed = np.array([45, 20, 9])
+    got = table.group_tables(3, num_computed, windows)
+    for g, window in enumerate(windows):
+        want = table.group_table(3, g)
+        if window is not None:
+            want = mask_out_of_window(want, num_computed, window, BLOCK_SIZE)
+        assert got[g].tolist() == want.tolist()
+    assert got[0].tolist() != table.group_table(3, 0).tolist()  # the mask hid something
+    assert np.array_equal(table.table, before)
+    req_indices, positions = np.array([0, 1, 1, 2]), np.array([45, 20, 21, 9])
+    slots = table.compute_slot_mappings(req_indices, positions)
+    for g in range(groups):
+        assert slots[g].tolist() == table.compute_slot_mapping(req_indices, positions, g).tolist()
 
 
 def test_prefix_hit_needs_only_the_window_blocks_of_the_hit_point() -> None:

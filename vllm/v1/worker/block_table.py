@@ -53,6 +53,40 @@ class BlockTable:
             return self.table[:num_reqs]
         return np.ascontiguousarray(self.table[:num_reqs, group::self.num_groups])
 
+    def group_tables(self, num_reqs: int, num_computed: np.ndarray | None = None,
+                     windows: list[int | None] | None = None) -> np.ndarray:
+        """Every group's rows [:num_reqs] at once, `[num_groups, num_reqs, max_blocks]`
+        (`group_tables(n)[g]` is `group_table(n, g)`): a view of the table with one group
+        and no window, else one copy. With `windows` (each group's sliding window or None)
+        and the rows' `num_computed`, a window group's blocks before the window read as the
+        null block, as `mask_out_of_window` masks them.
+        e.g. two groups, row [5, 6, 7, 8, 0, 0]: [[[5, 7, 0]], [[6, 8, 0]]]."""
+        if self.num_groups == 1:
+            tables = self.table[None, :num_reqs]
+        else:
+            rows = self.table[:num_reqs].reshape(num_reqs, -1, self.num_groups)
+            tables = np.ascontiguousarray(rows.transpose(2, 0, 1))
+        distinct = sorted({w for w in windows or () if w is not None})
+        if not distinct:
+            return tables
+        assert num_computed is not None and windows is not None
+        if tables.base is not None:  # a view of the live table
+            tables = tables.copy()
+        for window in distinct:  # one mask per distinct window (Gemma 3: five groups, one)
+            groups = [g for g, w in enumerate(windows) if w == window]
+            tables[groups] *= ~out_of_window(num_computed, window, self.block_size,
+                                             tables.shape[2])
+        return tables
+
+    def compute_slot_mappings(self, req_indices: np.ndarray, positions: np.ndarray
+                              ) -> np.ndarray:
+        """`compute_slot_mapping` of every group at once, `[num_groups, num_tokens]` int64."""
+        flat = (req_indices * self.max_num_blocks_per_req
+                + positions // self.block_size * self.num_groups)
+        flat = flat[None, :] + np.arange(self.num_groups)[:, None]
+        block_numbers = self.table.reshape(-1)[flat].astype(np.int64)
+        return block_numbers * self.block_size + positions % self.block_size
+
     def compute_slot_mapping(self, req_indices: np.ndarray, positions: np.ndarray,
                              group: int = 0) -> np.ndarray:
         """The KV cache slot of every scheduled token (in group `group`'s blocks).
@@ -80,7 +114,14 @@ def mask_out_of_window(table: np.ndarray, num_computed: np.ndarray, window: int,
     scheduler may have freed and handed those to another request, so no read may reach
     them. e.g. window 5, block size 4, num_computed [10, 3], rows [[1, 2, 3], [4, 5, 0]]:
     row 0 reads keys from position 6 (block 1) -> [[0, 2, 3], [4, 5, 0]]."""
-    first = np.maximum(num_computed - window + 1, 0) // block_size
     out = table.copy()
-    out[np.arange(table.shape[1])[None, :] < first[:, None]] = 0
+    out[out_of_window(num_computed, window, block_size, table.shape[1])] = 0
     return out
+
+
+def out_of_window(num_computed: np.ndarray, window: int, block_size: int,
+                  num_blocks: int) -> np.ndarray:
+    """`[rows, num_blocks]` bool: the blocks wholly before each row's window (the keys a
+    step from `num_computed` tokens can read start at num_computed - window + 1)."""
+    first = np.maximum(num_computed - window + 1, 0) // block_size
+    return np.arange(num_blocks)[None, :] < first[:, None]
