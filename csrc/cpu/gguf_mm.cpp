@@ -1,5 +1,7 @@
-// GGUF weights multiplied in the block types the file stores (`gguf_mm`), read in place:
-// no repacking, so a layer's resident bytes are the file's bytes.
+// GGUF weights multiplied in the block types the file stores (`gguf_mm`), in the file's
+// bytes: read in place, except Q5_0, whose rows `gguf_repack` rearranges at load into
+// super-blocks of 8 blocks (the same bytes and values), so a layer's resident bytes are
+// the file's bytes.
 //
 // Every type is read as groups of 32 weights with unsigned codes u (or, for the types whose
 // values are not evenly spaced, signed int8 values) and integer scales per 16 weights:

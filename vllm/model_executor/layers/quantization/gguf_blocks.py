@@ -6,7 +6,8 @@ Two kernels:
 - `gguf_mm` (`csrc/cpu/gguf_mm.cpp`, `GGUFBlockLinear`) reads every block type of
   `GGUF_MM_TYPES` (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL and the K-quants Q2_K..Q6_K, IQ4_XS)
   in place, as the file stores it, at every step size: the layer keeps no dense copy, so
-  its resident bytes are the file's. A fused layer whose parts differ in type (a Q4_K_M
+  its resident bytes are the file's (Q5_0 rows are rearranged at load in the same bytes:
+  `GGUFBlockLinear`'s `repack`). A fused layer whose parts differ in type (a Q4_K_M
   file's Q5_0 q and k with a Q8_0 v) keeps each part in its own type.
 - `quant_gemv` (`GGUFLinear`) reads Q4_0, Q4_1 and Q8_0 repacked (below), and the fused
   decoder reads the same buffers. Only the decoder layers of a model that decoder may run,
