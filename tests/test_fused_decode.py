@@ -365,19 +365,21 @@ def test_fused_decode_drift_on_the_default_model(default_model_path: str) -> Non
 
 
 def test_token_rows_of_a_mixed_step() -> None:
-    """Each token of a non-decode step attends through its request's block-table row to
-    itself and the keys before it."""
+    """Each token of a non-decode step attends through its request's block-table row (of
+    each KV cache group) to itself and the keys before it."""
     fused = FusedDecode(None, cast(Any, None), block_size=4)
-    common = CommonAttentionMetadata(
+    commons = [CommonAttentionMetadata(
         query_start_loc=np.array([0, 1, 4], dtype=np.int32),
         seq_lens=np.array([7, 12], dtype=np.int32),
         num_computed_tokens=np.array([6, 9], dtype=np.int32),
-        block_table=np.array([[3, 5, 0, 0], [8, 2, 9, 4]], dtype=np.int32),
+        block_table=np.array(rows, dtype=np.int32),
         slot_mapping=np.array([18, 33, 34, 35], dtype=np.int64), num_actual_tokens=4)
-    table, lengths = fused._token_rows(common)
+        for rows in ([[3, 5, 0, 0], [8, 2, 9, 4]], [[1, 6, 0, 0], [7, 10, 11, 12]])]
+    tables, lengths = fused._token_rows(commons)
     assert lengths.tolist() == [7, 10, 11, 12]
-    assert lengths.dtype == torch.int32 and table.dtype == torch.int32
-    assert table.tolist() == [[3, 5, 0], [8, 2, 9], [8, 2, 9], [8, 2, 9]]  # 12 keys: 3 blocks
+    assert lengths.dtype == torch.int32 and tables[0].dtype == tables[1].dtype == torch.int32
+    assert tables[0].tolist() == [[3, 5, 0], [8, 2, 9], [8, 2, 9], [8, 2, 9]]  # 12 keys: 3 blocks
+    assert tables[1].tolist() == [[1, 6, 0], [7, 10, 11], [7, 10, 11], [7, 10, 11]]
 
 
 @pytest.mark.slow

@@ -211,9 +211,7 @@ class FusedDecode:
         if not self.takes(n) or common.num_actual_tokens != n or common.key_ends is not None:
             return None  # (it attends causally: bidirectional media spans are not its)
         if attn_metadata is None:
-            tables = [self._token_rows(c) for c in group_commons]
-            block_tables = [table for table, _ in tables]
-            seq_lens = tables[0][1]
+            block_tables, seq_lens = self._token_rows(group_commons)
             slot_mappings = [torch.from_numpy(c.slot_mapping) for c in group_commons]
             # Several tokens of one sequence: every K/V row written before any attends.
             shared = n > common.seq_lens.size
@@ -246,16 +244,20 @@ class FusedDecode:
         taken, self._logits = self._logits, None
         return taken[1] if taken is not None and taken[0] is hidden_states else None
 
-    def _token_rows(self, common: CommonAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each token's block-table row and sequence length (it and the keys before it).
+    def _token_rows(self, group_commons: list[CommonAttentionMetadata]
+                    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Each token's block-table row in each group, and its sequence length (it and the
+        keys before it), the same in every group: computed once (Gemma 3 has six groups).
 
         e.g. query_start_loc [0, 1, 4], seq_lens [7, 12]: token rows [0, 1, 1, 1], lengths
         [7, 10, 11, 12]."""
+        common = group_commons[0]
         starts = common.query_start_loc
         query_lens = np.diff(starts)
         token_rows = np.repeat(np.arange(query_lens.size), query_lens)
         offsets = np.arange(token_rows.size) - starts[token_rows]
         lengths = (common.seq_lens - query_lens)[token_rows] + offsets + 1
         max_blocks = -(-int(lengths.max()) // self.block_size)
-        table = np.ascontiguousarray(common.block_table[token_rows, :max_blocks])
-        return torch.from_numpy(table), torch.from_numpy(lengths.astype(np.int32))
+        tables = [torch.from_numpy(np.ascontiguousarray(c.block_table[token_rows, :max_blocks]))
+                  for c in group_commons]
+        return tables, torch.from_numpy(lengths.astype(np.int32))
