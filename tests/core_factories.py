@@ -15,6 +15,7 @@ import torch
 from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
 from vllm.v1.attention.backends.abstract import CommonAttentionMetadata
+from vllm.v1.core.kv_cache_groups import KVCacheGroupSpec
 from vllm.v1.core.kv_cache_utils import make_block_hasher
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -106,9 +107,11 @@ def make_scheduler(
     max_num_encoder_input_tokens: int = 2048,
     structured_output_manager: StructuredOutputManager | None = None,
     media: MediaRows | None = None,
+    kv_cache_groups: list[KVCacheGroupSpec] | None = None,
 ) -> Scheduler:
     """A `Scheduler` on a `num_blocks`-block pool (block 0 is the null block); `media`:
-    the media stage of a model that takes images or audio."""
+    the media stage of a model that takes images or audio; `kv_cache_groups`: a
+    sliding-window model's groups (one group of every layer by default)."""
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
@@ -119,7 +122,7 @@ def make_scheduler(
     )
     cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks,
                                enable_prefix_caching=enable_prefix_caching)
-    return Scheduler(scheduler_config, cache_config,
+    return Scheduler(scheduler_config, cache_config, kv_cache_groups,
                      structured_output_manager=structured_output_manager, media=media)
 
 
@@ -182,12 +185,20 @@ class CommonMetadataBackend:
 
 
 def make_model_runner(block_size: int, max_model_len: int, max_num_seqs: int = 4,
-                      vocab_size: int = 100) -> ModelRunner:
+                      vocab_size: int = 100, windows: list[int | None] | None = None
+                      ) -> ModelRunner:
     """A CPU `ModelRunner` with a `StubModel`, a `CommonMetadataBackend` and no KV
     cache: enough for `_update_states`, `_prepare_inputs`, `_sampling_metadata` and
-    `_bookkeep`."""
-    hf_config = SimpleNamespace(vocab_size=vocab_size, hidden_size=HIDDEN, num_hidden_layers=1,
-                                num_attention_heads=2, num_key_value_heads=2)
+    `_bookkeep`. `windows`: each layer's sliding window (None: full attention), for the
+    KV cache groups of a sliding-window model (one layer of full attention by default)."""
+    windows = windows or [None]
+    window = next((w for w in windows if w is not None), None)
+    layers = {} if window is None else dict(
+        sliding_window=window,
+        layer_types=["full_attention" if w is None else "sliding_attention" for w in windows])
+    hf_config = SimpleNamespace(vocab_size=vocab_size, hidden_size=HIDDEN,
+                                num_hidden_layers=len(windows), num_attention_heads=2,
+                                num_key_value_heads=2, **layers)
     model_config = ModelConfig(model="unused", tokenizer="unused", hf_config=hf_config,
                                dtype=torch.float32, max_model_len=max_model_len)
     config = VllmConfig(model_config=model_config,

@@ -137,19 +137,30 @@ def _general(runner: ModelRunner, out: SchedulerOutput) -> ModelInputs:
         runner.step_inputs.decode_inputs = decode
 
 
-@pytest.mark.parametrize(("seed", "loop_max_rows"), [(0, 64), (1, 64), (2, 2), (3, 0)])
-def test_decode_path_matches_the_general_path(seed: int, loop_max_rows: int) -> None:
+WINDOWED = [None, 5, 5]  # three KV cache groups: full attention, two of window 5
+
+
+@pytest.mark.parametrize(("seed", "loop_max_rows", "windows"),
+                         [(0, 64, None), (1, 64, None), (2, 2, None), (3, 0, None),
+                          (4, 64, WINDOWED), (5, 0, WINDOWED)])
+def test_decode_path_matches_the_general_path(seed: int, loop_max_rows: int,
+                                              windows: list[int | None] | None) -> None:
     """Random arrivals (some with prompt embeds), aborts, chunked prefill and preemptions:
     every decode-only step's inputs equal those the general path builds from the same
-    state, field by field (block tables up to the general path's width). Rows are written
-    one by one, or by whole-array operations past `loop_max_rows`."""
+    state, field by field (block tables up to the general path's width), in every KV cache
+    group (a sliding-window model's: each group's slots, and its table with the blocks
+    before its window masked). Rows are written one by one, or by whole-array operations
+    past `loop_max_rows`."""
     rng = random.Random(seed)
-    s = make_scheduler(block_size=2, num_blocks=24, max_model_len=32,
-                       max_num_batched_tokens=8, max_num_seqs=4, enable_chunked_prefill=True)
-    runner = make_model_runner(block_size=2, max_model_len=32)
+    runner = make_model_runner(block_size=2, max_model_len=32, windows=windows)
+    groups = runner.model_config.kv_cache_groups
+    assert len(groups) == (1 if windows is None else 3)
+    s = make_scheduler(block_size=2, num_blocks=24 * len(groups), max_model_len=32,
+                       max_num_batched_tokens=8, max_num_seqs=4, enable_chunked_prefill=True,
+                       kv_cache_groups=groups)
     assert runner.step_inputs.decode_inputs is not None
     runner.step_inputs.decode_inputs.loop_max_rows = loop_max_rows
-    num_decode_steps = 0
+    num_decode_steps = masked_steps = 0
     for step_no in range(300):
         if step_no < 80 and rng.random() < 0.3:
             n = rng.randint(1, 10)
@@ -175,17 +186,28 @@ def test_decode_path_matches_the_general_path(seed: int, loop_max_rows: int) -> 
             for field in ("input_ids", "positions", "logits_indices"):
                 assert getattr(inputs, field).tolist() == getattr(general, field).tolist()
             assert inputs.sampling_rows.tolist() == general.sampling_rows.tolist()
-            fast, slow = _common(inputs), _common(general)
-            for field in ("query_start_loc", "seq_lens", "num_computed_tokens",
-                          "slot_mapping"):
-                assert getattr(fast, field).tolist() == getattr(slow, field).tolist(), field
-            width = slow.block_table.shape[1]
-            assert np.array_equal(fast.block_table[:, :width], slow.block_table)
-            assert fast.num_actual_tokens == slow.num_actual_tokens
+            assert _common(inputs) is inputs.group_commons[0]
+            assert len(inputs.group_commons) == len(general.group_commons) == len(groups)
+            for fast, slow in zip(inputs.group_commons, general.group_commons):
+                for field in ("query_start_loc", "seq_lens", "num_computed_tokens",
+                              "slot_mapping"):
+                    assert getattr(fast, field).tolist() == getattr(slow, field).tolist(), field
+                width = slow.block_table.shape[1]
+                assert np.array_equal(fast.block_table[:, :width], slow.block_table)
+                assert fast.num_actual_tokens == slow.num_actual_tokens
+            if windows is not None:  # layer l reads group l's metadata (the common itself)
+                assert inputs.layer_attn_metadata is not None
+                assert all(m is c for m, c in zip(inputs.layer_attn_metadata,
+                                                  inputs.group_commons, strict=True))
+                n = len(inputs.sampling_rows)
+                masked_steps += any(
+                    not np.array_equal(c.block_table, runner.input_batch.block_table.group_table(
+                        n, g)) for g, c in enumerate(inputs.group_commons))
         tokens = torch.tensor([rng.randint(3, 50) for _ in inputs.sampling_rows])
         s.update_from_output(out, runner._bookkeep(inputs.sampling_rows,
                                                    SamplerOutput(tokens, None)))
     assert num_decode_steps > 20
+    assert masked_steps > 0 or windows is None  # some window hid blocks
     assert not s.has_requests()
 
 

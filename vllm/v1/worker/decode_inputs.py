@@ -15,8 +15,13 @@ far more than its arithmetic. A decode step therefore touches as little as it ca
   the runner builds for every size when it loads the model) is made once and reused: a
   decode step allocates no tensor and makes no view.
 
+With several KV cache groups (sliding-window models) each group has its own slots, written
+with the rows, and its own block table: the groups' tables de-interleaved in one copy a
+step, with each window's blocks before the window masked (`BlockTable.group_tables`), so
+those steps make one array and a `CommonAttentionMetadata` per group.
+
 The general `compute_step_indices` path keeps every other step (prefill chunks, drafts,
-several KV cache groups, windows, encoder/decoder models, prompt-embeds positions).
+encoder/decoder models, prompt-embeds positions).
 """
 
 from __future__ import annotations
@@ -50,7 +55,8 @@ class DecodeStep(NamedTuple):
 
 
 class DecodeInputs:
-    """Persistent decode-step inputs of an `InputBatch` with one KV cache group.
+    """Persistent decode-step inputs of an `InputBatch` (`windows`: each KV cache group's
+    sliding window or None; one group without a window by default).
 
     Row r decodes the token at position p = num_computed[r] (the runner keeps
     `num_computed_tokens_cpu` current from the scheduler's deltas):
@@ -59,20 +65,27 @@ class DecodeInputs:
         seq_lens[r]     = p + 1
         input_ids[r]    = token_ids[r, p]
         slot_mapping[r] = block_table[r, p // block_size] * block_size + p % block_size
+                          (group g of G: block_table[r, (p // block_size) * G + g])
 
     Example (block size 16): num_computed [54, 145], table rows [1, 2, 3, 4, ...] and
     [5, 6, ..., 14, 15]: positions [54, 145], seq_lens [55, 146], block numbers
     [table[0, 3], table[1, 9]] = [4, 14], slots [4*16 + 6, 14*16 + 1] = [70, 225].
     """
 
-    def __init__(self, batch: InputBatch, block_size: int) -> None:
-        assert batch.block_table.num_groups == 1, "one KV cache group only"
+    def __init__(self, batch: InputBatch, block_size: int,
+                 windows: list[int | None] | None = None) -> None:
+        self.windows = windows or [None]
+        assert batch.block_table.num_groups == len(self.windows), "a window per group"
         self.batch = batch
         self.block_size = block_size
+        # One group without a window: its table is read in place (no array a step).
+        self.in_place = self.windows == [None]
         m = batch.max_num_reqs
         self.ones = np.ones(m, dtype=np.int32)  # each row's scheduled tokens (LoRA)
         seq_lens, num_computed = np.zeros(m, dtype=np.int32), np.zeros(m, dtype=np.int32)
-        slot_mapping = np.zeros(m, dtype=np.int64)
+        # Each group's slots (group 0's are the steps' `common.slot_mapping`).
+        self.group_slots = np.zeros((len(self.windows), m), dtype=np.int64)
+        slot_mapping = self.group_slots[0]
         query_start_loc = np.arange(m + 1, dtype=np.int32)  # one token a row
         # Inference tensors, as the general path's (made inside the step's inference mode):
         # a graph compiled for any size guards on it, and its guards are not evaluated.
@@ -104,15 +117,34 @@ class DecodeInputs:
         """The arrays of steps of `n` rows (1 <= n <= max_num_reqs)."""
         return self._steps[n]
 
-    def fill(self, n: int) -> tuple[DecodeStep, bool] | None:
+    def fill(self, n: int) -> tuple[DecodeStep, bool, list[CommonAttentionMetadata]] | None:
         """Writes the inputs of the batch's first `n` rows, one token each. Returns the
-        step and whether every row samples (False where a one-token prefill chunk stops
-        short of its prompt's end), or None, leaving nothing usable, where a row's token
-        reads prompt embeds (the general path gathers those)."""
+        step, whether every row samples (False where a one-token prefill chunk stops short
+        of its prompt's end) and each KV cache group's layout (`[step.common]` with one
+        group), or None, leaving nothing usable, where a row's token reads prompt embeds
+        (the general path gathers those)."""
         step = self.step(n)
         samples = (self._fill_rows(step, n) if n <= self.loop_max_rows
                    else self._fill_vectorised(step, n))
-        return None if samples is None else (step, samples)
+        if samples is None:
+            return None
+        if self.in_place:
+            return step, samples, [step.common]
+        return step, samples, self._group_commons(step, n)
+
+    def _group_commons(self, step: DecodeStep, n: int) -> list[CommonAttentionMetadata]:
+        """Each group's layout: its slots, and its block table rows from this step's
+        de-interleaved, window-masked copy (group 0's into `step.common`)."""
+        common = step.common
+        tables = self.batch.block_table.group_tables(n, common.num_computed_tokens,
+                                                     self.windows)
+        common.block_table = tables[0]
+        return [common] + [
+            CommonAttentionMetadata(
+                query_start_loc=common.query_start_loc, seq_lens=common.seq_lens,
+                num_computed_tokens=common.num_computed_tokens, block_table=tables[g],
+                slot_mapping=self.group_slots[g, :n], num_actual_tokens=n, uniform_decode=True)
+            for g in range(1, len(self.windows))]
 
     def _fill_rows(self, step: DecodeStep, n: int) -> bool | None:
         batch, bs, common = self.batch, self.block_size, step.common
@@ -122,6 +154,7 @@ class DecodeInputs:
             batch.num_tokens
         seq_lens, num_computed, slots = common.seq_lens, common.num_computed_tokens, \
             common.slot_mapping
+        num_groups, group_slots = len(self.windows), self.group_slots
         samples = True
         for r, p in enumerate(batch.num_computed_tokens_cpu[:n].tolist()):
             if not is_token[r, p]:
@@ -130,7 +163,12 @@ class DecodeInputs:
             num_computed[r] = p
             seq_lens[r] = p + 1
             input_ids[r] = token_ids[r, p]
-            slots[r] = int(table[r, p // bs]) * bs + p % bs
+            if num_groups == 1:
+                slots[r] = int(table[r, p // bs]) * bs + p % bs
+            else:  # logical block i of group g in column i * num_groups + g
+                column = p // bs * num_groups
+                for g in range(num_groups):
+                    group_slots[g, r] = int(table[r, column + g]) * bs + p % bs
             if p + 1 < num_tokens[r]:
                 samples = False
         return samples
@@ -147,8 +185,11 @@ class DecodeInputs:
         step.input_ids_np[:] = batch.token_ids_cpu.reshape(-1)[index]
         np.add(common.num_computed_tokens, 1, out=common.seq_lens)
         table = batch.block_table
-        index = positions // bs + step.rows * table.max_num_blocks_per_req
-        np.multiply(table.table.reshape(-1)[index], bs, out=common.slot_mapping,
-                    dtype=np.int64)
-        common.slot_mapping += positions % bs
+        num_groups = len(self.windows)
+        index = positions // bs * num_groups + step.rows * table.max_num_blocks_per_req
+        offsets = positions % bs
+        for g in range(num_groups):
+            slots = self.group_slots[g, :n]
+            np.multiply(table.table.reshape(-1)[index + g], bs, out=slots, dtype=np.int64)
+            slots += offsets
         return bool((common.seq_lens >= batch.num_tokens[:n]).all())

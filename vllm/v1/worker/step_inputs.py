@@ -151,21 +151,17 @@ class StepInputsBuilder:
         self.uses_mrope = model_config.uses_mrope
         # Media spans attending bidirectionally (`bidirectional_key_ends`).
         self.bidirectional = model_config.bidirectional_media
-        # Decode-only steps' persistent inputs: one KV cache group without a window
-        # (`mask_out_of_window` is the general path's), decoder-only models with 1-D
-        # positions.
-        self.decode_inputs = (DecodeInputs(batch, block_size)
-                              if len(self.kv_cache_groups) == 1
-                              and self.kv_cache_groups[0].sliding_window is None
-                              and not self.is_encoder_decoder and not self.uses_mrope
+        # Decode-only steps' persistent inputs: decoder-only models with 1-D positions.
+        self.decode_inputs = (DecodeInputs(batch, block_size, self._windows)
+                              if not self.is_encoder_decoder and not self.uses_mrope
                               else None)
         # Decode metadata that reads those arrays in place, per number of requests.
         self._decode_metadata: dict[int, object] = {}
 
     def build_decode_metadata(self, backend: type[AttentionBackend]) -> None:
-        """Every size's decode metadata now, where the backend reads the arrays in place:
-        no tensor made while serving."""
-        if self.decode_inputs is None:
+        """Every size's decode metadata now, where the backend reads the arrays in place
+        (one KV cache group without a window): no tensor made while serving."""
+        if self.decode_inputs is None or not self.decode_inputs.in_place:
             return
         for n in range(1, self.batch.max_num_reqs + 1):
             metadata = backend.build_decode_metadata(self.decode_inputs.step(n).common,
@@ -185,7 +181,8 @@ class StepInputsBuilder:
         if (self.decode_inputs is not None and num_reqs
                 and scheduler_output.total_num_scheduled_tokens == num_reqs
                 and not scheduler_output.scheduled_spec_decode_tokens):
-            inputs = self._prepare_decode(self.decode_inputs, num_reqs, backend)
+            inputs = self._prepare_decode(self.decode_inputs, num_reqs, backend,
+                                          fused_max_tokens)
             if inputs is not None:
                 return inputs
         return self._prepare_general(scheduler_output, backend, model, fused_max_tokens)
@@ -284,17 +281,26 @@ class StepInputsBuilder:
         return metadata, commons
 
     def _prepare_decode(self, decode: DecodeInputs, num_reqs: int,
-                        backend: type[AttentionBackend]) -> ModelInputs | None:
+                        backend: type[AttentionBackend], fused_max_tokens: int
+                        ) -> ModelInputs | None:
         """A decode-only step from the persistent `DecodeInputs` (None where a token reads
-        prompt embeds: the general path gathers those). The attention metadata of a step
-        of `num_reqs` rows is built once where the backend reads the arrays in place."""
+        prompt embeds: the general path gathers those). With one KV cache group and no
+        window, the attention metadata of a step of `num_reqs` rows is built once where the
+        backend reads the arrays in place; with several, each group's per step (none for a
+        step the fused decoder takes, as on the general path)."""
         filled = decode.fill(num_reqs)
         if filled is None:
             return None
-        step, all_sample = filled
-        metadata = self._decode_metadata.get(num_reqs)
-        if metadata is None:
-            metadata = self._decode_metadata_of(step, backend)
+        step, all_sample, commons = filled
+        if decode.in_place:
+            metadata = self._decode_metadata.get(num_reqs)
+            if metadata is None:
+                metadata = self._decode_metadata_of(step, backend)
+            group_metadata = [metadata]
+        else:
+            build = num_reqs > fused_max_tokens
+            group_metadata = [backend.build_metadata(c, self.block_size, self.device)
+                              if build else None for c in commons]
         rows, logits_indices = step.rows, step.logits_indices
         if not all_sample:  # a one-token prefill chunk short of its prompt's end
             rows = np.flatnonzero(step.common.seq_lens >= self.batch.num_tokens[:num_reqs])
@@ -304,11 +310,12 @@ class StepInputsBuilder:
             input_ids, positions = input_ids.to(self.device), positions.to(self.device)
             logits_indices = logits_indices.to(self.device)
         return ModelInputs(input_ids=input_ids, inputs_embeds=None, positions=positions,
-                           attn_metadata=metadata, layer_attn_metadata=None,
+                           attn_metadata=group_metadata[0],
+                           layer_attn_metadata=self.layer_metadata(group_metadata),
                            cross_attn_metadata=None, slot_mapping=step.common.slot_mapping,
                            logits_indices=logits_indices, sampling_rows=rows,
                            draft_layout=None, common=step.common,
-                           group_commons=[step.common], num_scheduled=decode.ones[:num_reqs])
+                           group_commons=commons, num_scheduled=decode.ones[:num_reqs])
 
     def _decode_metadata_of(self, step: DecodeStep, backend: type[AttentionBackend]) -> object:
         """The backend's metadata of a decode step: kept for every later step of as many
