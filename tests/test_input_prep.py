@@ -99,7 +99,7 @@ def test_slot_mapping_design_note() -> None:
         [0] * 15,
     ]
     idx = design_note_indices()
-    slots = table.compute_slot_mapping(idx.req_indices, idx.positions)
+    slots = table.compute_slot_mappings(idx.req_indices, idx.positions)[0]
     assert slots[:4].tolist() == [70, 225, 240, 241]
     assert slots[-1] == 445
     # Sequential blocks make each prefill a contiguous slot range.
@@ -115,7 +115,7 @@ def test_slot_mapping_walkthrough_block_size_2() -> None:
     assert table.table.tolist() == [[1, 2, 0, 0, 0, 0], [3, 0, 0, 0, 0, 0],
                                     [4, 5, 6, 0, 0, 0], [0, 0, 0, 0, 0, 0]]
     idx = compute_step_indices(np.array([3, 2, 5]), np.array([0, 0, 0]), 12)
-    slots = table.compute_slot_mapping(idx.req_indices, idx.positions)
+    slots = table.compute_slot_mappings(idx.req_indices, idx.positions)[0]
     assert slots.tolist() == [2, 3, 4, 6, 7, 8, 9, 10, 11, 12]
     # Step 2: blocks 7 and 8 appended to rows 1 and 2.
     table.append_row([], 0)
@@ -124,7 +124,7 @@ def test_slot_mapping_walkthrough_block_size_2() -> None:
     assert table.table[:3].tolist() == [[1, 2, 0, 0, 0, 0], [3, 7, 0, 0, 0, 0],
                                         [4, 5, 6, 8, 0, 0]]
     idx = compute_step_indices(np.array([1, 1, 3]), np.array([3, 2, 5]), 12)
-    assert table.compute_slot_mapping(idx.req_indices, idx.positions).tolist() == [
+    assert table.compute_slot_mappings(idx.req_indices, idx.positions)[0].tolist() == [
         5, 14, 13, 16, 17]
 
 

@@ -19,7 +19,7 @@ from vllm.v1.core.kv_cache_groups import (
 )
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.request import Request
-from vllm.v1.worker.block_table import BlockTable, mask_out_of_window
+from vllm.v1.worker.block_table import BlockTable
 
 BLOCK_SIZE = 4
 WINDOW = 5  # a query at p sees keys p-4 .. p
@@ -122,15 +122,18 @@ def test_a_freed_window_block_is_never_read_again() -> None:
     table.add_row([1, 2, 3], 0)  # what the runner was sent before the frees
     table.append_row([1], 0)
     table.add_row([2], 1)
-    rows = mask_out_of_window(table.group_table(2), np.array([12, 3]), WINDOW, BLOCK_SIZE)
+    rows = table.group_tables(2, np.array([12, 3]), [WINDOW])[0]
     assert rows[0, :4].tolist() == [0, 0, 3, 1]
     assert rows[1, :1].tolist() == [2]
 
 
-def test_mask_out_of_window_example() -> None:
-    rows = mask_out_of_window(np.array([[1, 2, 3], [4, 5, 0]], dtype=np.int32),
-                              np.array([10, 3]), WINDOW, BLOCK_SIZE)
-    assert rows.tolist() == [[0, 2, 3], [4, 5, 0]]
+def test_window_mask_example() -> None:
+    """`group_tables`' docstring example: row 0 reads keys from position 6 (block 1)."""
+    table = BlockTable(2, 12, BLOCK_SIZE)
+    table.add_row([1, 2, 3], 0)
+    table.add_row([4, 5], 1)
+    assert table.group_tables(2, np.array([10, 3]), [WINDOW]).tolist() == [
+        [[0, 2, 3], [4, 5, 0]]]
 
 
 def test_group_block_tables_and_slot_mapping() -> None:
@@ -139,9 +142,6 @@ def test_group_block_tables_and_slot_mapping() -> None:
     assert table.group_table(1, 0).tolist() == [[5, 7, 0, 0]]
     assert table.group_table(1, 1).tolist() == [[6, 8, 0, 0]]
     req_indices, positions = np.array([0, 0]), np.array([3, 4])
-    assert table.compute_slot_mapping(req_indices, positions, 0).tolist() == [23, 28]
-    assert table.compute_slot_mapping(req_indices, positions, 1).tolist() == [27, 32]
-    # Every group at once: the same rows and slots.
     assert table.group_tables(1).tolist() == [[[5, 7, 0, 0]], [[6, 8, 0, 0]]]
     assert table.compute_slot_mappings(req_indices, positions).tolist() == [[23, 28], [27, 32]]
 
@@ -150,7 +150,7 @@ def test_group_block_tables_and_slot_mapping() -> None:
 def test_every_group_at_once_equals_each_group_masked_alone(groups: int) -> None:
     """A step's tables and slots of all groups at once (`group_tables` with the groups'
     windows, one mask per distinct window; `compute_slot_mappings`) equal each group's
-    table masked alone by `mask_out_of_window`, and the live table is left as it was."""
+    table and slots worked out row by row here, and the live table is left as it was."""
     rng = np.random.default_rng(groups)
     table = BlockTable(3, 64, BLOCK_SIZE, num_groups=groups)
     for row, blocks in enumerate((12, 7, 3)):
@@ -160,16 +160,19 @@ def test_every_group_at_once_equals_each_group_masked_alone(groups: int) -> None
     num_computed = np.array([45, 20, 9])
     got = table.group_tables(3, num_computed, windows)
     for g, window in enumerate(windows):
-        want = table.group_table(3, g)
-        if window is not None:
-            want = mask_out_of_window(want, num_computed, window, BLOCK_SIZE)
+        want = table.group_table(3, g).copy()
+        for r in range(3):  # blocks wholly before the keys from num_computed - window + 1
+            if window is not None:
+                want[r, :max(num_computed[r] - window + 1, 0) // BLOCK_SIZE] = 0
         assert got[g].tolist() == want.tolist()
     assert got[0].tolist() != table.group_table(3, 0).tolist()  # the mask hid something
     assert np.array_equal(table.table, before)
     req_indices, positions = np.array([0, 1, 1, 2]), np.array([45, 20, 21, 9])
     slots = table.compute_slot_mappings(req_indices, positions)
     for g in range(groups):
-        assert slots[g].tolist() == table.compute_slot_mapping(req_indices, positions, g).tolist()
+        assert slots[g].tolist() == [
+            int(table.group_table(3, g)[r, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE
+            for r, p in zip(req_indices, positions)]
 
 
 def test_prefix_hit_needs_only_the_window_blocks_of_the_hit_point() -> None:

@@ -12,7 +12,8 @@ class BlockTable:
 
     With several KV cache groups (sliding-window models) a row holds the request's blocks
     interleaved by group, as the scheduler sends them: logical block i of group g in column
-    i * num_groups + g; `group_table` and `compute_slot_mapping` read one group's columns.
+    i * num_groups + g; `group_table` reads one group's columns, `group_tables` and
+    `compute_slot_mappings` every group's.
     """
 
     def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int,
@@ -58,9 +59,12 @@ class BlockTable:
         """Every group's rows [:num_reqs] at once, `[num_groups, num_reqs, max_blocks]`
         (`group_tables(n)[g]` is `group_table(n, g)`): a view of the table with one group
         and no window, else one copy. With `windows` (each group's sliding window or None)
-        and the rows' `num_computed`, a window group's blocks before the window read as the
-        null block, as `mask_out_of_window` masks them.
-        e.g. two groups, row [5, 6, 7, 8, 0, 0]: [[[5, 7, 0]], [[6, 8, 0]]]."""
+        and the rows' `num_computed`, a window group's blocks wholly before the window
+        (`out_of_window`) read as the null block: the scheduler may have freed and handed
+        those to another request, so no read may reach them.
+        e.g. two groups, row [5, 6, 7, 8, 0, 0]: [[[5, 7, 0]], [[6, 8, 0]]]; one group of
+        window 5, block size 4, num_computed [10, 3], rows [[1, 2, 3], [4, 5, 0]]: row 0
+        reads keys from position 6 (block 1) -> [[[0, 2, 3], [4, 5, 0]]]."""
         if self.num_groups == 1:
             tables = self.table[None, :num_reqs]
         else:
@@ -80,43 +84,25 @@ class BlockTable:
 
     def compute_slot_mappings(self, req_indices: np.ndarray, positions: np.ndarray
                               ) -> np.ndarray:
-        """`compute_slot_mapping` of every group at once, `[num_groups, num_tokens]` int64."""
+        """The KV cache slot of every scheduled token in each group's blocks,
+        `[num_groups, num_tokens]` int64:
+
+        slot = table[req, pos // block_size * num_groups + group] * block_size
+               + pos % block_size
+
+        Example (one group, block size 16): rows 0 and 1 decode at positions 54 and 145
+        with tables [1, 2, 3, 4, ...] and [5, 6, ..., 14, ...]; row 2 prefills from
+        position 0 with table [15, ...]:
+            block_numbers = [table[0, 3], table[1, 9], table[2, 0], table[2, 0]]
+                          = [4, 14, 15, 15]
+            offsets       = [54 % 16, 145 % 16, 0, 1] = [6, 1, 0, 1]
+            slot_mapping  = [[4*16+6, 14*16+1, 15*16+0, 15*16+1]] = [[70, 225, 240, 241]]
+        """
         flat = (req_indices * self.max_num_blocks_per_req
                 + positions // self.block_size * self.num_groups)
         flat = flat[None, :] + np.arange(self.num_groups)[:, None]
         block_numbers = self.table.reshape(-1)[flat].astype(np.int64)
         return block_numbers * self.block_size + positions % self.block_size
-
-    def compute_slot_mapping(self, req_indices: np.ndarray, positions: np.ndarray,
-                             group: int = 0) -> np.ndarray:
-        """The KV cache slot of every scheduled token (in group `group`'s blocks).
-
-        slot = table[req, pos // block_size] * block_size + pos % block_size
-
-        Example (block size 16): rows 0 and 1 decode at positions 54 and 145 with tables
-        [1, 2, 3, 4, ...] and [5, 6, ..., 14, ...]; row 2 prefills from position 0 with
-        table [15, ...]:
-            block_numbers = [table[0, 3], table[1, 9], table[2, 0], table[2, 0]]
-                          = [4, 14, 15, 15]
-            offsets       = [54 % 16, 145 % 16, 0, 1] = [6, 1, 0, 1]
-            slot_mapping  = [4*16+6, 14*16+1, 15*16+0, 15*16+1] = [70, 225, 240, 241]
-        """
-        flat_indices = (req_indices * self.max_num_blocks_per_req
-                        + positions // self.block_size * self.num_groups + group)
-        block_numbers = self.table.reshape(-1)[flat_indices].astype(np.int64)
-        return block_numbers * self.block_size + positions % self.block_size
-
-
-def mask_out_of_window(table: np.ndarray, num_computed: np.ndarray, window: int,
-                       block_size: int) -> np.ndarray:
-    """A copy of a window group's block table rows with every block before each row's
-    window (`window_start_block` of its computed tokens) set to the null block: the
-    scheduler may have freed and handed those to another request, so no read may reach
-    them. e.g. window 5, block size 4, num_computed [10, 3], rows [[1, 2, 3], [4, 5, 0]]:
-    row 0 reads keys from position 6 (block 1) -> [[0, 2, 3], [4, 5, 0]]."""
-    out = table.copy()
-    out[out_of_window(num_computed, window, block_size, table.shape[1])] = 0
-    return out
 
 
 def out_of_window(num_computed: np.ndarray, window: int, block_size: int,

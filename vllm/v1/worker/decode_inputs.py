@@ -163,12 +163,11 @@ class DecodeInputs:
             num_computed[r] = p
             seq_lens[r] = p + 1
             input_ids[r] = token_ids[r, p]
-            if num_groups == 1:
-                slots[r] = int(table[r, p // bs]) * bs + p % bs
-            else:  # logical block i of group g in column i * num_groups + g
-                column = p // bs * num_groups
-                for g in range(num_groups):
-                    group_slots[g, r] = int(table[r, column + g]) * bs + p % bs
+            # Logical block i of group g is in column i * num_groups + g.
+            column = p // bs * num_groups
+            slots[r] = int(table[r, column]) * bs + p % bs
+            for g in range(1, num_groups):
+                group_slots[g, r] = int(table[r, column + g]) * bs + p % bs
             if p + 1 < num_tokens[r]:
                 samples = False
         return samples
