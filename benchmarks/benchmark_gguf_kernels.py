@@ -50,15 +50,23 @@ def best_ms(fn, repeats: int = 7) -> float:
     return best * 1e3
 
 
-# Gemma 3 270M's layers as its Q4_K_M file stores them: (type, out, in).
-DENSE_SHAPES = [("Q5_0", 2048, 640), ("Q8_0", 256, 640), ("Q4_K", 640, 1024),
-                ("Q6_K", 640, 2048), ("Q4_0", 2048, 640), ("Q4_1", 2048, 640)]
+# Gemma 3 270M's layers as its Q4_K_M file stores them: (type, out, in); its Q5_0 rows as
+# the engine keeps them (rearranged at load, `gguf_repack`), its Q8_0 vocabulary projection
+# (the LM head) and SmolLM2's.
+DENSE_SHAPES = [("Q5_0", 2048, 640), ("Q5_0 rearranged", 2048, 640), ("Q8_0", 256, 640),
+                ("Q4_K", 640, 1024), ("Q6_K", 640, 2048), ("Q4_0", 2048, 640),
+                ("Q4_1", 2048, 640), ("Q8_0", 262144, 640), ("Q8_0", 49152, 576)]
 # Where each type keeps float16 scales (byte offsets in a block): given small finite values.
 _HALF_OFFSETS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q8_0": [0], "Q4_K": [0, 2],
                  "Q6_K": [208]}
 
 
 def random_blocks(type_name: str, n: int, k: int) -> tuple[torch.Tensor, int]:
+    """Random blocks of a type with small finite scales; "T rearranged": as gguf_repack
+    keeps them."""
+    if type_name.endswith(" rearranged"):
+        blocks, type_id = random_blocks(type_name.split()[0], n, k)
+        return cpu_ops().gguf_repack(blocks, type_id)
     type_id, values, size = GGUF_MM_TYPES[type_name]
     rng = np.random.default_rng(0)
     raw = rng.integers(0, 256, size=(n, k // values, size), dtype=np.uint8)
@@ -72,7 +80,7 @@ def dense_forms(ops, rows_list: list[int]) -> None:
     """gguf_mm's integer products against its dequantize-and-sgemm form, per type."""
     print(f"{torch.get_num_threads()} threads; per step size: integer ms, dense ms, ratio "
           f"(best of 3; above 1: the dense form is faster); last: gguf_mm_dense_rows(type)")
-    print("type  out x in    " + "".join(f"{rows:>22d}" for rows in rows_list))
+    print("type            out    x in    " + "".join(f"{rows:>22d}" for rows in rows_list))
     try:
         for type_name, n, k in DENSE_SHAPES:
             w, type_id = random_blocks(type_name, n, k)
@@ -86,7 +94,7 @@ def dense_forms(ops, rows_list: list[int]) -> None:
                     times.append(best_ms(call, repeats=3))
                 cells.append(f"{times[0]:7.2f} {times[1]:7.2f} {times[0] / times[1]:5.2f}")
             ops.set_gguf_mm_dense_rows(-1)
-            print(f"{type_name:5s} {n:4d} x {k:4d} " + "".join(f"{c:>22s}" for c in cells)
+            print(f"{type_name:15s} {n:6d} x {k:4d} " + "".join(f"{c:>22s}" for c in cells)
                   + f"  {ops.gguf_mm_dense_rows(type_id)}")
     finally:
         ops.set_gguf_mm_dense_rows(-1)  # the defaults

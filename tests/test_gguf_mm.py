@@ -134,8 +134,10 @@ def test_the_avx2_form_equals_the_quantized_rows_reference(avx2_build, type_name
 @pytest.mark.parametrize("type_name", list(GGUF_MM_TYPES))
 def test_large_steps_multiply_the_dequantized_weight(type_name: str) -> None:
     """From `gguf_mm_dense_rows(type)` rows a step multiplies x as it is by the weight
-    dequantized a tile at a time (520 rows of 512 inputs: two tiles): the exact product up
-    to float32 rounding. A row fewer takes the integer products (x quantized per group)."""
+    dequantized a tile at a time: the exact product up to float32 rounding, in both forms
+    (below 512 rows each thread's own tiles, 520 rows of 512 inputs as 6 tiles of 87; from
+    512 rows tiles shared by the threads, two of them). A row fewer takes the integer
+    products (x quantized per group)."""
     from vllm._custom_ops import cpu_ops
 
     ops = cpu_ops()
@@ -144,12 +146,15 @@ def test_large_steps_multiply_the_dequantized_weight(type_name: str) -> None:
     weight = blocks.dequantize()
     w = torch.from_numpy(blocks.data)
     rows = ops.gguf_mm_dense_rows(blocks.type_id)
-    assert rows == (64 if GGUF_MM_TYPES[type_name][1] == 32 else 128)
-    x = torch.randn(rows + 3, 512, generator=torch.Generator().manual_seed(7))
-    exact = x.double() @ torch.from_numpy(weight).double().T
-    got = torch.ops.vllm_cpu.gguf_mm(x, w, blocks.type_id)
-    assert got.dtype == torch.float32 and got.shape == (rows + 3, 520)
-    assert (got.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+    values = GGUF_MM_TYPES[type_name][1]
+    assert rows == (128 if type_name == "Q8_0" else 48 if values == 32 else 96)
+    for count in (rows + 3, 515):
+        x = torch.randn(count, 512, generator=torch.Generator().manual_seed(7))
+        exact = x.double() @ torch.from_numpy(weight).double().T
+        got = torch.ops.vllm_cpu.gguf_mm(x, w, blocks.type_id)
+        assert got.dtype == torch.float32 and got.shape == (count, 520)
+        assert (got.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+    x = x[:rows + 3]
     below = torch.ops.vllm_cpu.gguf_mm(x[:rows - 1], w, blocks.type_id)
     ref = quantized_rows_reference(x[:rows - 1], weight)
     assert torch.allclose(below.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
@@ -168,6 +173,21 @@ def test_large_steps_multiply_the_dequantized_weight(type_name: str) -> None:
     assert ops.gguf_mm_dense_rows(blocks.type_id) == rows
     with pytest.raises(RuntimeError, match="rows must be >= -1"):
         ops.set_gguf_mm_dense_rows(-2)
+
+
+@needs_avx2
+def test_large_steps_under_inference_mode() -> None:
+    """The engine runs its steps under `torch.inference_mode()`, whose output tensors only
+    inference mode may write; the dense form's worker threads (each multiplying tiles of
+    its own) must write them as the caller would, in both modes, with the same values."""
+    blocks = random_blocks("Q5_0", 300, 256, seed=8)
+    w = torch.from_numpy(blocks.data)
+    x = torch.randn(70, 256, generator=torch.Generator().manual_seed(9))
+    outside = torch.ops.vllm_cpu.gguf_mm(x, w, blocks.type_id)
+    with torch.inference_mode():
+        inside = torch.ops.vllm_cpu.gguf_mm(x, w, blocks.type_id)
+        assert inside.is_inference()
+    assert torch.equal(inside, outside)
 
 
 @needs_avx2
@@ -219,8 +239,8 @@ def test_repacked_q5_0_rows_keep_their_values(k: int) -> None:
     """`gguf_repack`: Q5_0 rows of at least 256 values as super-blocks of 8 blocks (type
     1006, the same bytes), a row's last k % 256 values left as Q5_0 blocks (k 288: one,
     640: four, 864: three); shorter rows stay as they are. Dequantized, gguf-py's values
-    bit for bit; the products as the quantized-rows reference at 1 to 70 rows (the integer
-    form up to 63, then the dense one), each row's result the same alone; the layer takes
+    bit for bit; the products as the quantized-rows reference at 1 to 20 rows (the integer
+    form) and exact at 70 (the dense one), each row's result the same alone; the layer takes
     the form unless told not to (a tied LM head's blocks are the embedding's too)."""
     from vllm._custom_ops import cpu_ops
 
@@ -241,7 +261,8 @@ def test_repacked_q5_0_rows_keep_their_values(k: int) -> None:
         assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
     alone = torch.cat([torch.ops.vllm_cpu.gguf_mm(row[None], w, type_id) for row in x])
     assert torch.equal(got, alone)
-    x = torch.randn(70, k, generator=gen)  # past gguf_mm_dense_rows (64)
+    assert ops.gguf_mm_dense_rows(type_id) == 48
+    x = torch.randn(70, k, generator=gen)  # past gguf_mm_dense_rows
     exact = x.double() @ torch.from_numpy(weight).double().T
     got = torch.ops.vllm_cpu.gguf_mm(x, w, type_id)
     assert (got.double() - exact).abs().max() <= 1e-5 * exact.abs().max()

@@ -29,10 +29,10 @@
 // dense weights).
 // Rows: a weight row's super-blocks are unpacked once per pass over up to 8 activation rows
 // (register accumulators); more rows go in passes over tiles of 16 weight rows, which the
-// later passes reread from L1. From `gguf_mm_dense_rows(type)` rows (64 for the blocks of
-// 32, 128 for the super-blocks) a step instead dequantizes the weight a tile at a time to
-// float32 (gguf_dequantize's values, gguf-py's bit for bit) and multiplies by MKL's sgemm,
-// x unquantized: there the FMAs outrun the integer form's unpacking.
+// later passes reread from L1. From `gguf_mm_dense_rows(type)` rows (32-128 by type) a
+// step instead dequantizes the weight a tile at a time to float32 (gguf_dequantize's
+// values, gguf-py's bit for bit) and multiplies by MKL's sgemm, x unquantized: there the
+// FMAs outrun the integer form's unpacking.
 //
 // Reference dequantization: dequantize_block below, gguf-py's arithmetic, is the portable
 // form of gguf_dequantize; with AVX2 the same values come from the unpacked blocks
@@ -44,6 +44,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -164,11 +165,14 @@ namespace {
 
 // Steps of at least this many rows multiply by the weight dequantized to float32 (a tile of
 // rows at a time) with MKL's sgemm instead of the integer products: past it the sgemm's
-// FMAs outrun vpmaddubsw's unpacking (`benchmark_gguf_kernels.py --dense` on the AVX2 Zen 3:
-// the blocks of 32 from ~48-64 rows, the super-blocks, whose integer form unpacks a block
-// once for 8 rows, from ~96-128). VLLM_CPU_GGUF_DENSE_ROWS sets one value for every type
-// at start-up (0: never), set_gguf_mm_dense_rows later (-1: these defaults again).
-constexpr int64_t kDenseRows32 = 64, kDenseRowsSuper = 128;
+// FMAs outrun vpmaddubsw's unpacking (`benchmark_gguf_kernels.py --dense` on the AVX2 Zen 3,
+// Gemma 3's shapes: the blocks of 32 from ~32-48 rows, Q5_0 rearranged into super-blocks from
+// ~48, the other super-blocks, whose integer form unpacks a block once for 8 rows, from
+// ~96; Q8_0, whose integer form has nothing to unpack, from ~128, its vocabulary-sized
+// weights level with the dense form from 64). VLLM_CPU_GGUF_DENSE_ROWS sets one value for
+// every type at start-up (0: never), set_gguf_mm_dense_rows later (-1: these defaults).
+constexpr int64_t kDenseRows32 = 48, kDenseRowsQ8_0 = 128, kDenseRowsQ5_0R8 = 48,
+                  kDenseRowsSuper = 96;
 
 std::atomic<int64_t>& dense_rows_setting() {
   static std::atomic<int64_t> rows{[] {
@@ -178,24 +182,59 @@ std::atomic<int64_t>& dense_rows_setting() {
   return rows;
 }
 
-// out [M, N] float32 = x [M, K] float32 times w's rows, dequantized a tile at a time (~1 MB)
-// into a buffer kept between calls (a fresh one would fault in its pages every call).
+// Steps of at least this many rows share each tile between the threads (multithreaded
+// sgemm); below it each thread takes whole tiles of its own. With many rows a thread's
+// one-thread sgemm repacks a large x for every small tile, and sharing measured faster
+// (`benchmark_gguf_kernels.py --dense`: at 1,024 rows 1.2-1.6x; at 64-256 rows the tiles
+// of its own were 1.1-2.3x faster, most for the smaller weights).
+constexpr int64_t kSharedTileRows = 512;
+
+// out [M, N] float32 = x [M, K] float32 times w's rows, dequantized to float32 a tile at a
+// time into buffers kept between calls (a fresh one would fault in its pages every call).
 void dense_mm(const torch::Tensor& x, const torch::Tensor& w, int64_t type, torch::Tensor& out) {
-  const int64_t k = x.size(1), n = w.size(0), row_bytes = w.size(1);
-  const int64_t tile = std::min(n, std::max<int64_t>(16, (int64_t{1} << 18) / k / 16 * 16));
-  static thread_local torch::Tensor kept;
-  if (!kept.defined() || kept.numel() < tile * k) kept = torch::empty({tile * k}, x.options());
-  auto buffer = kept.narrow(0, 0, tile * k).view({tile, k});
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0), row_bytes = w.size(1);
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* bp = buffer.data_ptr<float>();
-  for (int64_t n0 = 0; n0 < n; n0 += tile) {
-    const int64_t rows = std::min(tile, n - n0);
-    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-      dequantize_rows(type, wp, row_bytes, k, n0 + begin, n0 + end, bp + begin * k);
-    });
-    auto slice = out.narrow(1, n0, rows);
-    at::mm_out(slice, x, buffer.narrow(0, 0, rows).t());
+  if (m >= kSharedTileRows) {
+    // ~1 MB tiles, dequantized by both threads, then one multithreaded sgemm each.
+    const int64_t tile = std::min(n, std::max<int64_t>(16, (int64_t{1} << 18) / k / 16 * 16));
+    static thread_local torch::Tensor kept;
+    if (!kept.defined() || kept.numel() < tile * k) kept = torch::empty({tile * k}, x.options());
+    auto buffer = kept.narrow(0, 0, tile * k).view({tile, k});
+    float* bp = buffer.data_ptr<float>();
+    for (int64_t n0 = 0; n0 < n; n0 += tile) {
+      const int64_t rows = std::min(tile, n - n0);
+      at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+        dequantize_rows(type, wp, row_bytes, k, n0 + begin, n0 + end, bp + begin * k);
+      });
+      auto slice = out.narrow(1, n0, rows);
+      at::mm_out(slice, x, buffer.narrow(0, 0, rows).t());
+    }
+    return;
   }
+  // Each thread dequantizes whole tiles (up to ~256 KB, its own L2) into a buffer of its
+  // own and multiplies each by one-thread sgemm: no barrier between the two. The tiles
+  // come in a multiple of the threads, so that every thread gets as many.
+  const int64_t threads = at::get_num_threads();
+  const int64_t most = std::max<int64_t>(16, (int64_t{1} << 16) / k / 16 * 16);
+  const int64_t count = (n + most - 1) / most;
+  const int64_t tiles = (count + threads - 1) / threads * threads;
+  const int64_t tile = (n + tiles - 1) / tiles;
+  // The workers do not inherit the caller's inference mode; `out` may be an inference
+  // tensor, which only inference mode may write through torch.
+  const bool inference = c10::InferenceMode::is_enabled();
+  at::parallel_for(0, tiles, 1, [&](int64_t first, int64_t last) {
+    c10::InferenceMode mode(inference);
+    static thread_local std::vector<float> kept;
+    if (kept.size() < static_cast<size_t>(tile * k)) kept.resize(tile * k);
+    for (int64_t t = first; t < last; ++t) {
+      const int64_t n0 = t * tile, rows = std::min(tile, n - n0);
+      if (rows <= 0) break;
+      auto buffer = torch::from_blob(kept.data(), {rows, k}, x.options());
+      dequantize_rows(type, wp, row_bytes, k, n0, n0 + rows, kept.data());
+      auto slice = out.narrow(1, n0, rows);
+      at::mm_out(slice, x, buffer.t());
+    }
+  });
 }
 
 }  // namespace
@@ -205,6 +244,8 @@ void dense_mm(const torch::Tensor& x, const torch::Tensor& w, int64_t type, torc
 int64_t gguf_mm_dense_rows(int64_t type) {
   const int64_t setting = dense_rows_setting().load(std::memory_order_relaxed);
   if (setting >= 0) return setting;
+  if (type == kQ8_0) return kDenseRowsQ8_0;
+  if (type == kQ5_0R8) return kDenseRowsQ5_0R8;
   return layout(type).values == 32 ? kDenseRows32 : kDenseRowsSuper;
 }
 
