@@ -29,7 +29,7 @@
 // dense weights).
 // Rows: a weight row's super-blocks are unpacked once per pass over up to 8 activation rows
 // (register accumulators); more rows go in passes over tiles of 16 weight rows, which the
-// later passes reread from L1. From `gguf_mm_dense_rows(type)` rows (32-128 by type) a
+// later passes reread from L1. From `gguf_mm_dense_rows(type)` rows (48-128 by type) a
 // step instead dequantizes the weight a tile at a time to float32 (gguf_dequantize's
 // values, gguf-py's bit for bit) and multiplies by MKL's sgemm, x unquantized: there the
 // FMAs outrun the integer form's unpacking.
