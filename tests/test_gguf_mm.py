@@ -135,9 +135,9 @@ def test_the_avx2_form_equals_the_quantized_rows_reference(avx2_build, type_name
 def test_large_steps_multiply_the_dequantized_weight(type_name: str) -> None:
     """From `gguf_mm_dense_rows(type)` rows a step multiplies x as it is by the weight
     dequantized a tile at a time: the exact product up to float32 rounding, in both forms
-    (below 512 rows each thread's own tiles, 520 rows of 512 inputs as 6 tiles of 87; from
-    512 rows tiles shared by the threads, two of them). A row fewer takes the integer
-    products (x quantized per group)."""
+    (below 512 rows each thread's own tiles: 520 rows of 512 inputs, on 2 threads 6 tiles
+    of 87; from 512 rows tiles shared by the threads, two of them). A row fewer takes the
+    integer products (x quantized per group)."""
     from vllm._custom_ops import cpu_ops
 
     ops = cpu_ops()
