@@ -189,30 +189,36 @@ std::atomic<int64_t>& dense_rows_setting() {
 // of its own were 1.1-2.3x faster, most for the smaller weights).
 constexpr int64_t kSharedTileRows = 512;
 
+// This thread's buffer of at least `floats` float32 values, kept between calls (a fresh
+// one would fault in its pages every call). Not a torch tensor: it carries no inference
+// mode of whichever call made it.
+float* kept_buffer(int64_t floats) {
+  static thread_local std::vector<float> kept;
+  if (kept.size() < static_cast<size_t>(floats)) kept.resize(floats);
+  return kept.data();
+}
+
 // out [M, N] float32 = x [M, K] float32 times w's rows, dequantized to float32 a tile at a
-// time into buffers kept between calls (a fresh one would fault in its pages every call).
+// time into kept buffers.
 void dense_mm(const torch::Tensor& x, const torch::Tensor& w, int64_t type, torch::Tensor& out) {
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0), row_bytes = w.size(1);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   if (m >= kSharedTileRows) {
     // ~1 MB tiles, dequantized by both threads, then one multithreaded sgemm each.
     const int64_t tile = std::min(n, std::max<int64_t>(16, (int64_t{1} << 18) / k / 16 * 16));
-    static thread_local torch::Tensor kept;
-    if (!kept.defined() || kept.numel() < tile * k) kept = torch::empty({tile * k}, x.options());
-    auto buffer = kept.narrow(0, 0, tile * k).view({tile, k});
-    float* bp = buffer.data_ptr<float>();
+    float* bp = kept_buffer(tile * k);
     for (int64_t n0 = 0; n0 < n; n0 += tile) {
       const int64_t rows = std::min(tile, n - n0);
       at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
         dequantize_rows(type, wp, row_bytes, k, n0 + begin, n0 + end, bp + begin * k);
       });
       auto slice = out.narrow(1, n0, rows);
-      at::mm_out(slice, x, buffer.narrow(0, 0, rows).t());
+      at::mm_out(slice, x, torch::from_blob(bp, {rows, k}, x.options()).t());
     }
     return;
   }
-  // Each thread dequantizes whole tiles (up to ~256 KB, its own L2) into a buffer of its
-  // own and multiplies each by one-thread sgemm: no barrier between the two. The tiles
+  // Each thread dequantizes whole tiles (up to ~256 KB, its own L2) into its kept buffer
+  // and multiplies each by one-thread sgemm: no barrier between the two. The tiles
   // come in a multiple of the threads, so that every thread gets as many.
   const int64_t threads = at::get_num_threads();
   const int64_t most = std::max<int64_t>(16, (int64_t{1} << 16) / k / 16 * 16);
@@ -224,15 +230,13 @@ void dense_mm(const torch::Tensor& x, const torch::Tensor& w, int64_t type, torc
   const bool inference = c10::InferenceMode::is_enabled();
   at::parallel_for(0, tiles, 1, [&](int64_t first, int64_t last) {
     c10::InferenceMode mode(inference);
-    static thread_local std::vector<float> kept;
-    if (kept.size() < static_cast<size_t>(tile * k)) kept.resize(tile * k);
+    float* bp = kept_buffer(tile * k);
     for (int64_t t = first; t < last; ++t) {
       const int64_t n0 = t * tile, rows = std::min(tile, n - n0);
       if (rows <= 0) break;
-      auto buffer = torch::from_blob(kept.data(), {rows, k}, x.options());
-      dequantize_rows(type, wp, row_bytes, k, n0, n0 + rows, kept.data());
+      dequantize_rows(type, wp, row_bytes, k, n0, n0 + rows, bp);
       auto slice = out.narrow(1, n0, rows);
-      at::mm_out(slice, x, buffer.t());
+      at::mm_out(slice, x, torch::from_blob(bp, {rows, k}, x.options()).t());
     }
   });
 }
